@@ -1,0 +1,56 @@
+"""The interface between the master and whatever runs its workers (local processes, pods).
+
+The master decides *what* should run (slots, relaunches, scaling); a backend only launches,
+reports exits and stops. Each exit carries the backend's verdict on relaunching, since only the
+backend can tell a preemption (relaunch for free) from an out-of-memory kill (never).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Literal
+
+RelaunchPolicy = Literal["count", "free", "never"]
+
+
+@dataclass
+class WorkerExit:
+    worker_id: str
+    reason: str  # for people: "exited with code 1", "killed by SIGKILL", "OOMKilled (limit 1Gi)"
+    returncode: int | None = None
+    relaunch: RelaunchPolicy = "count"
+
+
+@dataclass
+class LaunchSpec:
+    """What every worker of a job gets: where the master is and how to prove who it is."""
+
+    master_url: str
+    token_file: str
+    job_dir: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def launch(self, slot: int, worker_id: str) -> None:
+        """Start one worker for `slot` under the id `worker_id`."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[WorkerExit]:
+        """Exits seen since the last poll (non-blocking)."""
+
+    @abc.abstractmethod
+    def stop(self, worker_id: str) -> None:
+        """Stop a worker now (it may be hung: do not wait for its cooperation)."""
+
+    @abc.abstractmethod
+    def shutdown(self, grace_s: float) -> None:
+        """End every worker: give them `grace_s` to exit on their own, then kill the rest."""
+
+    def describe(self, worker_id: str) -> dict:
+        """Backend details shown by `elastic-step status` (pid, pod name, ...)."""
+        return {}

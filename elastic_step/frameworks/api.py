@@ -1,0 +1,53 @@
+"""The interface every framework adapter implements, so that the worker's training loop and
+collective layer are written once. Gradients cross the collective as one flat float32 numpy
+buffer: the sum of per-sample gradients of this rank's minibatch (the engine divides by the
+global sample count after the allreduce, so uneven batches weigh correctly)."""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+
+class Trainer(abc.ABC):
+    """One rank's model and optimizer."""
+
+    framework: str
+
+    @property
+    @abc.abstractmethod
+    def num_gradient_values(self) -> int:
+        """Length of the flat gradient buffer."""
+
+    @abc.abstractmethod
+    def compute_gradients(self, features: np.ndarray, labels: np.ndarray, out: np.ndarray) -> float:
+        """Write the sum of per-sample gradients into `out`; return the summed loss."""
+
+    @abc.abstractmethod
+    def apply_gradients(self, summed: np.ndarray, total_samples: int) -> None:
+        """Apply the allreduced gradient sum divided by the global sample count."""
+
+    @abc.abstractmethod
+    def state_bytes(self) -> bytes:
+        """Model parameters and optimizer state, serialised (for broadcast and checkpoints)."""
+
+    @abc.abstractmethod
+    def load_state_bytes(self, data: bytes) -> None:
+        """Replace model parameters and optimizer state with a serialised copy."""
+
+    @abc.abstractmethod
+    def model_bytes(self) -> bytes:
+        """Model parameters only (the final model)."""
+
+    @abc.abstractmethod
+    def load_model_bytes(self, data: bytes) -> None:
+        """Replace model parameters with a serialised copy from model_bytes()."""
+
+    @abc.abstractmethod
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """Model outputs as numpy, without gradients."""
+
+    @abc.abstractmethod
+    def loss_value(self, outputs: np.ndarray, labels: np.ndarray) -> float:
+        """The model definition's (mean) loss on numpy outputs."""

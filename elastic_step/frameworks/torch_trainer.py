@@ -1,0 +1,81 @@
+"""PyTorch adapter: the reference framework."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+
+from elastic_step.frameworks.api import Trainer
+from elastic_step.frameworks.model_def import ModelDefinition
+
+
+class TorchTrainer(Trainer):
+    framework = "pytorch"
+
+    def __init__(self, model_def: ModelDefinition, net: torch.nn.Module):
+        self.model_def = model_def
+        self.net = net
+        self.optimizer = model_def.optimizer(net)
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self._sizes = [p.numel() for p in self.params]
+
+    @property
+    def num_gradient_values(self) -> int:
+        return sum(self._sizes)
+
+    def compute_gradients(self, features, labels, out) -> float:
+        self.net.train()
+        for p in self.params:
+            p.grad = None
+        outputs = self.net(torch.from_numpy(features))
+        mean_loss = self.model_def.loss(outputs, torch.from_numpy(labels))
+        # The model definition returns the batch mean; times n is the sum of per-sample losses,
+        # whose gradient is the sum of per-sample gradients.
+        summed = mean_loss * len(labels)
+        summed.backward()
+        flat = torch.from_numpy(out)
+        offset = 0
+        for p, size in zip(self.params, self._sizes):
+            if p.grad is None:
+                flat[offset:offset + size].zero_()
+            else:
+                flat[offset:offset + size].copy_(p.grad.reshape(-1))
+            offset += size
+        return float(summed.detach())
+
+    def apply_gradients(self, summed, total_samples) -> None:
+        flat = torch.from_numpy(summed)
+        offset = 0
+        for p, size in zip(self.params, self._sizes):
+            p.grad = (flat[offset:offset + size] / total_samples).reshape(p.shape).to(p.dtype)
+            offset += size
+        self.optimizer.step()
+
+    def state_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save({"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict()}, buffer)
+        return buffer.getvalue()
+
+    def load_state_bytes(self, data: bytes) -> None:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        self.net.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def model_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(self.net.state_dict(), buffer)
+        return buffer.getvalue()
+
+    def load_model_bytes(self, data: bytes) -> None:
+        self.net.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+
+    def predict(self, features):
+        self.net.eval()
+        with torch.no_grad():
+            return self.net(torch.from_numpy(features)).numpy()
+
+    def loss_value(self, outputs, labels) -> float:
+        with torch.no_grad():
+            return float(self.model_def.loss(torch.from_numpy(outputs), torch.from_numpy(labels)))

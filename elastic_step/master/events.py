@@ -1,0 +1,34 @@
+"""Membership events (joined, left, died, dropped, regrouped, recovered, relaunched), kept in
+memory for /status and appended to JOB_DIR/events.jsonl for people and MLflow."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+log = logging.getLogger("elastic_step.master")
+
+
+class EventLog:
+    def __init__(self, path: str | None):
+        self.path = path
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+
+    def add(self, event: str, message: str = "", **fields) -> dict:
+        record = {"time": time.time(), "event": event, **fields}
+        if message:
+            record["message"] = message
+        with self._lock:
+            self.events.append(record)
+            if self.path:
+                with open(self.path, "a", encoding="utf-8") as out:
+                    out.write(json.dumps(record) + "\n")
+        log.info("%s %s", event, message or json.dumps(fields))
+        return record
+
+    def of(self, event: str) -> list[dict]:
+        with self._lock:
+            return [e for e in self.events if e["event"] == event]

@@ -1,0 +1,90 @@
+"""The exactly-once ledger: which rows every applied step consumed.
+
+Rank 0 reports each applied step with the (task, offset, count) range every rank consumed in
+it. A reported step is *tentative* until it can no longer be undone: step s is final once step
+s+1 is reported (no rank enters step s+1's collective before applying s, so every survivor holds
+s), or once a regroup settles at S >= s. A regroup that settles at S voids the tentative steps
+above S: their rows go back to the dispatcher and so to todo. Only final steps reach the audit
+file, which therefore lists every row of every epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import IO
+
+from elastic_step.master.dispatcher import Dispatcher
+
+
+class StepGap(ValueError):
+    """A step report arrived before the steps in front of it; the reporter retries."""
+
+
+@dataclass(frozen=True)
+class Consumed:
+    task_id: int
+    offset: int
+    count: int
+
+
+class Ledger:
+    def __init__(self, dispatcher: Dispatcher, audit_path: str | None = None):
+        self.dispatcher = dispatcher
+        self.applied_step = 0  # newest step ingested
+        self.final_step = 0  # newest step that can no longer be voided
+        self.rows_final = 0
+        self._tentative: dict[int, list[Consumed]] = {}
+        self._audit: IO[str] | None = open(audit_path, "a", encoding="utf-8") if audit_path else None
+
+    def ingest(self, step: int, consumed: list[Consumed]) -> bool:
+        """Record an applied step; False when it was already known (a repeated report)."""
+        if step <= self.applied_step:
+            return False
+        if step != self.applied_step + 1:
+            raise StepGap(f"step {step} reported before step {self.applied_step + 1}")
+        for c in consumed:  # validate all before changing anything
+            self.dispatcher.check_range(c.task_id, c.offset, c.count)
+        for c in consumed:
+            self.dispatcher.mark_applied(c.task_id, c.offset, c.count)
+        self._tentative[step] = consumed
+        self.applied_step = step
+        self.finalize_through(step - 1)
+        return True
+
+    def finalize_through(self, step: int) -> None:
+        lines = []
+        for s in range(self.final_step + 1, min(step, self.applied_step) + 1):
+            for c in self._tentative.pop(s):
+                task = self.dispatcher.tasks[c.task_id]
+                self.rows_final += c.count
+                lines.append(
+                    json.dumps(
+                        {
+                            "epoch": task.epoch,
+                            "shard": self.dispatcher.shard_names[task.shard],
+                            "start": task.start + c.offset,
+                            "count": c.count,
+                            "step": s,
+                        }
+                    )
+                )
+            self.final_step = s
+        if self._audit is not None and lines:
+            self._audit.write("\n".join(lines) + "\n")
+            self._audit.flush()
+
+    def void_after(self, step: int) -> int:
+        """Undo tentative steps above `step`; returns how many rows went back."""
+        rows = 0
+        for s in sorted((s for s in self._tentative if s > step), reverse=True):
+            for c in reversed(self._tentative.pop(s)):
+                self.dispatcher.unapply(c.task_id, c.count)
+                rows += c.count
+        self.applied_step = min(self.applied_step, step)
+        return rows
+
+    def close(self) -> None:
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None

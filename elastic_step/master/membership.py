@@ -1,0 +1,77 @@
+"""Workers, slots and rounds: who is alive, who trains together, and when to regroup.
+
+A *slot* is a place for one worker (index 0..MAX-1); a slot's worker is relaunched under a new
+id (`w<slot>.<attempt>`) when it dies. A *round* is an ordered list of worker ids (position =
+rank) proposed by the master and *ready* once every member has called in to rendezvous.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from elastic_step.protocol import StepRecord
+
+
+@dataclass
+class WorkerInfo:
+    id: str
+    slot: int
+    launched_at: float
+    state: str = "launched"  # launched | live | retiring | gone
+    registered_at: float | None = None
+    last_seen: float = 0.0
+    pid: int = 0
+    host: str = ""
+    step: int = -1  # newest step it applied, as of its last rendezvous or heartbeat
+    joined_round: int = 0  # the round it has called in for
+    unacked: list[StepRecord] = field(default_factory=list)
+    exit_reason: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("launched", "live", "retiring")
+
+
+@dataclass
+class Slot:
+    index: int
+    active: bool = True  # False once scaled in
+    attempts: int = 0
+    counted_relaunches: int = 0
+    worker_id: str | None = None
+
+
+@dataclass
+class Round:
+    id: int
+    members: list[str]
+    proposed_at: float
+    cause: str
+    cause_time: float
+    ready: bool = False
+    ready_at: float | None = None
+    start_step: int = 0
+    source_rank: int = 0
+    first_step_at: float | None = None
+
+    @property
+    def store_prefix(self) -> str:
+        return f"round-{self.id}/"
+
+
+def worker_id_for(slot: int, attempt: int) -> str:
+    return f"w{slot}.{attempt}"
+
+
+def order_members(previous: list[str], candidates: list[WorkerInfo], size: int) -> list[str]:
+    """Survivors keep their relative order (so rank 0 stays rank 0 where it can); joiners
+    follow in the order they registered."""
+    alive = {w.id for w in candidates}
+    kept = [m for m in previous if m in alive]
+    joiners = sorted((w for w in candidates if w.id not in set(kept)), key=lambda w: (w.registered_at or 0, w.id))
+    return (kept + [w.id for w in joiners])[:size]
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,46 @@
+"""A progress bar for local training (rich), or a plain line every few seconds when the
+output is not a terminal (CI logs, pipeline pods)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class ProgressDisplay:
+    def __init__(self, enabled: bool = True, every_s: float = 5.0):
+        self.enabled = enabled
+        self.interactive = enabled and sys.stderr.isatty()
+        self.every_s = every_s
+        self._last_line = 0.0
+        self._progress: Progress | None = None
+        self._task = None
+
+    def __enter__(self):
+        if self.interactive:
+            self._progress = Progress(
+                TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False,
+            )
+            self._progress.__enter__()
+            self._task = self._progress.add_task("train", total=None, info="")
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def update(self, status: dict) -> None:
+        if not self.enabled:
+            return
+        info = (
+            f"epoch {status['epoch'] + 1}/{status['epochs']}  workers {status['world_size']}  "
+            f"round {status['round']}  loss {status['loss']:.4f}  {status['samples_per_s']:.0f} samples/s"
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, completed=status["rows_done"], total=status["rows_total"], info=info)
+        elif time.monotonic() - self._last_line > self.every_s:
+            self._last_line = time.monotonic()
+            print(f"training: {status['rows_done']}/{status['rows_total']} rows  {info}", file=sys.stderr, flush=True)

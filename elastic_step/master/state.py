@@ -1,0 +1,436 @@
+"""The master's state machine. Every API call and every tick of the supervision loop goes
+through one lock, so the dispatcher, the ledger and the membership always change together."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+from elastic_step.backends.api import Backend, WorkerExit
+from elastic_step.errors import JobFailed
+from elastic_step.master.dispatcher import Dispatcher
+from elastic_step.master.events import EventLog
+from elastic_step.master.ledger import Consumed, Ledger
+from elastic_step.master.membership import Round, Slot, WorkerInfo, order_members, worker_id_for
+from elastic_step.protocol import (
+    HeartbeatReply,
+    JobSpec,
+    RendezvousReply,
+    StepRecord,
+    TaskInfo,
+    TaskReply,
+)
+
+
+@dataclass
+class Timeouts:
+    heartbeat_s: float = 10.0  # a worker silent this long is hung: dropped and killed
+    rendezvous_s: float = 60.0  # a proposed member that has not called in by then is dropped
+    startup_grace_s: float = 30.0  # first round: wait this long for all MAX workers, then go with MIN
+
+
+class MasterState:
+    def __init__(
+        self,
+        spec: JobSpec,
+        dispatcher: Dispatcher,
+        ledger: Ledger,
+        backend: Backend,
+        events: EventLog,
+        min_workers: int,
+        max_workers: int,
+        max_relaunches: int = 3,
+        timeouts: Timeouts | None = None,
+    ):
+        self.lock = threading.RLock()
+        self.spec = spec
+        self.dispatcher = dispatcher
+        self.ledger = ledger
+        self.backend = backend
+        self.events = events
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.max_relaunches = max_relaunches
+        self.timeouts = timeouts or Timeouts()
+        self.target = max_workers
+        self.slots = [Slot(i) for i in range(max_workers)]
+        self.workers: dict[str, WorkerInfo] = {}
+        self.round: Round | None = None
+        self.ready_round_id = 0  # the newest round that became ready
+        self._round_counter = 0
+        self._regroup_cause: tuple[str, float] | None = None
+        self._failed_since_settle: set[str] = set()
+        self.started_at = time.time()
+        self.state = "running"  # running | succeeded | failed
+        self.failure = ""
+        self.final_model: bytes | None = None
+        self._rate_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self.last_loss = float("nan")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def launch_all(self) -> None:
+        with self.lock:
+            for slot in self.slots:
+                self._launch(slot)
+
+    def _launch(self, slot: Slot) -> None:
+        slot.attempts += 1
+        worker_id = worker_id_for(slot.index, slot.attempts)
+        slot.worker_id = worker_id
+        self.workers[worker_id] = WorkerInfo(worker_id, slot.index, launched_at=time.time())
+        self.backend.launch(slot.index, worker_id)
+        self.events.add("launched", worker=worker_id, slot=slot.index, attempt=slot.attempts)
+
+    def fail(self, reason: str) -> None:
+        with self.lock:
+            if self.state == "running":
+                self.state = "failed"
+                self.failure = reason
+                self.events.add("job_failed", reason)
+
+    @property
+    def over(self) -> bool:
+        return self.state != "running"
+
+    # -- worker calls ------------------------------------------------------------------------------
+    def register(self, worker_id: str, pid: int, host: str) -> JobSpec | None:
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is None or not worker.alive:
+                return None
+            worker.state = "live" if worker.state == "launched" else worker.state
+            worker.registered_at = worker.last_seen = time.time()
+            worker.pid, worker.host = pid, host
+            self.events.add("joined", worker=worker_id, pid=pid)
+            return self.spec
+
+    def _seen(self, worker_id: str) -> WorkerInfo | None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.last_seen = time.time()
+        return worker
+
+    def heartbeat(self, worker_id: str, step: int) -> HeartbeatReply:
+        with self.lock:
+            worker = self._seen(worker_id)
+            stop = worker is None or not worker.alive or worker.state == "retiring" or self.over
+            if worker is not None and step > worker.step:
+                worker.step = step
+            return HeartbeatReply(
+                round_id=self.round.id if self.round else 0,
+                acked_step=self.ledger.applied_step,
+                action="stop" if stop else "continue",
+            )
+
+    def rendezvous(self, worker_id: str, step: int, unacked: list[StepRecord], left_round: int) -> RendezvousReply:
+        """One non-blocking look; the API long-polls by calling again."""
+        with self.lock:
+            worker = self._seen(worker_id)
+            if worker is None or not worker.alive or worker.state == "retiring":
+                return RendezvousReply(status="stop")
+            if self.state == "succeeded":
+                return RendezvousReply(status="done")
+            if self.over:
+                return RendezvousReply(status="stop")
+            current = self.round
+            if current is not None and current.ready and current.id <= left_round:
+                # The worker left the current round (its collective failed or it saw a regroup
+                # flag): that round is over for everyone.
+                self.request_regroup(f"{worker_id} left round {current.id}")
+                current = None
+            if current is None or worker_id not in current.members:
+                worker.step, worker.unacked = step, unacked
+                return RendezvousReply(status="wait")
+            if worker.joined_round != current.id:
+                worker.joined_round = current.id
+                worker.step, worker.unacked = step, unacked
+            if not current.ready and all(self.workers[m].joined_round == current.id for m in current.members):
+                self._settle(current)
+            if not current.ready:
+                return RendezvousReply(status="wait")
+            return RendezvousReply(
+                status="ready",
+                round_id=current.id,
+                rank=current.members.index(worker_id),
+                world_size=len(current.members),
+                store_prefix=current.store_prefix,
+                source_rank=current.source_rank,
+                start_step=current.start_step,
+                acked_step=self.ledger.applied_step,
+            )
+
+    def next_task(self, worker_id: str, round_id: int) -> TaskReply:
+        with self.lock:
+            self._seen(worker_id)
+            current = self.round
+            if current is None or not current.ready or current.id != round_id or worker_id not in current.members:
+                return TaskReply(status="regroup")
+            if self.dispatcher.finished:
+                return TaskReply(status="done")
+            task = self.dispatcher.next_task(worker_id)
+            if task is None:
+                return TaskReply(status="done" if self.dispatcher.finished else "wait")
+            return TaskReply(
+                status="task",
+                task=TaskInfo(id=task.id, epoch=task.epoch, shard=task.shard, start=task.start, count=task.count),
+            )
+
+    def task_failed(self, worker_id: str, task_id: int, error: str) -> None:
+        with self.lock:
+            self._seen(worker_id)
+            task = self.dispatcher.tasks.get(task_id)
+            if task is None or self.dispatcher.holder.get(task_id) != worker_id:
+                return
+            self.events.add("task_failed", f"{task.describe(self.dispatcher.shard_names)}: {error}", worker=worker_id)
+            try:
+                self.dispatcher.return_task(task_id, failed=True, reason=error)
+            except JobFailed as exc:
+                self.fail(str(exc))
+
+    def report_steps(self, worker_id: str, round_id: int, steps: list[StepRecord]) -> int:
+        with self.lock:
+            self._seen(worker_id)
+            # Reports of the newest ready round only: after a settle, older rounds' steps are
+            # already in the ledger (from the state source) or voided.
+            if round_id != self.ready_round_id:
+                return self.ledger.applied_step
+            for record in steps:
+                self._ingest(record)
+            return self.ledger.applied_step
+
+    def _ingest(self, record: StepRecord) -> None:
+        consumed = [Consumed(r.task_id, r.offset, r.count) for r in record.ranges if r is not None]
+        if not self.ledger.ingest(record.step, consumed):
+            return
+        self._rate_window.append((record.time, record.samples))
+        self.last_loss = record.loss / max(record.samples, 1)
+        current = self.round
+        if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
+            current.first_step_at = record.time
+            if current.cause_time:
+                self.events.add(
+                    "recovered",
+                    round=current.id,
+                    seconds=round(record.time - current.cause_time, 4),
+                    cause=current.cause,
+                )
+
+    def collective_failed(self, worker_id: str, round_id: int, error: str) -> None:
+        with self.lock:
+            self._seen(worker_id)
+            if self.round is not None and self.round.ready and self.round.id == round_id:
+                self.events.add("collective_failed", error[:300], worker=worker_id, round=round_id)
+                self.request_regroup(f"collective failed on {worker_id}")
+
+    def upload_model(self, worker_id: str, step: int, data: bytes) -> bool:
+        with self.lock:
+            if not self.dispatcher.finished or step != self.ledger.applied_step:
+                return False
+            self.ledger.finalize_through(step)
+            self.final_model = data
+            if self.state == "running":
+                self.state = "succeeded"
+                self.events.add("job_succeeded", worker=worker_id, step=step)
+            return True
+
+    # -- scaling ----------------------------------------------------------------------------------
+    def scale(self, target: int) -> None:
+        with self.lock:
+            if not self.min_workers <= target <= self.max_workers:
+                raise ValueError(
+                    f"--workers {target} is outside this job's range {self.min_workers}:{self.max_workers}"
+                )
+            self.target = target
+            self.events.add("scaled", target=target)
+            for slot in self.slots:
+                want = slot.index < target
+                if want and not slot.active:
+                    slot.active = True
+                    slot.counted_relaunches = 0
+                    self._launch(slot)
+                elif not want and slot.active:
+                    slot.active = False
+                    worker = self.workers.get(slot.worker_id or "")
+                    if worker is not None and worker.alive:
+                        worker.state = "retiring"
+                        self.request_regroup(f"scaled in: {worker.id} retires")
+
+    # -- supervision ------------------------------------------------------------------------------
+    def request_regroup(self, cause: str) -> None:
+        if self._regroup_cause is None:
+            self._regroup_cause = (cause, time.time())
+
+    def on_exit(self, exit_: WorkerExit) -> None:
+        worker = self.workers.get(exit_.worker_id)
+        if worker is None:
+            return
+        was_member = self.round is not None and worker.id in self.round.members
+        retiring = worker.state == "retiring"
+        worker.exit_reason = exit_.reason
+        if worker.state != "gone":
+            worker.state = "gone"
+            if not self.over and not retiring:
+                self._failed_since_settle.add(worker.id)
+        if self.over:
+            return
+        if retiring:
+            self.events.add("left", worker=worker.id, reason=exit_.reason)
+        else:
+            self.events.add("died", worker=worker.id, reason=exit_.reason, returncode=exit_.returncode)
+        if was_member:
+            self.request_regroup(f"{worker.id} {exit_.reason}")
+        slot = self.slots[worker.slot]
+        if retiring or not slot.active or slot.worker_id != worker.id:
+            return
+        if exit_.relaunch == "never":
+            self.events.add("not_relaunched", f"{worker.id} {exit_.reason}", worker=worker.id)
+        elif exit_.relaunch == "free" or slot.counted_relaunches < self.max_relaunches:
+            slot.counted_relaunches += exit_.relaunch == "count"
+            self.events.add("relaunched", worker=worker.id, slot=slot.index)
+            self._launch(slot)
+        else:
+            self.events.add("slot_exhausted", f"slot {slot.index} used its {self.max_relaunches} relaunches")
+
+    def _drop(self, worker: WorkerInfo, reason: str) -> None:
+        """A worker that is alive but useless (hung, or missing at rendezvous): kill it; its exit
+        then counts as a death."""
+        self.events.add("dropped", reason, worker=worker.id)
+        self.backend.stop(worker.id)
+
+    def tick(self) -> None:
+        with self.lock:
+            for exit_ in self.backend.poll():
+                self.on_exit(exit_)
+            if self.over:
+                return
+            now = time.time()
+            for worker in self.workers.values():
+                if worker.state in ("live", "retiring") and now - worker.last_seen > self.timeouts.heartbeat_s:
+                    worker.last_seen = now  # drop once, not every tick until it is reaped
+                    self._drop(worker, f"{worker.id} sent no heartbeat for {self.timeouts.heartbeat_s:.0f}s (hung)")
+            current = self.round
+            if current is not None and not current.ready and now - current.proposed_at > self.timeouts.rendezvous_s:
+                for member in current.members:
+                    worker = self.workers[member]
+                    if worker.joined_round != current.id and worker.alive:
+                        worker.joined_round = -1
+                        self._drop(worker, f"{member} did not join round {current.id} within {self.timeouts.rendezvous_s:.0f}s")
+            self._maybe_propose(now)
+            self._check_enough_workers()
+
+    def _check_enough_workers(self) -> None:
+        alive = [w for w in self.workers.values() if w.alive and w.state != "retiring"]
+        if len(alive) < self.min_workers:
+            reasons = "; ".join(f"{w.id} {w.exit_reason}" for w in self.workers.values() if w.exit_reason)
+            self.fail(
+                f"only {len(alive)} workers left and fewer than --workers minimum {self.min_workers}, "
+                f"no relaunches left (--max-relaunches {self.max_relaunches}): {reasons}"
+            )
+
+    def _maybe_propose(self, now: float) -> None:
+        live = [w for w in self.workers.values() if w.state == "live"]
+        current = self.round
+        cause = self._regroup_cause
+        if cause is None:
+            if current is None:
+                startup_over = now - self.started_at > self.timeouts.startup_grace_s
+                if len(live) >= self.target or (startup_over and len(live) >= self.min_workers):
+                    cause = ("first round", 0.0)
+            else:
+                gone = [m for m in current.members if self.workers[m].state != "live"]
+                joiners = [w for w in live if w.id not in current.members]
+                if gone:
+                    cause = (f"{', '.join(gone)} gone", now)
+                elif joiners and len(current.members) < self.target:
+                    cause = (f"{', '.join(w.id for w in joiners)} joined", 0.0)
+        if cause is None or len(live) < self.min_workers:
+            return
+        members = order_members(current.members if current else [], live, self.target)
+        self._round_counter += 1
+        self.round = Round(self._round_counter, members, proposed_at=now, cause=cause[0], cause_time=cause[1])
+        self._regroup_cause = None
+        self.events.add("round_proposed", round=self.round.id, members=members, cause=cause[0])
+
+    def _settle(self, current: Round) -> None:
+        """Every member has called in: pick the state source, settle the ledger, go."""
+        steps = [self.workers[m].step for m in current.members]
+        newest = max(steps)
+        if self.ledger.final_step > 0 and newest < self.ledger.final_step:
+            self.fail(
+                f"every worker that held the model state of step {self.ledger.final_step} is gone "
+                f"(newest survivor is at step {max(newest, 0)}); rerun the job"
+            )
+            return
+        source_rank = steps.index(newest)
+        start_step = max(newest, 0)
+        for record in sorted(self.workers[current.members[source_rank]].unacked, key=lambda r: r.step):
+            if self.ledger.applied_step < record.step <= start_step:
+                self._ingest(record)
+        voided_rows = self.ledger.void_after(start_step)
+        self.ledger.finalize_through(start_step)
+        try:
+            returned = self.dispatcher.return_all(self._failed_since_settle)
+        except JobFailed as exc:
+            self.fail(str(exc))
+            return
+        self._failed_since_settle = set()
+        current.ready, current.ready_at = True, time.time()
+        current.source_rank, current.start_step = source_rank, start_step
+        self.ready_round_id = current.id
+        for member in current.members:
+            self.workers[member].unacked = []
+        self.events.add(
+            "regrouped",
+            round=current.id,
+            world_size=len(current.members),
+            members=current.members,
+            start_step=start_step,
+            source=current.members[source_rank],
+            tasks_returned=returned,
+            rows_voided=voided_rows,
+        )
+
+    # -- status -------------------------------------------------------------------------------------
+    def samples_per_second(self) -> float:
+        window = list(self._rate_window)
+        if len(window) < 2 or window[-1][0] <= window[0][0]:
+            return 0.0
+        return sum(n for _, n in window[1:]) / (window[-1][0] - window[0][0])
+
+    def status(self) -> dict:
+        with self.lock:
+            done, total = self.dispatcher.epoch_progress()
+            current = self.round
+            return {
+                "job": self.spec.job_name,
+                "state": self.state,
+                "failure": self.failure,
+                "round": current.id if current else 0,
+                "round_ready": bool(current and current.ready),
+                "world_size": len(current.members) if current and current.ready else 0,
+                "target_workers": self.target,
+                "workers_range": [self.min_workers, self.max_workers],
+                "epoch": min(self.dispatcher.current_epoch, self.dispatcher.epochs - 1),
+                "epochs": self.dispatcher.epochs,
+                "rows_done": done,
+                "rows_total": total,
+                "step": self.ledger.applied_step,
+                "loss": self.last_loss,
+                "samples_per_s": round(self.samples_per_second(), 1),
+                "workers": [
+                    {
+                        "id": w.id,
+                        "slot": w.slot,
+                        "state": w.state,
+                        "rank": current.members.index(w.id) if current and w.id in current.members else None,
+                        "step": w.step,
+                        "exit": w.exit_reason,
+                        **self.backend.describe(w.id),
+                        **({"pid": w.pid} if w.pid and "pid" not in self.backend.describe(w.id) else {}),
+                    }
+                    for w in self.workers.values()
+                    if w.alive or w.exit_reason
+                ],
+            }

@@ -1,0 +1,92 @@
+"""The worker's two background threads: heartbeats (which also bring news of a new round) and
+rank 0's step reporter (which sends applied steps in batches, off the training path)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+
+from elastic_step.protocol import HeartbeatRequest, StepRecord, StepsRequest
+from elastic_step.worker.client import MasterClient, MasterGone, Rejected
+
+log = logging.getLogger("elastic_step.worker")
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, client: MasterClient, worker_id: str, interval_s: float):
+        super().__init__(name="heartbeat", daemon=True)
+        self.client = client
+        self.worker_id = worker_id
+        self.interval_s = interval_s
+        self.step = -1
+        self.round_id = 0
+        self.latest_round = 0
+        self.acked_step = 0
+        self.stop_requested = False
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                reply = self.client.call(
+                    "POST", "/heartbeat", HeartbeatRequest(worker_id=self.worker_id, round_id=self.round_id, step=self.step)
+                )
+            except MasterGone as exc:
+                # No master: nobody will ever tell this worker to stop. Leave without running
+                # destructors (a gloo group mid-collective could otherwise abort noisily).
+                log.error("%s; exiting", exc)
+                os._exit(3)
+            except Rejected as exc:
+                log.warning("heartbeat rejected: %s", exc)
+            else:
+                self.latest_round = reply["round_id"]
+                self.acked_step = reply["acked_step"]
+                self.stop_requested = reply["action"] == "stop"
+            self._halt.wait(self.interval_s)
+
+    def halt(self) -> None:
+        self._halt.set()
+
+
+class StepReporter(threading.Thread):
+    """Rank 0 reports applied steps in order; the master's acknowledgement lets every rank
+    forget the ranges of steps the master holds."""
+
+    def __init__(self, client: MasterClient, worker_id: str):
+        super().__init__(name="step-reporter", daemon=True)
+        self.client = client
+        self.worker_id = worker_id
+        self._queue: queue.Queue[tuple[int, StepRecord]] = queue.Queue()
+
+    def push(self, round_id: int, record: StepRecord) -> None:
+        self._queue.put((round_id, record))
+
+    def flush(self) -> None:
+        """Wait until every pushed step has been sent."""
+        self._queue.join()
+
+    def run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            time.sleep(0.002)  # let a few steps gather: one request carries them all
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for round_id in sorted({r for r, _ in batch}):
+                steps = [rec for r, rec in batch if r == round_id]
+                try:
+                    self.client.call("POST", "/steps", StepsRequest(worker_id=self.worker_id, round_id=round_id, steps=steps))
+                except Rejected as exc:
+                    # The ranges stay with every rank until acknowledged, and the next regroup
+                    # settles them from the state source: nothing is lost by dropping the report.
+                    log.warning("step report rejected: %s", exc)
+                except MasterGone as exc:
+                    log.error("%s; exiting", exc)
+                    os._exit(3)
+            for _ in batch:
+                self._queue.task_done()

@@ -1,0 +1,210 @@
+"""The worker: register, rendezvous, train a round, regroup in process, repeat until done.
+
+Each step is one allreduce of a flat float32 buffer:
+  [ summed gradients | samples, summed loss, regroup flag, done flag | (task, offset, count) per rank ]
+so every rank learns, in the same collective that applies the step, which rows every rank
+consumed. A rank without data contributes zeros; the sum over ranks of the flags makes every
+rank stop at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+
+import numpy as np
+
+from elastic_step.data.manifest import load_manifest
+from elastic_step.data.reader import ShardReader
+from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
+from elastic_step.frameworks.registry import build_trainer
+from elastic_step.protocol import (
+    CollectiveFailedRequest,
+    FailJobRequest,
+    JobSpec,
+    RangeRecord,
+    RegisterRequest,
+    RendezvousReply,
+    RendezvousRequest,
+    StepRecord,
+    TaskFailedRequest,
+    TaskInfo,
+    TaskRequest,
+)
+from elastic_step.worker.background import Heartbeat, StepReporter
+from elastic_step.worker.client import MasterClient, Rejected, worker_identity
+from elastic_step.worker.collective import Collective, decode_int, encode_int
+
+log = logging.getLogger("elastic_step.worker")
+
+HEADER = 4  # samples, loss, regroup, done
+PER_RANK = 6  # task, offset, count: two float halves each
+
+
+class Worker:
+    def __init__(self, client: MasterClient, worker_id: str, spec: JobSpec):
+        self.client = client
+        self.worker_id = worker_id
+        self.spec = spec
+        self.model_def = load_model_definition(spec.model_def)
+        self.trainer = build_trainer(self.model_def, seed=spec.seed)
+        self.reader = ShardReader(load_manifest(spec.manifest))
+        self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
+        self.heartbeat = Heartbeat(client, worker_id, spec.heartbeat_interval_s)
+        self.reporter = StepReporter(client, worker_id)
+        self.step = -1  # -1: this worker holds no synchronised state yet
+        self.unacked: dict[int, StepRecord] = {}
+
+    # -- the outer loop: rounds ------------------------------------------------------------------
+    def run(self) -> int:
+        self.heartbeat.start()
+        self.reporter.start()
+        left_round = 0
+        try:
+            while True:
+                reply = self._rendezvous(left_round)
+                if reply.status != "ready":
+                    return 0
+                outcome = self._run_round(reply)
+                left_round = reply.round_id
+                if outcome == "failed":
+                    return 1
+        finally:
+            self.collective.leave()
+            self.heartbeat.halt()
+
+    def _rendezvous(self, left_round: int) -> RendezvousReply:
+        while True:
+            acked = self.heartbeat.acked_step
+            for step in [s for s in self.unacked if s <= acked]:
+                del self.unacked[step]
+            body = RendezvousRequest(
+                worker_id=self.worker_id, step=self.step, unacked=list(self.unacked.values()), left_round=left_round
+            )
+            reply = RendezvousReply(**self.client.call("POST", "/rendezvous", body, timeout=30.0))
+            if reply.status != "wait":
+                return reply
+
+    def _run_round(self, rv: RendezvousReply) -> str:
+        self.heartbeat.round_id = rv.round_id
+        try:
+            self.collective.join(rv.store_prefix, rv.rank, rv.world_size)
+            # The state source (highest applied step) makes every member identical again.
+            data = self.trainer.state_bytes() if rv.rank == rv.source_rank else None
+            data = self.collective.broadcast_bytes(data, rv.source_rank)
+            if rv.rank != rv.source_rank:
+                self.trainer.load_state_bytes(data)
+            self.step = rv.start_step
+            self.heartbeat.step = self.step
+            self.unacked.clear()  # the master settled every step up to start_step
+            log.info("round %d: rank %d of %d from step %d", rv.round_id, rv.rank, rv.world_size, rv.start_step)
+            return self._train(rv)
+        except RuntimeError as exc:  # gloo: a peer died or hung
+            log.warning("round %d collective failed: %s", rv.round_id, exc)
+            try:
+                self.client.call("POST", "/collective-failed", CollectiveFailedRequest(worker_id=self.worker_id, round_id=rv.round_id, error=str(exc)))
+            except Rejected:
+                pass
+            return "regroup"
+        finally:
+            self.collective.leave()
+
+    # -- the inner loop: steps ----------------------------------------------------------------
+    def _fetch(self, round_id: int) -> tuple[str, TaskInfo | None, dict | None]:
+        reply = self.client.call("POST", "/task", TaskRequest(worker_id=self.worker_id, round_id=round_id))
+        if reply["status"] != "task":
+            return reply["status"], None, None
+        task = TaskInfo(**reply["task"])
+        try:
+            rows = self.reader.read("train", task.shard, task.start, task.count)
+        except Exception as exc:
+            log.error("task %d: %s", task.id, exc)
+            self.client.call("POST", "/task-failed", TaskFailedRequest(worker_id=self.worker_id, task_id=task.id, error=f"{type(exc).__name__}: {exc}"))
+            return "wait", None, None
+        return "task", task, rows
+
+    def _train(self, rv: RendezvousReply) -> str:
+        rank, world, batch_size = rv.rank, rv.world_size, self.spec.minibatch_size
+        n_grad = self.trainer.num_gradient_values
+        buffer = np.zeros(n_grad + HEADER + PER_RANK * world, dtype=np.float32)
+        grads = buffer[:n_grad]
+        task: TaskInfo | None = None
+        rows: dict | None = None
+        offset = 0
+        master_done = False
+        while True:
+            buffer[:] = 0.0
+            regroup = self.heartbeat.latest_round > rv.round_id or self.heartbeat.stop_requested
+            mine = None
+            if not regroup and not master_done:
+                if task is None or offset >= task.count:
+                    status, task, rows = self._fetch(rv.round_id)
+                    offset = 0
+                    regroup = status == "regroup"
+                    master_done = status == "done"
+                if task is not None:
+                    count = min(batch_size, task.count - offset)
+                    batch = {name: column[offset:offset + count] for name, column in rows.items()}
+                    features, labels = batch_arrays(self.model_def, batch, self.spec.features, self.spec.label)
+                    buffer[n_grad + 1] = self.trainer.compute_gradients(features, labels, grads)
+                    buffer[n_grad] = count
+                    mine = (task.id, offset, count)
+                    slot = n_grad + HEADER + PER_RANK * rank
+                    for i, value in enumerate(mine):
+                        buffer[slot + 2 * i], buffer[slot + 2 * i + 1] = encode_int(value)
+            buffer[n_grad + 2] = 1.0 if regroup else 0.0
+            buffer[n_grad + 3] = 1.0 if master_done else 0.0
+            self.collective.allreduce_sum(buffer)
+            total = int(round(buffer[n_grad]))
+            if total > 0:
+                loss_sum = float(buffer[n_grad + 1])
+                if not math.isfinite(loss_sum):
+                    if rank == 0:
+                        self.client.call("POST", "/fail", FailJobRequest(
+                            worker_id=self.worker_id,
+                            reason=f"loss is {loss_sum} at step {self.step + 1}; lower the learning rate or check the data",
+                        ))
+                    return "failed"
+                self.trainer.apply_gradients(grads, total)
+                self.step += 1
+                self.heartbeat.step = self.step
+                record = StepRecord(step=self.step, ranges=self._ranges(buffer, n_grad, world), samples=total, loss=loss_sum, time=time.time())
+                self.unacked[self.step] = record
+                if rank == 0:
+                    self.reporter.push(rv.round_id, record)
+                if mine is not None:
+                    offset += mine[2]
+            if int(round(buffer[n_grad + 3])) == world:
+                return self._finish(rv)
+            if buffer[n_grad + 2] > 0:
+                return "regroup"
+            if total == 0:
+                time.sleep(0.01)  # nobody had data (the epoch's last tasks are in flight)
+
+    @staticmethod
+    def _ranges(buffer: np.ndarray, n_grad: int, world: int) -> list[RangeRecord | None]:
+        ranges: list[RangeRecord | None] = []
+        for r in range(world):
+            slot = n_grad + HEADER + PER_RANK * r
+            task_id, offset, count = (decode_int(buffer[slot + 2 * i], buffer[slot + 2 * i + 1]) for i in range(3))
+            ranges.append(RangeRecord(task_id=task_id, offset=offset, count=count) if count > 0 else None)
+        return ranges
+
+    def _finish(self, rv: RendezvousReply) -> str:
+        """Every rank has heard that all epochs are applied: rank 0 hands in the final model."""
+        if rv.rank == 0:
+            self.reporter.flush()
+            self.client.call("PUT", "/model", content=self.trainer.model_bytes(), params={"worker_id": self.worker_id, "step": self.step})
+        return "done"
+
+
+def run_worker() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    url, token, worker_id = worker_identity()
+    client = MasterClient(url, token)
+    spec = JobSpec(**client.call("POST", "/register", RegisterRequest(worker_id=worker_id, pid=os.getpid(), host=socket.gethostname())))
+    client.master_timeout_s = spec.master_timeout_s
+    return Worker(client, worker_id, spec).run()

@@ -1,0 +1,144 @@
+"""The dispatcher and the ledger, without processes."""
+
+import json
+
+import pytest
+
+from elastic_step.errors import JobFailed
+from elastic_step.master.dispatcher import Dispatcher, cut_tasks
+from elastic_step.master.ledger import Consumed, Ledger, StepGap
+
+
+def ranges(tasks):
+    return [(t.shard, t.start, t.start + t.count) for t in tasks]
+
+
+def drain(dispatcher, worker="w"):
+    tasks = []
+    while (task := dispatcher.next_task(worker)) is not None:
+        tasks.append(task)
+    return tasks
+
+
+def apply_all(dispatcher, ledger, tasks, step=0):
+    for task in tasks:
+        step += 1
+        ledger.ingest(step, [Consumed(task.id, 0, task.count)])
+    return step
+
+
+def test_two_shards_of_ten_rows_in_three_row_tasks_make_eight_tasks():
+    d = Dispatcher([10, 10], ["f1", "f2"], rows_per_task=3, epochs=1, shuffle=False)
+    tasks = drain(d)
+    assert ranges(tasks) == [(0, 0, 3), (0, 3, 6), (0, 6, 9), (0, 9, 10), (1, 0, 3), (1, 3, 6), (1, 6, 9), (1, 9, 10)]
+    assert cut_tasks([10, 10], 3) == [(s, a, b - a) for s, a, b in ranges(tasks)]
+
+
+def test_failed_task_returns_to_todo_and_is_handed_out_next():
+    d = Dispatcher([10], ["f1"], rows_per_task=3, epochs=1, shuffle=False)
+    first = d.next_task("a")
+    d.next_task("a")
+    d.return_task(first.id, failed=True, reason="boom")
+    again = d.next_task("b")
+    assert (again.start, again.count, again.failures) == (first.start, first.count, 1)
+
+
+def test_a_task_that_keeps_failing_fails_the_job_naming_shard_and_rows():
+    d = Dispatcher([10], ["train/part-00000.parquet"], rows_per_task=3, epochs=1, shuffle=False, max_task_failures=3)
+    task = d.next_task("a")
+    d.return_task(task.id, failed=True)
+    d.next_task("a")
+    d.return_task(task.id, failed=True)
+    d.next_task("a")
+    with pytest.raises(JobFailed, match=r"train/part-00000.parquet rows \[0, 3\)"):
+        d.return_task(task.id, failed=True, reason="bad row")
+
+
+def test_dead_workers_tasks_are_recovered_and_only_theirs_count_failures():
+    d = Dispatcher([12], ["f1"], rows_per_task=3, epochs=1, shuffle=False)
+    a, b = d.next_task("alive"), d.next_task("dead")
+    assert d.return_all({"dead"}) == 2
+    again = drain(d)
+    assert sorted(ranges(again)) == [(0, 0, 3), (0, 3, 6), (0, 6, 9), (0, 9, 12)]
+    failures = {t.start: t.failures for t in again}
+    assert failures[b.start] == 1 and failures[a.start] == 0
+
+
+def test_partially_applied_task_returns_only_its_remainder():
+    d = Dispatcher([10], ["f1"], rows_per_task=6, epochs=1, shuffle=False)
+    ledger = Ledger(d)
+    task = d.next_task("a")
+    ledger.ingest(1, [Consumed(task.id, 0, 2)])
+    d.return_all({"a"})
+    rest = d.next_task("b")
+    assert (rest.start, rest.count) == (2, 4)
+
+
+def test_two_epochs_repeat_the_ranges_and_the_job_finishes(tmp_path):
+    audit = tmp_path / "audit.jsonl"
+    d = Dispatcher([10, 10], ["f1", "f2"], rows_per_task=3, epochs=2, shuffle=True, seed=7)
+    ledger = Ledger(d, str(audit))
+    first = drain(d)
+    assert d.next_task("w") is None and not d.finished  # waits: epoch 0 is in flight
+    step = apply_all(d, ledger, first)
+    second = drain(d)
+    assert sorted(ranges(second)) == sorted(ranges(first))
+    assert ranges(second) != ranges(first)  # shuffled per epoch
+    apply_all(d, ledger, second, step)
+    assert d.finished
+    ledger.finalize_through(ledger.applied_step)
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    for epoch in (0, 1):
+        rows = sorted((l["shard"], r) for l in lines if l["epoch"] == epoch for r in range(l["start"], l["start"] + l["count"]))
+        assert rows == sorted((f, r) for f in ("f1", "f2") for r in range(10))
+
+
+def test_ledger_voids_tentative_steps_and_their_rows_go_back():
+    d = Dispatcher([6], ["f1"], rows_per_task=6, epochs=1, shuffle=False)
+    ledger = Ledger(d)
+    task = d.next_task("a")
+    ledger.ingest(1, [Consumed(task.id, 0, 2)])
+    ledger.ingest(2, [Consumed(task.id, 2, 2)])
+    ledger.ingest(3, [Consumed(task.id, 4, 2)])
+    assert d.finished
+    assert ledger.final_step == 2  # step 3 may still be undone by a regroup
+    assert ledger.void_after(2) == 2
+    assert not d.finished
+    d.return_all()
+    rest = d.next_task("b")
+    assert (rest.start, rest.count) == (4, 2)
+
+
+def test_ledger_rejects_gaps_repeats_and_ranges_that_do_not_continue():
+    d = Dispatcher([6], ["f1"], rows_per_task=6, epochs=1, shuffle=False)
+    ledger = Ledger(d)
+    task = d.next_task("a")
+    with pytest.raises(StepGap):
+        ledger.ingest(2, [Consumed(task.id, 0, 2)])
+    assert ledger.ingest(1, [Consumed(task.id, 0, 2)])
+    assert not ledger.ingest(1, [Consumed(task.id, 0, 2)])  # a repeated report changes nothing
+    with pytest.raises(ValueError):
+        ledger.ingest(2, [Consumed(task.id, 3, 2)])
+    assert d.applied[task.id] == 2
+
+
+def test_voided_step_that_completed_an_epoch_reopens_it():
+    d = Dispatcher([3], ["f1"], rows_per_task=3, epochs=2, shuffle=False)
+    ledger = Ledger(d)
+    task = d.next_task("a")
+    ledger.ingest(1, [Consumed(task.id, 0, 3)])
+    assert d.current_epoch == 1
+    ledger.void_after(0)
+    assert d.current_epoch == 0
+    d.return_all()
+    assert d.next_task("b").epoch == 0
+
+
+def test_memory_stays_bounded_to_open_epochs():
+    d = Dispatcher([30], ["f1"], rows_per_task=3, epochs=5, shuffle=False)
+    ledger = Ledger(d)
+    step = 0
+    for _ in range(5):
+        step = apply_all(d, ledger, drain(d), step)
+        assert len(d.tasks) <= 20
+    assert d.finished
