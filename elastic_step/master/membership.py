@@ -27,6 +27,7 @@ class WorkerInfo:
     joined_round: int = 0  # the round it has called in for
     unacked: list[StepRecord] = field(default_factory=list)
     exit_reason: str = ""
+    rows_applied: int = 0  # rows of steps it took part in (shown by status)
 
     @property
     def alive(self) -> bool:
@@ -66,10 +67,10 @@ def worker_id_for(slot: int, attempt: int) -> str:
 
 def order_members(previous: list[str], candidates: list[WorkerInfo], size: int) -> list[str]:
     """Survivors keep their relative order (so rank 0 stays rank 0 where it can); joiners
-    follow in the order they registered."""
+    follow in slot order, so a fresh group's ranks are its slots."""
     alive = {w.id for w in candidates}
     kept = [m for m in previous if m in alive]
-    joiners = sorted((w for w in candidates if w.id not in set(kept)), key=lambda w: (w.registered_at or 0, w.id))
+    joiners = sorted((w for w in candidates if w.id not in set(kept)), key=lambda w: w.slot)
     return (kept + [w.id for w in joiners])[:size]
 
 

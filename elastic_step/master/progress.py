@@ -37,7 +37,7 @@ class ProgressDisplay:
             return
         info = (
             f"epoch {status['epoch'] + 1}/{status['epochs']}  workers {status['world_size']}  "
-            f"round {status['round']}  loss {status['loss']:.4f}  {status['samples_per_s']:.0f} samples/s"
+            f"round {status['round']}  loss {status['loss'] if status['loss'] is not None else float('nan'):.4f}  {status['samples_per_s']:.0f} samples/s"
         )
         if self._progress is not None:
             self._progress.update(self._task, completed=status["rows_done"], total=status["rows_total"], info=info)

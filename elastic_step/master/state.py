@@ -4,6 +4,7 @@ through one lock, so the dispatcher, the ledger and the membership always change
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -196,14 +197,19 @@ class MasterState:
             # already in the ledger (from the state source) or voided.
             if round_id != self.ready_round_id:
                 return self.ledger.applied_step
+            members = self.round.members if self.round and self.round.id == round_id else None
             for record in steps:
-                self._ingest(record)
+                self._ingest(record, members)
             return self.ledger.applied_step
 
-    def _ingest(self, record: StepRecord) -> None:
+    def _ingest(self, record: StepRecord, members: list[str] | None = None) -> None:
         consumed = [Consumed(r.task_id, r.offset, r.count) for r in record.ranges if r is not None]
         if not self.ledger.ingest(record.step, consumed):
             return
+        if members is not None and len(members) == len(record.ranges):
+            for member, r in zip(members, record.ranges):
+                if r is not None:
+                    self.workers[member].rows_applied += r.count
         self._rate_window.append((record.time, record.samples))
         self.last_loss = record.loss / max(record.samples, 1)
         current = self.round
@@ -417,7 +423,7 @@ class MasterState:
                 "rows_done": done,
                 "rows_total": total,
                 "step": self.ledger.applied_step,
-                "loss": self.last_loss,
+                "loss": self.last_loss if math.isfinite(self.last_loss) else None,
                 "samples_per_s": round(self.samples_per_second(), 1),
                 "workers": [
                     {
@@ -426,6 +432,7 @@ class MasterState:
                         "state": w.state,
                         "rank": current.members.index(w.id) if current and w.id in current.members else None,
                         "step": w.step,
+                        "rows_applied": w.rows_applied,
                         "exit": w.exit_reason,
                         **self.backend.describe(w.id),
                         **({"pid": w.pid} if w.pid and "pid" not in self.backend.describe(w.id) else {}),

@@ -202,7 +202,7 @@ class Worker:
 
 
 def run_worker() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(logging.INFO)  # worker logs go to JOB_DIR/logs/, read when things go wrong
     url, token, worker_id = worker_identity()
     client = MasterClient(url, token)
     spec = JobSpec(**client.call("POST", "/register", RegisterRequest(worker_id=worker_id, pid=os.getpid(), host=socket.gethostname())))

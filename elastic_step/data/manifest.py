@@ -1,0 +1,212 @@
+"""The manifest of a prepared dataset: which Parquet shards make up each split, how many rows
+each holds, the column schema and a content hash.
+
+The manifest is the contract between `prepare-data`, the master (which plans tasks from the row
+counts alone) and the workers (which read row ranges of shards). The master validates shard
+footers against it before training, so a changed or damaged shard fails fast with a named cause
+rather than as a shape error in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from elastic_step.errors import DataError
+
+MANIFEST_NAME = "manifest.json"
+# Training needs rows; evaluation splits may be switched off with a fraction of 0.
+REQUIRED_SPLITS = ("train",)
+OPTIONAL_SPLITS = ("val", "test")
+
+
+@dataclass
+class ShardInfo:
+    path: str  # relative to the manifest's folder, posix ("train/part-00000.parquet")
+    rows: int
+
+
+@dataclass
+class Manifest:
+    label: str
+    features: list[str]
+    schema: dict[str, str]  # column -> arrow type name ("float32", "int64", ...)
+    splits: dict[str, list[ShardInfo]]
+    content_hash: str  # sha256 over the shard files' bytes, in manifest order
+    source: str
+    root: str = ""  # absolute folder of the manifest; set at load, never stored in the JSON
+    version: int = 1
+
+    MANIFEST_NAME = MANIFEST_NAME
+
+    def _shards(self, split: str) -> list[ShardInfo]:
+        if split not in self.splits:
+            raise DataError(f"split {split!r} is not in the manifest at {self.root} "
+                            f"(it has {', '.join(self.splits)}); use one of those")
+        return self.splits[split]
+
+    def shard_uri(self, split: str, index: int) -> str:
+        shards = self._shards(split)
+        if not 0 <= index < len(shards):
+            raise DataError(f"shard {index} of split {split!r} does not exist in {self.root} "
+                            f"(it has {len(shards)} shards)")
+        # Join with "/" rather than os.path: root may be an fsspec URI such as s3://bucket/x.
+        return self.root.rstrip("/") + "/" + shards[index].path
+
+    def rows(self, split: str) -> int:
+        return sum(s.rows for s in self._shards(split))
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "source": self.source,
+            "label": self.label,
+            "features": list(self.features),
+            "schema": dict(self.schema),
+            "splits": {name: [{"path": s.path, "rows": s.rows} for s in shards]
+                       for name, shards in self.splits.items()},
+            "content_hash": self.content_hash,
+        }
+
+
+def type_name(t: pa.DataType) -> str:
+    """Arrow's own names for floats are "float"/"double"; spell them by width, as numpy does."""
+    if pa.types.is_floating(t):
+        return f"float{t.bit_width}"
+    return str(t)
+
+
+def resolve(uri: str):
+    """(filesystem, path, canonical root string) for a local path or any fsspec URI."""
+    try:
+        fs, path = fsspec.core.url_to_fs(uri)
+    except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs installed
+        raise DataError(f"cannot open {uri}: {e} — install the fsspec backend for it or use a local path") from None
+    # Local paths stay plain absolute paths; remote ones keep their protocol so they can be reopened.
+    canonical = path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+    return fs, path, canonical
+
+
+def open_parquet(uri: str) -> pq.ParquetFile:
+    """A ParquetFile for a shard URI; only the footer is read until row groups are asked for."""
+    fs, path, _ = resolve(uri)
+    try:
+        if isinstance(fs, LocalFileSystem):
+            return pq.ParquetFile(path)
+        return pq.ParquetFile(fs.open(path, "rb"))
+    except FileNotFoundError:
+        raise DataError(f"shard not found: {uri} — re-run `elastic-step prepare-data` for this dataset") from None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"shard {uri} is not a readable Parquet file ({e}) — re-run `elastic-step prepare-data`") from None
+
+
+def _manifest_file(path_or_dir: str):
+    fs, path, canonical = resolve(path_or_dir)
+    if not path.endswith(".json") or fs.isdir(path):
+        path = posixpath.join(path, MANIFEST_NAME)
+        canonical = canonical.rstrip("/") + "/" + MANIFEST_NAME
+    return fs, path, canonical
+
+
+def load_manifest(path_or_dir: str) -> Manifest:
+    """Load manifest.json given the file or its folder (a local path or any fsspec URI)."""
+    fs, path, where = _manifest_file(path_or_dir)
+    try:
+        with fs.open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except FileNotFoundError:
+        raise DataError(f"manifest not found: {where} — run `elastic-step prepare-data --source ... --out DIR` "
+                        "first and pass DIR (or DIR/manifest.json)") from None
+    except OSError as e:
+        raise DataError(f"cannot read manifest {where}: {e}") from None
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"corrupt manifest {where}: not valid JSON ({e}) — re-run `elastic-step prepare-data`") from None
+    manifest = _from_json(raw, where)
+    manifest.root = where.rsplit("/", 1)[0]
+    return manifest
+
+
+def _from_json(raw, where: str) -> Manifest:
+    def bad(what: str) -> DataError:
+        return DataError(f"corrupt manifest {where}: {what} — re-run `elastic-step prepare-data`")
+
+    if not isinstance(raw, dict):
+        raise bad("top level is not a JSON object")
+    expected = {"version": int, "source": str, "label": str, "features": list, "schema": dict,
+                "splits": dict, "content_hash": str}
+    for key, kind in expected.items():
+        if key not in raw:
+            raise bad(f"missing key {key!r}")
+        if not isinstance(raw[key], kind) or isinstance(raw[key], bool):
+            raise bad(f"key {key!r} should be a {kind.__name__}, found {type(raw[key]).__name__}")
+    if raw["version"] != 1:
+        raise DataError(f"manifest {where} has version {raw['version']}, this elastic-step reads version 1 — "
+                        "upgrade elastic-step or re-run prepare-data")
+    schema = raw["schema"]
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in schema.items()):
+        raise bad("'schema' must map column names to type names")
+    features = raw["features"]
+    if not features or not all(isinstance(f, str) for f in features):
+        raise bad("'features' must be a non-empty list of column names")
+    for column in [*features, raw["label"]]:
+        if column not in schema:
+            raise bad(f"column {column!r} is not in 'schema'")
+    for name in REQUIRED_SPLITS:
+        if name not in raw["splits"]:
+            raise bad(f"split {name!r} is missing from 'splits'")
+    splits: dict[str, list[ShardInfo]] = {}
+    for name, shards in raw["splits"].items():
+        if not isinstance(shards, list):
+            raise bad(f"split {name!r} should be a list of shards")
+        if not shards and name not in OPTIONAL_SPLITS:
+            raise bad(f"split {name!r} has zero shards")
+        splits[name] = [_shard(s, name, bad) for s in shards]
+    return Manifest(label=raw["label"], features=list(features), schema=dict(schema), splits=splits,
+                    content_hash=raw["content_hash"], source=raw["source"], version=raw["version"])
+
+
+def _shard(entry, split: str, bad) -> ShardInfo:
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) \
+            or not isinstance(entry.get("rows"), int) or isinstance(entry.get("rows"), bool):
+        raise bad(f"a shard of split {split!r} is not {{'path': str, 'rows': int}}: {entry!r}")
+    path = entry["path"]
+    # Shards must stay inside the dataset folder: the manifest may come from somewhere untrusted.
+    if path.startswith("/") or "://" in path or ".." in path.split("/"):
+        raise bad(f"shard path {path!r} of split {split!r} is not relative to the manifest's folder")
+    if entry["rows"] < 1:
+        raise bad(f"shard {path!r} of split {split!r} has {entry['rows']} rows")
+    return ShardInfo(path=path, rows=entry["rows"])
+
+
+def validate_shards(manifest: Manifest, splits=("train",)) -> None:
+    """Check each shard of `splits` exists and that its footer (schema, row count) matches the
+    manifest. Reads footers only, so it is cheap even for large datasets."""
+    expected = manifest.schema
+    for split in splits:
+        for index, info in enumerate(manifest._shards(split)):
+            uri = manifest.shard_uri(split, index)
+            pf = open_parquet(uri)
+            found = {f.name: type_name(f.type) for f in pf.schema_arrow}
+            for column, kind in expected.items():
+                if column not in found:
+                    raise DataError(f"shard {uri} lacks column {column!r} (expected {kind}) — "
+                                    "the shard does not belong to this manifest; re-run prepare-data")
+                if found[column] != kind:
+                    raise DataError(f"shard {uri} column {column!r} has type {found[column]}, the manifest "
+                                    f"expects {kind} — re-run prepare-data")
+            extra = [c for c in found if c not in expected]
+            if extra:
+                raise DataError(f"shard {uri} has columns {extra} that the manifest does not list — "
+                                "re-run prepare-data")
+            rows = pf.metadata.num_rows
+            if rows != info.rows:
+                raise DataError(f"shard {uri} has {rows} rows, the manifest says {info.rows} — "
+                                "the shard changed after prepare-data; re-run it")

@@ -1,0 +1,106 @@
+"""Shared fixtures: prepared digits data (made once per session) and a runner for real
+`elastic-step train` jobs whose workers are real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+MODEL = "elastic_step.model_zoo.digits_torch"
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory) -> str:
+    from elastic_step.data.prepare import prepare_data
+
+    out = str(tmp_path_factory.mktemp("digits"))
+    prepare_data("sklearn:digits", out, rows_per_shard=256, seed=0)
+    return out
+
+
+def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic_step.cli", *args], capture_output=True, text=True, **kwargs)
+
+
+class Job:
+    """An `elastic-step train` process and what it leaves in its job dir."""
+
+    def __init__(self, job_dir: str, args: list[str]):
+        self.job_dir = job_dir
+        self.audit = os.path.join(job_dir, "audit.jsonl")
+        os.makedirs(job_dir, exist_ok=True)
+        self.log = open(os.path.join(job_dir, "train.out"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_step.cli", "train", "--job-dir", job_dir, "--audit", self.audit,
+             "--no-progress", *args],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def status(self) -> dict | None:
+        if not os.path.exists(os.path.join(self.job_dir, "master.json")):
+            return None
+        done = cli("status", "--job-dir", self.job_dir, "--json")
+        return json.loads(done.stdout) if done.returncode == 0 else None
+
+    def wait_for(self, predicate, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job ended (code {self.proc.returncode}) before the condition:\n{self.output()}")
+            s = self.status()
+            if s is not None and predicate(s):
+                return s
+            time.sleep(0.2)
+        raise AssertionError(f"condition not reached in {timeout}s; last status {s}\n{self.output()}")
+
+    def kill_worker(self, status: dict, rank: int, sig=signal.SIGKILL) -> dict:
+        worker = next(w for w in status["workers"] if w["rank"] == rank and w["state"] == "live")
+        os.kill(worker["pid"], sig)
+        return worker
+
+    def finish(self, timeout: float = 300.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def result(self) -> dict:
+        with open(os.path.join(self.job_dir, "result.json")) as f:
+            return json.load(f)
+
+    def events(self) -> list[dict]:
+        with open(os.path.join(self.job_dir, "events.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+
+@pytest.fixture
+def start_job(tmp_path):
+    jobs: list[Job] = []
+
+    def start(*args: str, name: str = "job") -> Job:
+        job = Job(str(tmp_path / name), list(args))
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:  # nothing left running, whatever the test did
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGTERM)
+            try:
+                job.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                job.proc.kill()
+        job.log.close()

@@ -1,0 +1,104 @@
+"""End to end on digits with real worker processes and real signals: the job survives worker
+loss and membership changes, and the audit shows every row of every epoch exactly once."""
+
+import signal
+import time
+
+import pytest
+
+from elastic_step.audit import audit_report
+
+from conftest import MODEL
+
+pytestmark = pytest.mark.e2e
+
+COMMON = ["--model-def", MODEL, "--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4"]
+
+
+def assert_exact(job, digits, epochs):
+    report = audit_report(job.audit, digits, epochs)
+    assert report["exact"], report
+    assert report["rows_applied"] == report["rows_expected"] == job.result()["rows_audited"]
+    return report
+
+
+def mid_epoch(status, world=3):
+    return status["world_size"] == world and 0.15 < status["rows_done"] / status["rows_total"] < 0.6
+
+
+def test_sigkill_one_of_three_workers_mid_epoch(digits, start_job):
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "4", *COMMON)
+    status = job.wait_for(mid_epoch)
+    victim = job.kill_worker(status, rank=1)
+    assert job.finish() == 0, job.output()
+    assert_exact(job, digits, epochs=4)
+    result = job.result()
+    assert result["test_metrics"]["accuracy"] >= 0.90, result
+    events = job.events()
+    died = [e for e in events if e["event"] == "died"]
+    assert died and died[0]["worker"] == victim["id"] and "SIGKILL" in died[0]["reason"]
+    assert any(e["event"] == "recovered" for e in events)
+    assert any(e["event"] == "relaunched" for e in events)
+    assert "test: loss" in job.output() and "accuracy" in job.output()
+
+
+def test_sigkill_the_rank0_worker(digits, start_job):
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", *COMMON)
+    status = job.wait_for(mid_epoch)
+    job.kill_worker(status, rank=0)
+    assert job.finish() == 0, job.output()
+    assert_exact(job, digits, epochs=2)
+
+
+def test_scale_out_from_two_to_three_the_joiner_gets_state_and_contributes(digits, start_job):
+    from conftest import cli
+
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "3", *COMMON)
+    # `train` starts MAX workers; scale to 2 first, then grow back to 3 with a fresh joiner.
+    job.wait_for(lambda s: s["world_size"] == 3)
+    assert cli("scale", "--job-dir", job.job_dir, "--workers", "2").returncode == 0
+    job.wait_for(lambda s: s["world_size"] == 2 and s["round_ready"])
+    done = cli("scale", "--job-dir", job.job_dir, "--workers", "3")
+    assert done.returncode == 0, done.stderr
+    status = job.wait_for(lambda s: s["world_size"] == 3 and any(w["id"] == "w2.2" and w["rows_applied"] > 0 for w in s["workers"]))
+    assert status["state"] == "running"
+    assert job.finish() == 0, job.output()
+    assert_exact(job, digits, epochs=3)
+    regrouped = [e for e in job.events() if e["event"] == "regrouped"]
+    assert [e["world_size"] for e in regrouped][-2:] == [2, 3]
+    assert regrouped[-1]["source"] != "w2.2"  # the joiner took the survivors' state
+
+
+def test_scale_in_from_three_to_two(digits, start_job):
+    from conftest import cli
+
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", *COMMON)
+    job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0)
+    assert cli("scale", "--job-dir", job.job_dir, "--workers", "2").returncode == 0
+    status = job.wait_for(lambda s: s["world_size"] == 2 and s["round_ready"])
+    assert sorted(w["slot"] for w in status["workers"] if w["rank"] is not None) == [0, 1]
+    assert job.finish() == 0, job.output()
+    assert_exact(job, digits, epochs=2)
+    left = [e for e in job.events() if e["event"] == "left"]
+    assert left and left[0]["worker"].startswith("w2.")
+    assert not [e for e in job.events() if e["event"] in ("died", "relaunched")]
+
+
+def test_sigstop_worker_is_dropped_after_the_heartbeat_timeout(digits, start_job):
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "3", *COMMON)
+    status = job.wait_for(mid_epoch)
+    stopped_at = time.time()
+    victim = job.kill_worker(status, rank=2, sig=signal.SIGSTOP)
+    assert job.finish() == 0, job.output()
+    assert_exact(job, digits, epochs=3)
+    dropped = [e for e in job.events() if e["event"] == "dropped"]
+    assert dropped and dropped[0]["worker"] == victim["id"] and "hung" in dropped[0]["message"]
+    assert dropped[0]["time"] - stopped_at >= 3.5
+
+
+def test_data_that_does_not_divide_evenly(digits, start_job):
+    # 1437 training rows in 256-row shards, minibatches of 7 in tasks of 3: ragged everywhere.
+    job = start_job("--data", digits, "--workers", "3", "--epochs", "2", "--model-def", MODEL,
+                    "--minibatch-size", "7", "--minibatches-per-task", "3")
+    assert job.finish() == 0, job.output()
+    assert_exact(job, digits, epochs=2)

@@ -1,0 +1,101 @@
+"""The master's state machine driven directly: rounds, settling, hung workers. The backend here
+is a recorder (no processes), since these tests are about the master's decisions; the
+end-to-end tests run real processes."""
+
+import time
+
+from elastic_step.backends.api import Backend, WorkerExit
+from elastic_step.master.dispatcher import Dispatcher
+from elastic_step.master.events import EventLog
+from elastic_step.master.ledger import Ledger
+from elastic_step.master.state import MasterState, Timeouts
+from elastic_step.protocol import JobSpec, RangeRecord, StepRecord
+
+
+class RecordingBackend(Backend):
+    name = "recording"
+
+    def __init__(self):
+        self.launched, self.stopped, self.exits = [], [], []
+
+    def launch(self, slot, worker_id):
+        self.launched.append(worker_id)
+
+    def poll(self):
+        exits, self.exits = self.exits, []
+        return exits
+
+    def stop(self, worker_id):
+        self.stopped.append(worker_id)
+        self.exits.append(WorkerExit(worker_id, "killed by SIGKILL", -9))
+
+    def shutdown(self, grace_s):
+        pass
+
+
+SPEC = JobSpec(job_name="t", model_def="m", manifest="d", minibatch_size=2, seed=0, store_host="127.0.0.1",
+               store_port=1, collective_timeout_s=5, heartbeat_interval_s=0.1, master_timeout_s=5, features=[], label="y")
+
+
+def make_state(workers=3, minimum=2, heartbeat_s=10.0):
+    dispatcher = Dispatcher([12], ["f1"], rows_per_task=4, epochs=1, shuffle=False)
+    backend = RecordingBackend()
+    state = MasterState(SPEC, dispatcher, Ledger(dispatcher), backend, EventLog(None), minimum, workers,
+                        timeouts=Timeouts(heartbeat_s=heartbeat_s, rendezvous_s=30, startup_grace_s=30))
+    state.launch_all()
+    for worker_id in backend.launched:
+        state.register(worker_id, pid=1, host="h")
+    state.tick()
+    return state, backend
+
+
+def join_all(state, steps=None, unacked=None, left=0):
+    replies = {}
+    for _ in range(2):  # the last member to call in completes the round
+        for i, member in enumerate(state.round.members):
+            replies[member] = state.rendezvous(member, (steps or {}).get(member, -1), (unacked or {}).get(member, []), left)
+    return replies
+
+
+def test_first_round_forms_when_all_workers_registered_and_ranks_follow_slots():
+    state, backend = make_state()
+    assert state.round.members == ["w0.1", "w1.1", "w2.1"]
+    replies = join_all(state)
+    assert [replies[m].rank for m in state.round.members] == [0, 1, 2]
+    assert all(r.status == "ready" and r.world_size == 3 for r in replies.values())
+
+
+def test_hung_worker_is_dropped_after_heartbeat_timeout_and_its_task_returns():
+    state, backend = make_state(heartbeat_s=0.2)
+    join_all(state)
+    held = state.next_task("w2.1", state.round.id).task
+    for _ in range(5):
+        time.sleep(0.06)
+        state.heartbeat("w0.1", 0)
+        state.heartbeat("w1.1", 0)
+        state.tick()
+    assert "w2.1" in backend.stopped
+    assert "w2.1" not in state.round.members
+    assert "w2.2" in backend.launched  # the slot is relaunched
+    join_all(state, steps={"w0.1": 0, "w1.1": 0})
+    again = [state.next_task("w0.1", state.round.id).task for _ in range(3)]
+    assert any(t.start == held.start and t.count == held.count for t in again)
+
+
+def test_settle_takes_steps_from_the_state_source_and_voids_later_ones():
+    state, backend = make_state()
+    join_all(state)
+    round_id = state.round.id
+    t0 = state.next_task("w0.1", round_id).task
+    t1 = state.next_task("w1.1", round_id).task
+    step1 = StepRecord(step=1, ranges=[RangeRecord(task_id=t0.id, offset=0, count=2), RangeRecord(task_id=t1.id, offset=0, count=2), None], samples=4, loss=1.0, time=time.time())
+    step2 = StepRecord(step=2, ranges=[RangeRecord(task_id=t0.id, offset=2, count=2), None, None], samples=2, loss=1.0, time=time.time())
+    # rank 0 reported both steps, then died; the survivors only completed step 1
+    state.report_steps("w0.1", round_id, [step1, step2])
+    assert state.ledger.applied_step == 2
+    backend.exits.append(WorkerExit("w0.1", "killed by SIGKILL", -9))
+    state.tick()
+    join_all(state, steps={"w1.1": 1, "w2.1": 1}, unacked={"w1.1": [step1], "w2.1": [step1]}, left=round_id)
+    assert state.round.ready and state.round.start_step == 1
+    assert state.ledger.applied_step == 1 and state.ledger.final_step == 1
+    assert state.dispatcher.applied[t0.id] == 2  # step 2's rows went back
