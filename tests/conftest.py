@@ -104,3 +104,21 @@ def start_job(tmp_path):
             except subprocess.TimeoutExpired:
                 job.proc.kill()
         job.log.close()
+
+
+def worker_processes(job_dir: str) -> list[int]:
+    """PIDs of live processes started as workers of this job (found by their environment)."""
+    marker = f"ELASTIC_STEP_TOKEN_FILE={os.path.join(job_dir, 'token')}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat") as s:
+                        if s.read().split(")")[-1].split()[0] != "Z":
+                            pids.append(int(entry))
+        except OSError:
+            continue
+    return pids

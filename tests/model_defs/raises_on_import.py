@@ -1,0 +1,3 @@
+"""A model definition that fails while being imported."""
+
+raise RuntimeError("cannot find my weights file")
