@@ -78,10 +78,12 @@ def test_two_epochs_repeat_the_ranges_and_the_job_finishes(tmp_path):
     audit = tmp_path / "audit.jsonl"
     d = Dispatcher([10, 10], ["f1", "f2"], rows_per_task=3, epochs=2, shuffle=True, seed=7)
     ledger = Ledger(d, str(audit))
-    first = drain(d)
-    assert d.next_task("w") is None and not d.finished  # waits: epoch 0 is in flight
+    first = [d.next_task("w") for _ in range(8)]
+    assert {t.epoch for t in first} == {0}
+    second = drain(d)  # while epoch 0 is in flight, epoch 1 is handed out already
+    assert {t.epoch for t in second} == {1} and len(second) == 8
+    assert d.next_task("w") is None and not d.finished  # and no further than one epoch ahead
     step = apply_all(d, ledger, first)
-    second = drain(d)
     assert sorted(ranges(second)) == sorted(ranges(first))
     assert ranges(second) != ranges(first)  # shuffled per epoch
     apply_all(d, ledger, second, step)
@@ -140,5 +142,5 @@ def test_memory_stays_bounded_to_open_epochs():
     step = 0
     for _ in range(5):
         step = apply_all(d, ledger, drain(d), step)
-        assert len(d.tasks) <= 20
+        assert len(d.tasks) <= 40  # at most four epochs of ten tasks
     assert d.finished

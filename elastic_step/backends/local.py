@@ -46,7 +46,7 @@ class LocalBackend(Backend):
         )
         log = open(os.path.join(self.log_dir, f"{worker_id}.log"), "ab")
         self.procs[worker_id] = subprocess.Popen(
-            [self.python, "-m", "elastic_step.cli", "worker"],
+            ([self.python, "-m", "cProfile", "-o", os.path.join(self.log_dir, worker_id + ".prof"), "-m", "elastic_step.cli", "worker"] if os.environ.get("ES_PROF") else [self.python, "-m", "elastic_step.cli", "worker"]),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -70,9 +70,6 @@ class LocalBackend(Backend):
 
     def shutdown(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
         for proc in self.procs.values():
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))

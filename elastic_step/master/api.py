@@ -33,18 +33,27 @@ from elastic_step.protocol import (
 LONG_POLL_S = 1.0
 
 
+class RequireToken:
+    """A plain ASGI middleware (no response streaming, unlike @app.middleware): it answers 401
+    before the route, and so before the body is parsed or any state is touched."""
+
+    def __init__(self, app, token: str):
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+        self.denied = JSONResponse({"detail": "missing or wrong bearer token; read it from the job's token file"}, status_code=401)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await self.denied(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(state: MasterState, token: str) -> FastAPI:
     app = FastAPI(title="elastic-step master", docs_url=None, redoc_url=None)
-    expected = f"Bearer {token}".encode()
-
-    @app.middleware("http")
-    async def require_token(request: Request, call_next):
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return JSONResponse(
-                {"detail": "missing or wrong bearer token; read it from the job's token file"}, status_code=401
-            )
-        return await call_next(request)
+    app.add_middleware(RequireToken, token=token)
 
     @app.post(f"{API}/register", response_model=JobSpec)
     async def register(body: RegisterRequest):

@@ -102,11 +102,12 @@ class Dispatcher:
             self._forget_epoch(finished)
 
     def _forget_epoch(self, epoch: int) -> None:
-        # A completed epoch is kept until the next one completes: a voided step can still
-        # reopen it (see unapply). Older ones are dropped so memory stays one or two epochs.
-        old = self._epochs.pop(epoch - 1, None)
+        # A completed epoch is kept for two more epochs: a voided (tentative) step can still
+        # reopen it (see unapply), and with one epoch of look-ahead one step can complete two
+        # epochs. Older ones are dropped so memory stays a few epochs.
+        old = self._epochs.pop(epoch - 2, None)
         if old is not None:
-            for task_id in [t for t, task in self.tasks.items() if task.epoch == epoch - 1]:
+            for task_id in [t for t, task in self.tasks.items() if task.epoch == epoch - 2]:
                 del self.tasks[task_id]
                 del self.applied[task_id]
 
@@ -127,7 +128,14 @@ class Dispatcher:
         """The next task for a worker, or None: wait (the epoch's last tasks are in flight) or finished."""
         if self.finished:
             return None
+        # While the current epoch's last tasks are in flight, the next epoch's tasks are handed
+        # out already (one epoch ahead at most), so workers never idle at an epoch boundary.
+        # Exactly-once is per epoch and each task names its epoch, so interleaving is safe.
         epoch = self._epochs[self.current_epoch]
+        if not epoch.todo and self.current_epoch + 1 < self.epochs:
+            if self.current_epoch + 1 not in self._epochs:
+                self._open_epoch(self.current_epoch + 1)
+            epoch = self._epochs[self.current_epoch + 1]
         if not epoch.todo:
             return None
         task = epoch.todo.popleft()

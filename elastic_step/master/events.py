@@ -32,3 +32,24 @@ class EventLog:
     def of(self, event: str) -> list[dict]:
         with self._lock:
             return [e for e in self.events if e["event"] == event]
+
+
+class StepLog:
+    """Per-step metrics (loss, samples, samples/s, world size, round) as JSON lines in
+    JOB_DIR/metrics.jsonl: what the benchmarks read, and what tracking uploads."""
+
+    def __init__(self, path: str):
+        self._out = open(path, "w", encoding="utf-8")
+        self._last_time: float | None = None
+
+    def add(self, record, world_size: int, round_id: int) -> None:
+        rate = record.samples / (record.time - self._last_time) if self._last_time and record.time > self._last_time else None
+        self._last_time = record.time
+        self._out.write(json.dumps({
+            "step": record.step, "time": record.time, "samples": record.samples,
+            "loss": record.loss / max(record.samples, 1), "samples_per_s": rate,
+            "world_size": world_size, "round": round_id,
+        }) + "\n")
+
+    def close(self) -> None:
+        self._out.close()

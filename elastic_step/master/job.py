@@ -26,7 +26,7 @@ from elastic_step.frameworks.model_def import batch_arrays, load_model_definitio
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.master.api import create_app
 from elastic_step.master.dispatcher import Dispatcher
-from elastic_step.master.events import EventLog
+from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.state import MasterState, Timeouts
@@ -50,8 +50,12 @@ class JobResult:
 
 
 def bind_socket(host: str, port: int, what: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted connections of
+    # sockets that say so, and without it every keep-alive reply waits ~40 ms (Nagle meets
+    # delayed ACK). Accepted sockets inherit the listener's TCP_NODELAY as well.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -129,6 +133,7 @@ def run_job(config: TrainConfig) -> JobResult:
     )
     ledger = Ledger(dispatcher, config.audit)
     events = EventLog(os.path.join(config.job_dir, "events.jsonl"))
+    step_log = StepLog(os.path.join(config.job_dir, "metrics.jsonl"))
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
@@ -139,6 +144,7 @@ def run_job(config: TrainConfig) -> JobResult:
     state = MasterState(
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
+        step_log=step_log,
     )
     server = ApiServer(create_app(state, token), api_socket)
     server.start()
@@ -163,6 +169,7 @@ def run_job(config: TrainConfig) -> JobResult:
         backend.shutdown(grace_s=10.0 if state.state == "succeeded" else 2.0)
         server.stop()
         ledger.close()
+        step_log.close()
         del store
     if state.state != "succeeded":
         raise JobFailed(f"job {config.job_name} failed: {state.failure}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from elastic_step.backends.api import Backend, WorkerExit
 from elastic_step.errors import JobFailed
 from elastic_step.master.dispatcher import Dispatcher
-from elastic_step.master.events import EventLog
+from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Consumed, Ledger
 from elastic_step.master.membership import Round, Slot, WorkerInfo, order_members, worker_id_for
 from elastic_step.protocol import (
@@ -44,6 +44,7 @@ class MasterState:
         max_workers: int,
         max_relaunches: int = 3,
         timeouts: Timeouts | None = None,
+        step_log: StepLog | None = None,
     ):
         self.lock = threading.RLock()
         self.spec = spec
@@ -51,6 +52,7 @@ class MasterState:
         self.ledger = ledger
         self.backend = backend
         self.events = events
+        self.step_log = step_log
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.max_relaunches = max_relaunches
@@ -213,6 +215,8 @@ class MasterState:
         self._rate_window.append((record.time, record.samples))
         self.last_loss = record.loss / max(record.samples, 1)
         current = self.round
+        if self.step_log is not None:
+            self.step_log.add(record, world_size=len(record.ranges), round_id=self.ready_round_id)
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
             current.first_step_at = record.time
             if current.cause_time:

@@ -71,7 +71,7 @@ class StepReporter(threading.Thread):
     def run(self) -> None:
         while True:
             batch = [self._queue.get()]
-            time.sleep(0.002)  # let a few steps gather: one request carries them all
+            time.sleep(0.05)  # let steps gather: one request carries many, and the master stays idle
             while True:
                 try:
                     batch.append(self._queue.get_nowait())

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -55,6 +56,7 @@ class Worker:
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
         self.heartbeat = Heartbeat(client, worker_id, spec.heartbeat_interval_s)
         self.reporter = StepReporter(client, worker_id)
+        self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.step = -1  # -1: this worker holds no synchronised state yet
         self.unacked: dict[int, StepRecord] = {}
 
@@ -135,13 +137,26 @@ class Worker:
         rows: dict | None = None
         offset = 0
         master_done = False
+        # The next task is fetched and read in the background while this one trains, so the
+        # HTTP round trip and the Parquet read never stall the step (and so every other rank).
+        pending: Future | None = None
+
+        def take_task():
+            nonlocal pending
+            future = pending or self._prefetch.submit(self._fetch, rv.round_id)
+            pending = None
+            result = future.result()
+            if result[0] == "task":
+                pending = self._prefetch.submit(self._fetch, rv.round_id)
+            return result
+
         while True:
             buffer[:] = 0.0
             regroup = self.heartbeat.latest_round > rv.round_id or self.heartbeat.stop_requested
             mine = None
             if not regroup and not master_done:
                 if task is None or offset >= task.count:
-                    status, task, rows = self._fetch(rv.round_id)
+                    status, task, rows = take_task()
                     offset = 0
                     regroup = status == "regroup"
                     master_done = status == "done"

@@ -1,0 +1,77 @@
+"""The peer elastic-step is measured against: plain torchrun + DistributedDataParallel on the
+same model definition and data. Run under torchrun; rank 0 appends one JSON line per step
+({"step", "time", "samples"}) to --step-log. With --checkpoint-dir it saves every
+--checkpoint-every steps and resumes from the newest checkpoint after a torchrun restart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_step.data.manifest import load_manifest
+from elastic_step.data.reader import ShardReader
+from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-def", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--minibatch-size", type=int, default=32)
+    parser.add_argument("--step-log", required=True)
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--pid-dir")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.pid_dir:
+        with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    model_def = load_model_definition(args.model_def)
+    torch.manual_seed(0)
+    net = model_def.model()
+    ddp = DistributedDataParallel(net)
+    optimizer = model_def.optimizer(net)
+    manifest = load_manifest(args.data)
+    features, labels = batch_arrays(model_def, ShardReader(manifest).read_split("train"), manifest.features, manifest.label)
+
+    step = 0
+    checkpoint = os.path.join(args.checkpoint_dir, "latest.pt") if args.checkpoint_dir else None
+    if checkpoint and os.path.exists(checkpoint):
+        state = torch.load(checkpoint, weights_only=True)
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    steps_per_epoch = len(labels) // (args.minibatch_size * world)
+    log = open(args.step_log, "a") if rank == 0 else None
+    while step < steps_per_epoch * args.epochs:
+        epoch, index = divmod(step, steps_per_epoch)
+        order = np.random.default_rng(epoch).permutation(len(labels))
+        start = (index * world + rank) * args.minibatch_size
+        rows = order[start:start + args.minibatch_size]
+        optimizer.zero_grad()
+        loss = model_def.loss(ddp(torch.from_numpy(features[rows])), torch.from_numpy(labels[rows]))
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if log:
+            log.write(json.dumps({"step": step, "time": time.time(), "samples": args.minibatch_size * world}) + "\n")
+            log.flush()
+        if checkpoint and rank == 0 and step % args.checkpoint_every == 0:
+            torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, checkpoint + ".tmp")
+            os.replace(checkpoint + ".tmp", checkpoint)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
