@@ -121,7 +121,7 @@ def test_ledger_rejects_gaps_repeats_and_ranges_that_do_not_continue():
     assert not ledger.ingest(1, [Consumed(task.id, 0, 2)])  # a repeated report changes nothing
     with pytest.raises(ValueError):
         ledger.ingest(2, [Consumed(task.id, 3, 2)])
-    assert d.applied[task.id] == 2
+    assert d.tasks[task.id].applied == 2
 
 
 def test_voided_step_that_completed_an_epoch_reopens_it():

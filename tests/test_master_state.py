@@ -98,4 +98,4 @@ def test_settle_takes_steps_from_the_state_source_and_voids_later_ones():
     join_all(state, steps={"w1.1": 1, "w2.1": 1}, unacked={"w1.1": [step1], "w2.1": [step1]}, left=round_id)
     assert state.round.ready and state.round.start_step == 1
     assert state.ledger.applied_step == 1 and state.ledger.final_step == 1
-    assert state.dispatcher.applied[t0.id] == 2  # step 2's rows went back
+    assert state.dispatcher.tasks[t0.id].applied == 2  # step 2's rows went back

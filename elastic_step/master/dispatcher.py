@@ -3,19 +3,20 @@
 Every operation is O(1) in the number of tasks (deques and dicts, no list.pop(0)). Tasks of an
 epoch are created when that epoch becomes current, so a million-task job holds one epoch of
 tasks at a time. A task is consumed minibatch by minibatch, in order, so the rows of a task that
-applied steps cover are always a prefix of it: `applied[task]` rows.
+applied steps cover are always a prefix of it: `task.applied` rows.
 """
 
 from __future__ import annotations
 
 import collections
-import random
 from dataclasses import dataclass
+
+import numpy as np
 
 from elastic_step.errors import JobFailed
 
 
-@dataclass
+@dataclass(slots=True)  # a million tasks must fit in a few hundred MB
 class Task:
     id: int
     epoch: int
@@ -23,6 +24,7 @@ class Task:
     start: int  # first row, within the shard
     count: int
     failures: int = 0
+    applied: int = 0  # rows of it that applied steps consumed: a prefix
 
     def describe(self, shard_names: list[str]) -> str:
         return f"shard {shard_names[self.shard]} rows [{self.start}, {self.start + self.count}) of epoch {self.epoch}"
@@ -67,11 +69,11 @@ class Dispatcher:
         self.shuffle = shuffle
         self.seed = seed
         self.max_task_failures = max_task_failures
-        self._ranges = cut_tasks(shard_rows, rows_per_task)
+        self._shard_rows = shard_rows
+        self._rows_per_task = rows_per_task
         self.rows_per_epoch = sum(shard_rows)
         self.tasks: dict[int, Task] = {}  # every task not yet fully applied, plus done ones of open epochs
         self.holder: dict[int, str] = {}  # task id -> worker id, for tasks in doing
-        self.applied: dict[int, int] = {}  # task id -> rows of it applied (a prefix)
         self._epochs: dict[int, _Epoch] = {}
         self._next_id = 0
         self.current_epoch = 0
@@ -80,17 +82,22 @@ class Dispatcher:
 
     # -- epochs ---------------------------------------------------------------------------
     def _open_epoch(self, epoch: int) -> None:
-        ranges = list(self._ranges)
+        # Ranges as numpy columns, not a list of tuples: a million-task epoch stays small.
+        counts = [(rows + self._rows_per_task - 1) // self._rows_per_task for rows in self._shard_rows]
+        shard = np.repeat(np.arange(len(counts)), counts)
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]) if counts else np.zeros(0, dtype=np.int64)
+        start = (np.arange(len(shard)) - np.repeat(first, counts)) * self._rows_per_task
+        count = np.minimum(self._rows_per_task, np.asarray(self._shard_rows)[shard] - start)
+        order = np.arange(len(shard))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(ranges)
-        tasks = [self._new_task(epoch, shard, start, count) for shard, start, count in ranges]
+            order = np.random.default_rng(self.seed * 1_000_003 + epoch).permutation(len(shard))
+        tasks = [self._new_task(epoch, int(shard[i]), int(start[i]), int(count[i])) for i in order.tolist()]
         self._epochs[epoch] = _Epoch(tasks)
 
     def _new_task(self, epoch: int, shard: int, start: int, count: int, failures: int = 0) -> Task:
         task = Task(self._next_id, epoch, shard, start, count, failures)
         self._next_id += 1
         self.tasks[task.id] = task
-        self.applied[task.id] = 0
         return task
 
     def _advance(self) -> None:
@@ -109,7 +116,6 @@ class Dispatcher:
         if old is not None:
             for task_id in [t for t, task in self.tasks.items() if task.epoch == epoch - 2]:
                 del self.tasks[task_id]
-                del self.applied[task_id]
 
     @property
     def finished(self) -> bool:
@@ -158,7 +164,7 @@ class Dispatcher:
                 + (f" (last: {reason})" if reason else "")
                 + "; check that shard and the model definition's feed()"
             )
-        done = self.applied[task_id]
+        done = task.applied
         if done == 0:
             task.failures = failures
             epoch.todo.appendleft(task)
@@ -183,19 +189,19 @@ class Dispatcher:
         task = self.tasks.get(task_id)
         if task is None:
             raise ValueError(f"unknown task {task_id}")
-        if offset != self.applied[task_id] or offset + count > task.count or count <= 0:
+        if offset != task.applied or offset + count > task.count or count <= 0:
             raise ValueError(
                 f"range [{offset}, {offset + count}) of task {task_id} does not continue its applied prefix "
-                f"of {self.applied[task_id]} of {task.count} rows"
+                f"of {task.applied} of {task.count} rows"
             )
         return task
 
     def mark_applied(self, task_id: int, offset: int, count: int) -> Task:
         task = self.check_range(task_id, offset, count)
-        self.applied[task_id] += count
+        task.applied += count
         epoch = self._epochs[task.epoch]
         epoch.applied_rows += count
-        if self.applied[task_id] == task.count:
+        if task.applied == task.count:
             epoch.doing.pop(task_id, None)
             self.holder.pop(task_id, None)
         self._advance()
@@ -208,7 +214,7 @@ class Dispatcher:
             self.current_epoch = task.epoch  # the voided step had completed that epoch
         epoch = self._epochs[task.epoch]
         epoch.applied_rows -= count
-        self.applied[task_id] -= count
+        task.applied -= count
         if task_id not in epoch.doing:
             epoch.doing[task_id] = task
             self.holder[task_id] = ""  # its holder applied nothing wrong; not a failure

@@ -224,6 +224,7 @@ class MasterState:
                     "recovered",
                     round=current.id,
                     seconds=round(record.time - current.cause_time, 4),
+                    step_time=record.time,
                     cause=current.cause,
                 )
 

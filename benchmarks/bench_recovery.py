@@ -1,0 +1,134 @@
+"""Time from SIGKILL of one of N workers to the next applied step: elastic-step (survivors
+regroup in process) against torchrun elastic (every worker restarts and resumes from a
+checkpoint saved every 50 steps). Targets: <= 0.5 s, and <= 1/15 of torchrun's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import MODEL, elastic_step, machine, prepared_digits, read_steps, torchrun
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def first_step_after(log: str, moment: float) -> float | None:
+    if not os.path.exists(log):
+        return None
+    later = [s["time"] for s in read_steps(log) if s["time"] > moment]
+    return min(later) if later else None
+
+
+def elastic_recovery(workers: int, data: str, root: str, kills: int) -> list[float]:
+    job_dir = os.path.join(root, "elastic")
+    job = elastic_step("train", "--model-def", MODEL, "--data", data, "--job-dir", job_dir, "--workers", f"2:{workers}",
+                       "--epochs", "400", "--minibatch-size", "32", "--no-progress", "--max-relaunches", str(kills + 1),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def status():
+        done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "status", "--job-dir", job_dir, "--json"],
+                              capture_output=True, text=True)
+        return json.loads(done.stdout) if done.returncode == 0 else None
+
+    def recovered_after(moment: float):
+        with open(os.path.join(job_dir, "events.jsonl")) as f:
+            events = [json.loads(line) for line in f]
+        return next((e["step_time"] for e in events if e["event"] == "recovered" and e["step_time"] > moment), None)
+
+    results = []
+    try:
+        for _ in range(kills):
+            s = wait_until(lambda: (st := status()) and st["world_size"] == workers and st["samples_per_s"] > 0 and st,
+                           120, "elastic-step did not reach full size")
+            time.sleep(2.0)  # steady state
+            victim = next(w for w in s["workers"] if w["rank"] == 1)
+            killed_at = time.time()
+            os.kill(victim["pid"], signal.SIGKILL)
+            # The master records the first applied step after each regroup (rank 0's clock,
+            # the same machine's as ours).
+            results.append(wait_until(lambda: recovered_after(killed_at), 60, "no recovery") - killed_at)
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.wait(30)
+    return results
+
+
+def read_pid(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_recovery(workers: int, data: str, root: str, kills: int) -> list[float]:
+    log, pids, ckpt = (os.path.join(root, n) for n in ("torchrun.jsonl", "pids", "ckpt"))
+    os.makedirs(pids, exist_ok=True)
+    os.makedirs(ckpt, exist_ok=True)
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    run = torchrun("--nnodes", "1:2", "--nproc-per-node", str(workers), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", str(kills + 1),
+                   os.path.join(os.path.dirname(__file__), "ddp_peer.py"), "--model-def", MODEL, "--data", data,
+                   "--epochs", "400", "--minibatch-size", "32", "--step-log", log, "--checkpoint-dir", ckpt,
+                   "--checkpoint-every", "50", "--pid-dir", pids, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = []
+    try:
+        for _ in range(kills):
+            wait_until(lambda: os.path.exists(log) and len(read_steps(log)) > 200, 120, "torchrun did not start")
+            time.sleep(2.0)
+            pid = read_pid(os.path.join(pids, "rank1.pid"))
+            killed_at = time.time()
+            os.kill(pid, signal.SIGKILL)
+            # torchrun restarts every worker; the restarted rank 1 writes a new pid file.
+            wait_until(lambda: read_pid(os.path.join(pids, "rank1.pid")) not in (None, pid), 120, "torchrun did not restart")
+            applied = wait_until(lambda: first_step_after(log, killed_at), 120, "torchrun did not recover")
+            results.append(applied - killed_at)
+    finally:
+        run.send_signal(signal.SIGTERM)
+        try:
+            run.wait(30)
+        except subprocess.TimeoutExpired:
+            run.kill()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=3)
+    args = parser.parse_args()
+    print(f"recovery: SIGKILL 1 of {args.workers} workers, digits MLP; {machine()}")
+    with tempfile.TemporaryDirectory() as root:
+        data = prepared_digits(root)
+        ours = elastic_recovery(args.workers, data, root, args.kills)
+        theirs = torchrun_recovery(args.workers, data, root, args.kills)
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"  elastic-step: median {a:.3f}s  ({', '.join(f'{x:.3f}' for x in ours)})   target <= 0.5 s")
+    print(f"  torchrun:     median {b:.3f}s  ({', '.join(f'{x:.3f}' for x in theirs)})")
+    print(f"  ratio elastic-step / torchrun: {a / b:.3f}   (target <= {1 / 15:.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""`make bench`: every benchmark in one run, each figure printed beside its peer."""
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = [
+    ["bench_throughput.py", "--workers", "2", "3"],
+    ["bench_recovery.py", "--workers", "3", "--kills", "3"],
+    ["bench_dispatcher.py"],
+]
+
+if __name__ == "__main__":
+    failed = 0
+    for bench in BENCHMARKS:
+        failed |= subprocess.run([sys.executable, os.path.join(HERE, bench[0]), *bench[1:]], cwd=HERE).returncode
+    sys.exit(1 if failed else 0)
