@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from elastic_step.errors import ElasticStepError, MasterUnreachable
+from elastic_step.errors import ElasticStepError
 
 
 def _add_train(sub) -> None:
@@ -76,24 +76,10 @@ def _cmd_train(args) -> int:
     return 0
 
 
-def _master_client(job_dir: str):
-    from elastic_step.worker.client import MasterClient, MasterGone, read_token
-
-    path = os.path.join(job_dir, "master.json")
-    try:
-        with open(path) as f:
-            info = json.load(f)
-        return MasterClient(info["url"], read_token(info["token_file"]), master_timeout_s=3.0), info, MasterGone
-    except (OSError, ValueError, KeyError) as exc:
-        raise MasterUnreachable(f"no running job in {job_dir}: cannot read {path} ({exc})") from None
-
-
 def _cmd_status(args) -> int:
-    client, info, gone = _master_client(args.job_dir)
-    try:
-        status = client.call("GET", "/status")
-    except gone as exc:
-        raise MasterUnreachable(f"the job in {args.job_dir} is not running (master {info['url']}): {exc}") from None
+    from elastic_step.jobclient import JobClient
+
+    status = JobClient(args.job_dir).status()
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -102,20 +88,15 @@ def _cmd_status(args) -> int:
           f"{status['samples_per_s']:.0f} samples/s")
     for w in status["workers"]:
         rank = "-" if w["rank"] is None else w["rank"]
-        print(f"  {w['id']:<8} {w['state']:<9} rank {rank:<3} step {w['step']:<6} pid {w.get('pid', '-')}  {w['exit']}")
+        print(f"  {w['id']:<8} {w['state']:<9} rank {rank:<3} step {w['step']:<6} pid {w.get('pid', '-'):<8} "
+              f"rows {w['rows_applied']:<7} {w['exit']}")
     return 0
 
 
 def _cmd_scale(args) -> int:
-    from elastic_step.worker.client import Rejected
+    from elastic_step.jobclient import JobClient
 
-    client, info, gone = _master_client(args.job_dir)
-    try:
-        status = client.call("POST", "/scale", {"workers": args.workers})
-    except Rejected as exc:
-        raise ElasticStepError(f"scale to {args.workers} refused: {exc}") from None
-    except gone as exc:
-        raise MasterUnreachable(f"the job in {args.job_dir} is not running: {exc}") from None
+    status = JobClient(args.job_dir).scale(args.workers)
     print(f"scaling job {status['job']} to {status['target_workers']} workers")
     return 0
 

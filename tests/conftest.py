@@ -12,7 +12,11 @@ import time
 
 import pytest
 
+from elastic_step.jobclient import try_status
+
 MODEL = "elastic_step.model_zoo.digits_torch"
+# The same model, 20 ms slower per step: for tests that must act while a job runs.
+SLOW_MODEL = os.path.join(os.path.dirname(__file__), "model_defs", "slow_digits.py")
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +47,9 @@ class Job:
         )
 
     def status(self) -> dict | None:
-        if not os.path.exists(os.path.join(self.job_dir, "master.json")):
-            return None
-        done = cli("status", "--job-dir", self.job_dir, "--json")
-        return json.loads(done.stdout) if done.returncode == 0 else None
+        # In process (a CLI process per poll is too slow to catch a job mid-epoch);
+        # test_cli covers `elastic-step status` itself.
+        return try_status(self.job_dir)
 
     def wait_for(self, predicate, timeout: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -56,7 +59,7 @@ class Job:
             s = self.status()
             if s is not None and predicate(s):
                 return s
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise AssertionError(f"condition not reached in {timeout}s; last status {s}\n{self.output()}")
 
     def kill_worker(self, status: dict, rank: int, sig=signal.SIGKILL) -> dict:

@@ -8,11 +8,13 @@ import pytest
 
 from elastic_step.audit import audit_report
 
-from conftest import MODEL
+from conftest import MODEL, SLOW_MODEL, cli
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["--model-def", MODEL, "--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4"]
+COMMON = ["--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4"]
+
+SLOW = ["--model-def", SLOW_MODEL, *COMMON]
 
 
 def assert_exact(job, digits, epochs):
@@ -27,11 +29,11 @@ def mid_epoch(status, world=3):
 
 
 def test_sigkill_one_of_three_workers_mid_epoch(digits, start_job):
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "4", *COMMON)
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "6", *SLOW)
     status = job.wait_for(mid_epoch)
     victim = job.kill_worker(status, rank=1)
     assert job.finish() == 0, job.output()
-    assert_exact(job, digits, epochs=4)
+    assert_exact(job, digits, epochs=6)
     result = job.result()
     assert result["test_metrics"]["accuracy"] >= 0.90, result
     events = job.events()
@@ -43,7 +45,7 @@ def test_sigkill_one_of_three_workers_mid_epoch(digits, start_job):
 
 
 def test_sigkill_the_rank0_worker(digits, start_job):
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", *COMMON)
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", *SLOW)
     status = job.wait_for(mid_epoch)
     job.kill_worker(status, rank=0)
     assert job.finish() == 0, job.output()
@@ -53,7 +55,7 @@ def test_sigkill_the_rank0_worker(digits, start_job):
 def test_scale_out_from_two_to_three_the_joiner_gets_state_and_contributes(digits, start_job):
     from conftest import cli
 
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "3", *COMMON)
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "12", *SLOW)
     # `train` starts MAX workers; scale to 2 first, then grow back to 3 with a fresh joiner.
     job.wait_for(lambda s: s["world_size"] == 3)
     assert cli("scale", "--job-dir", job.job_dir, "--workers", "2").returncode == 0
@@ -63,7 +65,7 @@ def test_scale_out_from_two_to_three_the_joiner_gets_state_and_contributes(digit
     status = job.wait_for(lambda s: s["world_size"] == 3 and any(w["id"] == "w2.2" and w["rows_applied"] > 0 for w in s["workers"]))
     assert status["state"] == "running"
     assert job.finish() == 0, job.output()
-    assert_exact(job, digits, epochs=3)
+    assert_exact(job, digits, epochs=12)
     regrouped = [e for e in job.events() if e["event"] == "regrouped"]
     assert [e["world_size"] for e in regrouped][-2:] == [2, 3]
     assert regrouped[-1]["source"] != "w2.2"  # the joiner took the survivors' state
@@ -72,7 +74,7 @@ def test_scale_out_from_two_to_three_the_joiner_gets_state_and_contributes(digit
 def test_scale_in_from_three_to_two(digits, start_job):
     from conftest import cli
 
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", *COMMON)
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", *SLOW)
     job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0)
     assert cli("scale", "--job-dir", job.job_dir, "--workers", "2").returncode == 0
     status = job.wait_for(lambda s: s["world_size"] == 2 and s["round_ready"])
@@ -85,12 +87,12 @@ def test_scale_in_from_three_to_two(digits, start_job):
 
 
 def test_sigstop_worker_is_dropped_after_the_heartbeat_timeout(digits, start_job):
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "3", *COMMON)
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "4", *SLOW)
     status = job.wait_for(mid_epoch)
     stopped_at = time.time()
     victim = job.kill_worker(status, rank=2, sig=signal.SIGSTOP)
     assert job.finish() == 0, job.output()
-    assert_exact(job, digits, epochs=3)
+    assert_exact(job, digits, epochs=4)
     dropped = [e for e in job.events() if e["event"] == "dropped"]
     assert dropped and dropped[0]["worker"] == victim["id"] and "hung" in dropped[0]["message"]
     assert dropped[0]["time"] - stopped_at >= 3.5

@@ -70,7 +70,7 @@ class LocalBackend(Backend):
 
     def shutdown(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
+        for proc in list(self.procs.values()):
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -249,6 +249,8 @@ class MasterState:
     # -- scaling ----------------------------------------------------------------------------------
     def scale(self, target: int) -> None:
         with self.lock:
+            if self.over:
+                raise ValueError(f"the job has ended ({self.state}); there is nothing to scale")
             if not self.min_workers <= target <= self.max_workers:
                 raise ValueError(
                     f"--workers {target} is outside this job's range {self.min_workers}:{self.max_workers}"

@@ -1,0 +1,43 @@
+"""The `elastic-step` command line as a user types it."""
+
+import json
+import os
+
+from conftest import SLOW_MODEL, cli
+
+
+def test_prepare_data_writes_a_manifest_and_says_what_it_did(tmp_path):
+    done = cli("prepare-data", "--source", "sklearn:digits", "--out", str(tmp_path / "d"), "--split", "0.7,0.15,0.15")
+    assert done.returncode == 0, done.stderr
+    assert "train 1257, val 270, test 270" in done.stdout and "64 features" in done.stdout
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert sum(s["rows"] for split in manifest["splits"].values() for s in split) == 1797
+
+
+def test_prepare_data_bad_split_and_unknown_dataset(tmp_path):
+    done = cli("prepare-data", "--source", "sklearn:digits", "--out", str(tmp_path / "d"), "--split", "0.8,x")
+    assert done.returncode != 0 and "--split" in done.stderr and "0.8,x" in done.stderr
+    done = cli("prepare-data", "--source", "sklearn:nope", "--out", str(tmp_path / "d"))
+    assert done.returncode != 0 and "nope" in done.stderr and "digits" in done.stderr
+    assert not (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_status_and_scale_of_a_running_job(digits, start_job):
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "6", "--model-def", SLOW_MODEL, "--minibatch-size", "16")
+    job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0)
+    text = cli("status", "--job-dir", job.job_dir)
+    assert text.returncode == 0, text.stderr
+    assert "running" in text.stdout and "w0.1" in text.stdout and "pid" in text.stdout
+    status = json.loads(cli("status", "--job-dir", job.job_dir, "--json").stdout)
+    pids = [w["pid"] for w in status["workers"]]
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
+    refused = cli("scale", "--job-dir", job.job_dir, "--workers", "5")
+    assert refused.returncode != 0 and "2:3" in refused.stderr
+    assert job.finish() == 0, job.output()
+    gone = cli("status", "--job-dir", job.job_dir)
+    assert gone.returncode != 0 and "not running" in gone.stderr
+
+
+def test_status_of_a_folder_without_a_job(tmp_path):
+    done = cli("status", "--job-dir", str(tmp_path))
+    assert done.returncode != 0 and "no running job" in done.stderr and str(tmp_path) in done.stderr
