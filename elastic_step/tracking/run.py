@@ -1,0 +1,138 @@
+"""One MLflow run per training job: found again by its tags when the job (or a retried pipeline
+step) resumes, nested under a pipeline's parent run when one is given."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+from elastic_step.errors import ElasticStepError
+from elastic_step.tracking.uploader import Uploader
+
+log = logging.getLogger("elastic_step.tracking")
+
+JOB_TAG = "elastic_step.job"
+PIPELINE_RUN_TAG = "elastic_step.pipeline_run_id"
+
+
+class TrackingError(ElasticStepError):
+    """MLflow cannot be used (unreachable at start, no such run or model)."""
+
+
+def default_tracking_uri(job_dir: str) -> str:
+    return f"sqlite:///{os.path.join(os.path.abspath(job_dir), 'mlflow.db')}"
+
+
+def pipeline_run_id() -> str:
+    """The pipeline run this step belongs to, when a pipeline runs it (KFP or Argo)."""
+    return os.environ.get("KFP_RUN_ID") or os.environ.get("ARGO_WORKFLOW_NAME") or os.environ.get("ELASTIC_STEP_PIPELINE_RUN_ID", "")
+
+
+def connect(uri: str, job_dir: str):
+    """An MlflowClient for `uri`, checked to answer before anything else starts."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///"):
+        # Create the schema once, from this process, before workers or threads touch it:
+        # several processes creating a fresh SQLite database at once corrupt it.
+        os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    try:
+        client.search_experiments(max_results=1)
+    except Exception as exc:
+        raise TrackingError(
+            f"MLflow at {uri} is not reachable ({type(exc).__name__}: {str(exc)[:200]}); "
+            "start it, or pass --mlflow-uri / MLFLOW_TRACKING_URI pointing at a running server"
+        ) from None
+    return client
+
+
+class RunTracker:
+    def __init__(self, client, experiment: str, job_name: str, artifact_root: str | None = None):
+        self.client = client
+        self.job_name = job_name
+        self.uploader = Uploader()
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            self.experiment_id = client.create_experiment(experiment, artifact_location=artifact_root)
+        else:
+            self.experiment_id = found.experiment_id
+        self.run_id = ""
+        self._metrics: list = []
+        self._last_flush = time.monotonic()
+
+    # -- the run -------------------------------------------------------------------------------
+    def find_run(self) -> str | None:
+        """The newest run of this job (and of this pipeline run, when there is one)."""
+        query = f"tags.`{JOB_TAG}` = '{self.job_name}'"
+        if pipeline_run_id():
+            query += f" and tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id()}'"
+        runs = self.client.search_runs([self.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def start(self, resume: bool, parent_run_id: str | None = None) -> bool:
+        """Start (or, resuming, reopen) the job's run. True when an earlier run was reopened."""
+        existing = self.find_run() if (resume or pipeline_run_id()) else None
+        if existing:
+            self.run_id = existing
+            self.client.update_run(existing, status="RUNNING")
+            return True
+        tags = {JOB_TAG: self.job_name, "mlflow.runName": self.job_name}
+        if pipeline_run_id():
+            tags[PIPELINE_RUN_TAG] = pipeline_run_id()
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        self.run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
+        return False
+
+    def finish(self, ok: bool, timeout_s: float = 600.0) -> bool:
+        """Mark the run finished only once everything queued has reached MLflow."""
+        self.flush_metrics()
+        drained = self.uploader.drain(timeout_s)
+        if drained:
+            try:
+                self.client.set_terminated(self.run_id, "FINISHED" if ok and drained else "FAILED")
+            except Exception as exc:
+                log.error("could not mark MLflow run %s finished: %s", self.run_id, exc)
+                return False
+        return drained
+
+    # -- what is recorded -----------------------------------------------------------------------
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):
+            batch = items[i:i + 100]
+            self.uploader.submit("log params", lambda b=batch: self.client.log_batch(self.run_id, params=b))
+
+    def log_metric(self, key: str, value: float, step: int, timestamp: float | None = None) -> None:
+        from mlflow.entities import Metric
+
+        self._metrics.append(Metric(key, float(value), int((timestamp or time.time()) * 1000), int(step)))
+        if len(self._metrics) >= 900 or time.monotonic() - self._last_flush > 2.0:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        batch, self._metrics = self._metrics, []
+        self._last_flush = time.monotonic()
+        if batch:
+            self.uploader.submit("log metrics", lambda: self.client.log_batch(self.run_id, metrics=batch))
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.uploader.submit(f"tag {key}", lambda: self.client.set_tag(self.run_id, key, value))
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self.uploader.submit(f"artifact {path}", lambda: self.client.log_artifact(self.run_id, path, artifact_path))
+
+    def log_artifacts(self, folder: str, artifact_path: str) -> None:
+        self.uploader.submit(f"artifacts {folder}", lambda: self.client.log_artifacts(self.run_id, folder, artifact_path))
+
+    def log_dict(self, data: dict, name: str) -> None:
+        self.uploader.submit(f"dict {name}", lambda: self.client.log_text(self.run_id, json.dumps(data, indent=2), name))
