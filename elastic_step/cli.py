@@ -33,6 +33,14 @@ def _add_train(sub) -> None:
     p.add_argument("--collective-timeout", type=float, default=30.0)
     p.add_argument("--master-timeout", type=float, default=30.0, help="workers exit when the master is unreachable this long")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    t = p.add_argument_group("tracking (MLflow)")
+    t.add_argument("--mlflow-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else SQLite in the job dir)")
+    t.add_argument("--experiment", default="elastic-step")
+    t.add_argument("--parent-run-id", help="nest this job's run under a pipeline's parent run")
+    t.add_argument("--checkpoint-steps", type=int, default=100, help="checkpoint every K steps and at each epoch end (0: never)")
+    t.add_argument("--keep-checkpoints", type=int, default=3)
+    t.add_argument("--resume", action="store_true", help="continue this job's run from its newest committed checkpoint")
+    t.add_argument("--init-from", help="warm start: models:/NAME@ALIAS, a model URI, or a run id (its newest checkpoint)")
 
 
 def _add_prepare(sub) -> None:
@@ -71,6 +79,7 @@ def _cmd_train(args) -> int:
     result = run_job(config)
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.test_metrics.items() if k != "rows")
     print(f"trained {result.steps} steps in {result.seconds:.1f}s; model in {result.model_dir}")
+    print(f"mlflow: run {result.run_id} at {result.mlflow_uri}" + (f"; model {result.model_uri}" if result.model_uri else ""))
     print(f"test: {metrics}")
     print(f"rows audited: {result.rows_audited}" + (f"  recovery: {', '.join(f'{s:.2f}s' for s in result.recoveries_s)}" if result.recoveries_s else ""))
     return 0

@@ -47,6 +47,13 @@ class TrainConfig:
     master_timeout: float = 30.0
     job_name: str = ""
     progress: bool = True
+    mlflow_uri: str | None = None  # default: MLFLOW_TRACKING_URI, else SQLite in the job dir
+    experiment: str = "elastic-step"
+    parent_run_id: str | None = None
+    checkpoint_steps: int = 100
+    keep_checkpoints: int = 3
+    resume: bool = False
+    init_from: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,6 +64,8 @@ class TrainConfig:
         for name in ("heartbeat_timeout", "rendezvous_timeout", "collective_timeout", "master_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.checkpoint_steps < 0 or self.keep_checkpoints < 1:
+            raise ConfigError("--checkpoint-steps must be >= 0 (0 turns checkpoints off) and --keep-checkpoints >= 1")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port} is not a TCP port (0 picks a free one)")
         self.job_dir = os.path.abspath(self.job_dir)

@@ -30,6 +30,7 @@ class JobSpec(BaseModel):
     master_timeout_s: float
     features: list[str]
     label: str
+    checkpoint_steps: int = 0  # rank 0 checkpoints every K steps and at each epoch end; 0: never
 
 
 class HeartbeatRequest(BaseModel):
@@ -56,6 +57,7 @@ class StepRecord(BaseModel):
     samples: int = Field(ge=0)
     loss: float
     time: float
+    checkpoint: bool = False  # rank 0 snapshotted its state after this step
 
 
 class RendezvousRequest(BaseModel):
@@ -74,6 +76,7 @@ class RendezvousReply(BaseModel):
     source_rank: int = 0
     start_step: int = 0
     acked_step: int = 0
+    initial_state: Literal["", "checkpoint", "model"] = ""  # the source loads it from the master first
 
 
 class TaskRequest(BaseModel):
@@ -108,6 +111,7 @@ class StepsRequest(BaseModel):
 
 class StepsReply(BaseModel):
     acked_step: int
+    epoch: int = 0  # the epoch in progress (rank 0 checkpoints when it moves on)
 
 
 class CollectiveFailedRequest(BaseModel):

@@ -144,3 +144,17 @@ def test_memory_stays_bounded_to_open_epochs():
         step = apply_all(d, ledger, drain(d), step)
         assert len(d.tasks) <= 40  # at most four epochs of ten tasks
     assert d.finished
+
+
+def test_snapshot_and_restore_keep_applied_rows_and_return_the_rest():
+    d = Dispatcher([10, 10], ["f1", "f2"], rows_per_task=4, epochs=2, shuffle=False)
+    ledger = Ledger(d)
+    a, b = d.next_task("w"), d.next_task("w")
+    ledger.ingest(1, [Consumed(a.id, 0, 4), Consumed(b.id, 0, 2)])
+    snapshot = d.snapshot()
+    d.next_task("w")  # handed out after the checkpoint: must come back
+    restored = Dispatcher([10, 10], ["f1", "f2"], rows_per_task=4, epochs=2, shuffle=False)
+    restored.restore(json.loads(json.dumps(snapshot)))
+    assert restored.epoch_progress() == (6, 40)
+    todo = drain(restored)
+    assert sorted(ranges(t for t in todo if t.epoch == 0)) == [(0, 6, 8), (0, 8, 10), (1, 0, 4), (1, 4, 8), (1, 8, 10)]

@@ -45,6 +45,10 @@ class Trainer(abc.ABC):
         """Replace model parameters with a serialised copy from model_bytes()."""
 
     @abc.abstractmethod
+    def model_bytes_of_state(self, data: bytes) -> bytes:
+        """The parameters part of a state_bytes() blob (warm start from a checkpoint)."""
+
+    @abc.abstractmethod
     def predict(self, features: np.ndarray) -> np.ndarray:
         """Model outputs as numpy, without gradients."""
 

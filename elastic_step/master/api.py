@@ -9,7 +9,7 @@ import hmac
 import time
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from elastic_step.master.state import MasterState
 from elastic_step.protocol import (
@@ -87,7 +87,8 @@ def create_app(state: MasterState, token: str) -> FastAPI:
     @app.post(f"{API}/steps", response_model=StepsReply)
     async def steps(body: StepsRequest):
         try:
-            return StepsReply(acked_step=state.report_steps(body.worker_id, body.round_id, body.steps))
+            acked = state.report_steps(body.worker_id, body.round_id, body.steps)
+            return StepsReply(acked_step=acked, epoch=state.dispatcher.current_epoch)
         except ValueError as exc:  # a gap or a range that does not fit: the reporter retries
             raise HTTPException(409, str(exc)) from exc
 
@@ -107,6 +108,17 @@ def create_app(state: MasterState, token: str) -> FastAPI:
         if not state.upload_model(worker_id, step, data):
             raise HTTPException(409, "the job is not finished at that step")
         return {}
+
+    @app.put(f"{API}/checkpoint")
+    async def checkpoint(request: Request, worker_id: str, step: int):
+        state.checkpoint_state(worker_id, step, await request.body())
+        return {}
+
+    @app.get(f"{API}/initial-state")
+    async def initial_state():
+        if state.initial_state is None:
+            raise HTTPException(404, "this job has no initial state")
+        return Response(state.initial_state.data, media_type="application/octet-stream")
 
     @app.post(f"{API}/scale")
     async def scale(body: ScaleRequest):

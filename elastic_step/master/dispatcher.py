@@ -218,3 +218,36 @@ class Dispatcher:
         if task_id not in epoch.doing:
             epoch.doing[task_id] = task
             self.holder[task_id] = ""  # its holder applied nothing wrong; not a failure
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """What a checkpoint stores of the ledger: per unfinished epoch, every task with the rows
+        of it applied so far. Epochs before `current_epoch` are complete."""
+        return {
+            "current_epoch": self.current_epoch,
+            "epochs": {
+                str(e): [[t.shard, t.start, t.count, t.applied] for t in self.tasks.values() if t.epoch == e]
+                for e, epoch in self._epochs.items()
+                if e >= self.current_epoch and not epoch.complete
+            },
+        }
+
+    def restore(self, snapshot: dict) -> None:
+        """Continue from a checkpoint: applied rows stay applied, every other row is in todo."""
+        self.tasks, self.holder, self._epochs = {}, {}, {}
+        self.current_epoch = int(snapshot["current_epoch"])
+        for key, rows in snapshot["epochs"].items():
+            epoch, todo, done = int(key), [], []
+            for shard, start, count, applied in rows:
+                if applied:
+                    finished = self._new_task(epoch, shard, start, applied)
+                    finished.applied = applied
+                    done.append(finished)
+                if applied < count:
+                    todo.append(self._new_task(epoch, shard, start + applied, count - applied))
+            state = _Epoch(todo)
+            state.total_rows += sum(t.count for t in done)
+            state.applied_rows = sum(t.count for t in done)
+            self._epochs[epoch] = state
+        if not self.finished and self.current_epoch not in self._epochs:
+            self._open_epoch(self.current_epoch)

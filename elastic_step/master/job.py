@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -29,14 +30,18 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.progress import ProgressDisplay
-from elastic_step.master.state import MasterState, Timeouts
+from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.protocol import JobSpec
+from elastic_step.tracking.recorder import TrainingRecorder
 
 log = logging.getLogger("elastic_step.master")
 
 
 @dataclass
 class JobResult:
+    mlflow_uri: str
+    run_id: str
+    model_uri: str
     job_dir: str
     model_dir: str
     test_metrics: dict
@@ -107,22 +112,32 @@ class ApiServer:
         self.thread.join(5)
 
 
+def job_params(config: TrainConfig, manifest) -> dict:
+    """Everything in the job's configuration, plus what identifies its data."""
+    skip = {"worker_env", "progress", "resume"}
+    params = {k: v for k, v in vars(config).items() if k not in skip and v is not None}
+    params.update(data_content_hash=manifest.content_hash, train_rows=manifest.rows("train"), features=len(manifest.features))
+    return params
+
+
 def run_job(config: TrainConfig) -> JobResult:
     started = time.time()
     manifest = load_manifest(config.data)
     validate_shards(manifest, [s for s in ("train", "test") if manifest.splits.get(s)])
     model_def, trainer = check_model_definition(config, manifest)
+    os.makedirs(config.job_dir, exist_ok=True)
+    # MLflow first: unreachable tracking is an error before any port is bound or worker starts.
+    recorder = TrainingRecorder(config, manifest, trainer, model_def)
 
     import torch.distributed as dist  # the store that hosts every round's rendezvous
 
-    os.makedirs(config.job_dir, exist_ok=True)
     api_socket = bind_socket(config.host, config.port, "master API")
     store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False)
     url = f"http://{config.host}:{api_socket.getsockname()[1]}"
     token = secrets.token_urlsafe(32)
     token_file = os.path.join(config.job_dir, "token")
     write_private(token_file, token)
-    for stale in ("events.jsonl", "result.json"):
+    for stale in ("events.jsonl", "result.json") + (() if config.resume else ("metrics.jsonl",)):
         if os.path.exists(os.path.join(config.job_dir, stale)):
             os.remove(os.path.join(config.job_dir, stale))
 
@@ -132,19 +147,33 @@ def run_job(config: TrainConfig) -> JobResult:
         shuffle=config.shuffle, seed=config.seed, max_task_failures=config.max_task_failures,
     )
     ledger = Ledger(dispatcher, config.audit)
-    events = EventLog(os.path.join(config.job_dir, "events.jsonl"))
-    step_log = StepLog(os.path.join(config.job_dir, "metrics.jsonl"))
+    initial = None
+    checkpoint = recorder.resume_checkpoint() if config.resume else None
+    if checkpoint is not None:
+        dispatcher.restore(checkpoint.ledger)
+        ledger.resume_from(checkpoint.step)
+        initial = InitialState("checkpoint", checkpoint.state, checkpoint.step)
+        print(f"resuming run {recorder.run_id} from its checkpoint of step {checkpoint.step} (epoch {checkpoint.epoch + 1})", file=sys.stderr)
+    elif config.resume:
+        print(f"no checkpoint to resume from in run {recorder.run_id}; starting from the beginning", file=sys.stderr)
+    elif config.init_from:
+        initial = InitialState("model", recorder.warm_start_model(config.init_from), 0)
+    if not recorder.resumed:
+        recorder.log_params(job_params(config, manifest))
+    events = EventLog(os.path.join(config.job_dir, "events.jsonl"), listener=recorder.on_event)
+    step_log = StepLog(os.path.join(config.job_dir, "metrics.jsonl"), listener=recorder.on_step)
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
         heartbeat_interval_s=config.heartbeat_interval, master_timeout_s=config.master_timeout,
-        features=manifest.features, label=manifest.label,
+        features=manifest.features, label=manifest.label, checkpoint_steps=config.checkpoint_steps,
     )
     backend = create_backend(config.backend, LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env)))
     state = MasterState(
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
-        step_log=step_log,
+        step_log=step_log, initial_state=initial,
+        on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None,
     )
     server = ApiServer(create_app(state, token), api_socket)
     server.start()
@@ -172,6 +201,7 @@ def run_job(config: TrainConfig) -> JobResult:
         step_log.close()
         del store
     if state.state != "succeeded":
+        recorder.finish(False, config.job_dir)
         raise JobFailed(f"job {config.job_name} failed: {state.failure}")
 
     trainer.load_model_bytes(state.final_model)
@@ -183,7 +213,9 @@ def run_job(config: TrainConfig) -> JobResult:
         json.dump({"framework": trainer.framework, "model_def": config.model_def, "steps": ledger.applied_step,
                    "data": manifest.root, "content_hash": manifest.content_hash}, f, indent=2)
     metrics = evaluate(trainer, model_def, manifest, "test")
+    model_uri = recorder.finish(True, config.job_dir, metrics)
     result = JobResult(
+        mlflow_uri=recorder.uri, run_id=recorder.run_id, model_uri=model_uri or "",
         job_dir=config.job_dir, model_dir=model_dir, test_metrics=metrics, steps=ledger.applied_step,
         rows_audited=ledger.rows_final, recoveries_s=[e["seconds"] for e in events.of("recovered")],
         seconds=round(time.time() - started, 2),

@@ -52,6 +52,14 @@ class Ledger:
         self.finalize_through(step - 1)
         return True
 
+    def resume_from(self, step: int) -> None:
+        """Continue after a checkpoint of `step`: audit entries written earlier with a later
+        step are void, which the audit file says for anyone reading it."""
+        self.applied_step = self.final_step = step
+        if self._audit is not None:
+            self._audit.write(json.dumps({"resume_from_step": step}) + "\n")
+            self._audit.flush()
+
     def finalize_through(self, step: int) -> None:
         lines = []
         for s in range(self.final_step + 1, min(step, self.applied_step) + 1):

@@ -54,6 +54,7 @@ class Round:
     ready_at: float | None = None
     start_step: int = 0
     source_rank: int = 0
+    initial_state: str = ""  # "checkpoint" | "model" when the source loads it from the master
     first_step_at: float | None = None
 
     @property

@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from elastic_step.backends.api import Backend, WorkerExit
 from elastic_step.errors import JobFailed
@@ -23,6 +24,23 @@ from elastic_step.protocol import (
     TaskInfo,
     TaskReply,
 )
+
+
+@dataclass
+class InitialState:
+    """Where the first round's state comes from when no worker holds one: a checkpoint
+    (resume) or a model's parameters (warm start)."""
+
+    kind: str  # "checkpoint" | "model"
+    data: bytes
+    step: int
+
+
+@dataclass
+class PendingCheckpoint:
+    ledger: dict | None = None
+    epoch: int = 0
+    state: bytes | None = None
 
 
 @dataclass
@@ -45,6 +63,8 @@ class MasterState:
         max_relaunches: int = 3,
         timeouts: Timeouts | None = None,
         step_log: StepLog | None = None,
+        initial_state: InitialState | None = None,
+        on_checkpoint: Callable[[int, int, bytes, dict], None] | None = None,
     ):
         self.lock = threading.RLock()
         self.spec = spec
@@ -53,6 +73,9 @@ class MasterState:
         self.backend = backend
         self.events = events
         self.step_log = step_log
+        self.initial_state = initial_state
+        self.on_checkpoint = on_checkpoint
+        self._pending_checkpoints: dict[int, PendingCheckpoint] = {}
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.max_relaunches = max_relaunches
@@ -162,6 +185,7 @@ class MasterState:
                 source_rank=current.source_rank,
                 start_step=current.start_step,
                 acked_step=self.ledger.applied_step,
+                initial_state=current.initial_state,
             )
 
     def next_task(self, worker_id: str, round_id: int) -> TaskReply:
@@ -217,6 +241,10 @@ class MasterState:
         current = self.round
         if self.step_log is not None:
             self.step_log.add(record, world_size=len(record.ranges), round_id=self.ready_round_id)
+        if record.checkpoint and self.on_checkpoint is not None:
+            # The ledger as of exactly this step: the other half of the checkpoint.
+            pending = self._pending_checkpoints.setdefault(record.step, PendingCheckpoint())
+            pending.ledger, pending.epoch = self.dispatcher.snapshot(), self.dispatcher.current_epoch
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
             current.first_step_at = record.time
             if current.cause_time:
@@ -227,6 +255,27 @@ class MasterState:
                     step_time=record.time,
                     cause=current.cause,
                 )
+
+    def checkpoint_state(self, worker_id: str, step: int, data: bytes) -> None:
+        with self.lock:
+            self._seen(worker_id)
+            if self.on_checkpoint is not None:
+                self._pending_checkpoints.setdefault(step, PendingCheckpoint()).state = data
+
+    def _commit_checkpoints(self) -> None:
+        """Hand over checkpoints whose step is final (never voided) and whose two halves arrived."""
+        for step in sorted(self._pending_checkpoints):
+            pending = self._pending_checkpoints[step]
+            if step > self.ledger.final_step:
+                break
+            if pending.ledger is not None and pending.state is not None:
+                del self._pending_checkpoints[step]
+                self.on_checkpoint(step, pending.epoch, pending.state, pending.ledger)
+                self.events.add("checkpoint", step=step, epoch=pending.epoch)
+            elif pending.ledger is None or step < self.ledger.final_step - 1000:
+                # A state for a step nobody flagged (voided), or a flagged step whose state
+                # never came (rank 0 died first): no consistent cut, drop it.
+                del self._pending_checkpoints[step]
 
     def collective_failed(self, worker_id: str, round_id: int, error: str) -> None:
         with self.lock:
@@ -318,6 +367,8 @@ class MasterState:
                 self.on_exit(exit_)
             if self.over:
                 return
+            if self._pending_checkpoints:
+                self._commit_checkpoints()
             now = time.time()
             for worker in self.workers.values():
                 if worker.state in ("live", "retiring") and now - worker.last_seen > self.timeouts.heartbeat_s:
@@ -370,10 +421,15 @@ class MasterState:
         """Every member has called in: pick the state source, settle the ledger, go."""
         steps = [self.workers[m].step for m in current.members]
         newest = max(steps)
+        initial = ""
+        if newest < 0 and self.initial_state is not None and self.initial_state.step >= self.ledger.final_step:
+            # Nobody holds state yet: rank 0 loads the checkpoint (resume) or model (warm start).
+            initial, newest, steps[0] = self.initial_state.kind, self.initial_state.step, self.initial_state.step
         if self.ledger.final_step > 0 and newest < self.ledger.final_step:
             self.fail(
                 f"every worker that held the model state of step {self.ledger.final_step} is gone "
-                f"(newest survivor is at step {max(newest, 0)}); rerun the job"
+                f"(newest survivor is at step {max(newest, 0)}); rerun the job with --resume to continue "
+                "from its newest checkpoint"
             )
             return
         source_rank = steps.index(newest)
@@ -382,6 +438,8 @@ class MasterState:
             if self.ledger.applied_step < record.step <= start_step:
                 self._ingest(record)
         voided_rows = self.ledger.void_after(start_step)
+        for step in [s for s in self._pending_checkpoints if s > start_step]:
+            del self._pending_checkpoints[step]  # a voided step's checkpoint is no cut at all
         self.ledger.finalize_through(start_step)
         try:
             returned = self.dispatcher.return_all(self._failed_since_settle)
@@ -390,7 +448,7 @@ class MasterState:
             return
         self._failed_since_settle = set()
         current.ready, current.ready_at = True, time.time()
-        current.source_rank, current.start_step = source_rank, start_step
+        current.source_rank, current.start_step, current.initial_state = source_rank, start_step, initial
         self.ready_round_id = current.id
         for member in current.members:
             self.workers[member].unacked = []

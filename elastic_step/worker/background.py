@@ -60,6 +60,7 @@ class StepReporter(threading.Thread):
         self.client = client
         self.worker_id = worker_id
         self._queue: queue.Queue[tuple[int, StepRecord]] = queue.Queue()
+        self.epoch = 0  # the master's epoch in progress, from its replies
 
     def push(self, round_id: int, record: StepRecord) -> None:
         self._queue.put((round_id, record))
@@ -80,7 +81,8 @@ class StepReporter(threading.Thread):
             for round_id in sorted({r for r, _ in batch}):
                 steps = [rec for r, rec in batch if r == round_id]
                 try:
-                    self.client.call("POST", "/steps", StepsRequest(worker_id=self.worker_id, round_id=round_id, steps=steps))
+                    reply = self.client.call("POST", "/steps", StepsRequest(worker_id=self.worker_id, round_id=round_id, steps=steps))
+                    self.epoch = max(self.epoch, reply.get("epoch", 0))
                 except Rejected as exc:
                     # The ranges stay with every rank until acknowledged, and the next regroup
                     # settles them from the state source: nothing is lost by dropping the report.

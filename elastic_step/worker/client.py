@@ -37,6 +37,12 @@ class MasterClient:
         )
 
     def call(self, method: str, path: str, body=None, content: bytes | None = None, params=None, timeout=None):
+        return self._request(method, path, body, content, params, timeout).json()
+
+    def call_bytes(self, method: str, path: str) -> bytes:
+        return self._request(method, path, None, None, None, None).content
+
+    def _request(self, method: str, path: str, body, content, params, timeout) -> httpx.Response:
         deadline = time.monotonic() + self.master_timeout_s
         delay = 0.05
         while True:
@@ -60,7 +66,7 @@ class MasterClient:
                 continue
             if response.status_code >= 400:
                 raise Rejected(response.status_code, response.text[:500])
-            return response.json()
+            return response
 
     def close(self) -> None:
         self._http.close()

@@ -59,6 +59,8 @@ class Worker:
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.step = -1  # -1: this worker holds no synchronised state yet
         self.unacked: dict[int, StepRecord] = {}
+        self._checkpointed_epoch = 0
+        self._checkpoint_sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
 
     # -- the outer loop: rounds ------------------------------------------------------------------
     def run(self) -> int:
@@ -95,6 +97,8 @@ class Worker:
         try:
             self.collective.join(rv.store_prefix, rv.rank, rv.world_size)
             # The state source (highest applied step) makes every member identical again.
+            if rv.rank == rv.source_rank and rv.initial_state:
+                self._load_initial_state(rv.initial_state)
             data = self.trainer.state_bytes() if rv.rank == rv.source_rank else None
             data = self.collective.broadcast_bytes(data, rv.source_rank)
             if rv.rank != rv.source_rank:
@@ -186,9 +190,12 @@ class Worker:
                 self.trainer.apply_gradients(grads, total)
                 self.step += 1
                 self.heartbeat.step = self.step
-                record = StepRecord(step=self.step, ranges=self._ranges(buffer, n_grad, world), samples=total, loss=loss_sum, time=time.time())
+                record = StepRecord(step=self.step, ranges=self._ranges(buffer, n_grad, world), samples=total, loss=loss_sum,
+                                    time=time.time(), checkpoint=rank == 0 and self._checkpoint_due())
                 self.unacked[self.step] = record
                 if rank == 0:
+                    if record.checkpoint:
+                        self._send_checkpoint()
                     self.reporter.push(rv.round_id, record)
                 if mine is not None:
                     offset += mine[2]
@@ -208,11 +215,46 @@ class Worker:
             ranges.append(RangeRecord(task_id=task_id, offset=offset, count=count) if count > 0 else None)
         return ranges
 
+    # -- checkpoints --------------------------------------------------------------------------
+    def _checkpoint_due(self) -> bool:
+        every = self.spec.checkpoint_steps
+        if not every:
+            return False
+        if self.step % every == 0 or self.reporter.epoch > self._checkpointed_epoch:
+            self._checkpointed_epoch = self.reporter.epoch
+            return True
+        return False
+
+    def _send_checkpoint(self) -> None:
+        """Copy the state to memory now; a background thread hands it to the master, which
+        pairs it with its ledger of the same step. Training does not wait."""
+        state, step = self.trainer.state_bytes(), self.step
+
+        def send():
+            try:
+                self.client.call("PUT", "/checkpoint", content=state, params={"worker_id": self.worker_id, "step": step})
+            except Rejected as exc:
+                log.warning("checkpoint of step %d refused: %s", step, exc)
+
+        self._checkpoint_sender.submit(send)
+
+    def _load_initial_state(self, kind: str) -> None:
+        data = self.client.call_bytes("GET", "/initial-state")
+        if kind == "checkpoint":
+            self.trainer.load_state_bytes(data)
+        else:
+            self.trainer.load_model_bytes(data)
+
     def _finish(self, rv: RendezvousReply) -> str:
         """Every rank has heard that all epochs are applied: rank 0 hands in the final model."""
         if rv.rank == 0:
+            self._checkpoint_sender.submit(lambda: None).result()  # earlier checkpoints are sent
             self.reporter.flush()
-            self.client.call("PUT", "/model", content=self.trainer.model_bytes(), params={"worker_id": self.worker_id, "step": self.step})
+            try:
+                self.client.call("PUT", "/model", content=self.trainer.model_bytes(), params={"worker_id": self.worker_id, "step": self.step})
+            except Rejected as exc:  # the master no longer agrees the job is done here: regroup
+                log.warning("final model refused: %s", exc)
+                return "regroup"
         return "done"
 
 

@@ -1,0 +1,165 @@
+"""Everything a training job records in MLflow, wired to the master's hooks: parameters, per-step
+metrics, membership events, checkpoints (with validation metrics at each epoch end), plots, and
+the final model. Every call goes through the run's uploader, so MLflow being slow or away never
+stalls training."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore
+from elastic_step.tracking.run import RunTracker, TrackingError, connect, default_tracking_uri
+
+log = logging.getLogger("elastic_step.tracking")
+
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class TrainingRecorder:
+    def __init__(self, config, manifest, trainer, model_def):
+        self.config, self.manifest, self.trainer, self.model_def = config, manifest, trainer, model_def
+        self.uri = config.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(config.job_dir)
+        self.client = connect(self.uri, config.job_dir)
+        # A SQLite store has no artifact server: artifacts go in a folder beside the database
+        # (MLflow's default would be ./mlruns under whatever the current directory is).
+        artifacts = None
+        if self.uri.startswith("sqlite:///"):
+            artifacts = os.path.join(os.path.dirname(os.path.abspath(self.uri[len("sqlite:///"):])), "mlartifacts")
+        self.tracker = RunTracker(self.client, config.experiment, config.job_name, artifacts)
+        self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id)
+        self.checkpoints = CheckpointStore(self.tracker, os.path.join(config.job_dir, "checkpoints"), config.keep_checkpoints)
+        self._evaluated_epoch = 0
+
+    @property
+    def run_id(self) -> str:
+        return self.tracker.run_id
+
+    # -- where the first state comes from ------------------------------------------------------
+    def resume_checkpoint(self) -> Checkpoint | None:
+        return self.checkpoints.latest() if self.resumed else None
+
+    def warm_start_model(self, source: str) -> bytes:
+        """Parameters from `models:/NAME@ALIAS` (or any model URI), or a run's newest checkpoint."""
+        run_id = source[len("runs:/"):].split("/")[0] if source.startswith("runs:/") else source
+        try:
+            if RUN_ID.match(run_id):
+                checkpoint = self.checkpoints.latest(run_id)
+                if checkpoint is not None:
+                    return self.trainer.model_bytes_of_state(checkpoint.state)
+                source = f"runs:/{run_id}/model"
+            import mlflow.pytorch
+            import torch
+
+            net = mlflow.pytorch.load_model(source, map_location="cpu")
+            import io
+
+            buffer = io.BytesIO()
+            torch.save(net.state_dict(), buffer)
+            return buffer.getvalue()
+        except Exception as exc:
+            raise TrackingError(f"--init-from {source!r} cannot be loaded from {self.uri}: {type(exc).__name__}: {str(exc)[:300]}") from None
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def log_params(self, params: dict) -> None:
+        self.tracker.log_params(params)
+
+    def on_step(self, entry: dict) -> None:
+        for key in ("loss", "samples_per_s", "world_size", "round"):
+            if entry.get(key) is not None:
+                self.tracker.log_metric(key, entry[key], entry["step"], entry["time"])
+
+    def on_event(self, event: dict) -> None:
+        if event["event"] == "recovered":
+            self.tracker.log_metric("recovery_s", event["seconds"], event.get("round", 0), event["time"])
+        elif event["event"] == "regrouped":
+            self.tracker.log_metric("regroup_world_size", event["world_size"], event["round"], event["time"])
+
+    def on_checkpoint(self, step: int, epoch: int, state: bytes, ledger: dict) -> None:
+        self.checkpoints.save(Checkpoint(step, epoch, state, ledger))
+        if epoch > self._evaluated_epoch and self.manifest.splits.get("val"):
+            self._evaluated_epoch = epoch
+            self.tracker.uploader.submit(f"validation after epoch {epoch}", lambda: self._validate(step, state))
+
+    def _validate(self, step: int, state: bytes) -> None:
+        from elastic_step.evaluation import evaluate
+
+        self.trainer.load_state_bytes(state)
+        for name, value in evaluate(self.trainer, self.model_def, self.manifest, "val").items():
+            if name != "rows":
+                self.tracker.client.log_metric(self.run_id, f"val_{name}", value, step=step)
+
+    # -- the end ------------------------------------------------------------------------------------
+    def finish(self, ok: bool, job_dir: str, test_metrics: dict | None = None) -> str | None:
+        """Upload events, plots, metrics and (on success) the model; mark the run finished once
+        everything queued has reached MLflow. Returns the logged model's URI."""
+        model_uri = None
+        for name in ("events.jsonl", "metrics.jsonl"):
+            path = os.path.join(job_dir, name)
+            if os.path.exists(path):
+                self.tracker.log_artifact(path)
+        plot = plot_training(job_dir)
+        if plot:
+            self.tracker.log_artifact(plot, "plots")
+        for name, value in (test_metrics or {}).items():
+            if name != "rows":
+                self.tracker.log_metric(f"test_{name}", value, 0)
+        self.tracker.flush_metrics()
+        drained = self.tracker.uploader.drain(600)
+        if ok and drained:
+            model_uri = self._log_model(job_dir)
+        self.tracker.finish(ok and drained)
+        return model_uri
+
+    def _log_model(self, job_dir: str) -> str:
+        import mlflow
+        from mlflow.models import infer_signature
+
+        from elastic_step.data.reader import ShardReader
+        from elastic_step.frameworks.model_def import batch_arrays
+
+        split = "test" if self.manifest.rows("test") else "train"
+        batch = ShardReader(self.manifest).read(split, 0, 0, min(5, self.manifest.splits[split][0].rows))
+        features, _ = batch_arrays(self.model_def, batch, self.manifest.features, self.manifest.label)
+        with open(os.path.join(job_dir, "model", "model.bin"), "rb") as f:
+            self.trainer.load_model_bytes(f.read())
+        outputs = self.trainer.predict(features)
+        with mlflow.start_run(run_id=self.run_id):
+            info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
+        self.client.set_tag(self.run_id, "elastic_step.model_uri", info.model_uri)
+        return info.model_uri
+
+
+def plot_training(job_dir: str) -> str | None:
+    """Loss, samples/s and world size over time, as one PNG."""
+    path = os.path.join(job_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    if len(steps) < 2:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = steps[0]["time"]
+    elapsed = [s["time"] - t0 for s in steps]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    axes[0].plot(elapsed, [s["loss"] for s in steps])
+    axes[0].set_ylabel("loss")
+    axes[1].plot(elapsed, [s["samples_per_s"] or 0 for s in steps], linewidth=0.7)
+    axes[1].set_ylabel("samples/s")
+    axes[2].step(elapsed, [s["world_size"] for s in steps], where="post")
+    axes[2].set_ylabel("world size")
+    axes[2].set_xlabel("seconds since the first step")
+    fig.suptitle(f"training: {os.path.basename(job_dir.rstrip('/'))}")
+    fig.tight_layout()
+    out = os.path.join(job_dir, "plots", "training.png")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
