@@ -125,3 +125,13 @@ def worker_processes(job_dir: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    from mlflow_server import MlflowServer
+
+    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow")))
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,152 @@
+"""MLflow as the memory of every run, against a real `mlflow server` on 127.0.0.1 and against a
+plain SQLite URI: what is recorded, checkpoints, resume after a master SIGKILL, warm start,
+and MLflow outages."""
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from elastic_step.audit import audit_report
+
+from conftest import MODEL, SLOW_MODEL, cli, worker_processes
+
+pytestmark = pytest.mark.e2e
+
+FAST = ["--minibatch-size", "16", "--minibatches-per-task", "2"]
+
+
+def test_run_records_params_metrics_events_plots_checkpoints_and_a_model_that_loads(digits, start_job, mlflow_server):
+    job = start_job("--data", digits, "--workers", "2", "--epochs", "2", "--model-def", MODEL, *FAST,
+                    "--mlflow-uri", mlflow_server.uri, "--experiment", "recorded", "--checkpoint-steps", "20")
+    assert job.finish() == 0, job.output()
+    result = job.result()
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["workers"] == "2" and params["epochs"] == "2" and params["model_def"] == MODEL
+    assert params["data_content_hash"] == json.load(open(os.path.join(digits, "manifest.json")))["content_hash"]
+    for metric in ("loss", "samples_per_s", "world_size", "val_loss", "val_accuracy", "test_accuracy"):
+        assert metric in run.data.metrics, metric
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == result["steps"]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"events.jsonl", "metrics.jsonl", "plots", "checkpoints"} <= artifacts
+    committed = run.data.tags["elastic_step.checkpoints"].split(",")
+    assert len(committed) == 3  # --keep-checkpoints 3: older ones deleted
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")} == {f"checkpoints/step-{int(s):06d}" for s in committed}
+
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    model = mlflow.pytorch.load_model(result["model_uri"])
+    x = torch.rand(4, 64)
+    assert model(x).shape == (4, 10)
+
+
+def last_audited_step(path):
+    steps = [json.loads(line).get("step", 0) for line in open(path) if line.strip()]
+    return max(steps) if steps else 0
+
+
+def test_master_sigkill_then_resume_finishes_with_an_exact_audit(digits, start_job):
+    args = ["--data", digits, "--workers", "2:3", "--epochs", "4", "--model-def", SLOW_MODEL, *FAST, "--checkpoint-steps", "15",
+            "--master-timeout", "5"]
+    first = start_job(*args, name="job")
+    first.wait_for(lambda s: s["epoch"] >= 1 and s["rows_done"] > 0.4 * s["rows_total"])
+    workers = worker_processes(first.job_dir)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    # Its workers notice the master is gone and leave by themselves.
+    deadline = time.monotonic() + 60
+    while worker_processes(first.job_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert workers and not worker_processes(first.job_dir)
+
+    second = start_job(*args, "--resume", name="job")
+    assert second.finish() == 0, second.output()
+    assert "resuming run" in second.output()
+    lines = [json.loads(l) for l in open(second.audit)]
+    resume = [l["resume_from_step"] for l in lines if "resume_from_step" in l]
+    assert len(resume) == 1 and resume[0] > 0
+    report = audit_report(second.audit, digits, epochs=4)
+    assert report["exact"], report
+
+
+def first_loss(job_dir):
+    with open(os.path.join(job_dir, "metrics.jsonl")) as f:
+        return json.loads(f.readline())["loss"]
+
+
+def test_warm_start_from_the_champion_lowers_the_first_step_loss(digits, start_job, mlflow_server):
+    common = ["--data", digits, "--workers", "2", "--model-def", MODEL, *FAST, "--mlflow-uri", mlflow_server.uri,
+              "--experiment", "warm", "--seed", "3"]
+    base = start_job(*common, "--epochs", "3", name="base")
+    assert base.finish() == 0, base.output()
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    version = mlflow.register_model(base.result()["model_uri"], "digits-warm")
+    MlflowClient(mlflow_server.uri).set_registered_model_alias("digits-warm", "champion", version.version)
+
+    cold = start_job(*common, "--epochs", "1", name="cold")
+    warm = start_job(*common, "--epochs", "1", "--init-from", "models:/digits-warm@champion", name="warm")
+    assert cold.finish() == 0 and warm.finish() == 0, warm.output()
+    assert first_loss(warm.job_dir) < 0.5 * first_loss(cold.job_dir)
+
+
+def test_unreachable_mlflow_at_start_is_a_clear_error_before_any_worker(tmp_path, digits):
+    done = cli("train", "--model-def", MODEL, "--data", digits, "--job-dir", str(tmp_path / "job"), "--no-progress",
+               "--mlflow-uri", "http://127.0.0.1:9", timeout=120)
+    assert done.returncode != 0
+    message = done.stderr.strip().splitlines()[-1]
+    assert "http://127.0.0.1:9" in message and "not reachable" in message
+    assert not (tmp_path / "job" / "logs").exists()
+
+
+def test_mlflow_outage_mid_run_the_job_finishes_and_no_checkpoint_is_lost(digits, start_job, tmp_path):
+    from mlflow_server import MlflowServer
+
+    server = MlflowServer(str(tmp_path))
+    server.start()
+    try:
+        job = start_job("--data", digits, "--workers", "2", "--epochs", "5", "--model-def", SLOW_MODEL, *FAST,
+                        "--mlflow-uri", server.uri, "--checkpoint-steps", "10", "--keep-checkpoints", "100")
+        job.wait_for(lambda s: s["rows_done"] > 0.1 * s["rows_total"])
+        server.stop()
+        job.wait_for(lambda s: s["rows_done"] > 0.6 * s["rows_total"])
+        server.start()
+        assert job.finish() == 0, job.output()
+        client = MlflowClient(server.uri)
+        run = client.get_run(job.result()["run_id"])
+        assert run.info.status == "FINISHED"
+        saved = [e["step"] for e in job.events() if e["event"] == "checkpoint"]
+        committed = [int(s) for s in run.data.tags["elastic_step.checkpoints"].split(",")]
+        assert saved and committed == saved
+        uploaded = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+        assert uploaded == {f"checkpoints/step-{s:06d}" for s in saved}
+    finally:
+        server.stop()
+
+
+def test_rank0_sigkill_while_checkpointing_every_few_steps(digits, start_job):
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "3", "--model-def", SLOW_MODEL, *FAST,
+                    "--checkpoint-steps", "3")
+    status = job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0.3 * s["rows_total"])
+    job.kill_worker(status, rank=0)
+    assert job.finish() == 0, job.output()
+    assert audit_report(job.audit, digits, epochs=3)["exact"]
+    # every committed checkpoint is whole: its ledger and state load
+    from elastic_step.tracking.checkpoints import read_local
+
+    folder = os.path.join(job.job_dir, "checkpoints")
+    for name in os.listdir(folder):
+        if name.startswith("step-"):
+            checkpoint = read_local(os.path.join(folder, name))
+            assert checkpoint.step == int(name[5:]) and checkpoint.state and "epochs" in checkpoint.ledger
