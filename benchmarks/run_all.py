@@ -9,6 +9,7 @@ BENCHMARKS = [
     ["bench_throughput.py", "--workers", "2", "3"],
     ["bench_recovery.py", "--workers", "3", "--kills", "3"],
     ["bench_dispatcher.py"],
+    ["bench_checkpoint.py"],
 ]
 
 if __name__ == "__main__":
