@@ -137,7 +137,7 @@ def run_job(config: TrainConfig) -> JobResult:
     token = secrets.token_urlsafe(32)
     token_file = os.path.join(config.job_dir, "token")
     write_private(token_file, token)
-    for stale in ("events.jsonl", "result.json") + (() if config.resume else ("metrics.jsonl",)):
+    for stale in ("events.jsonl", "result.json") + (() if recorder.resumed else ("metrics.jsonl",)):
         if os.path.exists(os.path.join(config.job_dir, stale)):
             os.remove(os.path.join(config.job_dir, stale))
 
@@ -148,13 +148,14 @@ def run_job(config: TrainConfig) -> JobResult:
     )
     ledger = Ledger(dispatcher, config.audit)
     initial = None
-    checkpoint = recorder.resume_checkpoint() if config.resume else None
+    # --resume, or a retried pipeline step whose run was found by its pipeline run id tag
+    checkpoint = recorder.resume_checkpoint()
     if checkpoint is not None:
         dispatcher.restore(checkpoint.ledger)
         ledger.resume_from(checkpoint.step)
         initial = InitialState("checkpoint", checkpoint.state, checkpoint.step)
         print(f"resuming run {recorder.run_id} from its checkpoint of step {checkpoint.step} (epoch {checkpoint.epoch + 1})", file=sys.stderr)
-    elif config.resume:
+    elif recorder.resumed:
         print(f"no checkpoint to resume from in run {recorder.run_id}; starting from the beginning", file=sys.stderr)
     elif config.init_from:
         initial = InitialState("model", recorder.warm_start_model(config.init_from), 0)

@@ -69,8 +69,9 @@ class RunTracker:
 
     # -- the run -------------------------------------------------------------------------------
     def find_run(self) -> str | None:
-        """The newest run of this job (and of this pipeline run, when there is one)."""
-        query = f"tags.`{JOB_TAG}` = '{self.job_name}'"
+        """The newest unfinished run of this job (and of this pipeline run, when there is one):
+        a finished run has nothing left to resume."""
+        query = f"tags.`{JOB_TAG}` = '{self.job_name}' and attributes.status != 'FINISHED'"
         if pipeline_run_id():
             query += f" and tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id()}'"
         runs = self.client.search_runs([self.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
