@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 FAST = ["--minibatch-size", "16", "--minibatches-per-task", "2"]
 
 
-def test_run_records_params_metrics_events_plots_checkpoints_and_a_model_that_loads(digits, start_job, mlflow_server):
+def test_run_records_params_metrics_events_plots_checkpoints_and_a_model_that_loads(digits, start_job, mlflow_server, tmp_path):
     job = start_job("--data", digits, "--workers", "2", "--epochs", "2", "--model-def", MODEL, *FAST,
                     "--mlflow-uri", mlflow_server.uri, "--experiment", "recorded", "--checkpoint-steps", "20")
     assert job.finish() == 0, job.output()
@@ -33,7 +33,11 @@ def test_run_records_params_metrics_events_plots_checkpoints_and_a_model_that_lo
     assert params["data_content_hash"] == json.load(open(os.path.join(digits, "manifest.json")))["content_hash"]
     for metric in ("loss", "samples_per_s", "world_size", "val_loss", "val_accuracy", "test_accuracy"):
         assert metric in run.data.metrics, metric
-    assert len(client.get_metric_history(run.info.run_id, "loss")) == result["steps"]
+    history = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert history == sorted(history) and history[-1] == result["steps"]  # summarised, up to the last step
+    logged = json.loads(client.download_artifacts(run.info.run_id, "metrics.jsonl", str(tmp_path)) and open(
+        os.path.join(str(tmp_path), "metrics.jsonl")).readline())
+    assert logged["step"] == 1  # every step is in the artifact
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"events.jsonl", "metrics.jsonl", "plots", "checkpoints"} <= artifacts
     committed = run.data.tags["elastic_step.checkpoints"].split(",")

@@ -6,6 +6,7 @@ that overlap the range, so a task costs roughly its own size in I/O however larg
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import numpy as np
@@ -17,8 +18,13 @@ from elastic_step.errors import DataError
 
 
 class ShardReader:
-    def __init__(self, manifest: Manifest):
+    def __init__(self, manifest: Manifest, cache_bytes: int = 256 << 20):
         self.manifest = manifest
+        # Decoded row groups, least recently used first: a worker meets the same shards every
+        # epoch, and decoding Parquet again would hold the GIL its training thread needs.
+        self.cache_bytes = cache_bytes
+        self._cache: collections.OrderedDict[tuple, pa.Table] = collections.OrderedDict()
+        self._cached = 0
         # Workers read many ranges of the same few shards: keep each footer parsed and file open.
         self._files: dict[tuple[str, int], tuple[pq.ParquetFile, np.ndarray]] = {}
         self._lock = threading.Lock()  # a ParquetFile's handle is not safe to share between threads
@@ -55,9 +61,23 @@ class ShardReader:
             # Row groups g with starts[g] < end and starts[g+1] > start overlap the range.
             first = int(np.searchsorted(starts, start, side="right")) - 1
             last = int(np.searchsorted(starts, start + count, side="left")) - 1
-            groups = list(range(first, last + 1))
-            table = pf.read_row_groups(groups, columns=names)
+            table = pa.concat_tables([self._row_group(pf, split, shard_index, g, names) for g in range(first, last + 1)])
         return _to_numpy(table.slice(start - int(starts[first]), count))
+
+    def _row_group(self, pf: pq.ParquetFile, split: str, shard: int, group: int, names: list[str]) -> pa.Table:
+        key = (split, shard, group, tuple(names))
+        table = self._cache.get(key)
+        if table is not None:
+            self._cache.move_to_end(key)
+            return table
+        table = pf.read_row_groups([group], columns=names)
+        if table.nbytes <= self.cache_bytes:
+            self._cache[key] = table
+            self._cached += table.nbytes
+            while self._cached > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached -= old.nbytes
+        return table
 
     def read_split(self, split: str, columns=None) -> dict[str, np.ndarray]:
         """Every row of a split, shards in order (for evaluation, which wants the whole split)."""

@@ -119,13 +119,16 @@ class Worker:
             self.collective.leave()
 
     # -- the inner loop: steps ----------------------------------------------------------------
-    def _fetch(self, round_id: int) -> tuple[str, TaskInfo | None, dict | None]:
+    def _fetch(self, round_id: int) -> tuple[str, TaskInfo | None, tuple | None]:
         reply = self.client.call("POST", "/task", TaskRequest(worker_id=self.worker_id, round_id=round_id))
         if reply["status"] != "task":
             return reply["status"], None, None
         task = TaskInfo(**reply["task"])
         try:
             rows = self.reader.read("train", task.shard, task.start, task.count)
+            # feed() is row-wise: apply it to the whole task here, off the training thread,
+            # and let each step take a slice.
+            rows = batch_arrays(self.model_def, rows, self.spec.features, self.spec.label)
         except Exception as exc:
             log.error("task %d: %s", task.id, exc)
             self.client.call("POST", "/task-failed", TaskFailedRequest(worker_id=self.worker_id, task_id=task.id, error=f"{type(exc).__name__}: {exc}"))
@@ -138,7 +141,7 @@ class Worker:
         buffer = np.zeros(n_grad + HEADER + PER_RANK * world, dtype=np.float32)
         grads = buffer[:n_grad]
         task: TaskInfo | None = None
-        rows: dict | None = None
+        rows: tuple | None = None  # (features, labels) of the current task
         offset = 0
         master_done = False
         # The next task is fetched and read in the background while this one trains, so the
@@ -166,8 +169,7 @@ class Worker:
                     master_done = status == "done"
                 if task is not None:
                     count = min(batch_size, task.count - offset)
-                    batch = {name: column[offset:offset + count] for name, column in rows.items()}
-                    features, labels = batch_arrays(self.model_def, batch, self.spec.features, self.spec.label)
+                    features, labels = rows[0][offset:offset + count], rows[1][offset:offset + count]
                     buffer[n_grad + 1] = self.trainer.compute_gradients(features, labels, grads)
                     buffer[n_grad] = count
                     mine = (task.id, offset, count)
