@@ -46,7 +46,7 @@ class LocalBackend(Backend):
         )
         log = open(os.path.join(self.log_dir, f"{worker_id}.log"), "ab")
         self.procs[worker_id] = subprocess.Popen(
-            ([self.python, "-m", "cProfile", "-o", os.path.join(self.log_dir, worker_id + ".prof"), "-m", "elastic_step.cli", "worker"] if os.environ.get("ES_PROF") else [self.python, "-m", "elastic_step.cli", "worker"]),
+            [self.python, "-m", "elastic_step.cli", "worker"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
