@@ -1,0 +1,5 @@
+import sys
+
+from elastic_step.cli import main
+
+sys.exit(main())
