@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-install
 EXTRAS ?= torch,dev
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench compile clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m elastic_step.demo
+
+# Generated files are committed; a test fails when one is stale.
+compile: $(STAMP)
+	$(PY) -m elastic_step.pipelines.compile
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
