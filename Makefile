@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-install
-EXTRAS ?= torch,dev
+EXTRAS ?= torch,tensorflow,dev
 
 .PHONY: install test demo bench compile clean
 
