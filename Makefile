@@ -25,6 +25,7 @@ demo: $(STAMP)
 # Generated files are committed; a test fails when one is stale.
 compile: $(STAMP)
 	$(PY) -m elastic_step.pipelines.compile
+	$(PY) -m elastic_step.cli argo render --pipeline all --out pipelines/argo
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

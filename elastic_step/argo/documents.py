@@ -1,0 +1,190 @@
+"""The Argo documents of each pipeline: a WorkflowTemplate holding the DAG, a Workflow that runs
+it by reference (`workflowTemplateRef`), and — for retraining — a CronWorkflow that runs it on a
+schedule. Every setting a user tunes per run is a workflow parameter; what is fixed per cluster
+(image, PVC, MLflow Secret, schedule) is chosen when rendering.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from hera.workflows import DAG, Artifact, CronWorkflow, Parameter, Task, Workflow, WorkflowTemplate
+from hera.workflows import models as m
+
+from elastic_step.argo import steps
+from elastic_step.errors import ConfigError
+from elastic_step.images import default_image
+from elastic_step.schedule import argo_cron, check_timezone
+
+PIPELINES = ("training", "retraining")
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+LABELS = {"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/part-of": "elastic-step"}
+
+# Workflow parameters and their defaults: a run overrides any of them (`argo submit -p epochs=10`).
+PARAMETERS = {
+    "source": "sklearn:digits",
+    "label": "label",
+    "model-def": "elastic_step.model_zoo.digits_torch",
+    "workers": "2:4",
+    "epochs": "5",
+    "minibatch-size": "32",
+    "minibatches-per-task": "4",
+    "checkpoint-steps": "100",
+    "seed": "0",
+    "backend": "local",
+    "experiment": "elastic-step",
+    "registered-model": "digits",
+    "floor": "accuracy=0.9",
+    "min-gain": "accuracy=0.0",
+    "service-account": "elastic-step",
+    "train-cpu": "4",
+    "train-memory": "8Gi",
+    "train-gpus": "0",
+    "step-cpu": "1",
+    "step-memory": "2Gi",
+}
+MLFLOW_URI_DEFAULT = "http://mlflow.mlflow.svc.cluster.local:5000"
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Choices fixed when the YAML is rendered (everything else is a workflow parameter)."""
+
+    image: str = field(default_factory=default_image)
+    pvc: str | None = None
+    mlflow_secret: str | None = None  # NAME or NAME:KEY of a Secret holding the tracking URI
+    train_retries: int = 3
+    cron: str = "0 3 * * *"
+    timezone: str = "UTC"
+    starting_deadline_seconds: int = 3600
+    history_limit: int = 3
+
+    def validate(self) -> None:
+        if not self.image or any(c.isspace() for c in self.image):
+            raise ConfigError(f"--image {self.image!r} is not an image reference; give one like ghcr.io/org/image:tag")
+        for flag, name in (("--pvc", self.pvc), ("--mlflow-secret", self.secret_name)):
+            if name is not None and not DNS_1123.match(name):
+                raise ConfigError(f"{flag} {name!r} is not a valid Kubernetes name (lower-case letters, digits, '-')")
+        if self.train_retries < 0:
+            raise ConfigError(f"--train-retries {self.train_retries} must be 0 or more")
+        if self.starting_deadline_seconds < 0 or self.history_limit < 0:
+            raise ConfigError("--starting-deadline and --history-limit must be 0 or more")
+        argo_cron(self.cron)
+        check_timezone(self.timezone)
+
+    @property
+    def secret_name(self) -> str | None:
+        return self.mlflow_secret.partition(":")[0] if self.mlflow_secret else None
+
+    @property
+    def secret_key(self) -> str:
+        return (self.mlflow_secret or "").partition(":")[2] or "tracking-uri"
+
+
+def template_name(pipeline: str) -> str:
+    return f"elastic-step-{pipeline}"
+
+
+def _from_workflow(*names: str) -> dict[str, str]:
+    return {name: f"{{{{workflow.parameters.{name}}}}}" for name in names}
+
+
+def _dataset(layout: steps.Layout) -> list:
+    if not layout.uses_artifacts:
+        return []
+    return [Artifact(name="dataset", from_="{{tasks.prepare-data.outputs.artifacts.dataset}}")]
+
+
+def _step_resources() -> dict[str, str]:
+    return {"cpu": "{{workflow.parameters.step-cpu}}", "memory": "{{workflow.parameters.step-memory}}"}
+
+
+def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate:
+    """prepare-data → train → evaluate → (blessed) export → (blessed) promote."""
+    if pipeline not in PIPELINES:
+        raise ConfigError(f"--pipeline {pipeline!r} is not one of {', '.join(PIPELINES)}")
+    layout = steps.Layout(pvc=options.pvc)
+    settings = steps.StepSettings(image=options.image, mlflow_secret=options.secret_name,
+                                  mlflow_secret_key=options.secret_key)
+    parameters = dict(PARAMETERS)
+    if not options.mlflow_secret:
+        parameters["mlflow-uri"] = MLFLOW_URI_DEFAULT
+    volumes = None
+    if options.pvc:
+        volumes = [m.Volume(name=steps.PVC_VOLUME,
+                            persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(claim_name=options.pvc))]
+    blessed = "{{tasks.evaluate.outputs.parameters.blessed}} == true"
+    with WorkflowTemplate(
+        name=template_name(pipeline),
+        labels=LABELS,
+        entrypoint=pipeline,
+        arguments=[Parameter(name=name, value=value) for name, value in parameters.items()],
+        service_account_name="{{workflow.parameters.service-account}}",
+        # Keep failed pods (their logs explain the failure); delete finished workflows after a while.
+        pod_gc=m.PodGC(strategy="OnPodSuccess"),
+        ttl_strategy=m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),
+        volumes=volumes,
+    ) as template:
+        prepare_c = steps.prepare_data(settings, layout)
+        train_c = steps.train(settings, layout, options.train_retries, warm_start=pipeline == "retraining")
+        evaluate_c = steps.evaluate(settings, layout)
+        export_c = steps.export(settings, layout)
+        promote_c = steps.promote(settings, layout)
+        with DAG(name=pipeline):
+            Task(name="prepare-data", template=prepare_c,
+                 arguments=_from_workflow("source", "label", "seed") | _step_resources())
+            train_args = _from_workflow(*steps.TRAIN_INPUTS) | {
+                "cpu": "{{workflow.parameters.train-cpu}}", "memory": "{{workflow.parameters.train-memory}}",
+                "gpus": "{{workflow.parameters.train-gpus}}"}
+            if pipeline == "retraining":
+                train_args |= _from_workflow("registered-model")
+            Task(name="train", template=train_c, depends="prepare-data",
+                 arguments=[Parameter(name=k, value=v) for k, v in train_args.items()] + _dataset(layout))
+            evaluate_args = {"run-id": "{{tasks.train.outputs.parameters.run_id}}",
+                             "model-uri": "{{tasks.train.outputs.parameters.model_uri}}"}
+            evaluate_args |= _from_workflow("registered-model", "floor", "min-gain") | _step_resources()
+            Task(name="evaluate", template=evaluate_c, depends="train",
+                 arguments=[Parameter(name=k, value=v) for k, v in evaluate_args.items()] + _dataset(layout))
+            export_args = {"run-id": "{{tasks.train.outputs.parameters.run_id}}",
+                           "model-uri": "{{tasks.train.outputs.parameters.model_uri}}"}
+            export_args |= _from_workflow("registered-model") | _step_resources()
+            Task(name="export", template=export_c, depends="evaluate", when=blessed,
+                 arguments=[Parameter(name=k, value=v) for k, v in export_args.items()] + _dataset(layout))
+            promote_args = {"version": "{{tasks.export.outputs.parameters.model_version}}"}
+            promote_args |= _from_workflow("registered-model") | _step_resources()
+            Task(name="promote", template=promote_c, depends="export.Succeeded", when=blessed, arguments=promote_args)
+    return template
+
+
+def workflow(pipeline: str) -> Workflow:
+    """A run of the pipeline's WorkflowTemplate with its default parameters (`argo submit` / `kubectl create`)."""
+    return Workflow(generate_name=f"{template_name(pipeline)}-", labels=LABELS,
+                    workflow_template_ref=m.WorkflowTemplateRef(name=template_name(pipeline)))
+
+
+def cron_workflow(options: RenderOptions) -> CronWorkflow:
+    """Scheduled retraining: one run at a time; a run missed by more than the deadline is skipped."""
+    return CronWorkflow(
+        name=template_name("retraining"),
+        labels=LABELS,
+        schedules=[argo_cron(options.cron)],
+        timezone=options.timezone,
+        concurrency_policy="Forbid",
+        starting_deadline_seconds=options.starting_deadline_seconds,
+        successful_jobs_history_limit=options.history_limit,
+        failed_jobs_history_limit=options.history_limit,
+        workflow_template_ref=m.WorkflowTemplateRef(name=template_name("retraining")),
+    )
+
+
+def build_documents(pipeline: str, options: RenderOptions) -> dict[str, object]:
+    """File name → Hera object, for one pipeline."""
+    options.validate()
+    documents: dict[str, object] = {
+        f"{pipeline}-workflowtemplate.yaml": workflow_template(pipeline, options),
+        f"{pipeline}-workflow.yaml": workflow(pipeline),
+    }
+    if pipeline == "retraining":
+        documents[f"{pipeline}-cronworkflow.yaml"] = cron_workflow(options)
+    return documents

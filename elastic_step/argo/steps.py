@@ -1,0 +1,171 @@
+"""The container templates of the Argo pipelines: one per CLI pipeline step (`elastic-step
+prepare-data | train | evaluate | export | promote`), each writing its outputs under `--outputs`
+so the template can declare them as output parameters (`valueFrom.path`) and artifacts.
+
+Files travel between steps one of two ways (`Layout`): through the cluster's artifact repository
+(outputs declared by path only and inputs `from:` the producing task, so the repository Argo is
+configured with — S3, MinIO, GCS, ... — chooses the key and no bucket or credentials appear
+here), or on a shared PersistentVolumeClaim mounted in every step, one folder per workflow.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from hera.workflows import Artifact, Container, Env, Parameter, SecretEnv
+from hera.workflows import models as m
+
+ENTRYPOINT = "elastic-step"
+PVC_MOUNT = "/mnt/elastic-step"
+PVC_VOLUME = "work"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a step reads its inputs and writes its outputs."""
+
+    pvc: str | None = None  # claim name; None: the artifact repository
+
+    @property
+    def uses_artifacts(self) -> bool:
+        return self.pvc is None
+
+    def outputs(self, step: str) -> str:
+        if self.pvc:
+            return f"{PVC_MOUNT}/{{{{workflow.name}}}}/{step}"
+        return "/tmp/outputs"
+
+    def dataset_in(self) -> str:
+        return f"{self.outputs('prepare-data')}/dataset" if self.pvc else "/tmp/inputs/dataset"
+
+    def job_dir(self) -> str:
+        return f"{self.outputs('train')}/job" if self.pvc else "/tmp/job"
+
+    def volume_mounts(self) -> list[m.VolumeMount] | None:
+        return [m.VolumeMount(name=PVC_VOLUME, mount_path=PVC_MOUNT)] if self.pvc else None
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What every step container shares: the image and where the MLflow URI comes from."""
+
+    image: str
+    mlflow_secret: str | None = None  # Secret name; None: the `mlflow-uri` workflow parameter
+    mlflow_secret_key: str = "tracking-uri"
+
+    def env(self) -> list:
+        # The steps read MLFLOW_TRACKING_URI (their --mlflow-uri default). ARGO_WORKFLOW_NAME tags the
+        # MLflow runs, so a retried train step finds and resumes its own unfinished run.
+        # ELASTIC_STEP_IMAGE makes worker pods launched by the train step use this same image.
+        if self.mlflow_secret:
+            uri = SecretEnv(name="MLFLOW_TRACKING_URI", secret_name=self.mlflow_secret, secret_key=self.mlflow_secret_key)
+        else:
+            uri = Env(name="MLFLOW_TRACKING_URI", value="{{workflow.parameters.mlflow-uri}}")
+        return [uri, Env(name="ARGO_WORKFLOW_NAME", value="{{workflow.name}}"),
+                Env(name="ELASTIC_STEP_IMAGE", value=self.image)]
+
+
+def _param(name: str) -> str:
+    return f"{{{{inputs.parameters.{name}}}}}"
+
+
+def _resources_patch(gpus: bool) -> str:
+    """Resource quantities cannot hold `{{...}}` in `resources:` (the controller parses them as
+    quantities before substitution); a podSpecPatch is Argo's documented way to parameterise them."""
+    resources = {"requests": {"cpu": _param("cpu"), "memory": _param("memory")}}
+    if gpus:
+        resources["limits"] = {"memory": _param("memory"), "nvidia.com/gpu": _param("gpus")}
+    return json.dumps({"containers": [{"name": "main", "resources": resources}]}, sort_keys=True)
+
+
+def _outputs(layout: Layout, step: str, parameters: list[str], artifacts: dict[str, str]) -> list:
+    """Output parameters read from `--outputs DIR/<name>`; artifacts (name → file or folder under DIR)
+    only when they go through the artifact repository."""
+    out_dir = layout.outputs(step)
+    declared: list = [Parameter(name=p, value_from=m.ValueFrom(path=f"{out_dir}/{p}")) for p in parameters]
+    if layout.uses_artifacts:
+        declared += [Artifact(name=name, path=f"{out_dir}/{path}") for name, path in artifacts.items()]
+    return declared
+
+
+def _inputs(layout: Layout, parameters: list[str], dataset: bool) -> list:
+    declared: list = [Parameter(name=p) for p in parameters]
+    if dataset and layout.uses_artifacts:
+        declared.append(Artifact(name="dataset", path=layout.dataset_in()))
+    return declared
+
+
+def _container(name: str, settings: StepSettings, layout: Layout, args: list[str], inputs: list, outputs: list,
+               gpus: bool = False, retry_strategy: m.RetryStrategy | None = None) -> Container:
+    return Container(
+        name=name,
+        image=settings.image,
+        command=[ENTRYPOINT],
+        args=args,
+        env=settings.env(),
+        inputs=inputs + [Parameter(name="cpu"), Parameter(name="memory")] + ([Parameter(name="gpus")] if gpus else []),
+        outputs=outputs,
+        pod_spec_patch=_resources_patch(gpus),
+        volume_mounts=layout.volume_mounts(),
+        retry_strategy=retry_strategy,
+    )
+
+
+def prepare_data(settings: StepSettings, layout: Layout) -> Container:
+    out = layout.outputs("prepare-data")
+    args = ["prepare-data", "--source", _param("source"), "--label", _param("label"), "--out", f"{out}/dataset",
+            "--seed", _param("seed"), "--outputs", out]
+    return _container("prepare-data", settings, layout, args, _inputs(layout, ["source", "label", "seed"], False),
+                      _outputs(layout, "prepare-data", [], {"dataset": "dataset", "summary": "summary.md"}))
+
+
+TRAIN_INPUTS = ["model-def", "workers", "epochs", "minibatch-size", "minibatches-per-task", "checkpoint-steps",
+                "seed", "backend", "experiment"]
+
+
+def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool) -> Container:
+    args = ["train", "--model-def", _param("model-def"), "--data", layout.dataset_in(), "--job-dir", layout.job_dir()]
+    for name in TRAIN_INPUTS[1:]:
+        args += [f"--{name}", _param(name)]
+    inputs = list(TRAIN_INPUTS)
+    if warm_start:
+        # Retraining starts from the current champion; a retried attempt still resumes its own
+        # run's newest checkpoint first (found by the ARGO_WORKFLOW_NAME tag).
+        args += ["--init-from", f"models:/{_param('registered-model')}@champion"]
+        inputs.append("registered-model")
+    args += ["--outputs", layout.outputs("train")]
+    retry = m.RetryStrategy(
+        limit=retries,
+        retry_policy="Always",  # pod deletion and preemption are errors, a crash is a failure: retry both
+        # exit code 2 is bad input (ElasticStepError): another attempt would fail the same way
+        expression="lastRetry.exitCode != '2'",
+        backoff=m.Backoff(duration="30s", factor=2, max_duration="1h"),
+    )
+    return _container("train", settings, layout, args, _inputs(layout, inputs, True),
+                      _outputs(layout, "train", ["run_id", "model_uri"], {"metrics": "metrics.json", "model": "model"}),
+                      gpus=True, retry_strategy=retry)
+
+
+def evaluate(settings: StepSettings, layout: Layout) -> Container:
+    args = ["evaluate", "--run-id", _param("run-id"), "--model-uri", _param("model-uri"), "--data", layout.dataset_in(),
+            "--registered-model", _param("registered-model"), "--floor", _param("floor"),
+            "--min-gain", _param("min-gain"), "--outputs", layout.outputs("evaluate")]
+    inputs = _inputs(layout, ["run-id", "model-uri", "registered-model", "floor", "min-gain"], True)
+    return _container("evaluate", settings, layout, args, inputs,
+                      _outputs(layout, "evaluate", ["blessed", "reason"], {"metrics": "metrics.json", "report": "report.md"}))
+
+
+def export(settings: StepSettings, layout: Layout) -> Container:
+    args = ["export", "--run-id", _param("run-id"), "--model-uri", _param("model-uri"), "--data", layout.dataset_in(),
+            "--registered-model", _param("registered-model"), "--outputs", layout.outputs("export")]
+    return _container("export", settings, layout, args,
+                      _inputs(layout, ["run-id", "model-uri", "registered-model"], True),
+                      _outputs(layout, "export", ["model_version", "registered_model_uri"], {}))
+
+
+def promote(settings: StepSettings, layout: Layout) -> Container:
+    args = ["promote", "--registered-model", _param("registered-model"), "--version", _param("version"),
+            "--outputs", layout.outputs("promote")]
+    return _container("promote", settings, layout, args, _inputs(layout, ["registered-model", "version"], False),
+                      _outputs(layout, "promote", ["champion_version"], {}))

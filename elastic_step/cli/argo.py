@@ -1,0 +1,37 @@
+"""`elastic-step argo render`: native Argo Workflows YAML (WorkflowTemplate, Workflow, CronWorkflow)."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("argo", help="Argo Workflows YAML for the pipelines")
+    actions = p.add_subparsers(dest="action", required=True)
+    r = actions.add_parser("render", help="write the WorkflowTemplate, Workflow (and CronWorkflow) of a pipeline")
+    r.add_argument("--pipeline", required=True, choices=["training", "retraining", "all"])
+    r.add_argument("--out", required=True, help="folder to write the YAML files into")
+    r.add_argument("--pvc", help="pass files between steps on this PersistentVolumeClaim instead of the "
+                                 "cluster's artifact repository")
+    r.add_argument("--mlflow-secret", metavar="NAME[:KEY]",
+                   help="take MLFLOW_TRACKING_URI from this Secret (key default: tracking-uri) instead of the "
+                        "mlflow-uri workflow parameter")
+    r.add_argument("--image", help="container image of every step (default: ELASTIC_STEP_IMAGE, else the project image)")
+    r.add_argument("--train-retries", type=int, default=3, help="retries of the train step (default 3)")
+    r.add_argument("--cron", default="0 3 * * *", help="CronWorkflow schedule, five fields (default '0 3 * * *')")
+    r.add_argument("--timezone", default="UTC", help="CronWorkflow time zone (IANA name, default UTC)")
+    r.add_argument("--starting-deadline", type=int, default=3600,
+                   help="seconds after a missed schedule within which the run still starts (default 3600)")
+    r.add_argument("--history-limit", type=int, default=3, help="finished runs kept per outcome (default 3)")
+    r.set_defaults(func=run_render)
+
+
+def run_render(args) -> int:
+    from elastic_step.argo import PIPELINES, RenderOptions, render
+
+    extra = {"image": args.image} if args.image else {}
+    options = RenderOptions(pvc=args.pvc, mlflow_secret=args.mlflow_secret, train_retries=args.train_retries,
+                            cron=args.cron, timezone=args.timezone, starting_deadline_seconds=args.starting_deadline,
+                            history_limit=args.history_limit, **extra)
+    pipelines = list(PIPELINES) if args.pipeline == "all" else [args.pipeline]
+    for path in render(pipelines, args.out, options):
+        print(f"wrote {path}")
+    return 0
