@@ -16,9 +16,19 @@ def _is_torch_module(obj) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
+def _is_keras_model(obj) -> bool:
+    # tf.keras.Model is keras.Model under TensorFlow >= 2.16, and using either imports `keras`.
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(obj, keras.Model)
+
+
 def build_trainer(model_def: ModelDefinition, seed: int = 0) -> Trainer:
     if "torch" in sys.modules:
         sys.modules["torch"].manual_seed(seed)
+    if "keras" in sys.modules:  # only a model definition that imported Keras pays for TensorFlow
+        from elastic_step.frameworks.keras_trainer import prepare_runtime
+
+        prepare_runtime(seed)
     try:
         net = model_def.model()
     except Exception as exc:
@@ -29,9 +39,13 @@ def build_trainer(model_def: ModelDefinition, seed: int = 0) -> Trainer:
         from elastic_step.frameworks.torch_trainer import TorchTrainer
 
         return TorchTrainer(model_def, net)
+    if _is_keras_model(net):
+        from elastic_step.frameworks.keras_trainer import KerasTrainer
+
+        return KerasTrainer(model_def, net)
     raise ModelDefinitionError(
         f"model() of {model_def.source!r} returned {type(net).__name__}; "
-        "supported: a torch.nn.Module"
+        "supported: a torch.nn.Module or a keras.Model (TensorFlow backend)"
     )
 
 

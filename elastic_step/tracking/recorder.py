@@ -53,6 +53,9 @@ class TrainingRecorder:
                 if checkpoint is not None:
                     return self.trainer.model_bytes_of_state(checkpoint.state)
                 source = f"runs:/{run_id}/model"
+            load_logged = getattr(self.trainer, "model_bytes_of_logged_model", None)
+            if load_logged is not None:  # a framework that reads its own MLflow flavour (Keras)
+                return load_logged(source)
             import mlflow.pytorch
             import torch
 

@@ -1,0 +1,224 @@
+"""TensorFlow 2 / Keras 3 in the elastic engine: the adapter's gradient and state contracts in
+process, MLflow logging, and real jobs on digits whose workers are real processes, with
+SIGKILLed workers and a SIGKILLed master. TensorFlow's import costs seconds per process, so the
+jobs are few and each checks several things."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from elastic_step.audit import audit_report
+
+from conftest import worker_processes
+
+KERAS_MODEL = "elastic_step.model_zoo.digits_keras"
+SLOW_KERAS_MODEL = os.path.join(os.path.dirname(__file__), "model_defs", "slow_digits_keras.py")
+FAST = ["--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4"]
+
+
+@pytest.fixture(scope="module")
+def digits_batch(digits):
+    from elastic_step.data.manifest import load_manifest
+    from elastic_step.data.reader import ShardReader
+    from elastic_step.model_zoo import digits_keras
+
+    return digits_keras.feed(ShardReader(load_manifest(digits)).read("train", 0, 0, 24))
+
+
+def keras_trainer(seed=0):
+    from elastic_step.frameworks.registry import trainer_for
+
+    return trainer_for(KERAS_MODEL, seed=seed)
+
+
+# -- the adapter, in process ------------------------------------------------------------------
+def test_gradient_buffer_is_the_sum_of_per_sample_gradients(digits_batch):
+    import tensorflow as tf
+
+    trainer = keras_trainer()
+    assert trainer.framework == "tensorflow"
+    features, labels = digits_batch
+    n = len(labels)
+    summed = np.zeros(trainer.num_gradient_values, dtype=np.float32)
+    loss_sum = trainer.compute_gradients(features, labels, summed)
+
+    # n x the gradient of the mean loss, computed here without the adapter
+    with tf.GradientTape() as tape:
+        mean = trainer.model_def.loss(trainer.model(features, training=True), labels)
+    mean_grads = np.concatenate([g.numpy().ravel() for g in tape.gradient(mean, trainer.model.trainable_variables)])
+    np.testing.assert_allclose(summed, n * mean_grads, rtol=1e-4, atol=1e-5)
+    assert loss_sum == pytest.approx(n * float(mean), rel=1e-5)
+
+    # and the sum of one-sample gradients, in uneven pieces (a ragged last batch retraces nothing wrong)
+    pieces = np.zeros_like(summed)
+    for start, stop in ((0, 1), (1, 8), (8, n)):
+        part = np.zeros_like(summed)
+        trainer.compute_gradients(features[start:stop], labels[start:stop], part)
+        pieces += part
+    np.testing.assert_allclose(pieces, summed, rtol=1e-4, atol=1e-5)
+
+
+def test_state_round_trip_carries_weights_and_optimizer_variables(digits_batch):
+    features, labels = digits_batch
+    source, target = keras_trainer(seed=0), keras_trainer(seed=1)
+    grads = np.zeros(source.num_gradient_values, dtype=np.float32)
+    for _ in range(3):
+        source.compute_gradients(features, labels, grads)
+        source.apply_gradients(grads, len(labels))
+    assert not np.allclose(source.predict(features), target.predict(features))
+
+    target.load_state_bytes(source.state_bytes())
+    assert target.state_bytes() == source.state_bytes()
+    assert int(target.optimizer.iterations.numpy()) == 3
+    # Adam's moments travelled too: the next step is the same on both.
+    for trainer in (source, target):
+        trainer.compute_gradients(features, labels, grads)
+        trainer.apply_gradients(grads, len(labels))
+    np.testing.assert_array_equal(target.predict(features), source.predict(features))
+    assert target.state_bytes() == source.state_bytes()
+
+    fresh = keras_trainer(seed=2)
+    fresh.load_model_bytes(source.model_bytes_of_state(source.state_bytes()))
+    np.testing.assert_array_equal(fresh.predict(features), source.predict(features))
+    assert fresh.loss_value(fresh.predict(features), labels) == pytest.approx(source.loss_value(source.predict(features), labels))
+
+    with pytest.raises(ValueError, match="not a Keras state"):
+        fresh.load_state_bytes(b"torch checkpoint bytes")
+
+
+def test_mlflow_models_load_and_predict_the_trained_outputs(digits_batch, tmp_path):
+    import mlflow
+    from mlflow.models import infer_signature
+
+    features, _ = digits_batch
+    trainer = keras_trainer()
+    outputs = trainer.predict(features)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow.start_run():
+        model = trainer.log_mlflow_model(features[:5], infer_signature(features[:5], outputs[:5]))
+        serving = trainer.log_serving_model(features[:5], infer_signature(features[:5], outputs[:5]))
+    assert "tensorflow" in model.flavors and "tensorflow" in serving.flavors
+    assert serving.name == "serving-model"
+    assert serving.flavors["tensorflow"]["model_type"] == "tf2-module"  # a SavedModel, no Keras needed
+    for info in (model, serving):
+        predicted = mlflow.pyfunc.load_model(info.model_uri).predict(features)
+        np.testing.assert_allclose(np.asarray(predicted), outputs, rtol=1e-5, atol=1e-5)
+    # warm start (--init-from models:/...) reads the parameters back from the logged model
+    other = keras_trainer(seed=5)
+    other.load_model_bytes(other.model_bytes_of_logged_model(model.model_uri))
+    np.testing.assert_array_equal(other.predict(features), outputs)
+
+
+def test_a_torch_job_never_imports_tensorflow():
+    code = ("import sys; from elastic_step.frameworks.registry import trainer_for; "
+            "t = trainer_for('elastic_step.model_zoo.digits_torch'); "
+            "assert t.framework == 'pytorch'; assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+# -- real jobs ------------------------------------------------------------------------------
+def read_weight_digests(weights_dir):
+    """(worker id, pid) -> [(optimizer iteration, weights digest)] in step order."""
+    records = {}
+    for path in glob.glob(os.path.join(weights_dir, "*.txt")):
+        with open(path) as f:
+            worker_id, pid = os.path.basename(path)[:-4].rsplit("-", 1)
+            records[worker_id, int(pid)] = [(int(i), d) for i, d in (line.split() for line in f if line.strip())]
+    return records
+
+
+def assert_ranks_agree(records):
+    by_iteration = defaultdict(set)
+    for steps in records.values():
+        for iteration, digest in steps:
+            by_iteration[iteration].add(digest)
+    split = {i: d for i, d in by_iteration.items() if len(d) > 1}
+    assert not split, f"ranks held different weights at optimizer iterations {sorted(split)[:10]}"
+    return by_iteration
+
+
+def mid_epoch(status, world=3):
+    return status["world_size"] == world and 0.15 < status["rows_done"] / status["rows_total"] < 0.6
+
+
+@pytest.mark.e2e
+def test_keras_sigkill_one_of_three_workers_mid_epoch(digits, start_job, tmp_path, monkeypatch):
+    weights_dir = tmp_path / "weights"
+    weights_dir.mkdir()
+    monkeypatch.setenv("ELASTIC_STEP_TEST_WEIGHTS_DIR", str(weights_dir))  # inherited by the master's workers
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "6", "--model-def", SLOW_KERAS_MODEL, *FAST)
+    status = job.wait_for(mid_epoch, timeout=180)
+    victim = job.kill_worker(status, rank=1)
+    assert job.finish() == 0, job.output()
+
+    report = audit_report(job.audit, digits, 6)
+    assert report["exact"], report
+    result = job.result()
+    assert report["rows_applied"] == result["rows_audited"]
+    assert result["test_metrics"]["accuracy"] >= 0.90, result
+    events = job.events()
+    died = [e for e in events if e["event"] == "died"]
+    assert died and died[0]["worker"] == victim["id"] and "SIGKILL" in died[0]["reason"]
+    assert any(e["event"] == "recovered" for e in events)
+    relaunched = [e for e in events if e["event"] == "relaunched"]
+    assert relaunched
+
+    # Every step, every rank that computed a gradient held the same weights -- the survivors
+    # across the regroup and the relaunched worker, which started from the broadcast state.
+    records = read_weight_digests(str(weights_dir))
+    by_iteration = assert_ranks_agree(records)
+    joiners = [key for key in records if key[0] not in {w["id"] for w in status["workers"]}]
+    assert joiners, records.keys()
+    joined = records[joiners[0]]
+    assert joined[0][0] > 0  # it began where the survivors were, not from its own initial weights
+    assert any(len(by_iteration[i]) == 1 and sum(i in dict(r) for r in records.values()) >= 2 for i, _ in joined)
+    assert max(by_iteration) == result["steps"] - 1
+
+    with open(os.path.join(result["model_dir"], "model.json")) as f:
+        assert json.load(f)["framework"] == "tensorflow"
+    assert result["model_uri"].startswith("models:/")
+
+
+@pytest.mark.e2e
+def test_keras_master_sigkill_then_resume_restores_weights_optimizer_and_ledger(digits, start_job, tmp_path, monkeypatch):
+    weights_dir = tmp_path / "weights"
+    weights_dir.mkdir()
+    monkeypatch.setenv("ELASTIC_STEP_TEST_WEIGHTS_DIR", str(weights_dir))
+    args = ["--data", digits, "--workers", "2", "--epochs", "3", "--model-def", SLOW_KERAS_MODEL, *FAST,
+            "--checkpoint-steps", "15", "--master-timeout", "5"]
+    first = start_job(*args, name="job")
+    first.wait_for(lambda s: s["epoch"] >= 1 and s["rows_done"] > 0.4 * s["rows_total"], timeout=180)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    deadline = time.monotonic() + 60
+    while worker_processes(first.job_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not worker_processes(first.job_dir)
+    before = set(read_weight_digests(str(weights_dir)))
+
+    second = start_job(*args, "--resume", name="job")
+    assert second.finish() == 0, second.output()
+    assert "resuming run" in second.output()
+    lines = [json.loads(line) for line in open(second.audit)]
+    resume = [line["resume_from_step"] for line in lines if "resume_from_step" in line]
+    assert len(resume) == 1 and resume[0] > 0
+    report = audit_report(second.audit, digits, epochs=3)
+    assert report["exact"], report
+
+    # The resumed workers' optimizer starts at the checkpoint's step (its variables were in the
+    # checkpoint), and the weights they resumed with are the ones the first job had there.
+    records = read_weight_digests(str(weights_dir))
+    resumed = {w: steps for w, steps in records.items() if w not in before}
+    assert resumed and all(steps[0][0] == resume[0] for steps in resumed.values()), resumed
+    first_job = {i: d for w in before for i, d in records[w]}
+    assert first_job[resume[0]] == next(iter(resumed.values()))[0][1]
+    assert_ranks_agree(records)
