@@ -55,6 +55,18 @@ class TrainConfig:
     resume: bool = False
     init_from: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
+    # --backend kubernetes (checked by elastic_step.backends.kubernetes.options)
+    namespace: str | None = None
+    image: str | None = None
+    worker_cpu: str | None = None
+    worker_memory: str | None = None
+    worker_gpus: int = 0
+    node_selector: list[str] = field(default_factory=list)
+    tolerations: list[str] = field(default_factory=list)
+    priority_class: str | None = None
+    image_pull_secrets: list[str] = field(default_factory=list)
+    service_account: str | None = None
+    pending_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         self.min_workers, self.max_workers = parse_workers(self.workers)
@@ -71,6 +83,10 @@ class TrainConfig:
         self.job_dir = os.path.abspath(self.job_dir)
         if not self.job_name:
             self.job_name = os.path.basename(self.job_dir.rstrip("/")) or "elastic-step"
+        if self.backend == "kubernetes":
+            from elastic_step.backends.kubernetes.options import check_config
+
+            check_config(self)
 
     @property
     def rows_per_task(self) -> int:

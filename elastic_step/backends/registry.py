@@ -5,12 +5,20 @@ from __future__ import annotations
 from elastic_step.backends.api import Backend, LaunchSpec
 from elastic_step.errors import ConfigError
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "kubernetes")
 
 
-def create_backend(name: str, spec: LaunchSpec, **options) -> Backend:
+def create_backend(name: str, spec: LaunchSpec, config=None, **options) -> Backend:
+    """`config` (a TrainConfig) carries the settings of backends that have any (kubernetes)."""
     if name == "local":
         from elastic_step.backends.local import LocalBackend
 
         return LocalBackend(spec, **options)
+    if name == "kubernetes":
+        from elastic_step.backends.kubernetes.backend import KubernetesBackend
+        from elastic_step.backends.kubernetes.options import settings_from_config
+
+        if config is None:
+            raise ConfigError("the kubernetes backend needs the job's settings (create_backend(..., config=...))")
+        return KubernetesBackend(spec, settings_from_config(config), config.job_name, **options)
     raise ConfigError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from elastic_step.cli.kubernetes_options import add_kubernetes_options
+
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model with an elastic group of workers")
@@ -33,6 +35,7 @@ def register(sub) -> None:
     t.add_argument("--keep-checkpoints", type=int, default=3)
     t.add_argument("--resume", action="store_true", help="continue this job's run from its newest committed checkpoint")
     t.add_argument("--init-from", help="warm start: models:/NAME@ALIAS, a model URI, or a run id (its newest checkpoint)")
+    add_kubernetes_options(p)
     p.set_defaults(func=run)
 
 
@@ -40,8 +43,13 @@ def run(args) -> int:
     from elastic_step.config import TrainConfig
     from elastic_step.master.job import run_job
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose")}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "dry_run")}
     config = TrainConfig(**options)
+    if args.dry_run or config.backend == "kubernetes":
+        from elastic_step.cli.kubernetes_options import dry_run_or_check
+
+        if dry_run_or_check(config, args.dry_run):
+            return 0
     result = run_job(config)
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.test_metrics.items() if k != "rows")
     print(f"trained {result.steps} steps in {result.seconds:.1f}s; model in {result.model_dir}")

@@ -169,7 +169,7 @@ def run_job(config: TrainConfig) -> JobResult:
         heartbeat_interval_s=config.heartbeat_interval, master_timeout_s=config.master_timeout,
         features=manifest.features, label=manifest.label, checkpoint_steps=config.checkpoint_steps,
     )
-    backend = create_backend(config.backend, LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env)))
+    backend = create_backend(config.backend, LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env)), config=config)
     state = MasterState(
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),

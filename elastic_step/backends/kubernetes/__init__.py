@@ -1,0 +1,9 @@
+"""Workers as Kubernetes pods, created and supervised by the master through the official client.
+
+options.py    the backend's settings (from TrainConfig) and who the master pod is
+manifests.py  the worker V1Pod and the token V1Secret
+pod_states.py the declarative table: what a pod's status means for its worker
+watch.py      list + watch with resourceVersion resume, re-list on 410 Gone
+backend.py    KubernetesBackend: launch, poll, stop, shutdown
+client.py     in-cluster config, else kubeconfig
+"""

@@ -1,0 +1,188 @@
+"""The objects the backend creates, as the client's own models: one V1Pod per worker and one
+V1Secret holding the job token (mounted as a file, never in env or args)."""
+
+from __future__ import annotations
+
+import base64
+import re
+import secrets
+from dataclasses import dataclass
+
+from kubernetes import client as k8s
+
+from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+
+TOKEN_MOUNT = "/var/run/elastic-step/token"
+TOKEN_KEY = "token"
+WORKER_COMMAND = ["elastic-step", "worker"]
+RUN_AS = 1000  # the images' non-root user
+
+
+def dns_label(text: str, max_len: int = 40) -> str:
+    """Lower-case letters, digits and dashes; starts and ends alphanumeric (RFC 1123)."""
+    label = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:max_len].strip("-")
+    return label or "job"
+
+
+@dataclass
+class JobNames:
+    """Names and labels of one master's objects. `instance` tells two runs of the same job
+    (a retried pipeline step) apart, so one master never touches another's pods."""
+
+    job: str
+    instance: str
+
+    @classmethod
+    def for_job(cls, job_name: str, suffix: str | None = None) -> "JobNames":
+        job = dns_label(job_name)
+        return cls(job=job, instance=f"{job}-{suffix or secrets.token_hex(3)}")
+
+    def pod(self, worker_id: str) -> str:
+        return f"{self.instance}-{dns_label(worker_id.replace('.', '-'))}"
+
+    @property
+    def secret(self) -> str:
+        return f"{self.instance}-token"
+
+    @property
+    def selector(self) -> str:
+        return f"app.kubernetes.io/instance={self.instance},app.kubernetes.io/component=worker"
+
+    def labels(self, component: str) -> dict[str, str]:
+        return {
+            "app.kubernetes.io/name": "elastic-step",
+            "app.kubernetes.io/instance": self.instance,
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/managed-by": "elastic-step",
+            "elastic-step/job": self.job,
+        }
+
+
+def owner_references(master: MasterPod | None) -> list[k8s.V1OwnerReference] | None:
+    # Deleting the master pod deletes its workers and its Secret (garbage collection).
+    if master is None or not master.uid:
+        return None
+    return [k8s.V1OwnerReference(api_version="v1", kind="Pod", name=master.name, uid=master.uid)]
+
+
+def token_secret(names: JobNames, master: MasterPod | None, token: str) -> k8s.V1Secret:
+    return k8s.V1Secret(
+        api_version="v1",
+        kind="Secret",
+        metadata=k8s.V1ObjectMeta(name=names.secret, labels=names.labels("token"), owner_references=owner_references(master)),
+        type="Opaque",
+        data={TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    )
+
+
+def resources(settings: PodSettings) -> k8s.V1ResourceRequirements:
+    requests, limits = {}, {}
+    if settings.cpu_request:
+        requests["cpu"], limits["cpu"] = settings.cpu_request, settings.cpu_limit
+    if settings.memory_request:
+        requests["memory"], limits["memory"] = settings.memory_request, settings.memory_limit
+    if settings.gpus:
+        limits["nvidia.com/gpu"] = str(settings.gpus)  # extended resources: the limit is the request
+    return k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None)
+
+
+def threads_for(settings: PodSettings) -> str:
+    """One compute thread per CPU the pod may use (1 without a limit, as the local backend)."""
+    if not settings.cpu_limit:
+        return "1"
+    from kubernetes.utils.quantity import parse_quantity
+
+    return str(max(1, int(parse_quantity(settings.cpu_limit))))
+
+
+def worker_pod(
+    settings: PodSettings,
+    names: JobNames,
+    master: MasterPod | None,
+    image: str,
+    worker_id: str,
+    slot: int,
+    master_url: str,
+    extra_env: dict[str, str] | None = None,
+) -> k8s.V1Pod:
+    env = {
+        **(extra_env or {}),
+        "ELASTIC_STEP_MASTER_URL": master_url,
+        "ELASTIC_STEP_TOKEN_FILE": f"{TOKEN_MOUNT}/{TOKEN_KEY}",
+        "ELASTIC_STEP_WORKER_ID": worker_id,
+        "OMP_NUM_THREADS": (extra_env or {}).get("OMP_NUM_THREADS", threads_for(settings)),
+        # The root filesystem is read-only: caches go to the scratch volume.
+        "HOME": "/tmp",
+        "MPLCONFIGDIR": "/tmp/matplotlib",
+    }
+    if settings.gpus:
+        env["ELASTIC_STEP_COLLECTIVE_BACKEND"] = "nccl"
+    labels = {**names.labels("worker"), "elastic-step/replica-index": str(slot), "elastic-step/worker-id": dns_label(worker_id.replace(".", "-"))}
+    container = k8s.V1Container(
+        name="worker",
+        image=image,
+        command=list(WORKER_COMMAND),
+        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
+        resources=resources(settings),
+        volume_mounts=[
+            k8s.V1VolumeMount(name="token", mount_path=TOKEN_MOUNT, read_only=True),
+            k8s.V1VolumeMount(name="scratch", mount_path="/tmp"),
+            k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+        ],
+        security_context=k8s.V1SecurityContext(
+            allow_privilege_escalation=False,
+            read_only_root_filesystem=True,
+            run_as_non_root=True,
+            capabilities=k8s.V1Capabilities(drop=["ALL"]),
+        ),
+    )
+    spec = k8s.V1PodSpec(
+        containers=[container],
+        restart_policy="Never",  # the master relaunches; the kubelet must not restart in place
+        termination_grace_period_seconds=10,
+        enable_service_links=False,
+        automount_service_account_token=bool(settings.service_account),  # workers never call the API
+        service_account_name=settings.service_account,
+        priority_class_name=settings.priority_class,
+        node_selector=settings.node_selector or None,
+        tolerations=[k8s.V1Toleration(**t) for t in settings.tolerations] or None,
+        image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in settings.image_pull_secrets] or None,
+        security_context=k8s.V1PodSecurityContext(
+            run_as_non_root=True, run_as_user=RUN_AS, run_as_group=RUN_AS, fs_group=RUN_AS,
+            seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
+        ),
+        volumes=[
+            # 0440 + fsGroup: readable by the non-root worker, by nobody else
+            k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=names.secret, default_mode=0o440)),
+            k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource()),
+            k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")),
+        ],
+    )
+    return k8s.V1Pod(
+        api_version="v1",
+        kind="Pod",
+        metadata=k8s.V1ObjectMeta(name=names.pod(worker_id), labels=labels, owner_references=owner_references(master)),
+        spec=spec,
+    )
+
+
+def to_dict(obj) -> dict:
+    """The object as the API server would receive it (camelCase, no empty fields)."""
+    return k8s.ApiClient().sanitize_for_serialization(obj)
+
+
+def to_yaml(objects) -> str:
+    import yaml
+
+    return yaml.safe_dump_all([to_dict(o) for o in objects], sort_keys=False)
+
+
+def dry_run_manifests(config, settings: PodSettings, master: MasterPod | None, image: str) -> str:
+    """What `train --backend kubernetes --dry-run` prints: the Secret and every worker pod of
+    the first launch. The token and the API port are only known once the job starts."""
+    names = JobNames.for_job(config.job_name, suffix="xxxxxx")
+    url = f"http://{config.host}:{config.port or '<port chosen at start>'}"
+    objects = [token_secret(names, master, "<generated when the job starts>")]
+    for slot in range(config.max_workers):
+        objects.append(worker_pod(settings, names, master, image, f"w{slot}.1", slot, url, dict(config.worker_env)))
+    return to_yaml(objects)

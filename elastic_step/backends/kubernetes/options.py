@@ -1,0 +1,162 @@
+"""The Kubernetes backend's settings, checked before anything starts, and the master pod's
+identity (from the downward API) that worker pods point back to."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from elastic_step.errors import ConfigError
+
+# Where Kubernetes mounts a pod's service account; its namespace file says where the pod runs.
+SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+@dataclass
+class MasterPod:
+    """The pod the master runs in: its workers' owner, and the address they call."""
+
+    name: str
+    uid: str
+    ip: str
+
+
+@dataclass
+class PodSettings:
+    namespace: str
+    image: str | None  # None: the master pod's own image (looked up), else the default image
+    cpu_request: str | None = None
+    cpu_limit: str | None = None
+    memory_request: str | None = None
+    memory_limit: str | None = None
+    gpus: int = 0
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict] = field(default_factory=list)  # V1Toleration fields, snake_case
+    priority_class: str | None = None
+    image_pull_secrets: list[str] = field(default_factory=list)
+    service_account: str | None = None
+    pending_timeout_s: float = 300.0
+
+
+def parse_quantity(option: str, text: str) -> float:
+    from kubernetes.utils.quantity import parse_quantity as parse
+
+    try:
+        return float(parse(text))
+    except (ValueError, TypeError):
+        raise ConfigError(
+            f"{option} {text!r} is not a Kubernetes quantity (e.g. 500m or 2 for CPU, 512Mi or 4Gi for memory)"
+        ) from None
+
+
+def request_and_limit(option: str, text: str | None) -> tuple[str | None, str | None]:
+    """`REQUEST` (the limit is the same) or `REQUEST:LIMIT`."""
+    if not text:
+        return None, None
+    request, _, limit = str(text).partition(":")
+    limit = limit or request
+    if parse_quantity(option, request) > parse_quantity(option, limit):
+        raise ConfigError(f"{option} {text!r}: the request {request} is larger than the limit {limit}")
+    return request, limit
+
+
+def parse_node_selector(items: list[str]) -> dict[str, str]:
+    selector = {}
+    for item in items:
+        for pair in filter(None, str(item).split(",")):
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"--node-selector {pair!r} is not KEY=VALUE (e.g. cloud.google.com/gke-nodepool=gpu)")
+            selector[key.strip()] = value.strip()
+    return selector
+
+
+def parse_toleration(text: str) -> dict:
+    """`KEY[=VALUE][:EFFECT]`: Equal with a value, Exists without; every effect without one."""
+    spec, _, effect = str(text).partition(":")
+    key, sep, value = spec.partition("=")
+    if not key:
+        raise ConfigError(f"--toleration {text!r} is not KEY[=VALUE][:EFFECT] (e.g. nvidia.com/gpu:NoSchedule)")
+    if effect and effect not in TAINT_EFFECTS:
+        raise ConfigError(f"--toleration {text!r}: effect {effect!r} is not one of {', '.join(TAINT_EFFECTS)}")
+    toleration = {"key": key, "operator": "Equal" if sep else "Exists"}
+    if sep:
+        toleration["value"] = value
+    if effect:
+        toleration["effect"] = effect
+    return toleration
+
+
+def current_namespace() -> str:
+    """The namespace this process runs in: the downward API, the service account, the
+    kubeconfig's current context, else `default`."""
+    if os.environ.get("ELASTIC_STEP_POD_NAMESPACE"):
+        return os.environ["ELASTIC_STEP_POD_NAMESPACE"]
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE_FILE, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        pass
+    try:
+        from kubernetes import config as kube_config
+
+        _, context = kube_config.list_kube_config_contexts()
+        return context.get("context", {}).get("namespace") or "default"
+    except Exception:  # no kubeconfig at all: the client's own default
+        return "default"
+
+
+def master_pod_from_env() -> MasterPod | None:
+    """The downward API's view of the master pod (ELASTIC_STEP_POD_NAME/UID/IP; KFP's own
+    KFP_POD_NAME/KFP_POD_UID also count). None outside a pod."""
+    name = os.environ.get("ELASTIC_STEP_POD_NAME") or os.environ.get("KFP_POD_NAME")
+    uid = os.environ.get("ELASTIC_STEP_POD_UID") or os.environ.get("KFP_POD_UID")
+    ip = os.environ.get("ELASTIC_STEP_POD_IP", "")
+    if not name:
+        return None
+    return MasterPod(name=name, uid=uid or "", ip=ip)
+
+
+def settings_from_config(config) -> PodSettings:
+    """Every Kubernetes option of a TrainConfig, checked; raises ConfigError naming the option."""
+    cpu_request, cpu_limit = request_and_limit("--worker-cpu", config.worker_cpu)
+    memory_request, memory_limit = request_and_limit("--worker-memory", config.worker_memory)
+    if config.worker_gpus < 0:
+        raise ConfigError(f"--worker-gpus must be 0 or more, got {config.worker_gpus}")
+    if config.pending_timeout <= 0:
+        raise ConfigError(f"--pending-timeout must be positive, got {config.pending_timeout}")
+    return PodSettings(
+        namespace=config.namespace or current_namespace(),
+        image=config.image,
+        cpu_request=cpu_request,
+        cpu_limit=cpu_limit,
+        memory_request=memory_request,
+        memory_limit=memory_limit,
+        gpus=config.worker_gpus,
+        node_selector=parse_node_selector(config.node_selector),
+        tolerations=[parse_toleration(t) for t in config.tolerations],
+        priority_class=config.priority_class,
+        image_pull_secrets=list(config.image_pull_secrets),
+        service_account=config.service_account,
+        pending_timeout_s=config.pending_timeout,
+    )
+
+
+def check_config(config) -> None:
+    """Called by TrainConfig for `--backend kubernetes`: fail on bad options before anything
+    starts, and listen on the master pod's IP (workers in other pods call it there)."""
+    settings_from_config(config)
+    pod_ip = os.environ.get("ELASTIC_STEP_POD_IP")
+    if pod_ip and config.host == "127.0.0.1":
+        config.host = pod_ip
+
+
+def check_master_reachable(config) -> None:
+    """Worker pods cannot call a master that listens on loopback outside their pod."""
+    if config.host in ("127.0.0.1", "localhost", "0.0.0.0") and not os.environ.get("ELASTIC_STEP_POD_IP"):
+        raise ConfigError(
+            f"--backend kubernetes: worker pods cannot reach a master listening on {config.host}; run the "
+            "master in a pod with ELASTIC_STEP_POD_IP set from the downward API (status.podIP), or pass "
+            "--host with an address the pods can reach"
+        )

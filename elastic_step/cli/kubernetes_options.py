@@ -1,0 +1,42 @@
+"""The `train` command's options for `--backend kubernetes`, in their own argument group."""
+
+from __future__ import annotations
+
+
+def add_kubernetes_options(parser) -> None:
+    k = parser.add_argument_group("kubernetes backend", "worker pods, when --backend kubernetes")
+    k.add_argument("--namespace", help="namespace for worker pods (default: the master pod's, else the kubeconfig's)")
+    k.add_argument("--image", help="worker image (default: the master pod's own image, else elastic-step's image of this version)")
+    k.add_argument("--worker-cpu", help="CPU per worker: REQUEST or REQUEST:LIMIT (e.g. 2, or 500m:2)")
+    k.add_argument("--worker-memory", help="memory per worker: REQUEST or REQUEST:LIMIT (e.g. 4Gi, or 2Gi:4Gi)")
+    k.add_argument("--worker-gpus", type=int, default=0, help="nvidia.com/gpu per worker (default 0)")
+    k.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
+    k.add_argument("--toleration", dest="tolerations", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
+                   help="repeatable, e.g. nvidia.com/gpu:NoSchedule")
+    k.add_argument("--priority-class", help="PriorityClass of worker pods")
+    k.add_argument("--image-pull-secret", dest="image_pull_secrets", action="append", default=[], metavar="NAME",
+                   help="repeatable")
+    k.add_argument("--service-account", help="service account of worker pods (default: none mounted)")
+    k.add_argument("--pending-timeout", type=float, default=300.0,
+                   help="seconds a pod may stay unschedulable or unable to pull its image before the job fails it (default 300)")
+    k.add_argument("--dry-run", action="store_true",
+                   help="print the worker pod and Secret manifests as YAML and exit without training")
+
+
+def dry_run_or_check(config, dry_run: bool) -> bool:
+    """`--dry-run`: print the manifests and say so (True: nothing more to do). Otherwise make
+    sure worker pods will be able to reach this master before anything starts."""
+    from elastic_step.errors import ConfigError
+
+    if config.backend != "kubernetes":
+        raise ConfigError(f"--dry-run shows the pods of --backend kubernetes; this job uses --backend {config.backend}")
+    from elastic_step.backends.kubernetes.manifests import dry_run_manifests
+    from elastic_step.backends.kubernetes.options import check_master_reachable, master_pod_from_env, settings_from_config
+    from elastic_step.images import default_image
+
+    if not dry_run:
+        check_master_reachable(config)
+        return False
+    settings = settings_from_config(config)
+    print(dry_run_manifests(config, settings, master_pod_from_env(), settings.image or default_image()), end="")
+    return True
