@@ -11,10 +11,10 @@ import argparse
 import logging
 import sys
 
-from elastic_step.cli import argo, data, jobs, schedule, train
+from elastic_step.cli import argo, data, jobs, release, schedule, train
 from elastic_step.errors import ElasticStepError
 
-COMMAND_MODULES = (data, train, jobs, argo, schedule)
+COMMAND_MODULES = (data, train, jobs, release, argo, schedule)
 
 
 def build_parser() -> argparse.ArgumentParser:

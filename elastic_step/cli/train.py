@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from elastic_step.cli.kubernetes_options import add_kubernetes_options
+from elastic_step.cli.outputs import copy_folder, write_json, write_parameter
 
 
 def register(sub) -> None:
@@ -35,6 +36,7 @@ def register(sub) -> None:
     t.add_argument("--keep-checkpoints", type=int, default=3)
     t.add_argument("--resume", action="store_true", help="continue this job's run from its newest committed checkpoint")
     t.add_argument("--init-from", help="warm start: models:/NAME@ALIAS, a model URI, or a run id (its newest checkpoint)")
+    p.add_argument("--outputs", help="also write run_id, model_uri, metrics.json and model/ here (for Argo and other runners)")
     add_kubernetes_options(p)
     p.set_defaults(func=run)
 
@@ -43,7 +45,7 @@ def run(args) -> int:
     from elastic_step.config import TrainConfig
     from elastic_step.master.job import run_job
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "dry_run")}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "outputs", "dry_run")}
     config = TrainConfig(**options)
     if args.dry_run or config.backend == "kubernetes":
         from elastic_step.cli.kubernetes_options import dry_run_or_check
@@ -51,6 +53,11 @@ def run(args) -> int:
         if dry_run_or_check(config, args.dry_run):
             return 0
     result = run_job(config)
+    if args.outputs:
+        write_parameter(args.outputs, "run_id", result.run_id)
+        write_parameter(args.outputs, "model_uri", result.model_uri)
+        write_json(args.outputs, "metrics.json", result.test_metrics)
+        copy_folder(args.outputs, "model", result.model_dir)
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.test_metrics.items() if k != "rows")
     print(f"trained {result.steps} steps in {result.seconds:.1f}s; model in {result.model_dir}")
     print(f"mlflow: run {result.run_id} at {result.mlflow_uri}" + (f"; model {result.model_uri}" if result.model_uri else ""))

@@ -100,3 +100,26 @@ class TorchTrainer(Trainer):
             input_example=input_example,
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}"],
         )
+
+    def log_serving_model(self, input_example, signature):
+        """The model as TorchScript (loadable without this model definition's Python code, and
+        from C++), logged as an MLflow pytorch model named "serving-model"."""
+        import warnings
+
+        import mlflow.pytorch
+
+        self.net.eval()
+        with warnings.catch_warnings():
+            # torch 2.13 marks TorchScript deprecated in favour of torch.export; it is still the
+            # format serving stacks (TorchServe, Triton's libtorch backend) load.
+            warnings.simplefilter("ignore", category=DeprecationWarning)
+            warnings.simplefilter("ignore", category=FutureWarning)
+            scripted = torch.jit.trace(self.net, torch.from_numpy(input_example))
+        return mlflow.pytorch.log_model(
+            scripted,
+            name="serving-model",
+            signature=signature,
+            input_example=input_example,
+            serialization_format="pickle",  # MLflow saves a ScriptModule with torch.jit.save
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}"],
+        )

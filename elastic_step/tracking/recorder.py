@@ -16,6 +16,7 @@ from elastic_step.tracking.run import RunTracker, TrackingError, connect, defaul
 log = logging.getLogger("elastic_step.tracking")
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+FINAL_MODEL_ARTIFACTS = "elastic_step_model"  # model.bin + model.json of the finished job
 
 
 class TrainingRecorder:
@@ -159,6 +160,9 @@ class TrainingRecorder:
         outputs = self.trainer.predict(features)
         with mlflow.start_run(run_id=self.run_id):
             info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
+            # The raw parameters too: export rebuilds the model from them and the model definition
+            # in any framework, without going through a flavour's loader.
+            mlflow.log_artifacts(os.path.join(job_dir, "model"), FINAL_MODEL_ARTIFACTS)
         self.client.set_tag(self.run_id, "elastic_step.model_uri", info.model_uri)
         return info.model_uri
 

@@ -1,0 +1,82 @@
+"""`elastic-step evaluate | export | promote`: the release steps for runners other than KFP (Argo,
+a shell). Same engine functions as the KFP components; outputs as files under --outputs."""
+
+from __future__ import annotations
+
+from elastic_step.cli.outputs import write_json, write_parameter, write_text
+
+
+def _common(p, outputs_help: str) -> None:
+    p.add_argument("--mlflow-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI)")
+    p.add_argument("--outputs", help=outputs_help)
+
+
+def _candidate(p) -> None:
+    p.add_argument("--run-id", required=True, help="the training run (the train step's run_id output)")
+    p.add_argument("--model-uri", default="", help="the trained model (default: the run's logged model)")
+    p.add_argument("--data", required=True, help="prepared data: manifest.json or its folder (its test split is used)")
+    p.add_argument("--registered-model", required=True, help="name of the model in the MLflow registry")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("evaluate", help="judge a trained model against floors and the current @champion")
+    _candidate(p)
+    p.add_argument("--floor", action="append", default=[], metavar="METRIC=VALUE",
+                   help="the candidate must reach this (repeatable; e.g. accuracy=0.9)")
+    p.add_argument("--min-gain", action="append", default=[], metavar="METRIC=VALUE",
+                   help="... and beat the champion by at least this much (0: strictly better)")
+    _common(p, "write blessed, reason, metrics.json and report.md here")
+    p.set_defaults(func=evaluate)
+
+    p = sub.add_parser("export", help="log the model in its serving format and register a new version")
+    _candidate(p)
+    _common(p, "write model_version and registered_model_uri here")
+    p.set_defaults(func=export)
+
+    p = sub.add_parser("promote", help="move @champion to a version (the old one keeps @previous-champion)")
+    p.add_argument("--registered-model", required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--version", help="the version to promote (export's model_version output)")
+    which.add_argument("--rollback", action="store_true", help="swap @champion and @previous-champion back")
+    _common(p, "write champion_version here")
+    p.set_defaults(func=promote)
+
+
+def evaluate(args) -> int:
+    from elastic_step.release.gate import evaluate_candidate
+
+    result = evaluate_candidate(run_id=args.run_id, model_uri=args.model_uri, data=args.data,
+                                registered_model=args.registered_model, floors=args.floor, min_gains=args.min_gain,
+                                mlflow_uri=args.mlflow_uri)
+    if args.outputs:
+        write_parameter(args.outputs, "blessed", result.blessed)
+        write_parameter(args.outputs, "reason", result.reason)
+        write_json(args.outputs, "metrics.json", result.candidate_metrics)
+        write_text(args.outputs, "report.md", result.report)
+    print(result.reason)
+    return 0
+
+
+def export(args) -> int:
+    from elastic_step.release.export import export_model
+
+    result = export_model(run_id=args.run_id, model_uri=args.model_uri, data=args.data,
+                          registered_model=args.registered_model, mlflow_uri=args.mlflow_uri)
+    if args.outputs:
+        write_parameter(args.outputs, "model_version", result.version)
+        write_parameter(args.outputs, "registered_model_uri", result.registered_model_uri)
+    print(f"{'found' if result.reused else 'registered'} {result.registered_model_uri} ({result.serving_model_uri})")
+    return 0
+
+
+def promote(args) -> int:
+    from elastic_step.release.promote import promote as promote_version, rollback
+
+    if args.rollback:
+        result = rollback(args.registered_model, mlflow_uri=args.mlflow_uri)
+    else:
+        result = promote_version(args.registered_model, args.version, mlflow_uri=args.mlflow_uri)
+    if args.outputs:
+        write_parameter(args.outputs, "champion_version", result.champion)
+    print(result.describe())
+    return 0

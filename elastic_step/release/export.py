@@ -1,0 +1,76 @@
+"""Export: the candidate in its serving format (TorchScript for PyTorch, SavedModel for Keras),
+with signature and input example, registered as a new version of the named model and tagged
+with what a person auditing the registry asks first: how good, on which data, from which run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+
+from elastic_step.frameworks.model_def import load_model_definition
+from elastic_step.frameworks.registry import build_trainer
+from elastic_step.release.candidate import load_candidate, split_arrays
+from elastic_step.release.registry import registry_client
+from elastic_step.tracking.recorder import FINAL_MODEL_ARTIFACTS
+from elastic_step.tracking.run import TrackingError, pipeline_run_id
+
+log = logging.getLogger("elastic_step.release")
+
+SOURCE_RUN_TAG = "elastic_step.source_run_id"
+
+
+@dataclass
+class Export:
+    name: str
+    version: str
+    registered_model_uri: str  # models:/NAME/VERSION
+    serving_model_uri: str
+    reused: bool  # a retried export found the version it had already registered
+
+
+def export_model(*, run_id: str, model_uri: str, data: str, registered_model: str, mlflow_uri: str | None = None) -> Export:
+    import mlflow
+    from mlflow.models import infer_signature
+
+    client = registry_client(mlflow_uri)
+    candidate = load_candidate(client, run_id, model_uri)
+    existing = _version_of_run(client, registered_model, run_id)
+    if existing is not None:  # a retried step: never register the same training run twice
+        return Export(registered_model, str(existing.version), f"models:/{registered_model}/{existing.version}", existing.source, True)
+
+    model_def = load_model_definition(candidate.model_def_source)
+    trainer = build_trainer(model_def)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=FINAL_MODEL_ARTIFACTS, dst_path=tmp,
+                                                         tracking_uri=client.tracking_uri)
+        except Exception as exc:
+            raise TrackingError(f"run {run_id} has no final model under {FINAL_MODEL_ARTIFACTS}/ "
+                                f"({type(exc).__name__}); export a run that `elastic-step train` finished") from None
+        with open(os.path.join(folder, "model.bin"), "rb") as f:
+            trainer.load_model_bytes(f.read())
+    features, _ = split_arrays(data, model_def)
+    example = features[:5]
+    signature = infer_signature(example, trainer.predict(example))
+    mlflow.set_tracking_uri(client.tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        info = trainer.log_serving_model(example, signature)
+    tags = {SOURCE_RUN_TAG: run_id, "framework": trainer.framework,
+            "data_content_hash": candidate.params.get("data_content_hash", ""),
+            "pipeline_run_id": pipeline_run_id(), "model_def": candidate.model_def_source}
+    tags.update({name: f"{value:.6g}" for name, value in candidate.metrics.items() if name.startswith("test_")})
+    version = mlflow.register_model(info.model_uri, registered_model, tags=tags, await_registration_for=60)
+    log.info("registered %s version %s from run %s", registered_model, version.version, run_id)
+    return Export(registered_model, str(version.version), f"models:/{registered_model}/{version.version}", info.model_uri, False)
+
+
+def _version_of_run(client, name: str, run_id: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name = '{name}' and tags.`{SOURCE_RUN_TAG}` = '{run_id}'")
+    except MlflowException:
+        return None
+    return versions[0] if versions else None

@@ -1,0 +1,170 @@
+"""The evaluation gate: judge a candidate and the current @champion on the same rows with
+`mlflow.models.evaluate`, and bless the candidate only when `mlflow.validate_evaluation_results`
+says it clears every floor and beats the champion by the required gain. The first model ever is
+judged on the floors alone. The reason — every metric, its threshold and the champion's value —
+goes into the report and onto the MLflow runs."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from elastic_step.release.candidate import Candidate, candidate_rows, load_candidate, predict
+from elastic_step.release.registry import CHAMPION, registry_client, version_by_alias
+from elastic_step.release.thresholds import Threshold, build_thresholds, parse_pairs, to_mlflow
+
+log = logging.getLogger("elastic_step.release")
+
+GATE_TAG = "elastic_step.gate"
+
+
+@dataclass
+class GateResult:
+    blessed: bool
+    reason: str
+    candidate_metrics: dict
+    champion_metrics: dict | None
+    champion_version: str | None
+    model_type: str
+    evaluation_run_id: str
+    report: str  # Markdown
+    categories: list = field(default_factory=list)
+    confusion_matrix: list = field(default_factory=list)  # rows: true class, columns: predicted
+
+
+def model_type_of(outputs: np.ndarray, labels: np.ndarray) -> str:
+    if outputs.ndim == 2 and outputs.shape[1] > 1 and np.issubdtype(labels.dtype, np.integer):
+        return "classifier"
+    return "regressor"
+
+
+def as_predictions(outputs: np.ndarray, model_type: str) -> np.ndarray:
+    return outputs.argmax(axis=1) if model_type == "classifier" else outputs.reshape(len(outputs), -1)[:, 0]
+
+
+def _evaluate(predictions: np.ndarray, labels: np.ndarray, model_type: str, label_list):
+    import mlflow
+    import pandas as pd
+
+    config = {"log_model_explainability": False}
+    if model_type == "classifier":
+        config["label_list"] = label_list
+    # The default evaluator guesses the model type from the labels and warns when its guess
+    # differs from the one given, and schema inference warns about integer labels: both are
+    # noise here, where the type is known and there are no missing values.
+    quiet = logging.getLogger("mlflow.models.evaluation")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Ii]nteger column", category=UserWarning)
+            return mlflow.models.evaluate(
+                data=pd.DataFrame({"label": labels, "prediction": predictions}), targets="label", predictions="prediction",
+                model_type=model_type, evaluator_config=config,
+            )
+    finally:
+        quiet.setLevel(level)
+
+
+def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_model: str, floors=None, min_gains=None,
+                       mlflow_uri: str | None = None) -> GateResult:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = registry_client(mlflow_uri)
+    candidate = load_candidate(client, run_id, model_uri)
+    floors, min_gains = parse_pairs(floors, "floor"), parse_pairs(min_gains, "minimum gain")
+    features, labels = candidate_rows(candidate, data)
+    outputs = predict(candidate.model_uri, features)
+    model_type = model_type_of(outputs, labels)
+    thresholds = build_thresholds(floors, min_gains, model_type)  # unknown metric: fail before logging anything
+    label_list = sorted(set(labels.tolist()) | set(range(outputs.shape[1]))) if model_type == "classifier" else None
+    predictions = as_predictions(outputs, model_type)
+    champion = version_by_alias(client, registered_model, CHAMPION)
+    champion_predictions = None
+    if champion is not None:
+        champion_predictions = as_predictions(predict(f"models:/{registered_model}@{CHAMPION}", features), model_type)
+
+    mlflow.set_tracking_uri(client.tracking_uri)
+    with mlflow.start_run(experiment_id=candidate.experiment_id, run_name=f"evaluate {registered_model}",
+                          tags={"mlflow.parentRunId": run_id, GATE_TAG: "evaluation"}) as run:
+        candidate_result = _evaluate(predictions, labels, model_type, label_list)
+        champion_result = None
+        if champion is not None:
+            with mlflow.start_run(run_name=f"champion v{champion.version}", nested=True):
+                champion_result = _evaluate(champion_predictions, labels, model_type, label_list)
+        failure = ""
+        try:
+            mlflow.validate_evaluation_results(to_mlflow(thresholds, champion is not None), candidate_result, champion_result)
+        except MlflowException as exc:  # ModelValidationFailedException: the candidate did not pass
+            failure = str(exc)
+        blessed = not failure
+        reason = explain(thresholds, candidate_result.metrics, champion_result.metrics if champion_result else None,
+                         str(champion.version) if champion else None, blessed)
+        result = GateResult(
+            blessed=blessed, reason=reason, candidate_metrics=_plain(candidate_result.metrics),
+            champion_metrics=_plain(champion_result.metrics) if champion_result else None,
+            champion_version=str(champion.version) if champion else None, model_type=model_type,
+            evaluation_run_id=run.info.run_id, report="",
+        )
+        if model_type == "classifier":
+            from sklearn.metrics import confusion_matrix
+
+            result.categories = [str(c) for c in label_list]
+            result.confusion_matrix = confusion_matrix(labels, predictions, labels=label_list).tolist()
+        result.report = report_markdown(result, candidate, registered_model, thresholds)
+        mlflow.log_text(result.report, "gate/report.md")
+        mlflow.set_tags({f"{GATE_TAG}.blessed": str(blessed).lower(), f"{GATE_TAG}.reason": reason[:4000]})
+    # The candidate's own training run says how it was judged, too.
+    client.set_tag(run_id, f"{GATE_TAG}.blessed", str(blessed).lower())
+    client.set_tag(run_id, f"{GATE_TAG}.reason", reason[:4000])
+    log.info(reason)
+    return result
+
+
+def _plain(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))}
+
+
+def explain(thresholds: list[Threshold], candidate: dict, champion: dict | None, champion_version: str | None,
+            blessed: bool) -> str:
+    """One line a person can act on: each metric, its floor, the champion's value and the gain."""
+    parts = []
+    for t in thresholds:
+        value = candidate[t.metric]
+        words = [f"{t.metric} {value:.4f}"]
+        if t.floor is not None:
+            ok = value >= t.floor if t.greater_is_better else value <= t.floor
+            words.append(f"{'meets' if ok else 'misses'} the floor {t.floor:g}")
+        if t.min_gain is not None:
+            if champion is None:
+                words.append("no champion to beat yet")
+            else:
+                gain = (value - champion[t.metric]) if t.greater_is_better else (champion[t.metric] - value)
+                ok = gain > 0 and gain >= t.min_gain
+                words.append(f"champion v{champion_version} {champion[t.metric]:.4f}, gain {gain:+.4f} "
+                             f"{'meets' if ok else 'misses'} the required {t.min_gain:g} (strictly better)")
+        parts.append(", ".join(words))
+    verdict = "blessed" if blessed else "not blessed"
+    against = f" against champion v{champion_version}" if champion_version else " (first model: floors only)"
+    return f"{verdict}{against}: " + "; ".join(parts)
+
+
+def report_markdown(result: GateResult, candidate: Candidate, registered_model: str, thresholds: list[Threshold]) -> str:
+    lines = [
+        f"# Evaluation of the candidate for `{registered_model}`", "",
+        f"**{'Blessed' if result.blessed else 'Not blessed'}.** {result.reason}", "",
+        f"Candidate: training run `{candidate.run_id}`, model `{candidate.model_uri}`.  ",
+        f"Champion: {'version ' + result.champion_version if result.champion_version else 'none yet'}.", "",
+        "| metric | candidate | floor | champion | required gain |", "|---|---|---|---|---|",
+    ]
+    by_metric = {t.metric: t for t in thresholds}
+    for name in sorted(result.candidate_metrics):
+        t = by_metric.get(name)
+        champion = result.champion_metrics.get(name) if result.champion_metrics else None
+        lines.append(f"| {name} | {result.candidate_metrics[name]:.4f} | {'' if not t or t.floor is None else f'{t.floor:g}'} | "
+                     f"{'' if champion is None else f'{champion:.4f}'} | {'' if not t or t.min_gain is None else f'{t.min_gain:g}'} |")
+    return "\n".join(lines) + "\n"

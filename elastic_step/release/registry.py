@@ -1,0 +1,56 @@
+"""The MLflow model registry as the release steps use it: connect, find a version by alias."""
+
+from __future__ import annotations
+
+import os
+
+from elastic_step.errors import ConfigError
+from elastic_step.tracking.run import TrackingError, connect
+
+CHAMPION = "champion"
+PREVIOUS_CHAMPION = "previous-champion"
+
+
+def registry_client(mlflow_uri: str | None):
+    """An MlflowClient for the pipeline's tracking server (the release steps share one)."""
+    uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise ConfigError("no MLflow tracking URI: pass --mlflow-uri (the component's mlflow_uri) "
+                          "or set MLFLOW_TRACKING_URI to the server the training step used")
+    return connect(uri, "")
+
+
+def version_by_alias(client, name: str, alias: str):
+    """The version `alias` points at, or None when the model or the alias does not exist yet."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            return None
+        raise
+
+
+def get_version(client, name: str, version: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version(name, str(version))
+    except MlflowException:
+        known = [str(v.version) for v in client.search_model_versions(f"name = '{name}'")] if _model_exists(client, name) else []
+        raise TrackingError(
+            f"registered model {name!r} has no version {version!r}"
+            + (f" (it has {', '.join(sorted(known, key=int))})" if known else " (the model is not registered)")
+            + "; pass a version that export_model created"
+        ) from None
+
+
+def _model_exists(client, name: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+        return True
+    except MlflowException:
+        return False
