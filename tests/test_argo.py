@@ -1,0 +1,383 @@
+"""The Argo documents: valid against Argo's own JSON schema, unchanged by a Hera round trip, every
+name and reference resolvable, committed copies fresh, and every step's command line accepted by
+the real `elastic-step` parser."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from hera.workflows import CronWorkflow, Workflow, WorkflowTemplate
+
+from elastic_step.argo import RenderOptions
+from elastic_step.argo.render import HEADER, render, render_texts
+from elastic_step.cli import build_parser, main
+from elastic_step.images import default_image
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT.parent / "shared" / "argo" / "schema.json"
+COMMITTED = ROOT / "pipelines" / "argo"
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+HERA_CLASSES = {"WorkflowTemplate": WorkflowTemplate, "Workflow": Workflow, "CronWorkflow": CronWorkflow}
+VARIANTS = {
+    "artifacts": RenderOptions(),
+    "pvc+secret": RenderOptions(pvc="training-data", mlflow_secret="mlflow:tracking-uri", cron="30 2 * * 1-5",
+                                timezone="Europe/Berlin"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _default_image(monkeypatch):
+    monkeypatch.delenv("ELASTIC_STEP_IMAGE", raising=False)
+
+
+def rendered(variant: str = "artifacts") -> dict[str, str]:
+    return render_texts(["training", "retraining"], VARIANTS[variant])
+
+
+def documents(variant: str = "artifacts") -> dict[str, dict]:
+    return {name: yaml.safe_load(text) for name, text in rendered(variant).items()}
+
+
+ALL = [(variant, name) for variant in VARIANTS for name in documents(variant)]
+
+
+def templates_of(doc: dict) -> dict[str, dict]:
+    return {t["name"]: t for t in doc["spec"]["templates"]}
+
+
+def dag_of(doc: dict) -> tuple[str, list[dict]]:
+    entry = doc["spec"]["entrypoint"]
+    return entry, templates_of(doc)[entry]["dag"]["tasks"]
+
+
+def task(doc: dict, name: str) -> dict:
+    return next(t for t in dag_of(doc)[1] if t["name"] == name)
+
+
+# ---- Argo's JSON schema -------------------------------------------------------------------------
+
+def argo_validator(kind: str | None = None, int_or_string: bool = True):
+    """A validator for Argo's schema: the whole of it (one of Argo's kinds) or one kind's definition,
+    whose errors point at the offending field."""
+    if not SCHEMA.is_file():
+        pytest.skip(f"Argo's JSON schema is not in this checkout ({SCHEMA.relative_to(ROOT.parent)} is absent)")
+    import jsonschema
+
+    schema = json.loads(SCHEMA.read_text())
+    if int_or_string:
+        # The published schema types IntOrString as string only; Argo and Kubernetes accept both.
+        schema["definitions"]["io.k8s.apimachinery.pkg.util.intstr.IntOrString"] = {"type": ["string", "integer"]}
+    if kind:
+        schema = {"$schema": schema["$schema"], "definitions": schema["definitions"],
+                  "$ref": f"#/definitions/io.argoproj.workflow.v1alpha1.{kind}"}
+    return jsonschema.Draft202012Validator(schema)
+
+
+def schema_errors(validator, doc: dict) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}" for e in validator.iter_errors(doc)]
+
+
+@pytest.mark.parametrize("variant,name", ALL)
+def test_every_document_validates_against_argo_schema(variant, name):
+    doc = documents(variant)[name]
+    assert schema_errors(argo_validator(doc["kind"]), doc) == []
+    assert schema_errors(argo_validator(), doc) == []
+
+
+def test_broken_documents_fail_the_schema():
+    validator = argo_validator()
+    good = documents()["training-workflowtemplate.yaml"]
+    no_spec = {k: v for k, v in good.items() if k != "spec"}
+    args_not_a_list = copy.deepcopy(good)
+    templates_of(args_not_a_list)["train"]["container"]["args"] = "train --epochs 5"
+    wrong_kind = copy.deepcopy(good) | {"kind": "WorkflowTemplates"}
+    nameless_task = copy.deepcopy(good)
+    del dag_of(nameless_task)[1][0]["name"]
+    for broken in (no_spec, args_not_a_list, wrong_kind, nameless_task):
+        assert schema_errors(validator, broken), f"schema accepted a broken document: {broken.get('kind')}"
+
+
+def test_int_or_string_treatment_is_what_lets_integer_retry_limits_pass():
+    # retryStrategy.limit: 3 is valid Argo; the unpatched schema rejects it, which is why the
+    # validator above widens IntOrString (and why the limit must stay an integer or a string).
+    doc = documents()["training-workflowtemplate.yaml"]
+    assert templates_of(doc)["train"]["retryStrategy"]["limit"] == 3
+    errors = schema_errors(argo_validator("WorkflowTemplate", int_or_string=False), doc)
+    assert errors and all("/retryStrategy/" in e for e in errors), errors  # limit and backoff.factor
+
+
+# ---- Hera round trip, names, references ---------------------------------------------------------
+
+@pytest.mark.parametrize("variant,name", ALL)
+def test_hera_round_trip_keeps_every_field(variant, name):
+    text = rendered(variant)[name]
+    doc = yaml.safe_load(text)
+    again = HERA_CLASSES[doc["kind"]].from_yaml(text).to_yaml()
+    assert yaml.safe_load(again) == doc
+    assert HEADER + again == text
+
+
+def _check_dns(label: str, value: str, max_len: int = 63):
+    assert DNS_1123.match(value) and len(value) <= max_len, f"{label} {value!r} is not a DNS-1123 label"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_names_are_dns_1123_and_references_resolve(variant):
+    docs = documents(variant)
+    template_names = {d["metadata"]["name"] for d in docs.values() if d["kind"] == "WorkflowTemplate"}
+    for doc in docs.values():
+        meta = doc["metadata"]
+        if "name" in meta:
+            _check_dns("metadata.name", meta["name"])
+        else:  # Argo appends 5 random characters to generateName
+            assert meta["generateName"].endswith("-")
+            _check_dns("metadata.generateName", meta["generateName"] + "abcde")
+        spec = doc["spec"].get("workflowSpec", doc["spec"])
+        if "workflowTemplateRef" in spec:
+            assert spec["workflowTemplateRef"]["name"] in template_names
+        for t in spec.get("templates", []):
+            _check_dns("template", t["name"])
+        if "templates" in spec:
+            for t in dag_of(doc)[1]:
+                _check_dns("task", t["name"])
+                assert t["template"] in templates_of(doc), f"task {t['name']} names a missing template"
+    assert {"elastic-step-training", "elastic-step-retraining"} <= template_names
+
+
+REF = re.compile(r"\{\{\s*([a-zA-Z0-9_.\-]+)\s*\}\}")
+
+
+def _refs(node) -> list[str]:
+    return REF.findall(json.dumps(node))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_reference_points_at_a_declared_parameter_or_artifact(variant):
+    for doc in documents(variant).values():
+        if doc["kind"] != "WorkflowTemplate":
+            continue
+        spec = doc["spec"]
+        workflow_params = {p["name"] for p in spec["arguments"]["parameters"]}
+        templates = templates_of(doc)
+        entry, tasks = dag_of(doc)
+        by_name = {t["name"]: t for t in tasks}
+        checked = 0
+        for name, t in templates.items():
+            inputs = t.get("inputs", {})
+            declared = {kind: {p["name"] for p in inputs.get(kind, [])} for kind in ("parameters", "artifacts")}
+            body = {k: v for k, v in t.items() if k != "dag"}
+            for ref in _refs(body):
+                scope, *rest = ref.split(".")
+                if scope == "inputs":
+                    assert rest[1] in declared[rest[0]], f"{name}: {{{{{ref}}}}} is not declared in inputs"
+                    checked += 1
+        for t in tasks:
+            template = templates[t["template"]]
+            wanted = {p["name"] for p in template.get("inputs", {}).get("parameters", [])}
+            given = {p["name"] for p in t.get("arguments", {}).get("parameters", [])}
+            assert given == wanted, f"task {t['name']}: arguments {sorted(given)} vs inputs {sorted(wanted)}"
+            wanted_art = {a["name"] for a in template.get("inputs", {}).get("artifacts", [])}
+            given_art = {a["name"] for a in t.get("arguments", {}).get("artifacts", [])}
+            assert given_art == wanted_art, f"task {t['name']}: artifacts {sorted(given_art)} vs {sorted(wanted_art)}"
+            for ref in _refs(t):
+                scope, *rest = ref.split(".")
+                if scope == "tasks":
+                    source, _, kind, output = rest
+                    assert source in by_name, f"{t['name']}: {{{{{ref}}}}} names no task"
+                    outputs = templates[by_name[source]["template"]].get("outputs", {}).get(kind, [])
+                    assert output in {o["name"] for o in outputs}, f"{t['name']}: {{{{{ref}}}}} is not an output"
+                    assert source in _ancestors(t["name"], by_name), f"{t['name']} uses {source} without depending on it"
+                    checked += 1
+                elif scope == "workflow" and rest[0] == "parameters":
+                    assert rest[1] in workflow_params, f"{{{{{ref}}}}} is not a workflow parameter"
+        for ref in _refs({k: v for k, v in spec.items() if k != "arguments"}):
+            if ref.startswith("workflow.parameters."):
+                assert ref.split(".")[2] in workflow_params, f"{{{{{ref}}}}} is not a workflow parameter"
+        assert checked > 20  # the check looked at the references, not at nothing
+
+
+def _ancestors(name: str, by_name: dict) -> set[str]:
+    found: set[str] = set()
+    todo = [name]
+    while todo:
+        depends = by_name[todo.pop()].get("depends", "")
+        for parent in re.findall(r"[a-z0-9][a-z0-9-]*", depends):  # `a && b.Succeeded` -> a, b
+            if parent in by_name and parent not in found:
+                found.add(parent)
+                todo.append(parent)
+    return found
+
+
+# ---- what the pipelines do ----------------------------------------------------------------------
+
+def test_dag_order_guards_and_retries():
+    docs = documents()
+    for pipeline in ("training", "retraining"):
+        doc = docs[f"{pipeline}-workflowtemplate.yaml"]
+        assert task(doc, "train")["depends"] == "prepare-data"
+        assert task(doc, "evaluate")["depends"] == "train"
+        for guarded in ("export", "promote"):
+            assert task(doc, guarded)["when"] == "{{tasks.evaluate.outputs.parameters.blessed}} == true"
+        assert task(doc, "promote")["depends"] == "export.Succeeded"
+        retry = templates_of(doc)["train"]["retryStrategy"]
+        assert retry["limit"] == 3 and retry["backoff"] == {"duration": "30s", "factor": 2, "maxDuration": "1h"}
+        assert "retryStrategy" not in templates_of(doc)["evaluate"]
+        spec = doc["spec"]
+        assert spec["serviceAccountName"] == "{{workflow.parameters.service-account}}"
+        assert spec["podGC"]["strategy"] and spec["ttlStrategy"]["secondsAfterSuccess"] > 0
+        patch = json.loads(templates_of(doc)["train"]["podSpecPatch"])
+        assert patch["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "{{inputs.parameters.gpus}}"
+        gpu_arg = next(p for p in task(doc, "train")["arguments"]["parameters"] if p["name"] == "gpus")
+        assert gpu_arg["value"] == "{{workflow.parameters.train-gpus}}"
+    train_args = {p: templates_of(docs[f"{p}-workflowtemplate.yaml"])["train"]["container"]["args"]
+                  for p in ("training", "retraining")}
+    assert "--init-from" not in train_args["training"]
+    init = train_args["retraining"][train_args["retraining"].index("--init-from") + 1]
+    assert init == "models:/{{inputs.parameters.registered-model}}@champion"
+
+
+def test_cron_workflow_schedule_and_policies():
+    cron = documents("pvc+secret")["retraining-cronworkflow.yaml"]["spec"]
+    assert cron["schedules"] == ["30 2 * * 1-5"] and cron["timezone"] == "Europe/Berlin"
+    assert cron["concurrencyPolicy"] == "Forbid"
+    assert cron["startingDeadlineSeconds"] == 3600
+    assert cron["successfulJobsHistoryLimit"] == 3 and cron["failedJobsHistoryLimit"] == 3
+    assert cron["workflowSpec"]["workflowTemplateRef"]["name"] == "elastic-step-retraining"
+    assert "training-cronworkflow.yaml" not in documents()
+
+
+def _env(template: dict) -> dict:
+    return {e["name"]: e for e in template["container"]["env"]}
+
+
+def test_mlflow_uri_from_a_parameter_or_a_secret_and_files_from_artifacts_or_a_pvc():
+    plain = documents()["training-workflowtemplate.yaml"]
+    secret = documents("pvc+secret")["training-workflowtemplate.yaml"]
+    for t in templates_of(plain).values():
+        if "container" in t:
+            assert _env(t)["MLFLOW_TRACKING_URI"]["value"] == "{{workflow.parameters.mlflow-uri}}"
+            assert _env(t)["ARGO_WORKFLOW_NAME"]["value"] == "{{workflow.name}}"
+            assert "volumeMounts" not in t["container"]
+    assert "mlflow-uri" in {p["name"] for p in plain["spec"]["arguments"]["parameters"]}
+    assert templates_of(plain)["train"]["inputs"]["artifacts"] == [{"name": "dataset", "path": "/tmp/inputs/dataset"}]
+    for t in templates_of(secret).values():
+        if "container" in t:
+            ref = _env(t)["MLFLOW_TRACKING_URI"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "mlflow", "key": "tracking-uri"}
+            assert t["container"]["volumeMounts"] == [{"name": "work", "mountPath": "/mnt/elastic-step"}]
+            assert "artifacts" not in t.get("inputs", {}) and "artifacts" not in t.get("outputs", {})
+    assert "mlflow-uri" not in {p["name"] for p in secret["spec"]["arguments"]["parameters"]}
+    assert secret["spec"]["volumes"] == [{"name": "work", "persistentVolumeClaim": {"claimName": "training-data"}}]
+
+
+def test_image_is_the_project_image_unless_overridden(monkeypatch):
+    doc = documents()["training-workflowtemplate.yaml"]
+    images = {t["container"]["image"] for t in doc["spec"]["templates"] if "container" in t}
+    assert images == {default_image()}
+    monkeypatch.setenv("ELASTIC_STEP_IMAGE", "registry.example/custom:1")
+    other = yaml.safe_load(render_texts(["training"], RenderOptions())["training-workflowtemplate.yaml"])
+    assert {t["container"]["image"] for t in other["spec"]["templates"] if "container" in t} == {"registry.example/custom:1"}
+
+
+# ---- the committed YAML -------------------------------------------------------------------------
+
+def test_committed_argo_yaml_is_fresh(tmp_path):
+    render(["training", "retraining"], tmp_path)
+    fresh = {p.name: p.read_text() for p in tmp_path.glob("*.yaml")}
+    committed = {p.name: p.read_text() for p in COMMITTED.glob("*.yaml")}
+    assert sorted(committed) == sorted(fresh), "pipelines/argo/ has other files than `make compile` writes"
+    stale = [name for name in fresh if fresh[name] != committed[name]]
+    assert not stale, f"stale: {stale}; run `make compile` and commit pipelines/argo/"
+
+
+# ---- each step's command line against the real CLI ----------------------------------------------
+
+SAMPLE_OUTPUTS = {"run_id": "0123456789abcdef", "model_uri": "models:/m-0123", "blessed": "true",
+                  "model_version": "7"}
+
+
+def _resolve(text: str, task_args: dict, workflow_params: dict) -> str:
+    def one(match):
+        scope, *rest = match.group(1).split(".")
+        if scope == "inputs":
+            return _resolve(task_args[rest[1]], task_args, workflow_params)
+        if scope == "workflow":
+            return workflow_params[rest[1]] if rest[0] == "parameters" else "elastic-step-training-abcde"
+        if scope == "tasks":
+            return SAMPLE_OUTPUTS[rest[-1]]
+        raise AssertionError(f"unexpected reference {match.group(0)}")
+    return REF.sub(one, text)
+
+
+STEP_COMMANDS = {"prepare-data": "prepare-data", "train": "train", "evaluate": "evaluate", "export": "export",
+                 "promote": "promote"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("pipeline", ["training", "retraining"])
+def test_every_step_command_line_parses_with_the_real_cli(variant, pipeline):
+    doc = documents(variant)[f"{pipeline}-workflowtemplate.yaml"]
+    workflow_params = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
+    templates = templates_of(doc)
+    parser = build_parser()
+    for t in dag_of(doc)[1]:
+        template = templates[t["template"]]
+        assert template["container"]["command"] == ["elastic-step"]
+        task_args = {p["name"]: p["value"] for p in t["arguments"]["parameters"]}
+        argv = [_resolve(a, task_args, workflow_params) for a in template["container"]["args"]]
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"`elastic-step {' '.join(argv)}` is rejected by the CLI parser")
+        assert args.command == STEP_COMMANDS[t["name"]]
+        # the files the template declares are the ones the command writes under --outputs
+        outputs = template.get("outputs", {})
+        for p in outputs.get("parameters", []):
+            assert _resolve(p["valueFrom"]["path"], task_args, workflow_params) == f"{args.outputs}/{p['name']}"
+        for a in outputs.get("artifacts", []):
+            assert _resolve(a["path"], task_args, workflow_params).startswith(f"{args.outputs}/")
+        for a in template.get("inputs", {}).get("artifacts", []):
+            assert a["path"] == args.data  # the dataset arrives where --data reads it
+        if t["name"] == "prepare-data":
+            assert args.out == f"{args.outputs}/dataset"
+        if t["name"] in ("train", "evaluate", "export") and variant != "artifacts":
+            assert args.data == _resolve(templates["train"]["container"]["args"][4], task_args, workflow_params)
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+
+def test_render_cli_writes_the_files(tmp_path, capsys):
+    assert main(["argo", "render", "--pipeline", "retraining", "--out", str(tmp_path / "argo"),
+                 "--pvc", "shared-data", "--cron", "15 4 * * *", "--timezone", "Asia/Tokyo"]) == 0
+    names = sorted(p.name for p in (tmp_path / "argo").iterdir())
+    assert names == ["retraining-cronworkflow.yaml", "retraining-workflow.yaml", "retraining-workflowtemplate.yaml"]
+    cron = yaml.safe_load((tmp_path / "argo" / "retraining-cronworkflow.yaml").read_text())
+    assert cron["spec"]["schedules"] == ["15 4 * * *"] and cron["spec"]["timezone"] == "Asia/Tokyo"
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pvc", "Not_A_Name"], "--pvc"),
+    (["--cron", "0 0 3 * * *"], "drop the seconds"),
+    (["--cron", "0 25 * * *"], "hour 25"),
+    (["--timezone", "Mars/Olympus"], "--timezone"),
+    (["--mlflow-secret", "MLflow"], "--mlflow-secret"),
+    (["--train-retries", "-1"], "--train-retries"),
+])
+def test_render_cli_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, capsys, flags, message):
+    out = tmp_path / "argo"
+    assert main(["argo", "render", "--pipeline", "all", "--out", str(out)] + flags) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_render_cli_refuses_a_file_as_out(tmp_path, capsys):
+    target = tmp_path / "file.yaml"
+    target.write_text("keep me")
+    assert main(["argo", "render", "--pipeline", "training", "--out", str(target)]) == 2
+    assert "is a file" in capsys.readouterr().err and target.read_text() == "keep me"
