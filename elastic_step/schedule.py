@@ -140,7 +140,7 @@ def shift_to_utc(six: str, tz: str, now: datetime | None = None) -> tuple[str, s
         return six, None
     zone = _zone(tz)
     now = now or datetime.now(dt_timezone.utc)
-    offset = zone.utcoffset(now.replace(tzinfo=None)) or timedelta(0)
+    offset = now.astimezone(zone).utcoffset() or timedelta(0)
     minutes = int(offset.total_seconds() // 60)
     fields = six.split()
     if minutes % 60:

@@ -23,10 +23,10 @@ SCHEMA = ROOT.parent / "shared" / "argo" / "schema.json"
 COMMITTED = ROOT / "pipelines" / "argo"
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 HERA_CLASSES = {"WorkflowTemplate": WorkflowTemplate, "Workflow": Workflow, "CronWorkflow": CronWorkflow}
-VARIANTS = {
-    "artifacts": RenderOptions(),
-    "pvc+secret": RenderOptions(pvc="training-data", mlflow_secret="mlflow:tracking-uri", cron="30 2 * * 1-5",
-                                timezone="Europe/Berlin"),
+VARIANTS = {  # RenderOptions keyword arguments (built per test: the default image reads the environment)
+    "artifacts": {},
+    "pvc+secret": {"pvc": "training-data", "mlflow_secret": "mlflow:tracking-uri", "cron": "30 2 * * 1-5",
+                   "timezone": "Europe/Berlin"},
 }
 
 
@@ -36,7 +36,7 @@ def _default_image(monkeypatch):
 
 
 def rendered(variant: str = "artifacts") -> dict[str, str]:
-    return render_texts(["training", "retraining"], VARIANTS[variant])
+    return render_texts(["training", "retraining"], RenderOptions(**VARIANTS[variant]))
 
 
 def documents(variant: str = "artifacts") -> dict[str, dict]:
