@@ -226,3 +226,11 @@ def test_finding_the_default_package_does_not_import_the_pipelines():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.strip() == "False"
+
+
+def test_schedule_kfp_defaults_to_the_compiled_retraining_pipeline(fake_kfp, capsys):
+    compiled = Path(__file__).resolve().parents[1] / "pipelines" / "compiled" / "retraining_pipeline.yaml"
+    assert schedule.default_retraining_package().resolve() == compiled
+    assert main(["schedule", "kfp", "--host", "http://h", "--cron", "0 3 * * *"]) == 0
+    kwargs = fake_kfp.instances[0].calls[1][1]
+    assert Path(kwargs["pipeline_package_path"]).resolve() == compiled
