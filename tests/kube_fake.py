@@ -199,8 +199,8 @@ class FakeCoreV1Api:
             record.delete_when_done = True
             if record.proc is not None and record.proc.poll() is None:
                 record.proc.send_signal(signal.SIGKILL if grace_period_seconds == 0 else signal.SIGTERM)
-            elif record.proc is None:
-                self._remove(record)
+            elif record.proc is None or record.pod.status.phase in ("Succeeded", "Failed"):
+                self._remove(record)  # nothing left running: gone at once
             return k8s.V1Status(status="Success")
 
     def _remove(self, record: FakePod) -> None:
@@ -265,6 +265,13 @@ class FakeCoreV1Api:
     def worker_pods(self) -> dict[str, FakePod]:
         with self.cond:
             return {n: r for n, r in self.pods.items() if (r.pod.metadata.labels or {}).get("app.kubernetes.io/component") == "worker"}
+
+    def wait_until_no_worker_pods(self, timeout: float = 15.0) -> dict[str, FakePod]:
+        """Deletion is asynchronous (the processes must end first): what is left after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.worker_pods() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.worker_pods()
 
     def pod_of(self, worker_id: str) -> str:
         for pod in reversed(self.created):
