@@ -21,7 +21,9 @@ from conftest import worker_processes
 
 KERAS_MODEL = "elastic_step.model_zoo.digits_keras"
 SLOW_KERAS_MODEL = os.path.join(os.path.dirname(__file__), "model_defs", "slow_digits_keras.py")
-FAST = ["--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4"]
+# The default heartbeat timeout (10 s): three workers importing TensorFlow at once on two cores
+# can hold the GIL long enough to miss a shorter one.
+FAST = ["--minibatch-size", "16", "--minibatches-per-task", "2"]
 
 
 @pytest.fixture(scope="module")

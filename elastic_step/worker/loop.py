@@ -50,11 +50,14 @@ class Worker:
         self.client = client
         self.worker_id = worker_id
         self.spec = spec
+        # Heartbeats start before the model definition is imported: importing its framework
+        # (TensorFlow takes seconds, more on a busy node) must not look like a hung worker.
+        self.heartbeat = Heartbeat(client, worker_id, spec.heartbeat_interval_s)
+        self.heartbeat.start()
         self.model_def = load_model_definition(spec.model_def)
         self.trainer = build_trainer(self.model_def, seed=spec.seed)
         self.reader = ShardReader(load_manifest(spec.manifest))
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
-        self.heartbeat = Heartbeat(client, worker_id, spec.heartbeat_interval_s)
         self.reporter = StepReporter(client, worker_id)
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.step = -1  # -1: this worker holds no synchronised state yet
@@ -64,7 +67,6 @@ class Worker:
 
     # -- the outer loop: rounds ------------------------------------------------------------------
     def run(self) -> int:
-        self.heartbeat.start()
         self.reporter.start()
         left_round = 0
         try:
