@@ -236,6 +236,17 @@ class FakeCoreV1Api:
             record.delete_when_done = True
             record.proc.kill()
 
+    def vanish(self, name: str) -> None:
+        """The pod goes while no watch is open and the history is compacted: only a re-list can tell."""
+        with self.cond:
+            record = self.pods.pop(name)
+            if record.proc is not None:
+                record.proc.kill()
+            self.rv += 1
+            self.oldest_rv = self.rv + 1
+            self.stream_generation += 1
+            self.cond.notify_all()
+
     def compact(self) -> None:
         """The server forgets its history and drops every open watch: resumes get 410 Gone."""
         with self.cond:

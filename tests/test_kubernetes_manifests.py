@@ -1,0 +1,173 @@
+"""Every manifest the backend makes and every file under deploy/ validates against a current
+Kubernetes version's schema (kubernetes-validate, strict: no unknown fields); bad options are
+refused with the option's name before anything starts."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEPLOY = os.path.join(ROOT, "deploy")
+K8S_VERSION = kubernetes_validate.utils.latest_version()
+FULL_OPTIONS = ["--worker-cpu", "500m:2", "--worker-memory", "2Gi:4Gi", "--worker-gpus", "1", "--node-selector", "pool=gpu",
+                "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration", "spot=true", "--priority-class", "training",
+                "--image-pull-secret", "regcred", "--service-account", "elastic-step-runner", "--image", "reg.example/es:1"]
+
+
+def validate(obj: dict) -> None:
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def dry_run(tmp_path, *options, env=None) -> subprocess.CompletedProcess:
+    return cli("train", "--backend", "kubernetes", "--dry-run", "--model-def", "m", "--data", "d",
+               "--job-dir", str(tmp_path / "My_Job"), "--workers", "2:3", *options,
+               env={**os.environ, **(env or {})})
+
+
+def test_dry_run_prints_a_secret_and_a_pod_per_slot_that_validate(tmp_path):
+    env = {"ELASTIC_STEP_POD_NAME": "step-pod", "ELASTIC_STEP_POD_UID": "0b8e-uid", "ELASTIC_STEP_POD_IP": "10.4.0.7"}
+    done = dry_run(tmp_path, *FULL_OPTIONS, env=env)
+    assert done.returncode == 0, done.stderr
+    objects = list(yaml.safe_load_all(done.stdout))
+    assert [o["kind"] for o in objects] == ["Secret", "Pod", "Pod", "Pod"]
+    for obj in objects:
+        validate(obj)
+        assert obj["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "step-pod", "uid": "0b8e-uid"}]
+    pod = objects[3]
+    labels = pod["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "elastic-step" and labels["app.kubernetes.io/component"] == "worker"
+    assert labels["elastic-step/job"] == "my-job" and labels["elastic-step/replica-index"] == "2"
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    assert spec["restartPolicy"] == "Never" and container["command"] == ["elastic-step", "worker"]
+    assert container["image"] == "reg.example/es:1"
+    assert container["resources"] == {"limits": {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": "1"},
+                                      "requests": {"cpu": "500m", "memory": "2Gi"}}
+    env_vars = {e["name"]: e["value"] for e in container["env"]}
+    assert env_vars["ELASTIC_STEP_MASTER_URL"].startswith("http://10.4.0.7:")  # the master pod's IP
+    assert env_vars["ELASTIC_STEP_COLLECTIVE_BACKEND"] == "nccl"
+    assert env_vars["ELASTIC_STEP_TOKEN_FILE"].startswith(container["volumeMounts"][0]["mountPath"])
+    assert spec["volumes"][0]["secret"]["secretName"] == objects[0]["metadata"]["name"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True and spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["nodeSelector"] == {"pool": "gpu"} and spec["priorityClassName"] == "training"
+    assert spec["tolerations"] == [{"effect": "NoSchedule", "key": "nvidia.com/gpu", "operator": "Exists"},
+                                   {"key": "spot", "operator": "Equal", "value": "true"}]
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}] and spec["serviceAccountName"] == "elastic-step-runner"
+
+
+def test_dry_run_defaults_validate_without_a_cluster(tmp_path):
+    done = dry_run(tmp_path)
+    assert done.returncode == 0, done.stderr
+    objects = list(yaml.safe_load_all(done.stdout))
+    for obj in objects:
+        validate(obj)
+    from elastic_step.images import default_image
+
+    assert objects[1]["spec"]["containers"][0]["image"] == default_image()
+    assert "ownerReferences" not in objects[1]["metadata"]  # not in a pod: nothing to own them
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--worker-memory", "lots", ["--worker-memory", "'lots'", "quantity"]),
+    ("--worker-cpu", "4:2", ["--worker-cpu", "larger than the limit"]),
+    ("--toleration", "gpu:Sometimes", ["--toleration", "NoSchedule"]),
+    ("--node-selector", "pool", ["--node-selector", "KEY=VALUE"]),
+])
+def test_bad_kubernetes_options_are_refused_with_the_option_named(tmp_path, option, value, words):
+    done = dry_run(tmp_path, option, value)
+    assert done.returncode == 2 and done.stdout == ""
+    assert all(w in done.stderr for w in words), done.stderr
+
+
+def test_dry_run_needs_the_kubernetes_backend(tmp_path):
+    done = cli("train", "--dry-run", "--model-def", "m", "--data", "d", "--job-dir", str(tmp_path / "j"))
+    assert done.returncode == 2 and "--backend kubernetes" in done.stderr
+
+
+def test_a_master_outside_any_pod_on_loopback_is_refused_before_anything_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_STEP_POD")}
+    done = cli("train", "--backend", "kubernetes", "--model-def", "m", "--data", "d", "--job-dir", str(tmp_path / "j"), env=env)
+    assert done.returncode == 2 and "ELASTIC_STEP_POD_IP" in done.stderr and "--host" in done.stderr
+    assert not os.path.exists(tmp_path / "j")
+
+
+def deploy_objects() -> list[tuple[str, dict]]:
+    """Every object under deploy/: kustomize builds rendered with kubectl where it is installed
+    (else each listed file read directly), and the example files."""
+    found = []
+    builds = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(DEPLOY, "**", "kustomization.yaml"), recursive=True))
+    kubectl = shutil.which("kubectl")
+    listed = set()
+    for build in builds:
+        with open(os.path.join(build, "kustomization.yaml")) as f:
+            kustomization = yaml.safe_load(f)
+        listed.update(os.path.join(build, r) for r in kustomization.get("resources", []) if r.endswith(".yaml"))
+        if kubectl:
+            out = subprocess.run([kubectl, "kustomize", build], capture_output=True, text=True, check=True).stdout
+            found += [(os.path.relpath(build, ROOT), o) for o in yaml.safe_load_all(out) if o]
+    for path in sorted(glob.glob(os.path.join(DEPLOY, "**", "*.yaml"), recursive=True)):
+        if path.endswith("kustomization.yaml") or (kubectl and path in listed):
+            continue
+        with open(path) as f:
+            found += [(os.path.relpath(path, ROOT), o) for o in yaml.safe_load_all(f) if o]
+    return found
+
+
+def test_every_file_under_deploy_validates():
+    objects = deploy_objects()
+    kinds = sorted({o["kind"] for _, o in objects})
+    assert {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PersistentVolumeClaim", "Workflow"} <= set(kinds)
+    for where, obj in objects:
+        if obj["apiVersion"].startswith("argoproj.io/"):
+            # Argo's CRDs are not in the Kubernetes schema: Hera's models of them are.
+            from hera.workflows.models import Workflow
+
+            Workflow.model_validate(obj)
+            continue
+        try:
+            validate(obj)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{where}: {obj['kind']} {obj['metadata'].get('name')}: {exc}") from None
+
+
+def test_the_role_is_namespaced_and_grants_only_what_the_master_does():
+    role = next(o for _, o in deploy_objects() if o["kind"] == "Role")
+    grants = {(tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]}
+    assert grants == {(("pods",), ("create", "delete", "get", "list", "watch")), (("pods/log",), ("get",)),
+                      (("secrets",), ("create", "delete", "get"))}
+    assert not [o for _, o in deploy_objects() if o["kind"].startswith("Cluster")]
+
+
+def test_mlflow_allows_its_service_name_and_postgres_comes_from_a_secret():
+    objects = deploy_objects()
+    container = next(o for w, o in objects if o["kind"] == "Deployment" and w == "deploy")["spec"]["template"]["spec"]["containers"][0]
+    allowed = next(a for a in container["args"] if a.startswith("--allowed-hosts="))
+    assert "mlflow:5000" in allowed.split("=", 1)[1].split(",")
+    postgres = next(o for w, o in objects if o["kind"] == "Deployment" and w.endswith("mlflow-postgres"))
+    store = postgres["spec"]["template"]["spec"]["containers"][0]["env"][1]
+    assert store["name"] == "MLFLOW_BACKEND_STORE_URI" and store["valueFrom"]["secretKeyRef"]["key"] == "uri"
+
+
+def test_the_kfp_example_sets_the_masters_downward_api_env(tmp_path):
+    module = tmp_path / "pipe.py"
+    module.write_text(
+        "import sys\nsys.path.insert(0, %r)\n" % os.path.join(DEPLOY, "examples")
+        + "from kfp import compiler, dsl\nfrom kfp_master_env import as_elastic_master\n"
+        "@dsl.component(base_image='python:3.11')\ndef step():\n    pass\n"
+        "@dsl.pipeline\ndef pipe():\n    as_elastic_master(step())\n"
+        "compiler.Compiler().compile(pipe, sys.argv[1])\n")
+    out = tmp_path / "pipe.yaml"
+    subprocess.run([sys.executable, str(module), str(out)], check=True, capture_output=True)
+    text = out.read_text()
+    for name in ("ELASTIC_STEP_POD_NAME", "ELASTIC_STEP_POD_UID", "ELASTIC_STEP_POD_IP", "status.podIP"):
+        assert name in text
