@@ -10,6 +10,7 @@ BENCHMARKS = [
     ["bench_recovery.py", "--workers", "3", "--kills", "3"],
     ["bench_dispatcher.py"],
     ["bench_checkpoint.py"],
+    ["bench_keras.py", "--workers", "2"],
 ]
 
 if __name__ == "__main__":
