@@ -32,3 +32,16 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache demo-output
+
+# Container images, tagged with the package version (elastic_step.images.default_image()).
+.PHONY: images image-smoke
+IMAGE_REGISTRY ?= ghcr.io/elastic-step
+VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' elastic_step/__init__.py)
+
+images:
+	docker build -f images/Dockerfile -t $(IMAGE_REGISTRY)/elastic-step-torch:$(VERSION) .
+	docker build -f images/Dockerfile --build-arg EXTRAS=torch,tensorflow -t $(IMAGE_REGISTRY)/elastic-step-tensorflow:$(VERSION) .
+
+# Builds the torch image with its own Docker daemon and trains in it; says SKIPPED where it cannot.
+image-smoke:
+	images/smoke.sh

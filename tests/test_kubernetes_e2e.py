@@ -131,7 +131,12 @@ def test_train_on_pods_deleting_one_mid_epoch_relaunches_it_free_and_the_audit_i
     replacement = created[-1]
     assert replacement.metadata.labels["elastic-step/replica-index"] == str(victim["slot"])
     master = cluster.read_namespaced_pod("train-step-7f9c", "ml")
+    from kubernetes import client as k8s
+    import kubernetes_validate
+
     for pod in created:
+        kubernetes_validate.validate(k8s.ApiClient().sanitize_for_serialization(pod),
+                                     kubernetes_validate.utils.latest_version(), strict=True)
         container = pod.spec.containers[0]
         assert container.image == MASTER_IMAGE and container.command == ["elastic-step", "worker"]
         assert pod.metadata.owner_references[0].uid == master.metadata.uid
