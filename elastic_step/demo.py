@@ -1,5 +1,12 @@
-"""`make demo`: prepare digits, train with 3 local workers, SIGKILL one mid-epoch, finish, and
-show that every row of every epoch was applied exactly once."""
+"""`make demo`: the training pipeline, then the retraining pipeline, run by KFP's local runner.
+
+1. `training_pipeline` with 3 local workers: one of them is killed with SIGKILL mid-epoch; the
+   job goes on without it, the evaluation gate judges the model, and it becomes @champion.
+2. `retraining_pipeline`: warm-starts from @champion, is judged against it, and is promoted
+   only if it is better — the demo says which, and why.
+MLflow keeps everything in a local SQLite file; the summary ends with the command that opens
+the MLflow UI on those runs.
+"""
 
 from __future__ import annotations
 
@@ -7,54 +14,92 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
+import threading
 import time
 
 from elastic_step.audit import audit_report
 from elastic_step.jobclient import try_status
 
-OUT = os.environ.get("ELASTIC_STEP_DEMO_DIR", "demo-output")
-EPOCHS = 10
+OUT = os.path.abspath(os.environ.get("ELASTIC_STEP_DEMO_DIR", "demo-output"))
+MODEL = "digits"
+SETTINGS = dict(source="sklearn:digits", model_def="elastic_step.model_zoo.digits_torch", registered_model=MODEL,
+                workers="2:3", minibatch_size=16, rows_per_shard=256)
 
 
-def run(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "elastic_step.cli", *args], check=True)
+def kill_one_worker_mid_epoch(job_dir: str, killed: list, stop: threading.Event) -> None:
+    """Wait until all 3 workers train in epoch 2, then SIGKILL the rank-1 worker (a real signal
+    to a real process, as a node failure would deliver it)."""
+    while not stop.is_set():
+        status = try_status(job_dir)
+        if status and status["epoch"] == 1 and status["world_size"] == 3 and status["rows_done"] > status["rows_total"] * 0.15:
+            victim = next(w for w in status["workers"] if w["rank"] == 1)
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed.append(victim)
+            print(f"   >>> killed worker {victim['id']} (pid {victim['pid']}) with SIGKILL in epoch 2", flush=True)
+            return
+        time.sleep(0.05)
+
+
+def run_pipeline(pipeline, job_dir: str, mlflow_uri: str, inject_kill: bool, **params) -> dict:
+    killed: list = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=kill_one_worker_mid_epoch, args=(job_dir, killed, stop), daemon=True)
+    if inject_kill:
+        watcher.start()
+    try:
+        pipeline(mlflow_uri=mlflow_uri, job_dir=job_dir, **SETTINGS, **params)
+    finally:
+        stop.set()
+    with open(os.path.join(job_dir, "result.json")) as f:
+        result = json.load(f)
+    result["killed"] = killed
+    return result
+
+
+def exactly_once(job_dir: str, epochs: int) -> dict:
+    with open(os.path.join(job_dir, "model", "model.json")) as f:
+        data = json.load(f)["data"]
+    return audit_report(os.path.join(job_dir, "audit.jsonl"), data, epochs=epochs)
 
 
 def main() -> int:
+    import logging
+
+    from kfp import local
+
+    from elastic_step.pipelines.retraining_pipeline import retraining_pipeline
+    from elastic_step.pipelines.training_pipeline import training_pipeline
+    from elastic_step.tracking.run import connect
+
     shutil.rmtree(OUT, ignore_errors=True)
-    data, job_dir, audit = f"{OUT}/digits", f"{OUT}/job", f"{OUT}/audit.jsonl"
-    print("1. preparing the bundled digits data")
-    run("prepare-data", "--source", "sklearn:digits", "--out", data, "--rows-per-shard", "256")
-    print("2. training with 3 local workers; one of them will be killed with SIGKILL mid-epoch")
-    trainer = subprocess.Popen([sys.executable, "-m", "elastic_step.cli", "train", "--model-def", "elastic_step.model_zoo.digits_torch",
-                                "--data", data, "--job-dir", job_dir, "--workers", "2:3", "--epochs", str(EPOCHS),
-                                "--audit", audit, "--minibatch-size", "16"])
-    killed_at = None
-    while trainer.poll() is None and killed_at is None:
-        time.sleep(0.05)
-        s = try_status(job_dir)
-        if s and s["epoch"] == 1 and s["world_size"] == 3 and s["rows_done"] > s["rows_total"] * 0.15:
-            victim = next(w for w in s["workers"] if w["rank"] == 1)
-            os.kill(victim["pid"], signal.SIGKILL)
-            killed_at = time.time()
-            print(f"   killed worker {victim['id']} (pid {victim['pid']}) with SIGKILL at epoch 2")
-    code = trainer.wait()
-    if code != 0:
-        print(f"training failed with exit code {code}; see {job_dir}/logs/")
-        return code
-    with open(f"{job_dir}/result.json") as f:
-        result = json.load(f)
-    report = audit_report(audit, data, epochs=EPOCHS)
-    recovery = ", ".join(f"{s:.2f}s" for s in result["recoveries_s"]) or "no failure was injected"
-    print("3. summary")
-    print(f"   test accuracy:   {result['test_metrics']['accuracy']:.4f}")
-    print(f"   rows audited:    {report['rows_applied']} of {report['rows_expected']} "
-          f"({'every row of every epoch exactly once' if report['exact'] else 'NOT exact: ' + json.dumps(report)})")
-    print(f"   recovery time:   {recovery} (from the worker's death to the next applied step)")
-    print(f"   job folder:      {job_dir} (events.jsonl, metrics.jsonl, logs/, model/)")
-    return 0 if report["exact"] else 1
+    os.makedirs(OUT)
+    started = time.time()
+    mlflow_uri = f"sqlite:///{OUT}/mlflow.db"
+    client = connect(mlflow_uri, OUT)  # creates the schema once, before any task opens the file
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # kfp.local sets the root logger to INFO
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=os.path.join(OUT, "kfp"))
+
+    print("1. training_pipeline (kfp.local): prepare -> train (3 workers, one SIGKILLed) -> evaluate -> export -> promote", flush=True)
+    first = run_pipeline(training_pipeline, os.path.join(OUT, "train"), mlflow_uri, inject_kill=True, epochs=8)
+    print("2. retraining_pipeline: warm start from @champion, judged against it", flush=True)
+    second = run_pipeline(retraining_pipeline, os.path.join(OUT, "retrain"), mlflow_uri, inject_kill=False, epochs=3)
+
+    champion = client.get_model_version_by_alias(MODEL, "champion")
+    gate = client.get_run(second["run_id"]).data.tags
+    audit = exactly_once(os.path.join(OUT, "train"), epochs=8)
+    recovery = ", ".join(f"{s:.2f}s" for s in first["recoveries_s"]) or "no recovery recorded"
+    print("\n3. summary")
+    print(f"   training:   test accuracy {first['test_metrics']['accuracy']:.4f}; recovery after the SIGKILL {recovery}")
+    print(f"   rows audited: {audit['rows_applied']} of {audit['rows_expected']} "
+          f"({'every row of every epoch exactly once' if audit['exact'] else 'NOT exact: ' + json.dumps(audit)})")
+    print(f"   retraining: test accuracy {second['test_metrics']['accuracy']:.4f}; "
+          f"{'promoted' if str(champion.run_id) == second['run_id'] else 'not promoted'}: "
+          f"{gate.get('elastic_step.gate.reason', 'the gate left no reason')}")
+    print(f"   champion:   {MODEL} version {champion.version} (run {champion.run_id})")
+    print(f"   took {time.time() - started:.0f}s; everything is in {OUT}")
+    print(f"   open the MLflow UI on these runs:  mlflow ui --backend-store-uri {mlflow_uri}")
+    return 0 if audit["exact"] and first["killed"] else 1
 
 
 if __name__ == "__main__":

@@ -17,13 +17,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from elastic_step.data.prepare import prepare_data
-    from elastic_step.errors import ConfigError
+    from elastic_step.data.prepare import parse_split, prepare_data
 
-    try:
-        split = tuple(float(x) for x in args.split.split(","))
-    except ValueError:
-        raise ConfigError(f"--split {args.split!r} is not three comma-separated fractions like 0.8,0.1,0.1") from None
+    split = parse_split(args.split)
     features = [f for f in args.features.split(",") if f] if args.features else None
     manifest = prepare_data(args.source, args.out, label=args.label, features=features, split=split,
                             rows_per_shard=args.rows_per_shard, seed=args.seed)

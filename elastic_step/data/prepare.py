@@ -134,6 +134,16 @@ def _write_atomic(fs, path: str, data: bytes) -> None:
     fs.mv(tmp, path)
 
 
+def parse_split(text) -> tuple[float, ...]:
+    """`"0.8,0.1,0.1"` (or a sequence) → TRAIN,VAL,TEST fractions."""
+    if not isinstance(text, str):
+        return tuple(float(x) for x in text)
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--split {text!r} is not three comma-separated fractions like 0.8,0.1,0.1") from None
+
+
 def prepare_data(source: str, out_dir: str, label: str = "label", features: list[str] | None = None,
                  split=(0.8, 0.1, 0.1), rows_per_shard: int = 512, seed: int = 0,
                  row_group_rows: int = 64) -> Manifest:

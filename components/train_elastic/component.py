@@ -1,0 +1,66 @@
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Metrics, Model, Output
+
+from elastic_step.images import default_image
+
+
+@dsl.component(base_image=default_image(), install_kfp_package=False)
+def train_elastic(
+    dataset: Input[Dataset],
+    model: Output[Model],
+    metrics: Output[Metrics],
+    model_def: str = "elastic_step.model_zoo.digits_torch",
+    workers: str = "2:3",
+    epochs: int = 5,
+    minibatch_size: int = 32,
+    minibatches_per_task: int = 4,
+    checkpoint_steps: int = 100,
+    seed: int = 0,
+    backend: str = "local",
+    mlflow_uri: str = "",
+    experiment: str = "elastic-step",
+    init_from: str = "",
+    registered_model: str = "",
+    warm_start_alias: str = "",
+    pipeline_run_id: str = "",
+    job_dir: str = "",
+):
+    """Train with an elastic group of workers; this step's process is the elastic master.
+
+    Workers run as local processes (`backend=local`) or pods (`backend=kubernetes`); a worker
+    that dies is dropped and training goes on without restarting the others, and every row of
+    every epoch is applied exactly once. A retry of this task resumes its own MLflow run from
+    the newest committed checkpoint.
+
+    Args:
+        dataset: Prepared data from prepare_data.
+        model: The trained model; metadata: MLflow run id, model URI, framework.
+        metrics: Test-split metrics of the trained model.
+        model_def: The model definition: a module name or a .py file.
+        workers: N, or MIN:MAX for an elastic group.
+        epochs: Passes over the train split.
+        minibatch_size: Rows per minibatch per worker.
+        minibatches_per_task: Minibatches in each task the master hands out.
+        checkpoint_steps: Checkpoint every K steps and at each epoch end (0: never).
+        seed: Seed of the model's initialisation and of the per-epoch shuffle.
+        backend: Where workers run: `local` or `kubernetes`.
+        mlflow_uri: Tracking URI (default: MLFLOW_TRACKING_URI).
+        experiment: MLflow experiment.
+        init_from: Warm start from `models:/NAME@ALIAS`, a model URI or a run id.
+        registered_model: With warm_start_alias: warm start from `models:/<registered_model>@<alias>`.
+        warm_start_alias: The alias to warm start from (e.g. `champion`); with none yet, training starts cold.
+        pipeline_run_id: The pipeline run (tags the MLflow run so a retried task finds it).
+        job_dir: Folder for the job's state and logs (default: a fresh temporary folder).
+    """
+    from elastic_step.steps import train_step
+
+    result = train_step(
+        data=dataset.path, model_dir=model.path, model_def=model_def, workers=workers, epochs=epochs,
+        minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps,
+        seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from,
+        registered_model=registered_model, warm_start_alias=warm_start_alias, pipeline_run_id=pipeline_run_id,
+        job_dir=job_dir,
+    )
+    model.metadata.update(result.model_metadata())
+    for name, value in result.test_metrics.items():
+        metrics.log_metric(name, value)

@@ -1,0 +1,71 @@
+"""The training step as a pipeline runs it (the KFP component is a shell over this): resolve the
+warm start, tag the run with the pipeline run so a retried task resumes it, train, and put the
+model where the pipeline's artifact store picks it up."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from elastic_step.config import TrainConfig
+from elastic_step.master.job import JobResult, run_job
+
+log = logging.getLogger("elastic_step.steps")
+
+
+@dataclass
+class TrainStepResult:
+    job: JobResult
+    framework: str
+    init_from: str
+
+    @property
+    def test_metrics(self) -> dict:
+        return {k: float(v) for k, v in self.job.test_metrics.items() if k != "rows"}
+
+    def model_metadata(self) -> dict:
+        return {"mlflow_run_id": self.job.run_id, "model_uri": self.job.model_uri, "mlflow_uri": self.job.mlflow_uri,
+                "framework": self.framework, "steps": self.job.steps, "init_from": self.init_from}
+
+
+def warm_start_source(registered_model: str, alias: str, mlflow_uri: str | None) -> str:
+    """`models:/NAME@ALIAS` when that alias exists; "" (train cold) when the model has no such
+    version yet — the first scheduled retrain of a new model has no champion to start from."""
+    from elastic_step.release.registry import registry_client, version_by_alias
+
+    if not (registered_model and alias):
+        return ""
+    if version_by_alias(registry_client(mlflow_uri), registered_model, alias) is None:
+        print(f"{registered_model} has no @{alias} yet; training from scratch", file=sys.stderr)
+        return ""
+    return f"models:/{registered_model}@{alias}"
+
+
+def train_step(*, data: str, model_dir: str, model_def: str, workers: str = "2:3", epochs: int = 5,
+               minibatch_size: int = 32, minibatches_per_task: int = 4, checkpoint_steps: int = 100, seed: int = 0,
+               backend: str = "local", mlflow_uri: str = "", experiment: str = "elastic-step", init_from: str = "",
+               registered_model: str = "", warm_start_alias: str = "", pipeline_run_id: str = "",
+               job_dir: str = "", job_name: str = "train-elastic") -> TrainStepResult:
+    if pipeline_run_id:
+        os.environ["ELASTIC_STEP_PIPELINE_RUN_ID"] = pipeline_run_id
+    init_from = init_from or warm_start_source(registered_model, warm_start_alias, mlflow_uri or None)
+    job_dir = job_dir or tempfile.mkdtemp(prefix="elastic-step-job-")
+    config = TrainConfig(
+        model_def=model_def, data=data, job_dir=job_dir, job_name=job_name,
+        audit=os.path.join(job_dir, "audit.jsonl"),  # so anyone can check exactly-once afterwards
+        workers=workers, epochs=epochs, minibatch_size=minibatch_size,
+        minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
+        mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None, progress=False,
+    )
+    job = run_job(config)
+    os.makedirs(model_dir, exist_ok=True)
+    for name in os.listdir(job.model_dir):
+        shutil.copy2(os.path.join(job.model_dir, name), os.path.join(model_dir, name))
+    with open(os.path.join(job.model_dir, "model.json")) as f:
+        framework = json.load(f)["framework"]
+    return TrainStepResult(job, framework, init_from)

@@ -1,0 +1,55 @@
+"""The task graph both pipelines share: prepare → train → evaluate → if blessed: export → promote."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Model
+
+from elastic_step.components import evaluate_model, export_model, prepare_data, promote_model, train_elastic
+
+TRAIN_RETRIES = 2  # a retried training task resumes its MLflow run from the newest checkpoint
+
+
+def lifecycle(*, source: str, split: str, rows_per_shard: int, seed: int, model_def: str, workers: str, epochs: int,
+              minibatch_size: int, minibatches_per_task: int, checkpoint_steps: int, backend: str, mlflow_uri: str,
+              experiment: str, registered_model: str, floors: dict, min_gains: dict, job_dir: str,
+              warm_start_alias: str, caching: bool) -> None:
+    prepared = prepare_data(source=source, split=split, rows_per_shard=rows_per_shard, seed=seed)
+    trained = train_elastic(
+        dataset=prepared.outputs["dataset"], model_def=model_def, workers=workers, epochs=epochs,
+        minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps,
+        seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, registered_model=registered_model,
+        warm_start_alias=warm_start_alias, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, job_dir=job_dir,
+    )
+    trained.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="30s", backoff_factor=2.0)
+    judged = evaluate_model(
+        candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"], registered_model=registered_model,
+        floors=floors, min_gains=min_gains, mlflow_uri=mlflow_uri,
+    )
+    released = (release_if_blessed if caching else release_if_blessed_uncached)(
+        blessed=judged.outputs["blessed"], candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"],
+        registered_model=registered_model, mlflow_uri=mlflow_uri,
+    )
+    for task in (prepared, trained, judged, released):
+        task.set_caching_options(caching)
+
+
+def _release_if_blessed(caching: bool):
+    """export → promote, only when the gate blessed the candidate. A sub-pipeline so that the
+    condition reads a plain input of its own (`blessed`): KFP's local runner cannot resolve a
+    condition on a named output of a sibling task, and the graph is the same on a cluster."""
+
+    @dsl.pipeline(name="release-if-blessed" if caching else "release-if-blessed-uncached")
+    def release(blessed: bool, candidate: Input[Model], dataset: Input[Dataset], registered_model: str, mlflow_uri: str):
+        with dsl.If(blessed == True, name="blessed"):  # noqa: E712 (a KFP condition, not Python)
+            exported = export_model(candidate=candidate, dataset=dataset, registered_model=registered_model,
+                                    mlflow_uri=mlflow_uri)
+            promoted = promote_model(registered_model=registered_model, version=exported.outputs["model_version"],
+                                     mlflow_uri=mlflow_uri)
+            for task in (exported, promoted):
+                task.set_caching_options(caching)
+
+    return release
+
+
+# Defined here, at import time: KFP does not allow defining a pipeline inside another's body.
+release_if_blessed = _release_if_blessed(caching=True)
+release_if_blessed_uncached = _release_if_blessed(caching=False)
