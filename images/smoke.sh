@@ -61,7 +61,7 @@ HTTP_PID=$!
 
 t=$(date +%s)
 DOCKER_BUILDKIT=0 docker build --network host -f images/Dockerfile -t "$IMAGE" \
-  --build-arg BASE_IMAGE="$BASE" --build-arg PIP_FIND_LINKS="http://127.0.0.1:$PORT/" . >"$WORK/build.log" 2>&1 \
+  --build-arg BASE_IMAGE="$BASE" --build-arg PIP_FIND_LINKS="http://127.0.0.1:$PORT/" --build-arg TORCH_INDEX_URL= . >"$WORK/build.log" 2>&1 \
   || { tail -30 "$WORK/build.log"; echo "image-smoke: FAILED: docker build (log: $WORK/build.log)"; exit 1; }
 grep "imports ok" "$WORK/build.log" || true
 echo "image-smoke: built $IMAGE in $(( $(date +%s) - t ))s ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
