@@ -1,5 +1,5 @@
 """`make compile`: write every pipeline (KFP IR) to pipelines/compiled/ and every component's
-YAML beside its code, so users can upload or load them without Python. A test fails when a
+YAML and README beside its code, so users can upload or load them without Python. A test fails when a
 committed file is stale. Unset ELASTIC_STEP_IMAGE for the committed files (it sets base_image)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from kfp import compiler
 
 import elastic_step.components as components
+from elastic_step.pipelines.component_docs import component_readme
 from elastic_step.pipelines.retraining_pipeline import retraining_pipeline
 from elastic_step.pipelines.training_pipeline import training_pipeline
 
@@ -30,7 +31,9 @@ def compile_all(pipelines_out: Path = PIPELINES_DIR / "compiled", components_out
         path = components_out / name / "component.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         compiler.Compiler().compile(getattr(components, name), str(path))
-        written.append(path)
+        readme = path.parent / "README.md"
+        readme.write_text(component_readme(name, getattr(components, name)))
+        written += [path, readme]
     return written
 
 

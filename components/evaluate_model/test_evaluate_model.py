@@ -1,0 +1,38 @@
+import pytest
+from kfp.dsl import ClassificationMetrics, Markdown, Metrics
+from mlflow.tracking import MlflowClient
+
+from elastic_step.components import evaluate_model
+from elastic_step.errors import ConfigError
+
+
+def run_gate(tmp_path, trained, dataset, mlflow_uri, **thresholds):
+    outputs = dict(metrics=Metrics(uri=str(tmp_path / "m")), classification=ClassificationMetrics(uri=str(tmp_path / "c")),
+                   report=Markdown(uri=str(tmp_path / "report.md")))
+    result = evaluate_model.python_func(candidate=trained, dataset=dataset, registered_model="gate-test",
+                                        mlflow_uri=mlflow_uri, **outputs, **thresholds)
+    return result, outputs
+
+
+def test_first_model_is_judged_on_the_floors_alone(tmp_path, trained, dataset, mlflow_uri):
+    result, out = run_gate(tmp_path, trained, dataset, mlflow_uri, floors={"accuracy": 0.5}, min_gains={"accuracy": 0.0})
+    assert result.blessed is True
+    assert "first model" in result.reason and "accuracy_score" in result.reason
+    assert abs(out["metrics"].metadata["accuracy_score"] - trained.test_metrics["accuracy"]) < 1e-9
+    matrix = out["classification"].metadata["confusionMatrix"]
+    assert len(matrix["rows"]) == 10 and sum(sum(r["row"]) for r in matrix["rows"]) == 180
+    report = open(out["report"].path).read()
+    assert "Blessed" in report and "| accuracy_score |" in report
+    tags = MlflowClient(mlflow_uri).get_run(trained.metadata["mlflow_run_id"]).data.tags
+    assert tags["elastic_step.gate.blessed"] == "true" and "accuracy_score" in tags["elastic_step.gate.reason"]
+
+
+def test_a_floor_the_candidate_misses_is_the_reason(tmp_path, trained, dataset, mlflow_uri):
+    result, out = run_gate(tmp_path, trained, dataset, mlflow_uri, floors={"accuracy": 0.999})
+    assert result.blessed is False
+    assert "misses the floor 0.999" in result.reason and "Not blessed" in open(out["report"].path).read()
+
+
+def test_a_threshold_on_an_unknown_metric_fails_before_anything_is_logged(tmp_path, trained, dataset, mlflow_uri):
+    with pytest.raises(ConfigError, match="unknown metric 'acuracy'.*accuracy"):
+        run_gate(tmp_path, trained, dataset, mlflow_uri, floors={"acuracy": 0.9})
