@@ -88,11 +88,16 @@ class KerasTrainer(Trainer):
         # state layout as the state source and can load its broadcast.
         self.optimizer.build(self.variables)
         self._sizes = [int(np.prod(v.shape)) for v in self.variables]
-        eager = bool(getattr(model, "run_eagerly", False))
+        self._eager = bool(getattr(model, "run_eagerly", False))
         self._gradient_fns: dict = {}  # (dtype, shape[1:]) of features and labels -> traced function
-        self._trace = (lambda fn, signature: fn) if eager else (lambda fn, signature: tf.function(fn, input_signature=signature))
         self._apply_fn = self._trace(self._apply, [tf.TensorSpec([sum(self._sizes)], tf.float32), tf.TensorSpec([], tf.float32)])
+        # Evaluation sees a few batch sizes (a check batch, splits, chunks): one general trace.
         self._forward = self._trace(lambda x: self.model(x, training=False), None)
+
+    def _trace(self, fn, signature):
+        if self._eager:
+            return fn
+        return tf.function(fn, input_signature=signature, reduce_retracing=signature is None)
 
     # -- gradients --------------------------------------------------------------------------
     @property
