@@ -41,7 +41,7 @@ def _release_if_blessed(caching: bool):
     def release(blessed: bool, candidate: Input[Model], dataset: Input[Dataset], registered_model: str, mlflow_uri: str):
         with dsl.If(blessed == True, name="blessed"):  # noqa: E712 (a KFP condition, not Python)
             exported = export_model(candidate=candidate, dataset=dataset, registered_model=registered_model,
-                                    mlflow_uri=mlflow_uri)
+                                    mlflow_uri=mlflow_uri, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
             promoted = promote_model(registered_model=registered_model, version=exported.outputs["model_version"],
                                      mlflow_uri=mlflow_uri)
             for task in (exported, promoted):

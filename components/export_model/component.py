@@ -12,6 +12,7 @@ def export_model(
     dataset: Input[Dataset],
     registered_model: str,
     mlflow_uri: str = "",
+    pipeline_run_id: str = "",
 ) -> NamedTuple("ExportOutputs", [("model_version", str), ("registered_model_uri", str)]):
     """Log the candidate in its serving format and register it as a new version of the model.
 
@@ -25,6 +26,7 @@ def export_model(
         dataset: The prepared data (the input example comes from its test split).
         registered_model: Name of the model in the MLflow registry.
         mlflow_uri: Tracking URI (default: MLFLOW_TRACKING_URI).
+        pipeline_run_id: The pipeline run, recorded on the version (default: KFP_RUN_ID / ARGO_WORKFLOW_NAME).
 
     Returns:
         model_version: The registered version.
@@ -35,5 +37,6 @@ def export_model(
     from elastic_step.release.export import export_model as export
 
     result = export(run_id=candidate.metadata["mlflow_run_id"], model_uri=candidate.metadata.get("model_uri", ""),
-                    data=dataset.path, registered_model=registered_model, mlflow_uri=mlflow_uri or None)
+                    data=dataset.path, registered_model=registered_model, mlflow_uri=mlflow_uri or None,
+                    pipeline_run=pipeline_run_id)
     return namedtuple("ExportOutputs", ["model_version", "registered_model_uri"])(result.version, result.registered_model_uri)

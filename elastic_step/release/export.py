@@ -30,7 +30,8 @@ class Export:
     reused: bool  # a retried export found the version it had already registered
 
 
-def export_model(*, run_id: str, model_uri: str, data: str, registered_model: str, mlflow_uri: str | None = None) -> Export:
+def export_model(*, run_id: str, model_uri: str, data: str, registered_model: str, mlflow_uri: str | None = None,
+                 pipeline_run: str = "") -> Export:
     import mlflow
     from mlflow.models import infer_signature
 
@@ -59,7 +60,7 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
         info = trainer.log_serving_model(example, signature)
     tags = {SOURCE_RUN_TAG: run_id, "framework": trainer.framework,
             "data_content_hash": candidate.params.get("data_content_hash", ""),
-            "pipeline_run_id": pipeline_run_id(), "model_def": candidate.model_def_source}
+            "pipeline_run_id": pipeline_run or pipeline_run_id(), "model_def": candidate.model_def_source}
     tags.update({name: f"{value:.6g}" for name, value in candidate.metrics.items() if name.startswith("test_")})
     version = mlflow.register_model(info.model_uri, registered_model, tags=tags, await_registration_for=60)
     log.info("registered %s version %s from run %s", registered_model, version.version, run_id)

@@ -1,0 +1,133 @@
+"""The training pipeline end to end through KFP's local runner (SubprocessRunner, no venv per
+task): real tasks, real worker processes, one of them SIGKILLed, a real MLflow store. The run
+happens once and the tests below inspect what it left; a weak champion is registered first, so
+the run must beat it to be promoted."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+from conftest import cli
+from mlflow.tracking import MlflowClient
+
+from elastic_step.audit import audit_report
+from elastic_step.demo import kill_one_worker_mid_epoch
+
+NAME = "digits-pipeline-test"
+EPOCHS = 6
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, digits):
+    from kfp import local
+
+    from elastic_step.pipelines.training_pipeline import training_pipeline
+    from elastic_step.release.export import export_model
+    from elastic_step.release.promote import promote
+    from elastic_step.steps import train_step
+    from elastic_step.tracking.run import connect
+
+    root = tmp_path_factory.mktemp("pipeline")
+    uri = f"sqlite:///{root}/mlflow.db"
+    connect(uri, str(root))
+    # A weak champion: one short epoch on big batches.
+    weak = train_step(data=digits, model_dir=str(root / "weak-model"), model_def="elastic_step.model_zoo.digits_torch",
+                      workers="1", epochs=1, minibatch_size=128, minibatches_per_task=1, checkpoint_steps=0,
+                      mlflow_uri=uri, job_dir=str(root / "weak"), job_name="weak")
+    weak_version = export_model(run_id=weak.job.run_id, model_uri=weak.job.model_uri, data=digits, registered_model=NAME,
+                                mlflow_uri=uri).version
+    promote(NAME, weak_version, mlflow_uri=uri)
+
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp"))
+    job_dir = str(root / "train")
+    killed, stop = [], threading.Event()
+    watcher = threading.Thread(target=kill_one_worker_mid_epoch, args=(job_dir, killed, stop), daemon=True)
+    watcher.start()
+    try:
+        training_pipeline(mlflow_uri=uri, job_dir=job_dir, registered_model=NAME, workers="2:3", epochs=EPOCHS,
+                          minibatch_size=16, rows_per_shard=256, floors={"accuracy": 0.9}, min_gains={"accuracy": 0.0})
+    finally:
+        stop.set()
+    result = json.load(open(os.path.join(job_dir, "result.json")))
+    return dict(uri=uri, root=root, job_dir=job_dir, result=result, killed=killed, weak=weak, weak_version=weak_version,
+                client=MlflowClient(uri))
+
+
+def champion_and_previous(client, name=NAME):
+    return tuple(str(client.get_model_version_by_alias(name, a).version) for a in ("champion", "previous-champion"))
+
+
+def test_training_survives_a_sigkill_and_applies_every_row_exactly_once(pipeline_run):
+    assert pipeline_run["killed"], "the worker kill was never injected"
+    result = pipeline_run["result"]
+    assert result["recoveries_s"] and max(result["recoveries_s"]) < 5
+    data = json.load(open(os.path.join(pipeline_run["job_dir"], "model", "model.json")))["data"]
+    report = audit_report(os.path.join(pipeline_run["job_dir"], "audit.jsonl"), data, epochs=EPOCHS)
+    assert report["exact"], report
+    assert result["test_metrics"]["accuracy"] >= 0.90
+
+
+def test_a_better_model_is_promoted_and_the_previous_champion_kept(pipeline_run):
+    client = pipeline_run["client"]
+    champion, previous = champion_and_previous(client)
+    assert previous == pipeline_run["weak_version"] and champion != previous
+    version = client.get_model_version(NAME, champion)
+    assert version.tags["elastic_step.source_run_id"] == pipeline_run["result"]["run_id"]
+    assert version.tags["pipeline_run_id"]  # the KFP run that produced it
+    reason = client.get_run(pipeline_run["result"]["run_id"]).data.tags["elastic_step.gate.reason"]
+    assert reason.startswith("blessed against champion v" + previous) and "accuracy_score" in reason
+
+
+def test_a_worse_candidate_is_not_blessed_and_the_reason_names_the_metric(pipeline_run, tmp_path):
+    client = pipeline_run["client"]
+    before = champion_and_previous(client)
+    weak = pipeline_run["weak"].job
+    data = json.load(open(os.path.join(pipeline_run["job_dir"], "model", "model.json")))["data"]
+    done = cli("evaluate", "--run-id", weak.run_id, "--data", data, "--registered-model", NAME, "--floor", "accuracy=0.1",
+               "--min-gain", "accuracy=0", "--mlflow-uri", pipeline_run["uri"], "--outputs", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "blessed").read_text() == "false"
+    reason = (tmp_path / "reason").read_text()
+    assert reason.startswith(f"not blessed against champion v{before[0]}") and "accuracy_score" in reason and "misses the required" in reason
+    assert json.loads((tmp_path / "metrics.json").read_text())["accuracy_score"] < 0.9
+    assert champion_and_previous(client) == before  # judging promotes nothing
+
+
+def test_rollback_swaps_the_aliases_and_promote_is_idempotent(pipeline_run, tmp_path):
+    client, uri = pipeline_run["client"], pipeline_run["uri"]
+    champion, previous = champion_and_previous(client)
+    done = cli("promote", "--registered-model", NAME, "--rollback", "--mlflow-uri", uri, "--outputs", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert champion_and_previous(client) == (previous, champion) and (tmp_path / "champion_version").read_text() == previous
+    assert cli("promote", "--registered-model", NAME, "--version", champion, "--mlflow-uri", uri).returncode == 0
+    again = cli("promote", "--registered-model", NAME, "--version", champion, "--mlflow-uri", uri)
+    assert "was already @champion" in again.stdout
+    assert champion_and_previous(client) == (champion, previous)
+
+
+def test_promoting_a_version_that_does_not_exist_is_a_clear_error(pipeline_run):
+    before = champion_and_previous(pipeline_run["client"])
+    done = cli("promote", "--registered-model", NAME, "--version", "42", "--mlflow-uri", pipeline_run["uri"])
+    assert done.returncode != 0 and "no version '42'" in done.stderr and "Traceback" not in done.stderr
+    assert champion_and_previous(pipeline_run["client"]) == before
+
+
+def test_when_evaluation_fails_the_retraining_pipeline_promotes_nothing(pipeline_run):
+    """Retraining warm-starts from @champion; a threshold on an unknown metric makes evaluation
+    fail, so export and promote never run."""
+    from elastic_step.pipelines.retraining_pipeline import retraining_pipeline
+
+    client = pipeline_run["client"]
+    before = champion_and_previous(client)
+    versions = len(client.search_model_versions(f"name = '{NAME}'"))
+    job_dir = str(pipeline_run["root"] / "retrain-bad")
+    with pytest.raises(RuntimeError, match="evaluate-model"):
+        retraining_pipeline(mlflow_uri=pipeline_run["uri"], job_dir=job_dir, registered_model=NAME, workers="1",
+                            epochs=1, minibatch_size=128, rows_per_shard=256, floors={"acuracy": 0.9})
+    assert champion_and_previous(client) == before
+    assert len(client.search_model_versions(f"name = '{NAME}'")) == versions
+    retrained = json.load(open(os.path.join(job_dir, "result.json")))
+    assert client.get_run(retrained["run_id"]).data.params["init_from"] == f"models:/{NAME}@champion"
