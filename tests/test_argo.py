@@ -236,9 +236,10 @@ def test_dag_order_guards_and_retries():
         assert gpu_arg["value"] == "{{workflow.parameters.train-gpus}}"
     train_args = {p: templates_of(docs[f"{p}-workflowtemplate.yaml"])["train"]["container"]["args"]
                   for p in ("training", "retraining")}
-    assert "--init-from" not in train_args["training"]
-    init = train_args["retraining"][train_args["retraining"].index("--init-from") + 1]
-    assert init == "models:/{{inputs.parameters.registered-model}}@champion"
+    assert "--warm-start-alias" not in train_args["training"]
+    retraining = train_args["retraining"]
+    assert retraining[retraining.index("--warm-start-alias") + 1] == "champion"
+    assert retraining[retraining.index("--registered-model") + 1] == "{{inputs.parameters.registered-model}}"
 
 
 def test_cron_workflow_schedule_and_policies():

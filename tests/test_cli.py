@@ -41,3 +41,15 @@ def test_status_and_scale_of_a_running_job(digits, start_job):
 def test_status_of_a_folder_without_a_job(tmp_path):
     done = cli("status", "--job-dir", str(tmp_path))
     assert done.returncode != 0 and "no running job" in done.stderr and str(tmp_path) in done.stderr
+
+
+def test_warm_start_alias_trains_from_scratch_while_there_is_no_champion(digits, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    done = cli("train", "--model-def", "elastic_step.model_zoo.digits_torch", "--data", digits, "--job-dir", str(tmp_path / "job"),
+               "--workers", "1", "--epochs", "1", "--minibatch-size", "128", "--no-progress", "--mlflow-uri", uri,
+               "--registered-model", "nobody", "--warm-start-alias", "champion")
+    assert done.returncode == 0, done.stderr
+    assert "nobody has no @champion yet; training from scratch" in done.stderr
+    lonely = cli("train", "--model-def", "elastic_step.model_zoo.digits_torch", "--data", digits, "--job-dir", str(tmp_path / "j2"),
+                 "--warm-start-alias", "champion")
+    assert lonely.returncode != 0 and "--registered-model" in lonely.stderr

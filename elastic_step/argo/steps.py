@@ -130,9 +130,10 @@ def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool
         args += [f"--{name}", _param(name)]
     inputs = list(TRAIN_INPUTS)
     if warm_start:
-        # Retraining starts from the current champion; a retried attempt still resumes its own
-        # run's newest checkpoint first (found by the ARGO_WORKFLOW_NAME tag).
-        args += ["--init-from", f"models:/{_param('registered-model')}@champion"]
+        # Retraining starts from the current champion (from scratch while there is none yet); a
+        # retried attempt still resumes its own run's newest checkpoint first (found by the
+        # ARGO_WORKFLOW_NAME tag).
+        args += ["--registered-model", _param("registered-model"), "--warm-start-alias", "champion"]
         inputs.append("registered-model")
     args += ["--outputs", layout.outputs("train")]
     retry = m.RetryStrategy(

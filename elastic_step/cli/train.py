@@ -36,6 +36,10 @@ def register(sub) -> None:
     t.add_argument("--keep-checkpoints", type=int, default=3)
     t.add_argument("--resume", action="store_true", help="continue this job's run from its newest committed checkpoint")
     t.add_argument("--init-from", help="warm start: models:/NAME@ALIAS, a model URI, or a run id (its newest checkpoint)")
+    t.add_argument("--warm-start-alias", metavar="ALIAS",
+                   help="with --registered-model: warm start from models:/NAME@ALIAS when it exists, else from scratch "
+                        "(a scheduled retrain before the first champion)")
+    t.add_argument("--registered-model", metavar="NAME", help="the registered model --warm-start-alias refers to")
     p.add_argument("--outputs", help="also write run_id, model_uri, metrics.json and model/ here (for Argo and other runners)")
     add_kubernetes_options(p)
     p.set_defaults(func=run)
@@ -45,7 +49,15 @@ def run(args) -> int:
     from elastic_step.config import TrainConfig
     from elastic_step.master.job import run_job
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose", "outputs", "dry_run")}
+    skip = ("command", "func", "verbose", "outputs", "dry_run", "warm_start_alias", "registered_model")
+    options = {k: v for k, v in vars(args).items() if k not in skip}
+    if args.warm_start_alias and not options.get("init_from"):
+        from elastic_step.errors import ConfigError
+        from elastic_step.steps import warm_start_source
+
+        if not args.registered_model:
+            raise ConfigError("--warm-start-alias needs --registered-model NAME (the model whose alias to start from)")
+        options["init_from"] = warm_start_source(args.registered_model, args.warm_start_alias, args.mlflow_uri) or None
     config = TrainConfig(**options)
     if args.dry_run or config.backend == "kubernetes":
         from elastic_step.cli.kubernetes_options import dry_run_or_check
