@@ -1,0 +1,69 @@
+"""The worker's collective backend comes from ELASTIC_STEP_COLLECTIVE_BACKEND (set to nccl by the
+Kubernetes backend on GPU worker pods), gloo when unset. The worker builds its Collective without
+naming a backend, so these tests do the same."""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_step.errors import ConfigError
+from elastic_step.worker.collective import BACKEND_ENV, Collective, backend_from_env
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield master
+    del master
+
+
+def one_rank_round(collective: Collective) -> tuple[str, np.ndarray, bytes]:
+    collective.join("round-1/", rank=0, world_size=1)
+    try:
+        buffer = np.array([1.5, 2.0, 3.0], dtype=np.float32)
+        collective.allreduce_sum(buffer)
+        return dist.get_backend(), buffer, collective.broadcast_bytes(b"model state", src=0)
+    finally:
+        collective.leave()
+
+
+def test_backend_is_read_from_the_environment():
+    assert backend_from_env({}) == "gloo"
+    assert backend_from_env({BACKEND_ENV: ""}) == "gloo"
+    assert backend_from_env({BACKEND_ENV: "nccl"}) == "nccl"
+    assert backend_from_env({BACKEND_ENV: " NCCL "}) == "nccl"
+    assert backend_from_env({BACKEND_ENV: "gloo"}) == "gloo"
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ConfigError, match=rf"{BACKEND_ENV}='mpi'.*gloo or nccl"):
+        backend_from_env({BACKEND_ENV: "mpi"})
+
+
+def test_worker_collective_defaults_to_gloo_and_really_reduces(store, monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    collective = Collective("127.0.0.1", store.port, timeout_s=20)
+    assert collective.backend == "gloo"
+    backend, buffer, payload = one_rank_round(collective)
+    assert backend == "gloo"
+    assert buffer.tolist() == [1.5, 2.0, 3.0]
+    assert payload == b"model state"
+
+
+def test_nccl_from_the_environment_without_a_gpu_is_a_clear_error(store, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on GPU machines
+    with pytest.raises(ConfigError, match=rf"{BACKEND_ENV}=nccl but this worker sees no GPU"):
+        Collective("127.0.0.1", store.port, timeout_s=20)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_nccl_from_the_environment_reduces_on_the_gpu(store, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "nccl")
+    collective = Collective("127.0.0.1", store.port, timeout_s=60)
+    assert collective.backend == "nccl" and collective.device.type == "cuda"
+    backend, buffer, payload = one_rank_round(collective)
+    assert backend == "nccl"
+    assert buffer.tolist() == [1.5, 2.0, 3.0]
+    assert payload == b"model state"
