@@ -8,28 +8,50 @@ from elastic_step.components import evaluate_model, export_model, prepare_data, 
 TRAIN_RETRIES = 2  # a retried training task resumes its MLflow run from the newest checkpoint
 
 
-def lifecycle(*, source: str, split: str, rows_per_shard: int, seed: int, model_def: str, workers: str, epochs: int,
-              minibatch_size: int, minibatches_per_task: int, checkpoint_steps: int, backend: str, mlflow_uri: str,
-              experiment: str, registered_model: str, floors: dict, min_gains: dict, job_dir: str,
-              warm_start_alias: str, caching: bool) -> None:
-    prepared = prepare_data(source=source, split=split, rows_per_shard=rows_per_shard, seed=seed)
-    trained = train_elastic(
-        dataset=prepared.outputs["dataset"], model_def=model_def, workers=workers, epochs=epochs,
-        minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps,
-        seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, registered_model=registered_model,
-        warm_start_alias=warm_start_alias, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, job_dir=job_dir,
-    )
-    trained.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="30s", backoff_factor=2.0)
-    judged = evaluate_model(
-        candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"], registered_model=registered_model,
-        floors=floors, min_gains=min_gains, mlflow_uri=mlflow_uri,
-    )
-    released = (release_if_blessed if caching else release_if_blessed_uncached)(
-        blessed=judged.outputs["blessed"], candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"],
-        registered_model=registered_model, mlflow_uri=mlflow_uri,
-    )
-    for task in (prepared, trained, judged, released):
-        task.set_caching_options(caching)
+def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, caching: bool):
+    """One pipeline of the lifecycle. Both ready pipelines come from here so their parameters
+    (what a user sets in the KFP UI) are declared once and cannot drift apart."""
+
+    @dsl.pipeline(name=name, description=description)
+    def pipeline(
+        source: str = "sklearn:digits",
+        model_def: str = "elastic_step.model_zoo.digits_torch",
+        registered_model: str = "digits",
+        workers: str = "2:3",
+        epochs: int = 5,
+        minibatch_size: int = 32,
+        minibatches_per_task: int = 4,
+        checkpoint_steps: int = 100,
+        backend: str = "local",
+        mlflow_uri: str = "",
+        experiment: str = "elastic-step",
+        floors: dict = {"accuracy": 0.9},
+        min_gains: dict = {"accuracy": 0.0},
+        split: str = "0.8,0.1,0.1",
+        rows_per_shard: int = 512,
+        seed: int = 0,
+        job_dir: str = "",
+    ):
+        prepared = prepare_data(source=source, split=split, rows_per_shard=rows_per_shard, seed=seed)
+        trained = train_elastic(
+            dataset=prepared.outputs["dataset"], model_def=model_def, workers=workers, epochs=epochs,
+            minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps,
+            seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, registered_model=registered_model,
+            warm_start_alias=warm_start_alias, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, job_dir=job_dir,
+        )
+        trained.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="30s", backoff_factor=2.0)
+        judged = evaluate_model(
+            candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"], registered_model=registered_model,
+            floors=floors, min_gains=min_gains, mlflow_uri=mlflow_uri,
+        )
+        released = (release_if_blessed if caching else release_if_blessed_uncached)(
+            blessed=judged.outputs["blessed"], candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"],
+            registered_model=registered_model, mlflow_uri=mlflow_uri,
+        )
+        for task in (prepared, trained, judged, released):
+            task.set_caching_options(caching)
+
+    return pipeline
 
 
 def _release_if_blessed(caching: bool):
