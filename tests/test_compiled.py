@@ -64,3 +64,15 @@ def test_a_users_own_pipeline_from_our_components_compiles(tmp_path):
     loaded = load_component_from_file(str(path))
     assert loaded.name == "my-team-training"
     assert "comp-train-elastic" in path.read_text() and "4:16" in path.read_text()
+
+
+def test_elastic_step_image_overrides_the_components_image_at_compile_time(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ELASTIC_STEP_IMAGE="registry.example.com/team/elastic-step:dev")
+    done = subprocess.run([sys.executable, "-m", "elastic_step.pipelines.compile", "--pipelines-out", str(tmp_path / "p"),
+                           "--components-out", str(tmp_path / "c")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "p" / "training_pipeline.yaml").read_text()
+    assert text.count("image: registry.example.com/team/elastic-step:dev") == 5 and "ghcr.io" not in text
