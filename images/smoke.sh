@@ -34,15 +34,15 @@ cleanup() {
     for _ in $(seq 50); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.2; done
   fi
   mountpoint -q "$WORK/exec/netns/default" 2>/dev/null && umount "$WORK/exec/netns/default" || true
-  echo "image-smoke: daemon stopped; $(( $(date +%s) - started ))s in all"
+  echo "image-smoke: cleaned up (daemon stopped, netns unmounted); $(( $(date +%s) - started ))s in all"
 }
 trap cleanup EXIT
 
 dockerd --bridge=none --iptables=false --data-root "$WORK/data" --exec-root "$WORK/exec" \
   --pidfile "$WORK/dockerd.pid" -H "unix://$SOCK" >"$WORK/dockerd.log" 2>&1 &
 DOCKERD_PID=$!
-for _ in $(seq 100); do docker version >/dev/null 2>&1 && break; sleep 0.2; done
-docker version >/dev/null 2>&1 || { tail -5 "$WORK/dockerd.log"; DOCKERD_PID_DEAD=1; skip "the Docker daemon did not start (see $WORK/dockerd.log)"; }
+for _ in $(seq 150); do docker version >/dev/null 2>&1 && break; kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.2; done
+docker version >/dev/null 2>&1 || { tail -5 "$WORK/dockerd.log"; skip "the Docker daemon did not start (see $WORK/dockerd.log)"; }
 
 if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   t=$(date +%s)
@@ -63,7 +63,7 @@ t=$(date +%s)
 DOCKER_BUILDKIT=0 docker build --network host -f images/Dockerfile -t "$IMAGE" \
   --build-arg BASE_IMAGE="$BASE" --build-arg PIP_FIND_LINKS="http://127.0.0.1:$PORT/" --build-arg TORCH_INDEX_URL= . >"$WORK/build.log" 2>&1 \
   || { tail -30 "$WORK/build.log"; echo "image-smoke: FAILED: docker build (log: $WORK/build.log)"; exit 1; }
-grep "imports ok" "$WORK/build.log" || true
+grep "^imports ok" "$WORK/build.log" || true
 echo "image-smoke: built $IMAGE in $(( $(date +%s) - t ))s ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
 
 [ "$(docker image inspect -f '{{.Config.User}}' "$IMAGE")" = "1000:1000" ] || { echo "image-smoke: FAILED: image does not run as the non-root user"; exit 1; }
