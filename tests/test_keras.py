@@ -96,6 +96,20 @@ def test_state_round_trip_carries_weights_and_optimizer_variables(digits_batch):
         fresh.load_state_bytes(b"torch checkpoint bytes")
 
 
+def test_warm_up_changes_no_state_and_the_next_step_is_a_cold_trainers_step(digits_batch):
+    features, labels = digits_batch
+    warm, cold = keras_trainer(), keras_trainer()
+    built = warm.state_bytes()
+    warm.warm_up(features[:2], labels[:2])
+    assert warm.state_bytes() == built  # weights, Adam slots, iteration count: as built
+    for trainer in (warm, cold):
+        grads = np.zeros(trainer.num_gradient_values, dtype=np.float32)
+        trainer.compute_gradients(features, labels, grads)
+        trainer.apply_gradients(grads, len(labels))
+    assert int(warm.optimizer.iterations.numpy()) == 1
+    assert warm.state_bytes() == cold.state_bytes()
+
+
 def test_mlflow_models_load_and_predict_the_trained_outputs(digits_batch, tmp_path):
     import mlflow
     from mlflow.models import infer_signature
@@ -173,6 +187,14 @@ def test_keras_sigkill_one_of_three_workers_mid_epoch(digits, start_job, tmp_pat
     assert any(e["event"] == "recovered" for e in events)
     relaunched = [e for e in events if e["event"] == "relaunched"]
     assert relaunched
+    # The survivors kept training while the relaunched worker imported TensorFlow: the round
+    # that takes it in is proposed only after it called in ready, and forms at once.
+    joiner = next(e["worker"] for e in events if e["event"] == "launched" and e["attempt"] == 2)
+    ready_at = next(e["time"] for e in events if e["event"] == "ready" and e["worker"] == joiner)
+    joined_round = next(e for e in events if e["event"] == "round_proposed" and joiner in e["members"])
+    assert joined_round["time"] >= ready_at
+    formed = next(e for e in events if e["event"] == "regrouped" and e["round"] == joined_round["round"])
+    assert formed["time"] - joined_round["time"] < 5, (joined_round, formed)
 
     # Every step, every rank that computed a gradient held the same weights -- the survivors
     # across the regroup and the relaunched worker, which started from the broadcast state.

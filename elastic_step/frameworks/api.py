@@ -28,6 +28,11 @@ class Trainer(abc.ABC):
     def apply_gradients(self, summed: np.ndarray, total_samples: int) -> None:
         """Apply the allreduced gradient sum divided by the global sample count."""
 
+    def warm_up(self, features: np.ndarray, labels: np.ndarray) -> None:
+        """Do once, before the worker joins a round, the slow first-step work (tracing) for
+        batches shaped like these, changing no state; so that a joiner's first step does not
+        stall every rank. Eager frameworks have nothing to do."""
+
     @abc.abstractmethod
     def state_bytes(self) -> bytes:
         """Model parameters and optimizer state, serialised (for broadcast and checkpoints)."""

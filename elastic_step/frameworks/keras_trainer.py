@@ -139,6 +139,16 @@ class KerasTrainer(Trainer):
     def apply_gradients(self, summed, total_samples) -> None:
         self._apply_fn(summed, np.float32(total_samples))
 
+    def warm_up(self, features, labels) -> None:
+        # One real step: a traced function's first call also builds its runtime graph, which
+        # costs as much as the trace. Then every variable goes back as it was (weights,
+        # optimizer slots and iteration count, RNG seeds): the state is exactly the built one.
+        saved = self.state_bytes()
+        scratch = np.zeros(self.num_gradient_values, dtype=np.float32)
+        self.compute_gradients(features, labels, scratch)
+        self.apply_gradients(scratch, len(labels))
+        self.load_state_bytes(saved)
+
     # -- state ------------------------------------------------------------------------------
     def _state_groups(self) -> dict[str, list]:
         """Every variable whose value must travel: the model's weights (trainable and not),

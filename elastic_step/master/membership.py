@@ -25,6 +25,9 @@ class WorkerInfo:
     host: str = ""
     step: int = -1  # newest step it applied, as of its last rendezvous or heartbeat
     joined_round: int = 0  # the round it has called in for
+    # It has called in to rendezvous, so its model definition is imported and its trainer
+    # built: it can train now. Registration alone says only that the process started.
+    ready: bool = False
     unacked: list[StepRecord] = field(default_factory=list)
     exit_reason: str = ""
     rows_applied: int = 0  # rows of steps it took part in (shown by status)

@@ -160,6 +160,9 @@ class MasterState:
                 return RendezvousReply(status="done")
             if self.over:
                 return RendezvousReply(status="stop")
+            if not worker.ready:
+                worker.ready = True
+                self.events.add("ready", worker=worker_id)
             current = self.round
             if current is not None and current.ready and current.id <= left_round:
                 # The worker left the current round (its collective failed or it saw a regroup
@@ -396,6 +399,13 @@ class MasterState:
     def _maybe_propose(self, now: float) -> None:
         live = [w for w in self.workers.values() if w.state == "live"]
         current = self.round
+        if current is not None:
+            # Once training runs, a worker takes part only when it is ready to train. A joiner
+            # that has registered but still imports its framework (TensorFlow: seconds) would
+            # otherwise hold every survivor at the rendezvous until it is done. The first round
+            # has no survivors to hold up, so it takes every registered worker, as do rounds
+            # re-formed from members that never became ready (a first round that lost one).
+            live = [w for w in live if w.ready or w.id in current.members]
         cause = self._regroup_cause
         if cause is None:
             if current is None:

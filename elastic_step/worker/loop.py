@@ -57,6 +57,7 @@ class Worker:
         self.model_def = load_model_definition(spec.model_def)
         self.trainer = build_trainer(self.model_def, seed=spec.seed)
         self.reader = ShardReader(load_manifest(spec.manifest))
+        self._warm_up()
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
         self.reporter = StepReporter(client, worker_id)
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
@@ -64,6 +65,15 @@ class Worker:
         self.unacked: dict[int, StepRecord] = {}
         self._checkpointed_epoch = 0
         self._checkpoint_sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+
+    def _warm_up(self) -> None:
+        """Trace the training step on a couple of rows before the first rendezvous: the master
+        counts a worker into rounds once it calls in, and from then on every rank waits for it."""
+        try:
+            rows = self.reader.read("train", 0, 0, min(2, self.reader.manifest.splits["train"][0].rows))
+            self.trainer.warm_up(*batch_arrays(self.model_def, rows, self.spec.features, self.spec.label))
+        except Exception as exc:  # only a speed-up: a task that cannot be read fails on its own later
+            log.warning("warm-up skipped: %s: %s", type(exc).__name__, exc)
 
     # -- the outer loop: rounds ------------------------------------------------------------------
     def run(self) -> int:
