@@ -98,7 +98,7 @@ def events(cfg):
 
 def test_train_on_pods_deleting_one_mid_epoch_relaunches_it_free_and_the_audit_is_exact(tmp_path, digits, cluster):
     # --max-relaunches 0: only a free relaunch (the cluster's doing, not the worker's) can refill the slot.
-    cfg = config(tmp_path, digits, epochs=2, max_relaunches=0)
+    cfg = config(tmp_path, digits, epochs=3, max_relaunches=0)
     victim = {}
 
     def act(wait):
@@ -111,7 +111,7 @@ def test_train_on_pods_deleting_one_mid_epoch_relaunches_it_free_and_the_audit_i
                                                     and w["rows_applied"] > 0 for w in s["workers"]))
 
     result = run_master(cfg, act)
-    report = audit_report(cfg.audit, digits, 2)
+    report = audit_report(cfg.audit, digits, cfg.epochs)
     assert report["exact"] and report["rows_applied"] == report["rows_expected"] == result.rows_audited, report
     assert result.test_metrics["accuracy"] >= 0.9, result.test_metrics
     log = events(cfg)
@@ -183,7 +183,7 @@ def test_scale_in_from_three_to_two_deletes_the_highest_index_pod(tmp_path, digi
     result = run_master(cfg, act)
     assert seen["indexes"] == ["0", "1"]
     assert ("delete_pod", cluster.pod_of("w2.1")) in cluster.calls
-    report = audit_report(cfg.audit, digits, 2)
+    report = audit_report(cfg.audit, digits, cfg.epochs)
     assert report["exact"] and result.rows_audited == report["rows_expected"], report
     assert not [e for e in events(cfg) if e["event"] in ("died", "relaunched")]
 
