@@ -1,7 +1,8 @@
 """The model-zoo Keras digits model, 20 ms slower per training step so that a test can kill
 workers while the job is still running. With ELASTIC_STEP_TEST_WEIGHTS_DIR set, every training
-step of every worker also appends `<optimizer iteration> <digest of the weights>` to
-`<dir>/<worker id>-<pid>.txt`, so a test can compare the ranks' weights at the same step."""
+step of every worker also appends `<optimizer iteration> <digest of the weights> <time>` to
+`<dir>/<worker id>-<pid>.txt`, so a test can compare the ranks' weights at the same step (the
+worker's warm-up step, rolled back before it calls in ready, is recorded too)."""
 
 import hashlib
 import os
@@ -33,7 +34,7 @@ def _training_step_hook():
         weights = np.concatenate([np.asarray(w).ravel() for w in built["model"].get_weights()])
         digest = hashlib.sha1(weights.tobytes()).hexdigest()
         with open(os.path.join(out_dir, f"{os.environ['ELASTIC_STEP_WORKER_ID']}-{os.getpid()}.txt"), "a") as f:
-            f.write(f"{int(built['optimizer'].iterations.numpy())} {digest}\n")
+            f.write(f"{int(built['optimizer'].iterations.numpy())} {digest} {time.time()}\n")
     return np.float32(0.0)
 
 
