@@ -60,3 +60,14 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def loss_value(self, outputs: np.ndarray, labels: np.ndarray) -> float:
         """The model definition's (mean) loss on numpy outputs."""
+
+    # -- MLflow (call with an active run) ------------------------------------------------------
+    @abc.abstractmethod
+    def log_mlflow_model(self, input_example: np.ndarray, signature):
+        """The final model in the framework's MLflow flavour, named "model" (explicit
+        pip_requirements, so logging takes well under a second). Returns the ModelInfo."""
+
+    @abc.abstractmethod
+    def log_serving_model(self, input_example: np.ndarray, signature):
+        """The model in its serving format (TorchScript, SavedModel), named "serving-model", so
+        that mlflow.pyfunc loads it and predicts the outputs. Returns the ModelInfo."""
