@@ -36,3 +36,16 @@ def test_a_floor_the_candidate_misses_is_the_reason(tmp_path, trained, dataset, 
 def test_a_threshold_on_an_unknown_metric_fails_before_anything_is_logged(tmp_path, trained, dataset, mlflow_uri):
     with pytest.raises(ConfigError, match="unknown metric 'acuracy'.*accuracy"):
         run_gate(tmp_path, trained, dataset, mlflow_uri, floors={"acuracy": 0.9})
+
+
+def test_a_test_split_that_ends_up_empty_is_a_clear_error(tmp_path, trained, mlflow_uri):
+    from kfp.dsl import Dataset
+
+    from elastic_step.components import prepare_data
+    from elastic_step.errors import DataError
+
+    no_test = Dataset(uri=str(tmp_path / "no-test"))
+    prepare_data.python_func(source="sklearn:digits", dataset=no_test, summary=Markdown(uri=str(tmp_path / "s.md")),
+                             split="0.9,0.1,0")
+    with pytest.raises(DataError, match="test split .* is empty"):
+        run_gate(tmp_path, trained, no_test, mlflow_uri, floors={"accuracy": 0.5})
