@@ -322,9 +322,11 @@ class FakeWatchResponse:
                 return
         while True:
             with api.cond:
+                if api.stream_generation != self.generation:
+                    return  # the connection was dropped: nothing more arrives on it
                 pending = [e for e in api.history if e[0] > self.cursor and matches(e[2]["metadata"].get("labels"), self.selector)]
                 if not pending:
-                    if api.stream_generation != self.generation or time.monotonic() > self.deadline:
+                    if time.monotonic() > self.deadline:
                         return
                     api.cond.wait(0.2)
                     continue
