@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
 demo: $(STAMP)
-	$(PY) -m elastic_step.demo
+	$(PY) -m elastic_step.pipelines.demo
 
 # Generated files are committed; a test fails when one is stale.
 compile: $(STAMP)

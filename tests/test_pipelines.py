@@ -14,7 +14,7 @@ from conftest import cli
 from mlflow.tracking import MlflowClient
 
 from elastic_step.audit import audit_report
-from elastic_step.demo import kill_one_worker_mid_epoch
+from elastic_step.pipelines.demo import kill_one_worker_mid_epoch
 
 NAME = "digits-pipeline-test"
 EPOCHS = 6
