@@ -127,6 +127,32 @@ def worker_processes(job_dir: str) -> list[int]:
     return pids
 
 
+def kill_master(job) -> None:
+    """SIGKILL a job's master; its workers notice it is gone and leave by themselves."""
+    job.proc.send_signal(signal.SIGKILL)
+    job.proc.wait()
+    deadline = time.monotonic() + 60
+    while worker_processes(job.job_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not worker_processes(job.job_dir), "workers outlived their master"
+
+
+def resume_exactly(start_job, args, data: str, epochs: int):
+    """Run the same job again with --resume; it must resume once, finish, and leave an exact audit.
+    Returns the job and the step it resumed from."""
+    from elastic_step.audit import audit_report
+
+    second = start_job(*args, "--resume", name="job")
+    assert second.finish() == 0, second.output()
+    assert "resuming run" in second.output()
+    lines = [json.loads(line) for line in open(second.audit)]
+    resume = [line["resume_from_step"] for line in lines if "resume_from_step" in line]
+    assert len(resume) == 1 and resume[0] > 0
+    report = audit_report(second.audit, data, epochs=epochs)
+    assert report["exact"], report
+    return second, resume[0]
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     from mlflow_server import MlflowServer

@@ -6,7 +6,6 @@ jobs are few and each checks several things."""
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 
 from elastic_step.audit import audit_report
 
-from conftest import worker_processes
+from conftest import kill_master, resume_exactly
 
 KERAS_MODEL = "elastic_step.model_zoo.digits_keras"
 SLOW_KERAS_MODEL = os.path.join(os.path.dirname(__file__), "model_defs", "slow_digits_keras.py")
@@ -228,29 +227,20 @@ def test_keras_master_sigkill_then_resume_restores_weights_optimizer_and_ledger(
             "--checkpoint-steps", "15", "--master-timeout", "5"]
     first = start_job(*args, name="job")
     first.wait_for(lambda s: s["epoch"] >= 1 and s["rows_done"] > 0.4 * s["rows_total"], timeout=180)
-    first.proc.send_signal(signal.SIGKILL)
-    first.proc.wait()
-    deadline = time.monotonic() + 60
-    while worker_processes(first.job_dir) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not worker_processes(first.job_dir)
+    kill_master(first)
     first_events = first.events()  # the resumed job starts a new events.jsonl in the same job dir
     before = set(read_weight_digests(str(weights_dir), first_events))
 
-    second = start_job(*args, "--resume", name="job")
-    assert second.finish() == 0, second.output()
-    assert "resuming run" in second.output()
-    lines = [json.loads(line) for line in open(second.audit)]
-    resume = [line["resume_from_step"] for line in lines if "resume_from_step" in line]
-    assert len(resume) == 1 and resume[0] > 0
-    report = audit_report(second.audit, digits, epochs=3)
-    assert report["exact"], report
+    second, resumed_from = resume_exactly(start_job, args, digits, epochs=3)
 
     # The resumed workers' optimizer starts at the checkpoint's step (its variables were in the
     # checkpoint), and the weights they resumed with are the ones the first job had there.
     records = read_weight_digests(str(weights_dir), first_events + second.events())
     resumed = {w: steps for w, steps in records.items() if w not in before}
-    assert resumed and all(steps[0][0] == resume[0] for steps in resumed.values()), resumed
+    assert resumed and all(steps[0][0] == resumed_from for steps in resumed.values()), resumed
     first_job = {i: d for w in before for i, d in records[w]}
-    assert first_job[resume[0]] == next(iter(resumed.values()))[0][1]
-    assert_ranks_agree(records)
+    assert first_job[resumed_from] == next(iter(resumed.values()))[0][1]
+    # Ranks agree within each job. Across the two they need not after the checkpoint: steps the
+    # first job applied after it are void, and the resumed job redoes those rows in its own order.
+    assert_ranks_agree({w: steps for w, steps in records.items() if w in before})
+    assert_ranks_agree(resumed)

@@ -4,8 +4,6 @@ and MLflow outages."""
 
 import json
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from elastic_step.audit import audit_report
 
-from conftest import MODEL, SLOW_MODEL, cli, worker_processes
+from conftest import MODEL, SLOW_MODEL, cli, kill_master, resume_exactly, worker_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -65,22 +63,9 @@ def test_master_sigkill_then_resume_finishes_with_an_exact_audit(digits, start_j
     first = start_job(*args, name="job")
     first.wait_for(lambda s: s["epoch"] >= 1 and s["rows_done"] > 0.4 * s["rows_total"])
     workers = worker_processes(first.job_dir)
-    first.proc.send_signal(signal.SIGKILL)
-    first.proc.wait()
-    # Its workers notice the master is gone and leave by themselves.
-    deadline = time.monotonic() + 60
-    while worker_processes(first.job_dir) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert workers and not worker_processes(first.job_dir)
-
-    second = start_job(*args, "--resume", name="job")
-    assert second.finish() == 0, second.output()
-    assert "resuming run" in second.output()
-    lines = [json.loads(l) for l in open(second.audit)]
-    resume = [l["resume_from_step"] for l in lines if "resume_from_step" in l]
-    assert len(resume) == 1 and resume[0] > 0
-    report = audit_report(second.audit, digits, epochs=4)
-    assert report["exact"], report
+    assert workers
+    kill_master(first)
+    resume_exactly(start_job, args, digits, epochs=4)
 
 
 def first_loss(job_dir):
