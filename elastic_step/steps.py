@@ -5,7 +5,6 @@ model where the pipeline's artifact store picks it up."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import sys
@@ -14,9 +13,6 @@ from dataclasses import dataclass
 
 from elastic_step.config import TrainConfig
 from elastic_step.master.job import JobResult, run_job
-
-log = logging.getLogger("elastic_step.steps")
-
 
 @dataclass
 class TrainStepResult:
@@ -63,9 +59,7 @@ def train_step(*, data: str, model_dir: str, model_def: str, workers: str = "2:3
         mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None, progress=False,
     )
     job = run_job(config)
-    os.makedirs(model_dir, exist_ok=True)
-    for name in os.listdir(job.model_dir):
-        shutil.copy2(os.path.join(job.model_dir, name), os.path.join(model_dir, name))
+    shutil.copytree(job.model_dir, model_dir, dirs_exist_ok=True)  # where the pipeline's artifact store looks
     with open(os.path.join(job.model_dir, "model.json")) as f:
         framework = json.load(f)["framework"]
     return TrainStepResult(job, framework, init_from)
