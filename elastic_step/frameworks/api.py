@@ -54,6 +54,11 @@ class Trainer(abc.ABC):
         """The parameters part of a state_bytes() blob (warm start from a checkpoint)."""
 
     @abc.abstractmethod
+    def model_bytes_of_logged_model(self, model_uri: str) -> bytes:
+        """The parameters of a model this framework logged to MLflow (warm start from
+        `models:/NAME@ALIAS`), as model_bytes()."""
+
+    @abc.abstractmethod
     def predict(self, features: np.ndarray) -> np.ndarray:
         """Model outputs as numpy, without gradients."""
 

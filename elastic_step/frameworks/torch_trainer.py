@@ -79,6 +79,15 @@ class TorchTrainer(Trainer):
         torch.save(torch.load(io.BytesIO(data), weights_only=True)["model"], buffer)
         return buffer.getvalue()
 
+    def model_bytes_of_logged_model(self, model_uri: str) -> bytes:
+        """The parameters of a logged or registered MLflow pytorch model (eager or TorchScript:
+        both have the same state_dict keys), as model_bytes()."""
+        import mlflow.pytorch
+
+        buffer = io.BytesIO()
+        torch.save(mlflow.pytorch.load_model(model_uri, map_location="cpu").state_dict(), buffer)
+        return buffer.getvalue()
+
     def predict(self, features):
         self.net.eval()
         with torch.no_grad():

@@ -54,18 +54,7 @@ class TrainingRecorder:
                 if checkpoint is not None:
                     return self.trainer.model_bytes_of_state(checkpoint.state)
                 source = f"runs:/{run_id}/model"
-            load_logged = getattr(self.trainer, "model_bytes_of_logged_model", None)
-            if load_logged is not None:  # a framework that reads its own MLflow flavour (Keras)
-                return load_logged(source)
-            import mlflow.pytorch
-            import torch
-
-            net = mlflow.pytorch.load_model(source, map_location="cpu")
-            import io
-
-            buffer = io.BytesIO()
-            torch.save(net.state_dict(), buffer)
-            return buffer.getvalue()
+            return self.trainer.model_bytes_of_logged_model(source)
         except Exception as exc:
             raise TrackingError(f"--init-from {source!r} cannot be loaded from {self.uri}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
