@@ -20,6 +20,9 @@ class TorchTrainer(Trainer):
         self.optimizer = model_def.optimizer(net)
         self.params = [p for p in net.parameters() if p.requires_grad]
         self._sizes = [p.numel() for p in self.params]
+        self._all_float32 = all(p.dtype == torch.float32 for p in self.params)
+        self._views: list[torch.Tensor] = []
+        self._views_key: tuple | None = None
 
     @property
     def num_gradient_values(self) -> int:
@@ -27,8 +30,15 @@ class TorchTrainer(Trainer):
 
     def compute_gradients(self, features, labels, out) -> float:
         self.net.train()
-        for p in self.params:
-            p.grad = None
+        views = self._gradient_views(out)
+        if views is not None:
+            # Autograd accumulates into a defined .grad in place: the step buffer itself.
+            torch.from_numpy(out).zero_()
+            for p, view in zip(self.params, views):
+                p.grad = view
+        else:
+            for p in self.params:
+                p.grad = None
         outputs = self.net(torch.from_numpy(features))
         mean_loss = self.model_def.loss(outputs, torch.from_numpy(labels))
         # The model definition returns the batch mean; times n is the sum of per-sample losses,
@@ -37,21 +47,46 @@ class TorchTrainer(Trainer):
         summed.backward()
         flat = torch.from_numpy(out)
         offset = 0
-        for p, size in zip(self.params, self._sizes):
-            if p.grad is None:
-                flat[offset:offset + size].zero_()
+        for i, (p, size) in enumerate(zip(self.params, self._sizes)):
+            target = flat[offset:offset + size]
+            if views is not None and p.grad is not None and p.grad.data_ptr() == views[i].data_ptr():
+                pass  # already in the buffer
+            elif p.grad is None:
+                target.zero_()
             else:
-                flat[offset:offset + size].copy_(p.grad.reshape(-1))
+                target.copy_(p.grad.reshape(-1))
             offset += size
         return float(summed.detach())
 
     def apply_gradients(self, summed, total_samples) -> None:
         flat = torch.from_numpy(summed)
-        offset = 0
-        for p, size in zip(self.params, self._sizes):
-            p.grad = (flat[offset:offset + size] / total_samples).reshape(p.shape).to(p.dtype)
-            offset += size
+        views = self._gradient_views(summed)
+        if views is not None:
+            # Divide in place and let the optimizer read the buffer's views: no copies per step.
+            flat.mul_(1.0 / total_samples)
+            for p, view in zip(self.params, views):
+                p.grad = view
+        else:
+            offset = 0
+            for p, size in zip(self.params, self._sizes):
+                p.grad = (flat[offset:offset + size] / total_samples).reshape(p.shape).to(p.dtype)
+                offset += size
         self.optimizer.step()
+
+    def _gradient_views(self, buffer: np.ndarray) -> list[torch.Tensor] | None:
+        """Views of the flat step buffer shaped like each parameter (built once per buffer),
+        or None when a parameter is not float32 (its gradient is then copied and cast)."""
+        if not self._all_float32:
+            return None
+        key = (buffer.__array_interface__["data"][0], buffer.size)
+        if key != self._views_key:
+            flat = torch.from_numpy(buffer)
+            views, offset = [], 0
+            for p, size in zip(self.params, self._sizes):
+                views.append(flat[offset:offset + size].view(p.shape))
+                offset += size
+            self._views, self._views_key = views, key
+        return self._views
 
     def state_bytes(self) -> bytes:
         buffer = io.BytesIO()

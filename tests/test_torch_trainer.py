@@ -1,0 +1,56 @@
+"""The PyTorch adapter computes summed per-sample gradients into the worker's flat step buffer and
+applies the averaged sum: the result must equal what plain PyTorch does on the same batch, both
+on the zero-copy path (float32 parameters: .grad are views of the buffer) and on the copy path
+(any other dtype)."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_step.frameworks.model_def import ModelDefinition
+from elastic_step.frameworks.torch_trainer import TorchTrainer
+
+
+def small_model_def(dtype: torch.dtype) -> ModelDefinition:
+    module = types.ModuleType("small_model")
+    module.model = lambda: torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).to(dtype)
+    module.loss = lambda outputs, labels: torch.nn.functional.cross_entropy(outputs, labels)
+    module.optimizer = lambda net: torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return ModelDefinition(source="small_model", module=module)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_three_steps_match_plain_pytorch(dtype):
+    model_def = small_model_def(dtype)
+    torch.manual_seed(0)
+    trainer = TorchTrainer(model_def, model_def.model())
+    torch.manual_seed(0)
+    reference = model_def.model()
+    reference_optimizer = model_def.optimizer(reference)
+    rng = np.random.default_rng(1)
+    buffer = np.zeros(trainer.num_gradient_values + 4, dtype=np.float32)  # the worker's buffer has a tail
+    grads = buffer[: trainer.num_gradient_values]
+    for _ in range(3):
+        features = rng.standard_normal((8, 6)).astype(np.float32 if dtype == torch.float32 else np.float64)
+        labels = rng.integers(0, 3, 8)
+        buffer[:] = 7.0  # stale values from the last step must not leak in
+        loss_sum = trainer.compute_gradients(features, labels, grads)
+
+        reference_optimizer.zero_grad()
+        mean = model_def.loss(reference(torch.from_numpy(features)), torch.from_numpy(labels))
+        (mean * len(labels)).backward()
+        expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()]).float().numpy()
+        np.testing.assert_allclose(grads, expected, rtol=1e-5, atol=1e-6)
+        assert loss_sum == pytest.approx(float(mean.detach()) * len(labels), rel=1e-5)
+        assert (buffer[-4:] == 7.0).all()  # the tail (sample count, loss, flags) is not touched
+
+        trainer.apply_gradients(grads, total_samples=len(labels))
+        for p in reference.parameters():
+            p.grad /= len(labels)
+        reference_optimizer.step()
+        assert (buffer[-4:] == 7.0).all()
+        for ours, theirs in zip(trainer.net.parameters(), reference.parameters()):
+            assert ours.dtype == dtype
+            np.testing.assert_allclose(ours.detach().numpy(), theirs.detach().numpy(), rtol=1e-5, atol=1e-6)
