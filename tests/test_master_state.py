@@ -99,3 +99,20 @@ def test_settle_takes_steps_from_the_state_source_and_voids_later_ones():
     assert state.round.ready and state.round.start_step == 1
     assert state.ledger.applied_step == 1 and state.ledger.final_step == 1
     assert state.dispatcher.tasks[t0.id].applied == 2  # step 2's rows went back
+
+
+def test_a_paused_master_blames_no_worker_for_the_silence_and_still_drops_a_hung_one():
+    # A VM pause or snapshot stops the master and its workers alike; on resume, the master's
+    # next tick comes late and no worker has been heard from for that long.
+    state, backend = make_state(heartbeat_s=0.2)
+    join_all(state)
+    time.sleep(0.3)  # the whole machine is paused: no ticks, no heartbeats
+    state.tick()
+    assert backend.stopped == []
+    assert state.events.of("master_paused")[0]["seconds"] >= 0.3
+    for _ in range(5):  # after the pause, w2.1 really is silent
+        time.sleep(0.06)
+        state.heartbeat("w0.1", 0)
+        state.heartbeat("w1.1", 0)
+        state.tick()
+    assert backend.stopped == ["w2.1"]

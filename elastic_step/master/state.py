@@ -89,6 +89,7 @@ class MasterState:
         self._regroup_cause: tuple[str, float] | None = None
         self._failed_since_settle: set[str] = set()
         self.started_at = time.time()
+        self._last_tick = self.started_at
         self.state = "running"  # running | succeeded | failed
         self.failure = ""
         self.final_model: bytes | None = None
@@ -364,6 +365,17 @@ class MasterState:
         self.events.add("dropped", reason, worker=worker.id)
         self.backend.stop(worker.id)
 
+    def _forgive_silence_while_paused(self, now: float) -> None:
+        """The master ticks every 50 ms. A gap of half the heartbeat timeout means the master
+        itself was not running (its machine paused or snapshotted, the process stopped): the
+        workers' silence over that gap is not theirs, so nobody is dropped as hung for it. (Seen on a
+        VM snapshot: a 155 s pause, after which every worker looked hung and the job failed.)"""
+        gap, self._last_tick = now - self._last_tick, now
+        if gap > self.timeouts.heartbeat_s / 2:
+            self.events.add("master_paused", seconds=round(gap, 3))
+            for worker in self.workers.values():
+                worker.last_seen = now  # the heartbeat clock restarts; a truly hung worker is dropped a timeout later
+
     def tick(self) -> None:
         with self.lock:
             for exit_ in self.backend.poll():
@@ -373,6 +385,7 @@ class MasterState:
             if self._pending_checkpoints:
                 self._commit_checkpoints()
             now = time.time()
+            self._forgive_silence_while_paused(now)
             for worker in self.workers.values():
                 if worker.state in ("live", "retiring") and now - worker.last_seen > self.timeouts.heartbeat_s:
                     worker.last_seen = now  # drop once, not every tick until it is reaped

@@ -64,7 +64,8 @@ class CheckpointStore:
         self.tracker = tracker
         self.local_dir = local_dir
         self.keep = keep
-        self.committed: list[int] = []
+        self.committed: list[int] = []  # oldest first, at most `keep`
+        self._repository = None
 
     def save(self, checkpoint: Checkpoint) -> None:
         path = write_local(self.local_dir, checkpoint)
@@ -72,28 +73,36 @@ class CheckpointStore:
         client, run_id = self.tracker.client, self.tracker.run_id
 
         def upload_and_commit():
+            from mlflow.entities import RunTag
+
             client.log_artifacts(run_id, path, f"checkpoints/{name}")
-            committed = self.committed + [checkpoint.step]
-            client.set_tag(run_id, ALL_TAG, ",".join(map(str, committed)))
-            client.set_tag(run_id, LATEST_TAG, str(checkpoint.step))  # the commit marker, last
-            self.committed = committed
-            self._retain()
+            everything = self.committed + [checkpoint.step]
+            kept, dropped = everything[-self.keep:], everything[:-self.keep]
+            # The commit marker and the list of kept checkpoints in one write (one transaction on
+            # a database store): a reader sees both or neither. Only then are old ones deleted.
+            client.log_batch(run_id, tags=[RunTag(ALL_TAG, ",".join(map(str, kept))), RunTag(LATEST_TAG, str(checkpoint.step))])
+            self.committed = kept
+            for old in dropped:
+                self._delete(old)
 
         self.tracker.uploader.submit(f"checkpoint {name}", upload_and_commit)
 
-    def _retain(self) -> None:
-        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    def _delete(self, step: int) -> None:
+        name = checkpoint_name(step)
+        try:
+            self._artifact_repository().delete_artifacts(f"checkpoints/{name}")
+        except Exception as exc:  # an artifact store without deletion keeps it; say so
+            log.warning("could not delete old checkpoint %s: %s", name, exc)
+        shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
 
-        while len(self.committed) > self.keep:
-            old = self.committed.pop(0)
-            name = checkpoint_name(old)
-            try:
-                run = self.tracker.client.get_run(self.tracker.run_id)
-                get_artifact_repository(run.info.artifact_uri).delete_artifacts(f"checkpoints/{name}")
-            except Exception as exc:  # an artifact store without deletion keeps it; say so
-                log.warning("could not delete old checkpoint %s: %s", name, exc)
-            shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
-            self.tracker.client.set_tag(self.tracker.run_id, ALL_TAG, ",".join(map(str, self.committed)))
+    def _artifact_repository(self):
+        """The run's artifact store, looked up once (its location never changes)."""
+        if self._repository is None:
+            from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+            run = self.tracker.client.get_run(self.tracker.run_id)
+            self._repository = get_artifact_repository(run.info.artifact_uri)
+        return self._repository
 
     def latest(self, run_id: str | None = None) -> Checkpoint | None:
         """The newest committed checkpoint of a run (this job's by default)."""
