@@ -34,7 +34,9 @@ cleanup() {
     for _ in $(seq 50); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.2; done
   fi
   mountpoint -q "$WORK/exec/netns/default" 2>/dev/null && umount "$WORK/exec/netns/default" || true
-  echo "image-smoke: cleaned up (daemon stopped, netns unmounted); $(( $(date +%s) - started ))s in all"
+  # dockerd bind-mounts its data-root onto itself; a daemon that was killed leaves that behind.
+  mountpoint -q "$WORK/data" 2>/dev/null && umount "$WORK/data" || true
+  echo "image-smoke: cleaned up (daemon stopped, mounts removed); $(( $(date +%s) - started ))s in all"
 }
 trap cleanup EXIT
 
