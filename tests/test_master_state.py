@@ -37,11 +37,11 @@ SPEC = JobSpec(job_name="t", model_def="m", manifest="d", minibatch_size=2, seed
                store_port=1, collective_timeout_s=5, heartbeat_interval_s=0.1, master_timeout_s=5, features=[], label="y")
 
 
-def make_state(workers=3, minimum=2, heartbeat_s=10.0):
+def make_state(workers=3, minimum=2, heartbeat_s=10.0, rendezvous_s=30.0):
     dispatcher = Dispatcher([12], ["f1"], rows_per_task=4, epochs=1, shuffle=False)
     backend = RecordingBackend()
     state = MasterState(SPEC, dispatcher, Ledger(dispatcher), backend, EventLog(None), minimum, workers,
-                        timeouts=Timeouts(heartbeat_s=heartbeat_s, rendezvous_s=30, startup_grace_s=30))
+                        timeouts=Timeouts(heartbeat_s=heartbeat_s, rendezvous_s=rendezvous_s, startup_grace_s=30))
     state.launch_all()
     for worker_id in backend.launched:
         state.register(worker_id, pid=1, host="h")
@@ -116,3 +116,19 @@ def test_a_paused_master_blames_no_worker_for_the_silence_and_still_drops_a_hung
         state.heartbeat("w1.1", 0)
         state.tick()
     assert backend.stopped == ["w2.1"]
+
+
+def test_a_paused_master_restarts_the_rendezvous_clock_and_still_drops_a_member_that_never_joins():
+    state, backend = make_state(heartbeat_s=0.2, rendezvous_s=0.3)
+    for member in ("w0.1", "w1.1"):  # w2.1 registered but has not called in to the round yet
+        state.rendezvous(member, -1, [], 0)
+    time.sleep(0.4)  # the whole machine is paused, past the rendezvous timeout
+    state.tick()
+    assert backend.stopped == []
+    for _ in range(8):  # after the pause, everyone heartbeats but w2.1 never joins the round
+        time.sleep(0.06)
+        for worker_id in ("w0.1", "w1.1", "w2.1"):
+            state.heartbeat(worker_id, 0)
+        state.tick()
+    assert backend.stopped == ["w2.1"]
+    assert "did not join round" in state.events.of("dropped")[0]["message"]

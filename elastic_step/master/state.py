@@ -368,13 +368,17 @@ class MasterState:
     def _forgive_silence_while_paused(self, now: float) -> None:
         """The master ticks every 50 ms. A gap of half the heartbeat timeout means the master
         itself was not running (its machine paused or snapshotted, the process stopped): the
-        workers' silence over that gap is not theirs, so nobody is dropped as hung for it. (Seen on a
-        VM snapshot: a 155 s pause, after which every worker looked hung and the job failed.)"""
+        workers' silence over that gap is not theirs, so nobody is dropped for it, neither as hung
+        nor as missing at a pending rendezvous. (Seen on a VM snapshot: a 155 s pause, after which
+        every worker looked hung and the job failed.)"""
         gap, self._last_tick = now - self._last_tick, now
         if gap > self.timeouts.heartbeat_s / 2:
             self.events.add("master_paused", seconds=round(gap, 3))
+            # Every silence clock restarts; a truly hung or absent worker is dropped a timeout later.
             for worker in self.workers.values():
-                worker.last_seen = now  # the heartbeat clock restarts; a truly hung worker is dropped a timeout later
+                worker.last_seen = now
+            if self.round is not None and not self.round.ready:
+                self.round.proposed_at = now
 
     def tick(self) -> None:
         with self.lock:
