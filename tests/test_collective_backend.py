@@ -98,7 +98,13 @@ def test_small_buffers_are_summed_by_direct_exchange_identically_on_every_rank(s
         subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(store.port), str(rank), str(world), str(tmp_path / f"r{rank}.npz")])
         for rank in range(world)
     ]
-    assert [p.wait(timeout=120) for p in ranks] == [0] * world
+    try:
+        assert [p.wait(timeout=120) for p in ranks] == [0] * world
+    finally:
+        for p in ranks:  # a rank left waiting on a failed peer must not outlive the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     results = [np.load(tmp_path / f"r{rank}.npz") for rank in range(world)]
     inputs = [np.random.default_rng(rank).standard_normal(17_000).astype(np.float32) for rank in range(world)]
     in_rank_order = inputs[0].copy()

@@ -47,10 +47,10 @@ class TorchTrainer(Trainer):
         summed.backward()
         flat = torch.from_numpy(out)
         offset = 0
-        for i, (p, size) in enumerate(zip(self.params, self._sizes)):
+        for p, size in zip(self.params, self._sizes):
             target = flat[offset:offset + size]
-            if views is not None and p.grad is not None and p.grad.data_ptr() == views[i].data_ptr():
-                pass  # already in the buffer
+            if p.grad is not None and p.grad.data_ptr() == target.data_ptr():
+                pass  # accumulated in the buffer itself
             elif p.grad is None:
                 target.zero_()
             else:
@@ -63,7 +63,7 @@ class TorchTrainer(Trainer):
         views = self._gradient_views(summed)
         if views is not None:
             # Divide in place and let the optimizer read the buffer's views: no copies per step.
-            flat.mul_(1.0 / total_samples)
+            flat.div_(total_samples)
             for p, view in zip(self.params, views):
                 p.grad = view
         else:
