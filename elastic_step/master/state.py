@@ -337,7 +337,7 @@ class MasterState:
         worker.exit_reason = exit_.reason
         if worker.state != "gone":
             worker.state = "gone"
-            if not self.over and not retiring:
+            if not self.over and not retiring and exit_.relaunch != "free":  # the cluster took it: not the data's fault
                 self._failed_since_settle.add(worker.id)
         if self.over:
             return
