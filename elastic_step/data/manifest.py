@@ -13,12 +13,14 @@ import json
 import posixpath
 from dataclasses import dataclass
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic_step.data.stores import Failure, classify, resolve, store_error
 from elastic_step.errors import DataError
+
+__all__ = ["Manifest", "ShardInfo", "load_manifest", "open_parquet", "resolve", "type_name", "validate_shards"]
 
 MANIFEST_NAME = "manifest.json"
 # Training needs rows; evaluation splits may be switched off with a fraction of 0.
@@ -82,17 +84,6 @@ def type_name(t: pa.DataType) -> str:
     return str(t)
 
 
-def resolve(uri: str):
-    """(filesystem, path, canonical root string) for a local path or any fsspec URI."""
-    try:
-        fs, path = fsspec.core.url_to_fs(uri)
-    except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs installed
-        raise DataError(f"cannot open {uri}: {e} — install the fsspec backend for it or use a local path") from None
-    # Local paths stay plain absolute paths; remote ones keep their protocol so they can be reopened.
-    canonical = path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
-    return fs, path, canonical
-
-
 def open_parquet(uri: str) -> pq.ParquetFile:
     """A ParquetFile for a shard URI; only the footer is read until row groups are asked for."""
     fs, path, _ = resolve(uri)
@@ -100,10 +91,15 @@ def open_parquet(uri: str) -> pq.ParquetFile:
         if isinstance(fs, LocalFileSystem):
             return pq.ParquetFile(path)
         return pq.ParquetFile(fs.open(path, "rb"))
-    except FileNotFoundError:
-        raise DataError(f"shard not found: {uri} — re-run `elastic-step prepare-data` for this dataset") from None
-    except (pa.ArrowInvalid, OSError) as e:
+    except pa.ArrowInvalid as e:
         raise DataError(f"shard {uri} is not a readable Parquet file ({e}) — re-run `elastic-step prepare-data`") from None
+    except Exception as e:  # what a store client raises: OSError subclasses, botocore and aiohttp errors
+        kind = classify(e)
+        if kind == Failure.NOT_FOUND:
+            raise DataError(f"shard not found: {uri} — re-run `elastic-step prepare-data` for this dataset") from None
+        if kind == Failure.OTHER and isinstance(e, OSError):
+            raise DataError(f"shard {uri} is not a readable Parquet file ({e}) — re-run `elastic-step prepare-data`") from None
+        raise store_error(uri, e) from None
 
 
 def _manifest_file(path_or_dir: str):
@@ -116,17 +112,23 @@ def _manifest_file(path_or_dir: str):
 
 def load_manifest(path_or_dir: str) -> Manifest:
     """Load manifest.json given the file or its folder (a local path or any fsspec URI)."""
-    fs, path, where = _manifest_file(path_or_dir)
+    where = path_or_dir
     try:
+        fs, path, where = _manifest_file(path_or_dir)
         with fs.open(path, "rb") as f:
-            text = f.read().decode("utf-8")
-    except FileNotFoundError:
-        raise DataError(f"manifest not found: {where} — run `elastic-step prepare-data --source ... --out DIR` "
-                        "first and pass DIR (or DIR/manifest.json)") from None
-    except OSError as e:
-        raise DataError(f"cannot read manifest {where}: {e}") from None
+            data = f.read()
+    except DataError:
+        raise
+    except Exception as e:  # what a store client raises: OSError subclasses, botocore and aiohttp errors
+        kind = classify(e)
+        if kind == Failure.NOT_FOUND:
+            raise DataError(f"manifest not found: {where} — run `elastic-step prepare-data --source ... --out DIR` "
+                            "first and pass DIR (or DIR/manifest.json)") from None
+        if kind == Failure.OTHER and isinstance(e, OSError):
+            raise DataError(f"cannot read manifest {where}: {e}") from None
+        raise store_error(where, e) from None
     try:
-        raw = json.loads(text)
+        raw = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"corrupt manifest {where}: not valid JSON ({e}) — re-run `elastic-step prepare-data`") from None
     manifest = _from_json(raw, where)

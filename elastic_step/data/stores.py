@@ -1,0 +1,254 @@
+"""Object stores: opening a data URI, handing its options to workers, and naming what went wrong.
+
+Every place that opens a dataset, a shard or an output folder goes through `resolve`, so a local
+path, `s3://`, `gs://` and any other fsspec URI behave the same way. Endpoint and credentials come
+the way users already configure them, never on a command line:
+
+- S3 and S3-compatible stores (MinIO, KFP's own artifact store): `AWS_ENDPOINT_URL`,
+  `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION` (botocore reads them; a worker
+  process or pod needs nothing else).
+- GCS: `GOOGLE_APPLICATION_CREDENTIALS` or workload identity (`STORAGE_EMULATOR_HOST` for an
+  emulator).
+- Anything else a store needs that is not a secret (`endpoint_url`, `anon`, `requester_pays`,
+  `client_kwargs`, ...) as fsspec storage options: `set_storage_options` applies them in this
+  process and `worker_env` hands the same options to workers as `FSSPEC_<PROTOCOL>_<OPTION>`
+  variables, which fsspec reads by itself when a worker imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from urllib.parse import urlsplit
+
+import fsspec
+import fsspec.config
+from fsspec.implementations.local import LocalFileSystem
+
+from elastic_step.errors import ConfigError, DataError
+
+# KFP (v2, standalone or in Kubeflow) stores artifacts in this in-cluster MinIO service unless the
+# installation says otherwise; `minio://bucket/key` artifact URIs refer to it.
+KFP_DEFAULT_MINIO_ENDPOINT = "http://minio-service.kubeflow:9000"
+
+# Option names that carry secrets. They must come from the environment (AWS_*, a mounted Secret,
+# GOOGLE_APPLICATION_CREDENTIALS, workload identity): options travel in worker environments, pod
+# specs and logs, where a secret must never be.
+_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "credentials", "session")
+
+# Options applied through set_storage_options in this process, by protocol: what workers inherit.
+_applied: dict[str, dict] = {}
+
+
+def resolve(uri: str):
+    """(filesystem, path, canonical URI) for a local path or any fsspec URI.
+
+    Local paths stay plain absolute paths; remote ones keep their protocol so they can be reopened
+    by another process. S3 takes its endpoint from `AWS_ENDPOINT_URL` (botocore reads it)."""
+    try:
+        fs, path = fsspec.core.url_to_fs(uri)
+    except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs installed
+        raise DataError(f"cannot open {uri}: {e} — install the fsspec backend for it or use a local path") from None
+    canonical = path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+    return fs, path, canonical
+
+
+def is_local(uri: str) -> bool:
+    return _protocol(uri) in ("file", "local")
+
+
+def _protocol(protocol_or_uri: str) -> str:
+    text = str(protocol_or_uri)
+    if "://" in text:
+        text = text.split("://", 1)[0]
+    elif "/" in text or "\\" in text or text in ("", "."):
+        return "file"
+    try:
+        cls = fsspec.get_filesystem_class(text.lower())
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"unknown storage protocol {text!r} ({e}) — use s3, gs or another fsspec protocol") from None
+    protos = cls.protocol if isinstance(cls.protocol, (tuple, list)) else (cls.protocol,)
+    return protos[0]  # fsspec applies config entries of any of a class's names; keep one
+
+
+def _check_not_secret(protocol: str, key: str) -> None:
+    words = re.split(r"[^a-z0-9]+", key.lower())
+    if any(w in _SECRET_WORDS for w in words) or any(s in key.lower() for s in ("secret", "token", "password")):
+        hint = ("GOOGLE_APPLICATION_CREDENTIALS or workload identity" if protocol in ("gs", "gcs")
+                else "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (a Kubernetes Secret on a cluster)")
+        raise ConfigError(f"storage option {key!r} looks like a credential; options travel in worker environments "
+                          f"and logs, so set credentials through {hint} instead")
+
+
+def parse_storage_option(text: str) -> tuple[str, object]:
+    """`key=value` (as `--storage-option` takes it) → (key, value); the value is JSON when it parses
+    as JSON (`anon=true`, `client_kwargs={"region_name": "eu-west-1"}`), else the plain string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise ConfigError(f"--storage-option {text!r} is not KEY=VALUE (e.g. endpoint_url=http://minio:9000)")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key, value
+
+
+def set_storage_options(protocol_or_uri: str, options: dict) -> None:
+    """Apply fsspec storage options for a protocol (given by name or by a URI of it) in this process,
+    and remember them so `worker_env` hands them to workers. Secret-looking keys are refused."""
+    if not options:
+        return
+    protocol = _protocol(protocol_or_uri)
+    if protocol in ("file", "local"):
+        raise ConfigError(f"storage options apply to object store URIs (s3://, gs://, ...), not to the local path "
+                          f"{protocol_or_uri!r}")
+    for key in options:
+        _check_not_secret(protocol, key)
+    fsspec.config.conf.setdefault(protocol, {}).update(options)
+    _applied.setdefault(protocol, {}).update(options)
+
+
+def worker_env() -> dict[str, str]:
+    """Environment variables that give a worker process or pod the storage options applied in this
+    process (`FSSPEC_<PROTOCOL>_<OPTION>`, JSON-encoded so that types survive). Credentials are not
+    among them: workers take those from their own AWS_* / Google environment."""
+    env = {}
+    for protocol, options in _applied.items():
+        for key, value in options.items():
+            env[f"FSSPEC_{protocol.upper()}_{key.upper()}"] = json.dumps(value)
+    return env
+
+
+def kfp_artifact_uri_to_fsspec(uri: str) -> str:
+    """The fsspec URI a worker can open for a KFP artifact URI.
+
+    KFP records artifacts kept in its MinIO as `minio://bucket/key`; fsspec reads them as
+    `s3://bucket/key`, with the S3 endpoint from `AWS_ENDPOINT_URL`. When that is unset, this
+    points `AWS_ENDPOINT_URL` at KFP's default in-cluster MinIO service
+    (`http://minio-service.kubeflow:9000`) so the resolving process and the workers it starts
+    (which inherit its environment) reach the same store. `s3://`, `gs://` and local paths are
+    returned unchanged."""
+    if not uri.startswith("minio://"):
+        return uri
+    if not os.environ.get("AWS_ENDPOINT_URL"):
+        os.environ["AWS_ENDPOINT_URL"] = KFP_DEFAULT_MINIO_ENDPOINT
+    return "s3://" + uri[len("minio://"):]
+
+
+def _chain(exc: BaseException):
+    seen = []
+    while exc is not None and exc not in seen and len(seen) < 10:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def _code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _status(exc: BaseException):
+    for attr in ("code", "status"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int):
+            return value
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return None
+
+
+def _endpoint_hint(protocol: str) -> str:
+    if protocol in ("gs", "gcs"):
+        return "check the GCS endpoint (STORAGE_EMULATOR_HOST for an emulator) and the network"
+    if protocol in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        where = f" (now {endpoint})" if endpoint else ""
+        return f"check AWS_ENDPOINT_URL{where} / the endpoint and the network"
+    return "check the endpoint and the network"
+
+
+def _credentials_hint(protocol: str) -> str:
+    if protocol in ("gs", "gcs"):
+        return "check GOOGLE_APPLICATION_CREDENTIALS / the workload identity"
+    return "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN if you use one)"
+
+
+def _bucket(uri: str) -> str:
+    parts = urlsplit(uri)
+    return parts.netloc or uri
+
+
+_CONNECTION_WORDS = ("connection refused", "could not connect", "connect call failed", "name or service not known",
+                     "temporary failure in name resolution", "nodename nor servname", "cannot connect to host",
+                     "failed to establish a new connection", "timed out", "connection reset")
+_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                     "InvalidClientTokenId", "TokenRefreshRequired", "AuthorizationHeaderMalformed", "Unauthorized")
+_PERMISSION_CODES = ("AccessDenied", "AllAccessDisabled", "AccountProblem", "Forbidden")
+
+
+class Failure:
+    """What kind of failure an object store client's exception means (see `classify`)."""
+
+    UNREACHABLE = "unreachable"
+    CREDENTIALS = "credentials"
+    NO_BUCKET = "no_bucket"
+    PERMISSION = "permission"
+    NOT_FOUND = "not_found"
+    OTHER = "other"
+
+
+def classify(exc: BaseException) -> str:
+    """One of `Failure`'s kinds for what s3fs/gcsfs/botocore/aiohttp (or the OS) raised, judged by
+    the whole exception chain: s3fs turns botocore's ClientError into an OSError subclass and keeps
+    the original as its cause."""
+    chain = _chain(exc)
+    codes = [c for c in (_code(e) for e in chain) if c]
+    names = " ".join(type(e).__name__ for e in chain)
+    text = " ".join(str(e) for e in chain).lower()
+    statuses = [s for s in (_status(e) for e in chain) if s]
+    if (any(n in names for n in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                                 "ConnectionClosedError", "ServerTimeoutError", "ConnectionRefusedError",
+                                 "ClientConnectorDNSError", "gaierror"))
+            or any(w in text for w in _CONNECTION_WORDS)):
+        return Failure.UNREACHABLE
+    if any(c in _CREDENTIAL_CODES for c in codes) or 401 in statuses or "invalid_grant" in text \
+            or "access key id you provided does not exist" in text or "signature we calculated does not match" in text:
+        return Failure.CREDENTIALS
+    if "NoSuchBucket" in codes or "bucket does not exist" in text or "no such bucket" in text:
+        return Failure.NO_BUCKET
+    if any(c in _PERMISSION_CODES for c in codes) or 403 in statuses or isinstance(exc, PermissionError):
+        return Failure.PERMISSION
+    if "NoSuchKey" in codes or 404 in statuses or isinstance(exc, FileNotFoundError):
+        return Failure.NOT_FOUND
+    return Failure.OTHER
+
+
+def store_error(uri: str, exc: BaseException) -> DataError:
+    """One line naming `uri` and what to check, for what an object store client raised.
+
+    Covers an unreachable endpoint, rejected credentials, a missing bucket, a missing key and a
+    permission error; anything else keeps the first line of the client's own message. Never
+    includes the values of credentials (only the names of the variables to check)."""
+    protocol = uri.split("://", 1)[0].lower() if "://" in uri else "file"
+    kind = classify(exc)
+    if kind == Failure.UNREACHABLE:
+        return DataError(f"cannot reach the object store for {uri} — {_endpoint_hint(protocol)}")
+    if kind == Failure.CREDENTIALS:
+        return DataError(f"the object store rejected the credentials for {uri} — {_credentials_hint(protocol)}")
+    if kind == Failure.NO_BUCKET:
+        return DataError(f"bucket {_bucket(uri)!r} does not exist (for {uri}) — check the bucket name, "
+                         "or create it" + (" at AWS_ENDPOINT_URL" if protocol in ("s3", "s3a") else ""))
+    if kind == Failure.PERMISSION:
+        hint = "check the file's permissions" if protocol == "file" else (
+            f"grant these credentials access to it (read for inputs, write for outputs); {_credentials_hint(protocol)}")
+        return DataError(f"permission denied for {uri} — {hint}")
+    if kind == Failure.NOT_FOUND:
+        return DataError(f"{uri} does not exist — check the path (and that prepare-data finished writing it)")
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return DataError(f"cannot access {uri}: {detail[:200]}")
