@@ -3,9 +3,10 @@ supervise until the data is applied, then save and evaluate the final model."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -16,13 +17,14 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from elastic_step.audit import start_audit
 from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.registry import create_backend
 from elastic_step.config import TrainConfig
 from elastic_step.data.manifest import load_manifest, validate_shards
 from elastic_step.data.reader import ShardReader
+from elastic_step.durable import write_atomic, write_json_atomic, write_private
 from elastic_step.errors import ConfigError, JobFailed, ModelDefinitionError
-from elastic_step.evaluation import evaluate
 from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.master.api import create_app
@@ -33,6 +35,7 @@ from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.protocol import JobSpec
 from elastic_step.tracking.recorder import TrainingRecorder
+from elastic_step.tracking.uri import redact
 
 log = logging.getLogger("elastic_step.master")
 
@@ -72,12 +75,9 @@ def bind_socket(host: str, port: int, what: str) -> socket.socket:
     return sock
 
 
-def write_private(path: str, text: str) -> None:
-    """Write a file only its owner can read (the job token)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
+# What MLflow accepts as a metric name (mlflow.utils.validation): checked before training, since
+# a validation or test metric it rejects would otherwise fail the job at its end.
+METRIC_NAME = re.compile(r"^[\w\-./ :]+$")
 
 
 def check_model_definition(config: TrainConfig, manifest):
@@ -89,10 +89,17 @@ def check_model_definition(config: TrainConfig, manifest):
     try:
         features, labels = batch_arrays(model_def, batch, manifest.features, manifest.label)
         trainer.loss_value(trainer.predict(features), labels)
+        names = list(model_def.metrics()) if model_def.metrics is not None else []
     except Exception as exc:
         raise ModelDefinitionError(
             f"model definition {config.model_def!r} fails on a batch of {config.data}: {type(exc).__name__}: {exc}"
         ) from exc
+    for name in names:
+        if not METRIC_NAME.match(f"val_{name}"):
+            raise ModelDefinitionError(
+                f"model definition {config.model_def!r}: metrics() key {name!r} is not a name MLflow accepts; "
+                "rename it with letters, digits, _ - . / : and spaces only"
+            )
     return model_def, trainer
 
 
@@ -109,60 +116,106 @@ class ApiServer:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(5)
+        if self.thread.is_alive():
+            self.thread.join(5)
 
 
-def job_params(config: TrainConfig, manifest) -> dict:
-    """Everything in the job's configuration, plus what identifies its data."""
-    skip = {"worker_env", "progress", "resume"}
-    params = {k: v for k, v in vars(config).items() if k not in skip and v is not None}
-    params.update(data_content_hash=manifest.content_hash, train_rows=manifest.rows("train"), features=len(manifest.features))
-    return params
+@dataclass
+class Master:
+    """What a running job's master holds. Everything it started is released by the ExitStack
+    `start_master` was given, in one place and in the reverse order of starting."""
+
+    state: MasterState
+    ledger: Ledger
+    events: EventLog
+    url: str
+    token_file: str
 
 
 def run_job(config: TrainConfig) -> JobResult:
+    """Check the inputs, open the MLflow run, start the master, supervise until the data is
+    applied (or the job fails), then save, evaluate and record the model."""
     started = time.time()
+    manifest, model_def, trainer = check_inputs(config)
+    # MLflow first: unreachable tracking, or a run that cannot be resumed with these inputs, is
+    # an error before any port is bound or worker starts.
+    recorder = TrainingRecorder(config, manifest, trainer, model_def)
+    try:
+        with contextlib.ExitStack() as running:
+            master = start_master(config, manifest, recorder, running)
+            supervise(master.state, recorder, config.progress)
+        if master.state.state != "succeeded":
+            raise JobFailed(f"job {config.job_name} failed: {master.state.failure}")
+        return finish_job(config, manifest, recorder, trainer, master, started)
+    except BaseException:
+        try:
+            recorder.finish(False, config.job_dir)  # the run is FAILED (and resumable), never left RUNNING
+        except Exception as exc:
+            log.error("could not record the failure in MLflow: %s", redact(str(exc)[:300]))
+        raise
+
+
+def check_inputs(config: TrainConfig):
+    """The data and the model definition, checked before anything starts."""
     manifest = load_manifest(config.data)
     validate_shards(manifest, [s for s in ("train", "test") if manifest.splits.get(s)])
     model_def, trainer = check_model_definition(config, manifest)
     os.makedirs(config.job_dir, exist_ok=True)
-    # MLflow first: unreachable tracking is an error before any port is bound or worker starts.
-    recorder = TrainingRecorder(config, manifest, trainer, model_def)
+    return manifest, model_def, trainer
 
+
+def plan_start(config: TrainConfig, recorder: TrainingRecorder, dispatcher: Dispatcher, ledger: Ledger) -> InitialState | None:
+    """Where the first round's state comes from: this run's newest checkpoint (--resume, or a
+    retried pipeline step), else a warm-start model, else a fresh model (None)."""
+    checkpoint = recorder.resume_checkpoint()
+    if checkpoint is not None:
+        dispatcher.restore(checkpoint.ledger)
+        ledger.resume_from(checkpoint.step)
+        print(f"resuming run {recorder.run_id} from its checkpoint of step {checkpoint.step} (epoch {checkpoint.epoch + 1})", file=sys.stderr)
+        return InitialState("checkpoint", checkpoint.state, checkpoint.step)
+    if recorder.resumed:
+        # Starting over: every row the earlier attempt applied is void, and the audit says so.
+        ledger.resume_from(0)
+        print(f"no checkpoint to resume from in run {recorder.run_id}; starting from the beginning"
+              + (f" (warm start from {config.init_from})" if config.init_from else ""), file=sys.stderr)
+    if config.init_from:
+        return InitialState("model", recorder.warm_start_model(config.init_from), 0)
+    return None
+
+
+def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, running: contextlib.ExitStack) -> Master:
+    """The ledger and its starting point, the store, the API and the backend; every one of them
+    registered with `running` for release."""
     import torch.distributed as dist  # the store that hosts every round's rendezvous
-
-    api_socket = bind_socket(config.host, config.port, "master API")
-    store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False)
-    url = f"http://{config.host}:{api_socket.getsockname()[1]}"
-    token = secrets.token_urlsafe(32)
-    token_file = os.path.join(config.job_dir, "token")
-    write_private(token_file, token)
-    for stale in ("events.jsonl", "result.json") + (() if recorder.resumed else ("metrics.jsonl",)):
-        if os.path.exists(os.path.join(config.job_dir, stale)):
-            os.remove(os.path.join(config.job_dir, stale))
 
     shards = manifest.splits["train"]
     dispatcher = Dispatcher(
         [s.rows for s in shards], [s.path for s in shards], config.rows_per_task, config.epochs,
         shuffle=config.shuffle, seed=config.seed, max_task_failures=config.max_task_failures,
     )
+    start_audit(config.audit, resuming=recorder.resumed)
     ledger = Ledger(dispatcher, config.audit)
-    initial = None
-    # --resume, or a retried pipeline step whose run was found by its pipeline run id tag
-    checkpoint = recorder.resume_checkpoint()
-    if checkpoint is not None:
-        dispatcher.restore(checkpoint.ledger)
-        ledger.resume_from(checkpoint.step)
-        initial = InitialState("checkpoint", checkpoint.state, checkpoint.step)
-        print(f"resuming run {recorder.run_id} from its checkpoint of step {checkpoint.step} (epoch {checkpoint.epoch + 1})", file=sys.stderr)
-    elif recorder.resumed:
-        print(f"no checkpoint to resume from in run {recorder.run_id}; starting from the beginning", file=sys.stderr)
-    elif config.init_from:
-        initial = InitialState("model", recorder.warm_start_model(config.init_from), 0)
+    running.callback(ledger.close)
+    initial = plan_start(config, recorder, dispatcher, ledger)
     if not recorder.resumed:
-        recorder.log_params(job_params(config, manifest))
+        recorder.log_params()
+
+    api_socket = bind_socket(config.host, config.port, "master API")
+    running.callback(api_socket.close)
+    store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False)
+    url = f"http://{config.host}:{api_socket.getsockname()[1]}"
+    token = secrets.token_urlsafe(32)
+    token_file = os.path.join(config.job_dir, "token")
+    write_private(token_file, token)
+    # A resume from a checkpoint continues its step metrics; anything else starts them over.
+    stale = ("events.jsonl", "result.json") + (() if initial is not None and initial.kind == "checkpoint" else ("metrics.jsonl",))
+    for name in stale:
+        if os.path.exists(os.path.join(config.job_dir, name)):
+            os.remove(os.path.join(config.job_dir, name))
     events = EventLog(os.path.join(config.job_dir, "events.jsonl"), listener=recorder.on_event)
     step_log = StepLog(os.path.join(config.job_dir, "metrics.jsonl"), listener=recorder.on_step)
+    running.callback(step_log.close)
+
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
@@ -177,17 +230,30 @@ def run_job(config: TrainConfig) -> JobResult:
         on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None,
     )
     server = ApiServer(create_app(state, token), api_socket)
+    running.callback(server.stop)  # after the workers are gone (callbacks run last-in, first-out)
+    # Finished workers leave on their own; give them a moment, then end the rest.
+    running.callback(lambda: backend.shutdown(grace_s=10.0 if state.state == "succeeded" else 2.0))
+    stores = [store]
+    running.callback(stores.clear)  # the store lives until the workers are gone
     server.start()
-    with open(os.path.join(config.job_dir, "master.json"), "w") as f:
-        json.dump({"url": url, "pid": os.getpid(), "job": config.job_name, "token_file": token_file, "backend": config.backend}, f)
+    write_json_atomic(os.path.join(config.job_dir, "master.json"),
+                      {"url": url, "pid": os.getpid(), "job": config.job_name, "token_file": token_file, "backend": config.backend},
+                      indent=None)
+    return Master(state, ledger, events, url, token_file)
 
+
+def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: bool) -> None:
+    """Launch the workers and tick the master until the job is over. SIGTERM, Ctrl-C and MLflow
+    refusing a record for good each fail the job."""
     previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: state.fail("the master received SIGTERM"))
-    progress = ProgressDisplay(enabled=config.progress)
+    progress = ProgressDisplay(enabled=show_progress)
     try:
         state.launch_all()
         with progress:
             while not state.over:
                 state.tick()
+                if recorder.error:
+                    state.fail(recorder.error)
                 progress.update(state.status())
                 time.sleep(0.05)
             progress.update(state.status())
@@ -195,32 +261,32 @@ def run_job(config: TrainConfig) -> JobResult:
         state.fail("interrupted")
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-        # Finished workers leave on their own; give them a moment, then end the rest.
-        backend.shutdown(grace_s=10.0 if state.state == "succeeded" else 2.0)
-        server.stop()
-        ledger.close()
-        step_log.close()
-        del store
-    if state.state != "succeeded":
-        recorder.finish(False, config.job_dir)
-        raise JobFailed(f"job {config.job_name} failed: {state.failure}")
 
-    trainer.load_model_bytes(state.final_model)
+
+def save_model(config: TrainConfig, manifest, trainer, model: bytes, steps: int) -> str:
+    """The final model's parameters and description in JOB_DIR/model, each file replaced whole."""
     model_dir = os.path.join(config.job_dir, "model")
     os.makedirs(model_dir, exist_ok=True)
-    with open(os.path.join(model_dir, "model.bin"), "wb") as f:
-        f.write(state.final_model)
-    with open(os.path.join(model_dir, "model.json"), "w") as f:
-        json.dump({"framework": trainer.framework, "model_def": config.model_def, "steps": ledger.applied_step,
-                   "data": manifest.root, "content_hash": manifest.content_hash}, f, indent=2)
-    metrics = evaluate(trainer, model_def, manifest, "test")
+    write_atomic(os.path.join(model_dir, "model.bin"), model)
+    write_json_atomic(os.path.join(model_dir, "model.json"), {
+        "framework": trainer.framework, "model_def": config.model_def, "steps": steps,
+        "data": manifest.root, "content_hash": manifest.content_hash,
+    })
+    return model_dir
+
+
+def finish_job(config: TrainConfig, manifest, recorder: TrainingRecorder, trainer, master: Master, started: float) -> JobResult:
+    state, ledger = master.state, master.ledger
+    model_dir = save_model(config, manifest, trainer, state.final_model, ledger.applied_step)
+    metrics = recorder.evaluate_model(state.final_model, "test")
     model_uri = recorder.finish(True, config.job_dir, metrics)
+    if recorder.error:
+        raise JobFailed(f"job {config.job_name} failed: {recorder.error}")
     result = JobResult(
-        mlflow_uri=recorder.uri, run_id=recorder.run_id, model_uri=model_uri or "",
+        mlflow_uri=recorder.shown_uri, run_id=recorder.run_id, model_uri=model_uri or "",
         job_dir=config.job_dir, model_dir=model_dir, test_metrics=metrics, steps=ledger.applied_step,
-        rows_audited=ledger.rows_final, recoveries_s=[e["seconds"] for e in events.of("recovered")],
+        rows_audited=ledger.rows_final, recoveries_s=[e["seconds"] for e in master.events.of("recovered")],
         seconds=round(time.time() - started, 2),
     )
-    with open(os.path.join(config.job_dir, "result.json"), "w") as f:
-        json.dump(result.to_json(), f, indent=2)
+    write_json_atomic(os.path.join(config.job_dir, "result.json"), result.to_json())
     return result

@@ -1,16 +1,23 @@
 """Checkpoints: the model state of step S (from rank 0) together with the master's ledger as of
 step S — one consistent cut. Written to JOB_DIR/checkpoints/step-SSSSSS/ and uploaded to the run
 as artifacts `checkpoints/step-SSSSSS/`; the run's tag `elastic_step.checkpoint` is set to S only
-after the upload, so a crash mid-upload leaves the previous checkpoint as the newest."""
+after the upload, and only once the files (and the audit file the ledger's rows were written to)
+are on disk, so a crash mid-upload leaves the previous checkpoint as the newest. `meta.json`
+holds a digest of the other two files: a damaged or incomplete download is recognised, and
+`latest()` falls back to the next older kept checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
+
+from elastic_step.durable import fsync_dir, fsync_path
 
 log = logging.getLogger("elastic_step.tracking")
 
@@ -22,6 +29,10 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+class CheckpointDamaged(Exception):
+    """A checkpoint folder whose files are missing, truncated or altered."""
+
+
 @dataclass
 class Checkpoint:
     step: int
@@ -30,40 +41,66 @@ class Checkpoint:
     ledger: dict  # the dispatcher's snapshot as of `step`
 
 
-def write_local(folder: str, checkpoint: Checkpoint) -> str:
-    """Write a checkpoint folder atomically (a temp folder renamed into place)."""
+def write_local(folder: str, checkpoint: Checkpoint, durable: bool = False) -> str:
+    """Write a checkpoint folder atomically (a temp folder renamed into place); `durable` also
+    syncs it to disk, which `sync_local` can do later, off the caller's thread."""
     final = os.path.join(folder, checkpoint_name(checkpoint.step))
     os.makedirs(folder, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".writing-", dir=folder)
-    with open(os.path.join(tmp, "state.bin"), "wb") as f:
-        f.write(checkpoint.state)
-    with open(os.path.join(tmp, "ledger.json"), "w") as f:
-        json.dump(checkpoint.ledger, f)
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump({"step": checkpoint.step, "epoch": checkpoint.epoch}, f)
+    ledger = json.dumps(checkpoint.ledger).encode("utf-8")
+    meta = {"step": checkpoint.step, "epoch": checkpoint.epoch,
+            "sha256": {"state.bin": _digest(checkpoint.state), "ledger.json": _digest(ledger)}}
+    for name, data in (("state.bin", checkpoint.state), ("ledger.json", ledger), ("meta.json", json.dumps(meta).encode())):
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(data)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    if durable:
+        sync_local(final)
     return final
 
 
+def sync_local(path: str) -> None:
+    """Flush a written checkpoint folder to disk: its files, the folder, and its entry."""
+    for name in sorted(os.listdir(path)):
+        fsync_path(os.path.join(path, name))
+    fsync_dir(path)
+    fsync_dir(os.path.dirname(path))
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def read_local(path: str) -> Checkpoint:
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    with open(os.path.join(path, "state.bin"), "rb") as f:
-        state = f.read()
-    with open(os.path.join(path, "ledger.json")) as f:
-        ledger = json.load(f)
-    return Checkpoint(meta["step"], meta["epoch"], state, ledger)
+    """A checkpoint folder, checked whole; CheckpointDamaged when it is not."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        with open(os.path.join(path, "state.bin"), "rb") as f:
+            state = f.read()
+        with open(os.path.join(path, "ledger.json"), "rb") as f:
+            raw_ledger = f.read()
+        digests = meta.get("sha256")
+        if digests is not None and (digests.get("state.bin") != _digest(state) or digests.get("ledger.json") != _digest(raw_ledger)):
+            raise CheckpointDamaged(f"checkpoint {path}: a file does not match its digest in meta.json")
+        return Checkpoint(int(meta["step"]), int(meta["epoch"]), state, json.loads(raw_ledger))
+    except CheckpointDamaged:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointDamaged(f"checkpoint {path} is incomplete or damaged: {type(exc).__name__}: {exc}") from None
 
 
 class CheckpointStore:
     """Saves checkpoints through the run's uploader (so they wait on local disk while MLflow is
     away), keeps the newest `keep`, and finds the newest committed one of a run."""
 
-    def __init__(self, tracker, local_dir: str, keep: int = 3):
+    def __init__(self, tracker, local_dir: str, keep: int = 3, sync_before_commit: list[str] | None = None):
         self.tracker = tracker
         self.local_dir = local_dir
         self.keep = keep
+        # Files a commit vouches for besides the checkpoint's own (the audit file): on disk first.
+        self.sync_before_commit = [p for p in (sync_before_commit or []) if p]
         self.committed: list[int] = []  # oldest first, at most `keep`
         self._repository = None
 
@@ -75,6 +112,12 @@ class CheckpointStore:
         def upload_and_commit():
             from mlflow.entities import RunTag
 
+            # On disk before anything says it exists: the checkpoint, and the audit lines of the
+            # steps it covers (written before the checkpoint was handed over).
+            sync_local(path)
+            for extra in self.sync_before_commit:
+                if os.path.exists(extra):
+                    fsync_path(extra)
             client.log_artifacts(run_id, path, f"checkpoints/{name}")
             everything = self.committed + [checkpoint.step]
             kept, dropped = everything[-self.keep:], everything[:-self.keep]
@@ -105,14 +148,39 @@ class CheckpointStore:
         return self._repository
 
     def latest(self, run_id: str | None = None) -> Checkpoint | None:
-        """The newest committed checkpoint of a run (this job's by default)."""
+        """The newest committed checkpoint of a run (this job's by default) that downloads whole;
+        a damaged or incomplete one is skipped for the next older kept one, with a warning."""
         client = self.tracker.client
         run = client.get_run(run_id or self.tracker.run_id)
         step = run.data.tags.get(LATEST_TAG)
         if step is None:
             return None
+        kept = sorted({int(s) for s in run.data.tags.get(ALL_TAG, step).split(",") if s} | {int(step)})
+        kept = [s for s in kept if s <= int(step)]
         if run_id is None or run_id == self.tracker.run_id:
-            self.committed = [int(s) for s in run.data.tags.get(ALL_TAG, step).split(",") if s]
-        target = tempfile.mkdtemp(prefix="checkpoint-")
-        path = client.download_artifacts(run.info.run_id, f"checkpoints/{checkpoint_name(int(step))}", target)
-        return read_local(path)
+            self.committed = kept
+        problems = []
+        for candidate in reversed(kept):
+            target = tempfile.mkdtemp(prefix="checkpoint-")
+            try:
+                path = client.download_artifacts(run.info.run_id, f"checkpoints/{checkpoint_name(candidate)}", target)
+                checkpoint = read_local(path)
+                if checkpoint.step != candidate:
+                    raise CheckpointDamaged(f"checkpoint {checkpoint_name(candidate)} says it is of step {checkpoint.step}")
+            except Exception as exc:  # damaged, incomplete, or gone from the artifact store
+                problems.append(f"{checkpoint_name(candidate)}: {type(exc).__name__}: {str(exc)[:200]}")
+                log.warning("checkpoint %s of run %s cannot be used (%s); trying an older one",
+                            checkpoint_name(candidate), run.info.run_id, problems[-1])
+                continue
+            finally:
+                shutil.rmtree(target, ignore_errors=True)
+            if problems:
+                print(f"checkpoint {checkpoint_name(int(step))} of run {run.info.run_id} is damaged; "
+                      f"using the older {checkpoint_name(candidate)}", file=sys.stderr)
+            return checkpoint
+        from elastic_step.tracking.run import TrackingError
+
+        raise TrackingError(
+            f"run {run.info.run_id} has committed checkpoints but none of them can be read ({'; '.join(problems)}); "
+            "rerun without --resume (or with another --job-name) to start afresh"
+        )

@@ -5,13 +5,19 @@ stalls training."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
 import logging
 import os
 import re
+import sys
+import threading
 
 from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore
 from elastic_step.tracking.run import RunTracker, TrackingError, connect, default_tracking_uri
+from elastic_step.tracking.uri import redact
 
 log = logging.getLogger("elastic_step.tracking")
 
@@ -19,10 +25,37 @@ RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 FINAL_MODEL_ARTIFACTS = "elastic_step_model"  # model.bin + model.json of the finished job
 
 
+def model_def_digest(model_def) -> str:
+    """sha256 of the model definition's source file ("" when it has none)."""
+    path = getattr(model_def.module, "__file__", None)
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def job_params(config, manifest, model_def=None) -> dict:
+    """Everything in the job's configuration, plus what identifies its data and model; the
+    tracking URI without its credentials."""
+    skip = {"worker_env", "progress", "resume"}
+    params = {k: v for k, v in vars(config).items() if k not in skip and v is not None}
+    if params.get("mlflow_uri"):
+        params["mlflow_uri"] = redact(params["mlflow_uri"])
+    params.update(data_content_hash=manifest.content_hash, train_rows=manifest.rows("train"), features=len(manifest.features),
+                  rows_per_task=config.rows_per_task)
+    if model_def is not None:
+        params["model_def_sha256"] = model_def_digest(model_def)
+    return params
+
+
 class TrainingRecorder:
     def __init__(self, config, manifest, trainer, model_def):
         self.config, self.manifest, self.trainer, self.model_def = config, manifest, trainer, model_def
+        # One trainer, two users (epoch validation on the uploader thread, the final evaluation
+        # and model logging on the main thread): each loads its weights and uses them under this.
+        self.trainer_lock = threading.Lock()
         self.uri = config.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(config.job_dir)
+        self.shown_uri = redact(self.uri)  # what may be printed, logged or stored
         self.client = connect(self.uri, config.job_dir)
         # A SQLite store has no artifact server: artifacts go in a folder beside the database
         # (MLflow's default would be ./mlruns under whatever the current directory is).
@@ -30,9 +63,13 @@ class TrainingRecorder:
         if self.uri.startswith("sqlite:///"):
             artifacts = os.path.join(os.path.dirname(os.path.abspath(self.uri[len("sqlite:///"):])), "mlartifacts")
         self.tracker = RunTracker(self.client, config.experiment, config.job_name, artifacts)
-        self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id)
-        self.checkpoints = CheckpointStore(self.tracker, os.path.join(config.job_dir, "checkpoints"), config.keep_checkpoints)
+        self.params = job_params(config, manifest, model_def)
+        # Reopening a run first checks that its data, model and task size are this job's.
+        self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id, params=self.params)
+        self.checkpoints = CheckpointStore(self.tracker, os.path.join(config.job_dir, "checkpoints"), config.keep_checkpoints,
+                                           sync_before_commit=[config.audit] if config.audit else [])
         self._evaluated_epoch = 0
+        self._finished = False
         self.metrics_interval_s = 1.0
         self._window: list[dict] = []
         self._window_start: float | None = None
@@ -40,6 +77,11 @@ class TrainingRecorder:
     @property
     def run_id(self) -> str:
         return self.tracker.run_id
+
+    @property
+    def error(self) -> str | None:
+        """Set once MLflow refused a record for good (the job must fail)."""
+        return self.tracker.uploader.error
 
     # -- where the first state comes from ------------------------------------------------------
     def resume_checkpoint(self) -> Checkpoint | None:
@@ -56,11 +98,13 @@ class TrainingRecorder:
                 source = f"runs:/{run_id}/model"
             return self.trainer.model_bytes_of_logged_model(source)
         except Exception as exc:
-            raise TrackingError(f"--init-from {source!r} cannot be loaded from {self.uri}: {type(exc).__name__}: {str(exc)[:300]}") from None
+            raise TrackingError(redact(
+                f"--init-from {source!r} cannot be loaded from {self.uri}: {type(exc).__name__}: {str(exc)[:300]}"
+            )) from None
 
     # -- hooks -----------------------------------------------------------------------------------
-    def log_params(self, params: dict) -> None:
-        self.tracker.log_params(params)
+    def log_params(self, params: dict | None = None) -> None:
+        self.tracker.log_params(self.params if params is None else params)
 
     def on_step(self, entry: dict) -> None:
         """Per-step metrics, summarised once a second (and at every change of world size): each
@@ -106,15 +150,30 @@ class TrainingRecorder:
     def _validate(self, step: int, state: bytes) -> None:
         from elastic_step.evaluation import evaluate
 
-        self.trainer.load_state_bytes(state)
-        for name, value in evaluate(self.trainer, self.model_def, self.manifest, "val").items():
+        with self.trainer_lock:
+            self.trainer.load_state_bytes(state)
+            metrics = evaluate(self.trainer, self.model_def, self.manifest, "val")
+        for name, value in metrics.items():
             if name != "rows":
                 self.tracker.client.log_metric(self.run_id, f"val_{name}", value, step=step)
 
     # -- the end ------------------------------------------------------------------------------------
+    def evaluate_model(self, model: bytes, split: str = "test") -> dict:
+        """Metrics of the given model parameters on a split: the trainer is this caller's alone
+        while it loads them and evaluates."""
+        from elastic_step.evaluation import evaluate
+
+        with self.trainer_lock:
+            self.trainer.load_model_bytes(model)
+            return evaluate(self.trainer, self.model_def, self.manifest, split)
+
     def finish(self, ok: bool, job_dir: str, test_metrics: dict | None = None) -> str | None:
         """Upload events, plots, metrics and (on success) the model; mark the run finished once
-        everything queued has reached MLflow. Returns the logged model's URI."""
+        everything queued has reached MLflow. Returns the logged model's URI. Only the first
+        call counts (a job that fails while finishing is not recorded twice)."""
+        if self._finished:
+            return None
+        self._finished = True
         model_uri = None
         self._log_window()
         for name in ("events.jsonl", "metrics.jsonl"):
@@ -145,15 +204,32 @@ class TrainingRecorder:
         batch = ShardReader(self.manifest).read(split, 0, 0, min(5, self.manifest.splits[split][0].rows))
         features, _ = batch_arrays(self.model_def, batch, self.manifest.features, self.manifest.label)
         with open(os.path.join(job_dir, "model", "model.bin"), "rb") as f:
-            self.trainer.load_model_bytes(f.read())
-        outputs = self.trainer.predict(features)
-        with mlflow.start_run(run_id=self.run_id):
-            info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
-            # The raw parameters too: export rebuilds the model from them and the model definition
-            # in any framework, without going through a flavour's loader.
-            mlflow.log_artifacts(os.path.join(job_dir, "model"), FINAL_MODEL_ARTIFACTS)
+            model = f.read()
+        with self.trainer_lock, contextlib.redirect_stdout(RedactingStream(sys.stdout)):
+            # (MLflow prints a link to the run, built from the tracking URI: without its password)
+            self.trainer.load_model_bytes(model)
+            outputs = self.trainer.predict(features)
+            with mlflow.start_run(run_id=self.run_id):
+                info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
+                # The raw parameters too: export rebuilds the model from them and the model
+                # definition in any framework, without going through a flavour's loader.
+                mlflow.log_artifacts(os.path.join(job_dir, "model"), FINAL_MODEL_ARTIFACTS)
         self.client.set_tag(self.run_id, "elastic_step.model_uri", info.model_uri)
         return info.model_uri
+
+
+class RedactingStream(io.TextIOBase):
+    """A text stream that writes to another with credentials taken out of every URI."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def write(self, text: str) -> int:
+        self.target.write(redact(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
 
 
 def plot_training(job_dir: str) -> str | None:

@@ -3,18 +3,34 @@ step) resumes, nested under a pipeline's parent run when one is given."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import time
 
-from elastic_step.errors import ElasticStepError
+from elastic_step.errors import ConfigError, ElasticStepError
 from elastic_step.tracking.uploader import Uploader
+from elastic_step.tracking.uri import redact
 
 log = logging.getLogger("elastic_step.tracking")
 
 JOB_TAG = "elastic_step.job"
 PIPELINE_RUN_TAG = "elastic_step.pipeline_run_id"
+# What finds a job's run again: a digest of the job name and pipeline run id, so that no name
+# (quotes, backticks, anything) ever goes into a search filter; the tags themselves are then
+# compared exactly.
+JOB_KEY_TAG = "elastic_step.job_key"
+
+# The parameters a checkpoint's ledger and state only make sense with: resuming with any other
+# value would apply rows of different data, cut differently, to a different model.
+RESUME_MUST_MATCH = {
+    "data_content_hash": ("data content hash", "pass the data the run was trained on"),
+    "model_def": ("model definition", "pass the run's --model-def"),
+    "model_def_sha256": ("model definition's source", "restore the model definition the run was trained with"),
+    "rows_per_task": ("task size (rows per task = minibatch size x minibatches per task)",
+                      "pass the run's --minibatch-size and --minibatches-per-task"),
+}
 
 
 class TrackingError(ElasticStepError):
@@ -46,11 +62,30 @@ def connect(uri: str, job_dir: str):
     try:
         client.search_experiments(max_results=1)
     except Exception as exc:
-        raise TrackingError(
+        raise TrackingError(redact(
             f"MLflow at {uri} is not reachable ({type(exc).__name__}: {str(exc)[:200]}); "
             "start it, or pass --mlflow-uri / MLFLOW_TRACKING_URI pointing at a running server"
-        ) from None
+        )) from None
     return client
+
+
+def job_key(job_name: str, pipeline_run: str) -> str:
+    return hashlib.sha256(json.dumps([job_name, pipeline_run]).encode("utf-8")).hexdigest()[:32]
+
+
+def resume_mismatch(run_id: str, job_name: str, recorded: dict, current: dict) -> str | None:
+    """One line saying what differs between a run's recorded parameters and this job's, among
+    those a resume depends on, and what to do (None when nothing does). A parameter the run never
+    recorded is not compared."""
+    differences, hints = [], []
+    for key, (what, hint) in RESUME_MUST_MATCH.items():
+        if key in recorded and key in current and str(recorded[key]) != str(current[key])[:6000]:
+            differences.append(f"{what}: the run has {recorded[key]!r}, this job {current[key]!r}")
+            hints.append(hint)
+    if not differences:
+        return None
+    return (f"cannot resume run {run_id} of job {job_name!r}: " + "; ".join(differences)
+            + f". To continue it, {'; '.join(hints)}; to train afresh, use another --job-name or drop --resume")
 
 
 class RunTracker:
@@ -70,21 +105,31 @@ class RunTracker:
     # -- the run -------------------------------------------------------------------------------
     def find_run(self) -> str | None:
         """The newest unfinished run of this job (and of this pipeline run, when there is one):
-        a finished run has nothing left to resume."""
-        query = f"tags.`{JOB_TAG}` = '{self.job_name}' and attributes.status != 'FINISHED'"
-        if pipeline_run_id():
-            query += f" and tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id()}'"
-        runs = self.client.search_runs([self.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=1)
-        return runs[0].info.run_id if runs else None
+        a finished run has nothing left to resume. Found by a digest tag, then matched exactly."""
+        pipeline_run = pipeline_run_id()
+        query = f"tags.`{JOB_KEY_TAG}` = '{job_key(self.job_name, pipeline_run)}' and attributes.status != 'FINISHED'"
+        runs = self.client.search_runs([self.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=50)
+        for run in runs:
+            tags = run.data.tags
+            if tags.get(JOB_TAG) == self.job_name and tags.get(PIPELINE_RUN_TAG, "") == pipeline_run:
+                return run.info.run_id
+        return None
 
-    def start(self, resume: bool, parent_run_id: str | None = None) -> bool:
-        """Start (or, resuming, reopen) the job's run. True when an earlier run was reopened."""
+    def start(self, resume: bool, parent_run_id: str | None = None, params: dict | None = None) -> bool:
+        """Start (or, resuming, reopen) the job's run. True when an earlier run was reopened.
+        Reopening compares `params` with the run's own first: a mismatch in what a resume depends
+        on is a ConfigError, and the run is left as it was."""
         existing = self.find_run() if (resume or pipeline_run_id()) else None
         if existing:
+            if params is not None:
+                mismatch = resume_mismatch(existing, self.job_name, self.client.get_run(existing).data.params, params)
+                if mismatch:
+                    raise ConfigError(mismatch)
             self.run_id = existing
             self.client.update_run(existing, status="RUNNING")
             return True
-        tags = {JOB_TAG: self.job_name, "mlflow.runName": self.job_name}
+        tags = {JOB_TAG: self.job_name, "mlflow.runName": self.job_name,
+                JOB_KEY_TAG: job_key(self.job_name, pipeline_run_id())}
         if pipeline_run_id():
             tags[PIPELINE_RUN_TAG] = pipeline_run_id()
         if parent_run_id:
@@ -96,19 +141,20 @@ class RunTracker:
         """Mark the run finished only once everything queued has reached MLflow."""
         self.flush_metrics()
         drained = self.uploader.drain(timeout_s)
-        if drained:
-            try:
-                self.client.set_terminated(self.run_id, "FINISHED" if ok and drained else "FAILED")
-            except Exception as exc:
-                log.error("could not mark MLflow run %s finished: %s", self.run_id, exc)
-                return False
+        # A run whose records did not all arrive is FAILED (it can still be resumed), never left
+        # RUNNING; MLflow may be away still, so this one call is tried directly, once.
+        try:
+            self.client.set_terminated(self.run_id, "FINISHED" if ok and drained else "FAILED")
+        except Exception as exc:
+            log.error("could not mark MLflow run %s finished: %s", self.run_id, redact(str(exc)[:300]))
+            return False
         return drained
 
     # -- what is recorded -----------------------------------------------------------------------
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+        items = [Param(k, redact(str(v))[:6000]) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):
             batch = items[i:i + 100]
             self.uploader.submit("log params", lambda b=batch: self.client.log_batch(self.run_id, params=b))

@@ -1,8 +1,13 @@
-"""The worker's side of the master API (httpx). A master that stays unreachable for longer than
-`master_timeout_s` is gone: the worker exits on its own, so a dead master leaves no workers."""
+"""The worker's side of the master API (httpx). A master is gone, and the worker exits on its own
+so that a dead master leaves no workers, when
+- its address refuses connections for `refused_grace_s` (a few seconds): nothing listens there any
+  more, the master process died; or
+- it does not answer for `master_timeout_s`: a network partition may heal, so it gets that long.
+"""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -26,14 +31,29 @@ class Rejected(Exception):
         self.status = status
 
 
+REQUEST_TIMEOUT_S = 10.0
+
+
+def refused(exc: BaseException) -> bool:
+    """True when `exc` says the address actively refused the connection (nothing listens)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class MasterClient:
-    def __init__(self, url: str, token: str, master_timeout_s: float = 30.0):
+    def __init__(self, url: str, token: str, master_timeout_s: float = 30.0, refused_grace_s: float = 2.0):
         self.url = url.rstrip("/")
         self.master_timeout_s = master_timeout_s
+        self.refused_grace_s = refused_grace_s
         self._http = httpx.Client(
             base_url=self.url + API,
             headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(10.0, connect=2.0),
+            timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=2.0),
         )
 
     def call(self, method: str, path: str, body=None, content: bytes | None = None, params=None, timeout=None):
@@ -43,9 +63,15 @@ class MasterClient:
         return self._request(method, path, None, None, None, None).content
 
     def _request(self, method: str, path: str, body, content, params, timeout) -> httpx.Response:
-        deadline = time.monotonic() + self.master_timeout_s
+        start = time.monotonic()
+        deadline = start + self.master_timeout_s
+        refused_since: float | None = None
         delay = 0.05
         while True:
+            # No ordinary attempt outlives the deadline: a master that does not answer at all is
+            # given master_timeout_s in total, not that plus a request timeout. (A call with its
+            # own timeout is a long poll the master may hold; the heartbeat watches meanwhile.)
+            attempt = timeout if timeout is not None else min(REQUEST_TIMEOUT_S, max(deadline - time.monotonic(), 0.1))
             try:
                 response = self._http.request(
                     method,
@@ -53,13 +79,22 @@ class MasterClient:
                     json=body.model_dump(mode="json") if hasattr(body, "model_dump") else body,
                     content=content,
                     params=params,
-                    timeout=timeout,
+                    timeout=httpx.Timeout(attempt, connect=min(2.0, attempt)),
                 )
             except httpx.TransportError as exc:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if refused(exc):
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since >= min(self.refused_grace_s, self.master_timeout_s):
+                        raise MasterGone(
+                            f"master at {self.url} refuses connections (for {now - refused_since:.1f}s): it is gone"
+                        ) from exc
+                else:
+                    refused_since = None
+                if now > deadline:
                     raise MasterGone(f"master at {self.url} unreachable for {self.master_timeout_s:.0f}s: {exc}") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                time.sleep(min(delay, max(deadline - now, 0.0) + 0.01))
+                delay = min(delay * 2, 0.5 if refused_since is not None else 1.0)
                 continue
             if response.status_code >= 500 and time.monotonic() < deadline:
                 time.sleep(delay)
