@@ -1,0 +1,203 @@
+"""A cluster that shares nothing with the code under test, for tests: an API server stand-in over
+HTTPS (apiserver.py) enforcing `deploy/`'s RBAC (rbac.py), and a kubelet (kubelet.py) that runs
+each pod's containers in their own filesystem view. The code under test reaches it only as a
+pod does: KUBERNETES_SERVICE_HOST/PORT and a mounted service-account folder (token, ca.crt,
+namespace).
+
+    with Cluster(tmp_path) as cluster:
+        api = cluster.core()                       # the admin's CoreV1Api (the real client)
+        api.create_namespaced_pod("ml", pod)       # the kubelet binds and runs it
+        cluster.used(cluster.service_account_user) # what the master's service account did
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+
+import yaml
+from kubernetes import client as k8s
+
+from .apiserver import ApiServer
+from .kubelet import Image, Kubelet, venv_image
+from .rbac import DEPLOY_RBAC, REPO, SUPERUSER, Authorizer, kustomize_namespace, read_manifests, service_account_user
+
+__all__ = ["Cluster", "Image", "venv_image", "role_rules"]
+
+KUBELET_USER = "system:node:node-1"
+KUBELET_RULES = [  # what the kubelet stand-in calls (the Node authorizer's share of it)
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]},
+    {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["update", "patch"]},
+    {"apiGroups": [""], "resources": ["pods/binding"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["secrets", "configmaps"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["serviceaccounts/token"], "verbs": ["create"]},
+]
+
+
+def deploy_namespace() -> str:
+    """The namespace `kubectl apply -k deploy/` puts everything in."""
+    with open(os.path.join(REPO, "deploy", "kustomization.yaml"), encoding="utf-8") as f:
+        return yaml.safe_load(f).get("namespace") or "default"
+
+
+def role_rules(folder: str = DEPLOY_RBAC) -> set[tuple[str, str]]:
+    """(verb, resource) of every rule of the Roles shipped in deploy/rbac."""
+    granted = set()
+    for obj in read_manifests(folder):
+        if obj["kind"] == "Role":
+            for rule in obj.get("rules") or []:
+                granted |= {(verb, resource) for verb in rule["verbs"] for resource in rule["resources"]}
+    return granted
+
+
+def make_certificates(folder: str) -> tuple[str, str, str]:
+    """A CA and a server certificate for 127.0.0.1 signed by it: (ca.crt, server.crt, server.key)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cluster-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    server = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
+              .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+              .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                          x509.DNSName("kubernetes.default.svc")]), critical=False)
+              .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+              .sign(ca_key, hashes.SHA256()))
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, n) for n in ("ca.crt", "server.crt", "server.key")]
+    with open(paths[0], "wb") as f:
+        f.write(ca.public_bytes(serialization.Encoding.PEM))
+    with open(paths[1], "wb") as f:
+        f.write(server.public_bytes(serialization.Encoding.PEM))
+    with open(paths[2], "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    os.chmod(paths[2], 0o600)
+    return paths[0], paths[1], paths[2]
+
+
+class Cluster:
+    """An API server and one node. `namespace`: where `deploy/rbac` is applied (the
+    kustomization's own namespace by default); namespaces `default` and `other` exist too."""
+
+    def __init__(self, root: str, namespace: str | None = None, images: dict[str, Image] | None = None,
+                 isolate: bool | None = None):
+        from elastic_step.images import default_image
+
+        self.root = str(root)
+        self.namespace = namespace or deploy_namespace()
+        self.project_image = default_image()
+        self.images = {self.project_image: venv_image(self.project_image), **(images or {})}
+        self.isolate = isolate
+        self.authorizer = Authorizer()
+        self.admin_token = self.authorizer.issue_token(SUPERUSER)
+        self.server: ApiServer | None = None
+        self.kubelet: Kubelet | None = None
+        self.service_account = ""  # the master's, from deploy/rbac
+
+    # -- life ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        self.ca, cert, key = make_certificates(os.path.join(self.root, "pki"))
+        self.server = ApiServer(self.authorizer, cert, key)
+        self.server.start()
+        api = self.core()
+        with open(self.ca) as f:
+            ca_text = f.read()
+        for ns in dict.fromkeys(["default", self.namespace, "other"]):
+            api.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=ns)))
+            api.create_namespaced_service_account(ns, k8s.V1ServiceAccount(metadata=k8s.V1ObjectMeta(name="default")))
+            api.create_namespaced_config_map(ns, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="kube-root-ca.crt"),
+                                                                 data={"ca.crt": ca_text}))
+        for obj in kustomize_namespace(read_manifests(), self.namespace):
+            if obj["kind"] == "ServiceAccount":
+                api.create_namespaced_service_account(self.namespace, obj)
+                if not self.service_account:
+                    self.service_account = obj["metadata"]["name"]
+            else:
+                self.authorizer.apply(obj)
+        # The master's service account is the one the RoleBinding binds.
+        bound = [s["name"] for o in read_manifests() if o["kind"] == "RoleBinding" for s in o.get("subjects") or []
+                 if s.get("kind") == "ServiceAccount"]
+        self.service_account = bound[0] if bound else self.service_account
+        self.authorizer.add_role("", "kubelet", KUBELET_RULES)
+        self.authorizer.add_binding("", {"kind": "ClusterRole", "name": "kubelet"}, [{"kind": "User", "name": KUBELET_USER}])
+        self.kubelet = Kubelet(self.core(self.authorizer.issue_token(KUBELET_USER)), os.path.join(self.root, "node"),
+                               self.images, "127.0.0.1", self.server.port, isolate=self.isolate)
+        self.server.log_reader = self.kubelet.read_log
+        self.kubelet.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.kubelet is not None:
+            self.kubelet.close()
+        if self.server is not None:
+            self.server.close()
+
+    # -- talking to it ------------------------------------------------------------------------------
+    def configuration(self, token: str | None = None) -> k8s.Configuration:
+        configuration = k8s.Configuration()
+        configuration.host = self.server.url
+        configuration.ssl_ca_cert = self.ca
+        configuration.api_key = {"authorization": f"Bearer {token or self.admin_token}"}
+        return configuration
+
+    def core(self, token: str | None = None) -> k8s.CoreV1Api:
+        return k8s.CoreV1Api(k8s.ApiClient(self.configuration(token)))
+
+    def networking(self, token: str | None = None) -> k8s.NetworkingV1Api:
+        return k8s.NetworkingV1Api(k8s.ApiClient(self.configuration(token)))
+
+    def token_for(self, namespace: str, account: str) -> str:
+        """A token of a ServiceAccount (a TokenRequest, as the kubelet makes for a pod)."""
+        request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[]))
+        return self.core().create_namespaced_service_account_token(account, namespace, request).status.token
+
+    def service_account_folder(self, folder: str, namespace: str | None = None, account: str | None = None) -> str:
+        """What a pod of `account` finds at /var/run/secrets/kubernetes.io/serviceaccount."""
+        namespace, account = namespace or self.namespace, account or self.service_account
+        os.makedirs(folder, exist_ok=True)
+        for name, text in (("token", self.token_for(namespace, account)), ("namespace", namespace), ("ca.crt", open(self.ca).read())):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+        return folder
+
+    def in_cluster_env(self, service_account_folder: str) -> dict[str, str]:
+        """The environment of a process that reaches the API as a pod does."""
+        return {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(self.server.port),
+                "ELASTIC_STEP_SERVICEACCOUNT_DIR": service_account_folder}
+
+    # -- for assertions -----------------------------------------------------------------------------
+    @property
+    def service_account_user(self) -> str:
+        return service_account_user(self.namespace, self.service_account)
+
+    def used(self, user: str | None = None) -> set[tuple[str, str, str]]:
+        """(verb, resource, namespace) of every allowed request of `user` (the master's service account)."""
+        return self.server.used(user or self.service_account_user)
+
+    def refused(self, user: str | None = None) -> set[tuple[str, str, str]]:
+        user = user or self.service_account_user
+        return {(v, r, n) for u, v, r, n, ok in list(self.server.audit) if u == user and not ok}
+
+    def pods(self, namespace: str | None = None, selector: str | None = None) -> list[dict]:
+        from .apiserver import label_matches
+
+        return [p for p in self.server.objects("pods", namespace or self.namespace)
+                if label_matches(p["metadata"].get("labels"), selector)]
+
+    def objects(self, plural: str, namespace: str | None = None) -> list[dict]:
+        return self.server.objects(plural, namespace or self.namespace)

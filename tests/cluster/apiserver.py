@@ -1,0 +1,554 @@
+"""A Kubernetes API server stand-in over HTTPS on 127.0.0.1, for the real `kubernetes` client.
+
+It serves the REST paths the elastic master and the kubelet stand-in call — pods (create, get,
+list, watch, delete, and the status, binding and log subresources), secrets, serviceaccounts (and
+their token subresource), configmaps, networkpolicies — storing each object as the JSON dict the
+client sent, with `metadata.uid`, `creationTimestamp` and a cluster-wide `resourceVersion`.
+
+As the real server does:
+- every request is authenticated by its bearer token and authorized by RBAC (rbac.py); a refusal
+  is a 403 `Status`; every (user, verb, resource, namespace) is recorded for assertions;
+- a list answer carries the collection's resourceVersion; a watch (`?watch=true`) streams JSON
+  lines over a chunked response from that version, ends after `timeoutSeconds`, and answers a
+  version older than its compacted history with an `ERROR` event carrying `410 Gone`;
+- pod deletion is graceful (deletionTimestamp, then the kubelet's final delete) unless the grace
+  period is 0, the pod is unbound, or it has finished;
+- admission checks that the pod's ServiceAccount exists and mounts its token (the projected
+  `kube-api-access-*` volume) unless automounting is off;
+- the garbage collector deletes an object all of whose owners are gone, looking owners up by UID
+  in the dependent's own namespace only (so a cross-namespace owner reference is dangling);
+- created objects are validated against the Kubernetes OpenAPI schema (422 Invalid).
+
+Not modelled: admission webhooks, quotas, LimitRanges, PodSecurity admission, managed fields,
+server-side apply, strategic merge (PATCH is a JSON merge patch), set-based label selectors.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import datetime
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .rbac import Authorizer, Request, forbidden_message
+
+log = logging.getLogger("cluster.apiserver")
+
+# (group, plural) -> (kind, namespaced)
+RESOURCES = {
+    ("", "pods"): ("Pod", True),
+    ("", "secrets"): ("Secret", True),
+    ("", "configmaps"): ("ConfigMap", True),
+    ("", "serviceaccounts"): ("ServiceAccount", True),
+    ("", "namespaces"): ("Namespace", False),
+    ("networking.k8s.io", "networkpolicies"): ("NetworkPolicy", True),
+}
+SUBRESOURCES = {("pods", "status"), ("pods", "binding"), ("pods", "log"), ("serviceaccounts", "token")}
+
+
+def now_text() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status_body(code: int, reason: str, message: str, details: dict | None = None) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "details": details or {}, "code": code}
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.body = status_body(code, reason, message, details)
+
+
+def not_found(plural: str, name: str) -> ApiError:
+    return ApiError(404, "NotFound", f'{plural} "{name}" not found', {"name": name, "kind": plural})
+
+
+def label_matches(labels: dict | None, selector: str | None) -> bool:
+    """Equality-based selectors: `k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-separated (ANDed)."""
+    labels = labels or {}
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def field_matches(obj: dict, selector: str | None) -> bool:
+    for term in filter(None, (selector or "").split(",")):
+        negate = "!=" in term
+        path, value = term.split("!=" if negate else "=", 1)
+        current = obj
+        for part in path.strip().lstrip("=").split("."):
+            current = current.get(part) if isinstance(current, dict) else None
+        if ((current or "") == value) == negate:
+            return False
+    return True
+
+
+def merge_patch(target, patch):
+    """RFC 7386."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+class Store:
+    """Objects, their history (for watches) and the resourceVersion clock. One lock for all."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.rv = 1000
+        self.objects: dict[tuple[str, str, str], dict] = {}  # (plural, namespace, name) -> object
+        self.history: list[tuple[int, str, str, str, dict]] = []  # (rv, plural, namespace, type, object)
+        self.oldest_rv = 0  # a watch from before this is 410 Gone
+        self.generation = 0  # bumped to drop every open watch connection
+
+    def commit(self, kind: str, plural: str, obj: dict) -> dict:
+        self.rv += 1
+        meta = obj["metadata"]
+        meta["resourceVersion"] = str(self.rv)
+        key = (plural, meta.get("namespace", ""), meta["name"])
+        if kind == "DELETED":
+            self.objects.pop(key, None)
+        else:
+            self.objects[key] = obj
+        self.history.append((self.rv, plural, key[1], kind, copy.deepcopy(obj)))
+        self.cond.notify_all()
+        return obj
+
+
+class ApiServer:
+    """The server; start() it, then point clients at `url` with a token from `authorizer`."""
+
+    def __init__(self, authorizer: Authorizer, certfile: str, keyfile: str, validate: bool = True):
+        self.authorizer = authorizer
+        self.store = Store()
+        self.audit: list[tuple[str, str, str, str, bool]] = []  # (user, verb, resource, namespace, allowed)
+        self.validate = validate
+        self.log_reader = None  # (namespace, pod) -> bytes, set by the kubelet: `pods/log`
+        self.closed = False
+        self.ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ssl.load_cert_chain(certfile, keyfile)
+        self.httpd = _Server(("127.0.0.1", 0), _Handler)
+        self.httpd.api = self
+        self.port = self.httpd.server_address[1]
+        self.url = f"https://127.0.0.1:{self.port}"
+        self._threads = [threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True, name="apiserver"),
+                         threading.Thread(target=self._gc_loop, daemon=True, name="apiserver-gc")]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def close(self) -> None:
+        self.closed = True
+        self.drop_watches()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # -- what a test does to the server itself ----------------------------------------------------
+    def compact(self) -> None:
+        """Forget the watch history and drop every open watch: resuming gets 410 Gone."""
+        with self.store.cond:
+            self.store.oldest_rv = self.store.rv + 1
+            self.store.history.clear()
+            self.store.generation += 1
+            self.store.cond.notify_all()
+
+    def drop_watches(self) -> None:
+        """Every open watch connection breaks (a network cut, an API server restart)."""
+        with self.store.cond:
+            self.store.generation += 1
+            self.store.cond.notify_all()
+
+    def used(self, user: str, allowed_only: bool = True) -> set[tuple[str, str, str]]:
+        """(verb, resource, namespace) of every request `user` made."""
+        return {(verb, res, ns) for u, verb, res, ns, ok in list(self.audit) if u == user and (ok or not allowed_only)}
+
+    def objects(self, plural: str, namespace: str | None = None) -> list[dict]:
+        with self.store.cond:
+            return [copy.deepcopy(o) for (p, ns, _), o in self.store.objects.items()
+                    if p == plural and (namespace is None or ns == namespace)]
+
+    def get(self, plural: str, namespace: str, name: str) -> dict | None:
+        with self.store.cond:
+            obj = self.store.objects.get((plural, namespace, name))
+            return copy.deepcopy(obj) if obj else None
+
+    # -- storage operations (the lock held by the caller) -----------------------------------------
+    def _create(self, plural: str, namespace: str, body: dict) -> dict:
+        kind, namespaced = RESOURCES[("networking.k8s.io" if plural == "networkpolicies" else "", plural)]
+        store = self.store
+        if body.get("kind") not in (None, kind):
+            raise ApiError(400, "BadRequest", f"the object provided is a {body.get('kind')}, not a {kind}")
+        meta = body.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if not meta.get("name"):
+            raise ApiError(422, "Invalid", f"{kind} is invalid: metadata.name: Required value")
+        if namespaced:
+            if meta.get("namespace") not in (None, namespace):
+                raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+            if ("namespaces", "", namespace) not in store.objects:
+                raise ApiError(404, "NotFound", f'namespaces "{namespace}" not found', {"name": namespace, "kind": "namespaces"})
+            meta["namespace"] = namespace
+        if (plural, meta.get("namespace", ""), meta["name"]) in store.objects:
+            raise ApiError(409, "AlreadyExists", f'{plural} "{meta["name"]}" already exists', {"name": meta["name"], "kind": plural})
+        body["kind"], body["apiVersion"] = kind, "networking.k8s.io/v1" if plural == "networkpolicies" else "v1"
+        if plural == "pods":
+            self._admit_pod(namespace, body)
+        if plural == "secrets" and body.get("stringData"):
+            data = body.setdefault("data", {})
+            for key, value in body.pop("stringData").items():
+                data[key] = base64.b64encode(value.encode()).decode()
+        if self.validate:
+            import kubernetes_validate
+
+            try:
+                kubernetes_validate.validate(body, "1.30.0", strict=False)
+            except kubernetes_validate.ValidationError as exc:
+                raise ApiError(422, "Invalid", f'{kind} "{meta["name"]}" is invalid: {str(exc).splitlines()[0]}') from None
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = now_text()
+        meta.pop("deletionTimestamp", None)
+        return store.commit("ADDED", plural, body)
+
+    def _admit_pod(self, namespace: str, pod: dict) -> None:
+        spec = pod.setdefault("spec", {})
+        spec.setdefault("restartPolicy", "Always")
+        spec.setdefault("terminationGracePeriodSeconds", 30)
+        spec.setdefault("dnsPolicy", "ClusterFirst")
+        spec.setdefault("schedulerName", "default-scheduler")
+        account = spec.get("serviceAccountName") or "default"
+        spec["serviceAccountName"] = account
+        sa = self.store.objects.get(("serviceaccounts", namespace, account))
+        if sa is None:
+            raise ApiError(403, "Forbidden", f'pods "{pod["metadata"]["name"]}" is forbidden: error looking up service '
+                                             f'account {namespace}/{account}: serviceaccount "{account}" not found')
+        automount = spec.get("automountServiceAccountToken")
+        if automount is None:
+            automount = sa.get("automountServiceAccountToken", True)
+        if automount:
+            volume = f"kube-api-access-{uuid.uuid4().hex[:5]}"
+            spec.setdefault("volumes", []).append({"name": volume, "projected": {"defaultMode": 0o644, "sources": [
+                {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+            ]}})
+            for container in spec.get("containers", []):
+                container.setdefault("volumeMounts", []).append(
+                    {"name": volume, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True})
+        pod["status"] = {"phase": "Pending", "qosClass": "Burstable"}
+
+    def _delete(self, plural: str, namespace: str, name: str, grace: int | None = None, orphan: bool = False) -> dict:
+        store = self.store
+        obj = store.objects.get((plural, namespace, name))
+        if obj is None:
+            raise not_found(plural, name)
+        if plural == "pods":
+            spec, status = obj.get("spec", {}), obj.get("status", {})
+            if grace is None:
+                grace = spec.get("terminationGracePeriodSeconds", 30)
+            if not spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
+                grace = 0
+            if grace > 0:
+                meta = obj["metadata"]
+                if not meta.get("deletionTimestamp"):
+                    meta["deletionTimestamp"] = now_text()
+                    meta["deletionGracePeriodSeconds"] = grace
+                    store.commit("MODIFIED", plural, obj)
+                return copy.deepcopy(obj)  # the kubelet deletes it for good once its containers stopped
+        if plural == "namespaces":
+            for key in [k for k in store.objects if k[1] == name]:
+                self._delete(key[0], key[1], key[2], grace=0, orphan=True)
+        store.commit("DELETED", plural, obj)
+        if not orphan:
+            self._collect_garbage()
+        return copy.deepcopy(obj)
+
+    def _collect_garbage(self) -> None:
+        """Delete every object whose owners are all absent from its own namespace."""
+        store = self.store
+        while True:
+            uids = {}
+            for (_, ns, _), o in store.objects.items():
+                uids.setdefault(ns, set()).add(o["metadata"].get("uid"))
+            doomed = []
+            for (plural, ns, name), o in store.objects.items():
+                refs = o["metadata"].get("ownerReferences") or []
+                if refs and not any(r.get("uid") in uids.get(ns, set()) for r in refs) and not o["metadata"].get("deletionTimestamp"):
+                    doomed.append((plural, ns, name))
+            if not doomed:
+                return
+            for plural, ns, name in doomed:
+                log.info("garbage collector: deleting %s %s/%s (owner gone from its namespace)", plural, ns, name)
+                self._delete(plural, ns, name, orphan=True)
+                obj = store.objects.get((plural, ns, name))
+                if obj is not None and obj["metadata"].get("deletionTimestamp"):
+                    continue  # a running pod: the kubelet finishes the deletion
+
+    def _gc_loop(self) -> None:
+        while not self.closed:
+            time.sleep(0.5)
+            with self.store.cond:
+                self._collect_garbage()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    api: ApiServer
+
+    def get_request(self):
+        sock, addr = self.socket.accept()
+        # The TLS handshake happens in the request's own thread, not in the accept loop.
+        return self.api.ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, fmt, *args):  # quiet: the audit list records what matters
+        pass
+
+    def handle(self):
+        try:
+            self.connection.do_handshake()
+        except (ssl.SSLError, OSError):
+            return
+        super().handle()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _send(self, code: int, body: dict | bytes, content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        if not length:
+            return {}
+        try:
+            return json.loads(self.rfile.read(length))
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, "BadRequest", f"the body is not JSON: {exc}") from None
+
+    def do_GET(self):
+        self._serve("GET")
+
+    def do_POST(self):
+        self._serve("POST")
+
+    def do_PUT(self):
+        self._serve("PUT")
+
+    def do_PATCH(self):
+        self._serve("PATCH")
+
+    def do_DELETE(self):
+        self._serve("DELETE")
+
+    def _route(self, method: str):
+        parsed = urllib.parse.urlsplit(self.path)
+        query = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query).items()}
+        parts = [p for p in parsed.path.split("/") if p]
+        if parts[:2] == ["api", "v1"]:
+            group, rest = "", parts[2:]
+        elif len(parts) >= 3 and parts[0] == "apis" and parts[2] == "v1":
+            group, rest = parts[1], parts[3:]
+        else:
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({parsed.path})")
+        namespace = ""
+        if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) != 2:
+            namespace, rest = rest[1], rest[2:]
+        if not rest or (group, rest[0]) not in RESOURCES:
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({parsed.path})")
+        plural, name = rest[0], rest[1] if len(rest) > 1 else ""
+        sub = rest[2] if len(rest) > 2 else ""
+        if sub and (plural, sub) not in SUBRESOURCES:
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({parsed.path})")
+        if not name:
+            verb = {"GET": "watch" if str(query.get("watch")).lower() in ("true", "1") else "list", "POST": "create",
+                    "DELETE": "deletecollection"}.get(method)
+        else:
+            verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete", "POST": "create"}.get(method)
+        if verb is None:
+            raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {parsed.path}")
+        return Request(verb, group, f"{plural}/{sub}" if sub else plural, namespace, name), query
+
+    def _serve(self, method: str) -> None:
+        api = self.server.api
+        try:
+            req, query = self._route(method)
+            user = api.authorizer.user_of(self.headers.get("Authorization"))
+            if user is None:
+                raise ApiError(401, "Unauthorized", "Unauthorized")
+            allowed = api.authorizer.allowed(user, req)
+            api.audit.append((user, req.verb, req.resource, req.namespace, allowed))
+            if not allowed:
+                resource = req.resource.split("/")[0]
+                raise ApiError(403, "Forbidden", forbidden_message(user, req), {"name": req.name, "kind": resource})
+            if req.verb == "watch":
+                return self._watch(req, query)
+            code, body = self._dispatch(method, req, query)
+            if isinstance(body, bytes):
+                return self._send(code, body, "text/plain")
+            self._send(code, body)
+        except ApiError as exc:
+            self._send(exc.body["code"], exc.body)
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
+            self.close_connection = True
+
+    def _dispatch(self, method: str, req: Request, query: dict):
+        api, store = self.server.api, self.server.api.store
+        plural, _, sub = req.resource.partition("/")
+        key = (plural, req.namespace, req.name)
+        with store.cond:
+            if req.verb == "create" and not sub:
+                return 201, copy.deepcopy(api._create(plural, req.namespace, self._body()))
+            if req.verb == "list":
+                items = [copy.deepcopy(o) for (p, ns, _), o in store.objects.items()
+                         if p == plural and (not req.namespace or ns == req.namespace)
+                         and label_matches(o["metadata"].get("labels"), query.get("labelSelector"))
+                         and field_matches(o, query.get("fieldSelector"))]
+                kind = RESOURCES[(req.api_group, plural)][0]
+                return 200, {"kind": f"{kind}List", "apiVersion": "v1", "metadata": {"resourceVersion": str(store.rv)}, "items": items}
+            obj = store.objects.get(key)
+            if obj is None:
+                raise not_found(plural, req.name)
+            if req.verb == "get" and not sub:
+                return 200, copy.deepcopy(obj)
+            if req.verb == "delete":
+                body = self._body()
+                grace = query.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
+                orphan = (query.get("propagationPolicy") or body.get("propagationPolicy")) == "Orphan"
+                return 200, api._delete(plural, req.namespace, req.name, None if grace is None else int(grace), orphan)
+            if sub == "log":
+                if api.log_reader is None:
+                    raise ApiError(400, "BadRequest", f'pod "{req.name}" has no node to read logs from')
+                return 200, api.log_reader(req.namespace, req.name)
+            if sub == "binding":
+                target = self._body().get("target", {})
+                if obj["spec"].get("nodeName"):
+                    raise ApiError(409, "Conflict", f'pod {req.name} is already assigned to node "{obj["spec"]["nodeName"]}"')
+                obj["spec"]["nodeName"] = target.get("name")
+                obj.setdefault("status", {}).setdefault("conditions", []).append(
+                    {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_text()})
+                store.commit("MODIFIED", plural, obj)
+                return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+            if sub == "token":
+                user = f"system:serviceaccount:{req.namespace}:{req.name}"
+                token = api.authorizer.issue_token(user)
+                body = self._body()
+                body.setdefault("status", {}).update(token=token, expirationTimestamp=now_text())
+                return 201, body
+            if req.verb in ("update", "patch"):
+                body = self._body()
+                if req.verb == "patch":
+                    body = merge_patch(obj, body)
+                sent_rv = body.get("metadata", {}).get("resourceVersion")
+                if req.verb == "update" and sent_rv and sent_rv != obj["metadata"]["resourceVersion"]:
+                    raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{req.name}": the object has been '
+                                                    "modified; please apply your changes to the latest version and try again")
+                if sub == "status":
+                    obj["status"] = body.get("status", {})
+                else:
+                    body["metadata"] = {**obj["metadata"], **{k: v for k, v in body.get("metadata", {}).items()
+                                                            if k in ("labels", "annotations", "ownerReferences", "finalizers")}}
+                    if plural == "pods":
+                        body["status"] = obj.get("status", {})
+                    obj = body
+                return 200, copy.deepcopy(store.commit("MODIFIED", plural, obj))
+        raise ApiError(405, "MethodNotAllowed", f"{req.verb} on {req.resource} is not supported")
+
+    def _watch(self, req: Request, query: dict) -> None:
+        store = self.server.api.store
+        plural = req.resource
+        timeout = float(query.get("timeoutSeconds") or 1800)
+        deadline = time.monotonic() + timeout
+        rv_text = query.get("resourceVersion") or "0"
+        selector, fields = query.get("labelSelector"), query.get("fieldSelector")
+        bookmarks = str(query.get("allowWatchBookmarks")).lower() in ("true", "1")
+
+        def wanted(entry) -> bool:
+            _, p, ns, _, obj = entry
+            return (p == plural and (not req.namespace or ns == req.namespace)
+                    and label_matches(obj["metadata"].get("labels"), selector) and field_matches(obj, fields))
+
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def chunk(events: list[dict]) -> None:
+            data = b"".join(json.dumps(e).encode() + b"\n" for e in events)
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+        try:
+            with store.cond:
+                generation = store.generation
+                initial = []
+                if rv_text == "0":  # "any version": the current state as ADDED events first
+                    cursor = store.rv
+                    initial = [{"type": "ADDED", "object": copy.deepcopy(o)} for (p, ns, n), o in store.objects.items()
+                               if wanted((0, p, ns, "", o))]
+                else:
+                    cursor = int(rv_text)
+                    if cursor < store.oldest_rv:
+                        gone = status_body(410, "Expired", f"too old resource version: {cursor} ({store.oldest_rv})")
+                        initial = [{"type": "ERROR", "object": gone}]
+                        deadline = 0
+            if initial:
+                chunk(initial)
+            while time.monotonic() < deadline:
+                with store.cond:
+                    if store.generation != generation:
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)  # dropped mid-stream: no terminating chunk
+                        return
+                    pending = [e for e in store.history if e[0] > cursor]
+                    if not pending:
+                        store.cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+                        continue
+                    cursor = pending[-1][0]
+                    events = [{"type": kind, "object": obj} for entry in pending if wanted(entry) for _, _, _, kind, obj in [entry]]
+                if events:
+                    chunk(events)
+            if bookmarks:
+                chunk([{"type": "BOOKMARK", "object": {"kind": RESOURCES[(req.api_group, plural)][0], "apiVersion": "v1",
+                                                        "metadata": {"resourceVersion": str(cursor)}}}])
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
+            self.close_connection = True

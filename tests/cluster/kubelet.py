@@ -1,0 +1,605 @@
+"""A kubelet (and scheduler) stand-in: binds pending pods to its one node and runs their
+containers, talking to the API server stand-in only through the real `kubernetes` client with its
+own token, as a kubelet does — it sees the pods, Secrets and tokens the API gives it and nothing
+else, and writes every status change back through the API.
+
+Containers run as local processes (the *process runtime*), each with:
+- its own filesystem view where the node allows it (root, `unshare --mount`: see podinit.py):
+  private /tmp, /home, /run and /dev/shm, the volumes bind-mounted at their mount paths, every
+  other mount read-only — so a pod cannot reach the master's job folder or another pod's files;
+  without that (`isolation == "folders"`) a pod gets its own empty working folder and HOME, and
+  the paths of its mounts are rewritten in its env (it could still open any path it is told);
+- the pod's user and groups (`runAsUser`, `fsGroup`, else the image's USER);
+- its memory limit as a memory cgroup where one can be made; the kernel's OOM kill there is
+  reported as `OOMKilled`, as a container runtime does;
+- its env from the spec only (downward-API `fieldRef`s and `secretKeyRef`s resolved) plus the
+  image's ENV and the API service variables every container gets.
+The network is the node's (`--network host`: podIP = hostIP = 127.0.0.1).
+
+What a test does to a node: `kill(pod)` (SIGKILL: `docker kill`), `pause(pod)` (SIGSTOP the
+container's processes: `docker pause`), `resume(pod)`. Deleting the pod object through the API
+is an eviction or `kubectl delete`.
+Not modelled: restartPolicy Always/OnFailure (a container is not restarted), probes, init
+containers, node capacity and scheduling constraints, image pulls (an image is known or it is
+ErrImagePull), CPU limits (OMP_NUM_THREADS still follows them), a writable root layer.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kubernetes import client as k8s
+from kubernetes import watch
+
+log = logging.getLogger("cluster.kubelet")
+NODE = "node-1"
+NODE_IP = "127.0.0.1"
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+PODINIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "podinit.py")
+
+
+def now_text() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Image:
+    """What a container image gives a process: its ENV, USER and WORKDIR."""
+
+    name: str
+    env: dict[str, str]
+    uid: int = 1000
+    gid: int = 1000
+    workdir: str = "/home/elastic"
+    home: str = "/home/elastic"
+    paths: list[str] = field(default_factory=list)  # host folders the image's files live in, if under a private folder
+
+
+def venv_image(name: str, extra_path: list[str] | None = None) -> Image:
+    """The project's image as this machine has it: the test's own Python environment (what
+    `pip install .` put in the image). `extra_path`: folders copied into the image, on PYTHONPATH."""
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1",
+           "HOME": "/home/elastic", "MPLCONFIGDIR": "/tmp/matplotlib", "LANG": "C.UTF-8"}
+    if extra_path:
+        env["PYTHONPATH"] = ":".join(extra_path)
+    return Image(name, env, paths=[sys.base_prefix] if sys.base_prefix.startswith(("/root/", "/home/", "/tmp/")) else [])
+
+
+def parse_memory(text: str) -> int:
+    from kubernetes.utils.quantity import parse_quantity
+
+    return int(parse_quantity(text))
+
+
+@dataclass
+class Container:
+    pod_uid: str
+    namespace: str
+    pod: str
+    name: str
+    image: str
+    proc: subprocess.Popen
+    folder: str
+    cgroup: str | None
+    started_at: str
+    log_path: str
+    exit: tuple[int, str] | None = None  # (exit code, reason) once it ended
+    finished_at: str = ""
+
+
+@dataclass
+class PodRecord:
+    uid: str
+    namespace: str
+    name: str
+    folder: str
+    containers: list[Container] = field(default_factory=list)
+    started: bool = False
+    deleting_since: float | None = None
+    grace_s: float = 30
+    gone: bool = False  # the object is deleted from the API
+    failed_to_start: str = ""
+    status_lock: threading.Lock = field(default_factory=threading.Lock)  # one status write at a time, from the newest facts
+
+
+def memory_cgroup_parent() -> str | None:
+    """A memory cgroup (v1) this process may make children in, or None."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.strip().split(":", 2)
+                if "memory" in controllers.split(","):
+                    parent = f"/sys/fs/cgroup/memory{path}"
+                    probe = os.path.join(parent, f"probe-{os.getpid()}")
+                    os.mkdir(probe)
+                    os.rmdir(probe)
+                    return parent
+    except OSError:
+        return None
+    return None
+
+
+def can_isolate() -> bool:
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
+
+
+class Kubelet:
+    def __init__(self, api: k8s.CoreV1Api, root: str, images: dict[str, Image], service_host: str, service_port: int,
+                 isolate: bool | None = None):
+        self.api = api
+        self.root = root
+        self.images = images
+        self.service_env = {"KUBERNETES_SERVICE_HOST": service_host, "KUBERNETES_SERVICE_PORT": str(service_port),
+                            "KUBERNETES_PORT": f"tcp://{service_host}:{service_port}"}
+        self.isolation = "namespaces" if (can_isolate() if isolate is None else isolate) else "folders"
+        self.cgroup_parent = memory_cgroup_parent()
+        self.pods: dict[str, PodRecord] = {}  # uid -> record
+        self.lock = threading.RLock()
+        self.closed = False
+        self._watch: watch.Watch | None = None
+        self._threads = [threading.Thread(target=self._watch_loop, daemon=True, name="kubelet-watch"),
+                         threading.Thread(target=self._monitor_loop, daemon=True, name="kubelet-monitor")]
+
+    @property
+    def mode(self) -> str:
+        return f"process ({self.isolation}; memory limits {'by cgroup' if self.cgroup_parent else 'not enforced'})"
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def close(self) -> None:
+        self.closed = True
+        if self._watch is not None:
+            self._watch.stop()
+        with self.lock:
+            records = list(self.pods.values())
+        for record in records:
+            self._signal(record, signal.SIGKILL)
+        for record in records:
+            for c in record.containers:
+                try:
+                    c.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._remove_cgroup(c)
+
+    # -- what a test does to a node -----------------------------------------------------------------
+    def record(self, namespace: str, name: str) -> PodRecord:
+        with self.lock:
+            for r in self.pods.values():
+                if r.namespace == namespace and r.name == name and not r.gone:
+                    return r
+        raise KeyError(f"{namespace}/{name} does not run on this node")
+
+    def kill(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> None:
+        self._signal(self.record(namespace, name), sig)
+
+    def pause(self, namespace: str, name: str) -> None:
+        self._signal(self.record(namespace, name), signal.SIGSTOP)
+
+    def resume(self, namespace: str, name: str) -> None:
+        self._signal(self.record(namespace, name), signal.SIGCONT)
+
+    def volume_path(self, namespace: str, name: str, volume: str) -> str:
+        """Where a pod's volume lies on the node (what an admin on the node could read)."""
+        return os.path.join(self.record(namespace, name).folder, "volumes", volume)
+
+    def read_log(self, namespace: str, name: str) -> bytes:
+        from .apiserver import ApiError
+
+        try:
+            record = self.record(namespace, name)
+        except KeyError:
+            raise ApiError(400, "BadRequest", f'pod "{name}" has no running or finished container on this node') from None
+        out = b""
+        for c in record.containers:
+            with open(c.log_path, "rb") as f:
+                out += f.read()
+        return out
+
+    def _signal(self, record: PodRecord, sig: int) -> None:
+        for c in record.containers:
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    # -- the sync loop ------------------------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        rv = None
+        while not self.closed:
+            try:
+                if rv is None:
+                    listed = self.api.list_pod_for_all_namespaces(_preload_content=False)
+                    body = json.loads(listed.data)
+                    for pod in body["items"]:
+                        self._sync(pod)
+                    rv = body["metadata"]["resourceVersion"]
+                self._watch = watch.Watch()
+                for event in self._watch.stream(self.api.list_pod_for_all_namespaces, resource_version=rv, timeout_seconds=60):
+                    if self.closed:
+                        return
+                    pod = event["raw_object"]
+                    rv = pod["metadata"]["resourceVersion"]
+                    if event["type"] == "DELETED":
+                        self._deleted(pod)
+                    else:
+                        self._sync(pod)
+            except k8s.ApiException as exc:
+                if exc.status == 410:
+                    rv = None
+                    continue
+                if not self.closed:
+                    log.warning("kubelet watch: %s %s", exc.status, exc.reason)
+                    time.sleep(0.5)
+            except Exception as exc:  # a dropped watch: resume from the last version seen
+                if not self.closed:
+                    log.info("kubelet watch interrupted: %s", exc)
+                    time.sleep(0.2)
+
+    def _sync(self, pod: dict) -> None:
+        meta, spec = pod["metadata"], pod.get("spec", {})
+        if not spec.get("nodeName"):
+            if not meta.get("deletionTimestamp"):
+                self._bind(pod)
+            return
+        if spec["nodeName"] != NODE:
+            return
+        with self.lock:
+            record = self.pods.get(meta["uid"])
+            if record is None:
+                if meta.get("deletionTimestamp") or pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+                    return
+                folder = os.path.join(self.root, "pods", meta["uid"])
+                record = self.pods[meta["uid"]] = PodRecord(meta["uid"], meta["namespace"], meta["name"], folder)
+                threading.Thread(target=self._start_pod, args=(record, pod), daemon=True, name=f"start-{meta['name']}").start()
+                return
+            if meta.get("deletionTimestamp") and record.deleting_since is None:
+                record.deleting_since = time.monotonic()
+                record.grace_s = float(meta.get("deletionGracePeriodSeconds") or 0)
+                self._signal(record, signal.SIGTERM)
+                self._signal(record, signal.SIGCONT)  # a paused container still gets its TERM
+
+    def _deleted(self, pod: dict) -> None:
+        with self.lock:
+            record = self.pods.get(pod["metadata"]["uid"])
+            if record is None:
+                return
+            record.gone = True
+        self._signal(record, signal.SIGKILL)  # force-deleted: nothing waits for it any more
+
+    def _bind(self, pod: dict) -> None:
+        body = k8s.V1Binding(metadata=k8s.V1ObjectMeta(name=pod["metadata"]["name"]),
+                             target=k8s.V1ObjectReference(kind="Node", name=NODE, api_version="v1"))
+        try:
+            self.api.create_namespaced_pod_binding(pod["metadata"]["name"], pod["metadata"]["namespace"], body, _preload_content=False)
+        except k8s.ApiException as exc:
+            if exc.status not in (404, 409):
+                log.warning("binding %s failed: %s %s", pod["metadata"]["name"], exc.status, exc.reason)
+
+    def _monitor_loop(self) -> None:
+        while not self.closed:
+            time.sleep(0.05)
+            with self.lock:
+                records = list(self.pods.values())
+            for record in records:
+                try:
+                    self._check(record)
+                except Exception as exc:  # the API refused an update: try again next round
+                    log.warning("kubelet: pod %s: %s", record.name, exc)
+
+    def _check(self, record: PodRecord) -> None:
+        if not record.started:
+            return
+        changed = False
+        for c in record.containers:
+            if c.exit is None and c.proc.poll() is not None:
+                code = c.proc.returncode
+                oom = self._oom_killed(c)
+                exit_code = 128 - code if code < 0 else code
+                c.exit = (exit_code, "OOMKilled" if oom else ("Completed" if exit_code == 0 else "Error"))
+                c.finished_at = now_text()
+                self._remove_cgroup(c)
+                changed = True
+        if record.deleting_since is not None and time.monotonic() - record.deleting_since > record.grace_s:
+            self._signal(record, signal.SIGKILL)
+        if record.gone:
+            if all(c.exit is not None for c in record.containers):
+                with self.lock:
+                    self.pods.pop(record.uid, None)
+                shutil.rmtree(record.folder, ignore_errors=True)
+            return
+        if changed:
+            self._write_status(record)
+        if record.deleting_since is not None and all(c.exit is not None for c in record.containers):
+            try:  # the kubelet's final delete: the object goes once its containers stopped
+                self.api.delete_namespaced_pod(record.name, record.namespace, grace_period_seconds=0, _preload_content=False)
+            except k8s.ApiException as exc:
+                if exc.status != 404:
+                    raise
+            record.gone = True
+
+    def _oom_killed(self, c: Container) -> bool:
+        if not c.cgroup:
+            return False
+        try:
+            with open(os.path.join(c.cgroup, "memory.oom_control")) as f:
+                return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
+        except OSError:
+            return False
+
+    def _remove_cgroup(self, c: Container) -> None:
+        if c.cgroup:
+            for _ in range(20):
+                try:
+                    os.rmdir(c.cgroup)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # processes of it still exiting
+                    time.sleep(0.05)
+
+    # -- statuses -----------------------------------------------------------------------------------
+    def _container_status(self, c: Container) -> dict:
+        status = {"name": c.name, "image": c.image, "imageID": f"process://{c.image}", "containerID": f"process://{c.proc.pid}",
+                  "restartCount": 0, "ready": c.exit is None, "started": c.exit is None}
+        if c.exit is None:
+            status["state"] = {"running": {"startedAt": c.started_at}}
+        else:
+            status["state"] = {"terminated": {"exitCode": c.exit[0], "reason": c.exit[1], "startedAt": c.started_at,
+                                              "finishedAt": c.finished_at, "containerID": f"process://{c.proc.pid}"}}
+        return status
+
+    def _write_status(self, record: PodRecord, waiting: tuple[str, str] | None = None) -> None:
+        with record.status_lock:
+            self._write_status_locked(record, waiting)
+
+    def _write_status_locked(self, record: PodRecord, waiting: tuple[str, str] | None) -> None:
+        for _ in range(5):
+            current = json.loads(self.api.read_namespaced_pod(record.name, record.namespace, _preload_content=False).data)
+            if current["metadata"]["uid"] != record.uid:
+                return
+            status = current.setdefault("status", {})
+            status.update(hostIP=NODE_IP, podIP=NODE_IP, podIPs=[{"ip": NODE_IP}], startTime=status.get("startTime") or now_text())
+            if waiting:
+                status["phase"] = "Pending"
+                status["containerStatuses"] = [
+                    {"name": c["name"], "image": c["image"], "imageID": "", "restartCount": 0, "ready": False, "started": False,
+                     "state": {"waiting": {"reason": waiting[0], "message": waiting[1]}}}
+                    for c in current["spec"]["containers"]]
+            else:
+                exits = [c.exit for c in record.containers]
+                if all(e is not None for e in exits):
+                    status["phase"] = "Succeeded" if all(e[0] == 0 for e in exits) else "Failed"
+                else:
+                    status["phase"] = "Running"
+                status["containerStatuses"] = [self._container_status(c) for c in record.containers]
+            ready = "True" if status["phase"] == "Running" else "False"
+            conditions = [c for c in status.get("conditions", []) if c["type"] not in ("Ready", "ContainersReady", "Initialized")]
+            conditions += [{"type": "Initialized", "status": "True", "lastTransitionTime": now_text()},
+                           {"type": "Ready", "status": ready, "lastTransitionTime": now_text()},
+                           {"type": "ContainersReady", "status": ready, "lastTransitionTime": now_text()}]
+            status["conditions"] = conditions
+            try:
+                self.api.replace_namespaced_pod_status(record.name, record.namespace, current, _preload_content=False)
+                return
+            except k8s.ApiException as exc:
+                if exc.status == 404:
+                    return
+                if exc.status != 409:
+                    raise
+
+    # -- starting a pod -----------------------------------------------------------------------------
+    def _start_pod(self, record: PodRecord, pod: dict) -> None:
+        try:
+            self._start_containers(record, pod)
+        except StartError as exc:
+            record.failed_to_start = str(exc)
+            log.info("pod %s cannot start: %s", record.name, exc)
+            self._write_status(record, waiting=(exc.reason, str(exc)))
+            record.started = True  # nothing runs: the monitor only finishes a deletion
+            return
+        record.started = True
+        if record.deleting_since is not None or record.gone:
+            self._signal(record, signal.SIGKILL)
+        self._write_status(record)
+
+    def _start_containers(self, record: PodRecord, pod: dict) -> None:
+        spec, meta = pod["spec"], pod["metadata"]
+        for c in spec["containers"]:
+            if c["image"] not in self.images:
+                raise StartError("ErrImagePull", f'failed to pull image "{c["image"]}": not found')
+        os.makedirs(os.path.join(record.folder, "volumes"), exist_ok=True)
+        security = spec.get("securityContext") or {}
+        fs_group = security.get("fsGroup")
+        volumes = {v["name"]: self._make_volume(record, pod, v, fs_group) for v in spec.get("volumes") or []}
+        for c in spec["containers"]:
+            image = self.images[c["image"]]
+            csec = {**security, **(c.get("securityContext") or {})}
+            uid = csec.get("runAsUser", image.uid)
+            gid = csec.get("runAsGroup", image.gid)
+            groups = sorted({gid, *([fs_group] if fs_group is not None else []), *security.get("supplementalGroups", [])})
+            env = {**image.env, **self.service_env, **self._env(pod, c)}
+            binds, tmpfs = [], []
+            for m in c.get("volumeMounts") or []:
+                source = volumes[m["name"]]
+                if source == "tmpfs":
+                    tmpfs.append(m["mountPath"])
+                else:
+                    binds.append((os.path.join(source, m.get("subPath", "")).rstrip("/"), m["mountPath"], bool(m.get("readOnly"))))
+            argv = list(c.get("command") or []) + list(c.get("args") or [])
+            if not argv:
+                raise StartError("CreateContainerError", f"container {c['name']}: no command (process images have no ENTRYPOINT)")
+            folder = os.path.join(record.folder, "containers", c["name"])
+            os.makedirs(folder)
+            cgroup = self._make_cgroup(record, c)
+            log_path = os.path.join(folder, "log")
+            if self.isolation == "namespaces":
+                init = {"cgroup": cgroup, "binds": binds, "image_paths": image.paths, "tmpfs": tmpfs, "homes": [(image.home, uid, gid)],
+                        "groups": groups, "uid": uid, "gid": gid, "cwd": c.get("workingDir") or image.workdir,
+                        "argv": argv, "env": env}
+                with open(os.path.join(folder, "init.json"), "w") as f:
+                    json.dump(init, f)
+                command = ["unshare", "--mount", "--propagation", "private", sys.executable, PODINIT, os.path.join(folder, "init.json")]
+                cwd, preexec = folder, None
+            else:
+                # No mount namespace: an own working folder and HOME; mount paths rewritten in env.
+                work = os.path.join(folder, "home")
+                os.makedirs(work)
+                for source, target, _ in binds:
+                    env = {k: (source + v[len(target):] if v == target or v.startswith(target + "/") else v) for k, v in env.items()}
+                sa = [s for s, t, _ in binds if t == SA_MOUNT]
+                if sa:
+                    env["ELASTIC_STEP_SERVICEACCOUNT_DIR"] = sa[0]
+                env["HOME"] = work
+                command, cwd = argv, work
+                command[0] = shutil.which(command[0], path=env["PATH"]) or command[0]
+                preexec = (lambda cg=cgroup: open(os.path.join(cg, "cgroup.procs"), "w").write(str(os.getpid()))) if cgroup else None
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(command, cwd=cwd, env=env if self.isolation == "folders" else {"PATH": "/usr/bin:/bin"},
+                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, preexec_fn=preexec)
+            record.containers.append(Container(record.uid, record.namespace, record.name, c["name"], c["image"], proc,
+                                               folder, cgroup, now_text(), log_path))
+
+    def _make_cgroup(self, record: PodRecord, container: dict) -> str | None:
+        limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+        if not limit or not self.cgroup_parent:
+            return None
+        path = os.path.join(self.cgroup_parent, f"pod-{record.uid[:8]}-{container['name']}")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(parse_memory(limit)))
+        return path
+
+    def _make_volume(self, record: PodRecord, pod: dict, volume: dict, fs_group: int | None) -> str:
+        folder = os.path.join(record.folder, "volumes", volume["name"])
+        if "emptyDir" in volume:
+            if (volume["emptyDir"] or {}).get("medium") == "Memory" and self.isolation == "namespaces":
+                return "tmpfs"
+            os.makedirs(folder)
+            os.chmod(folder, 0o777)
+            return folder
+        files: dict[str, tuple[bytes, int]] = {}
+        ns = pod["metadata"]["namespace"]
+        if "secret" in volume:
+            source = volume["secret"]
+            mode = source.get("defaultMode", 0o644)
+            data = self._secret(ns, source["secretName"], optional=source.get("optional", False))
+            for key, value in data.items():
+                files[key] = (value, mode)
+        elif "projected" in volume:
+            mode = volume["projected"].get("defaultMode", 0o644)
+            for source in volume["projected"]["sources"]:
+                if "serviceAccountToken" in source:
+                    token = self._token(ns, pod["spec"]["serviceAccountName"])
+                    files[source["serviceAccountToken"]["path"]] = (token.encode(), mode)
+                elif "configMap" in source:
+                    data = self._config_map(ns, source["configMap"]["name"])
+                    for item in source["configMap"].get("items") or [{"key": k, "path": k} for k in data]:
+                        files[item["path"]] = (data[item["key"]].encode(), mode)
+                elif "downwardAPI" in source:
+                    for item in source["downwardAPI"]["items"]:
+                        files[item["path"]] = (field_value(pod, item["fieldRef"]["fieldPath"]).encode(), mode)
+                elif "secret" in source:
+                    for key, value in self._secret(ns, source["secret"]["name"]).items():
+                        files[key] = (value, mode)
+        else:
+            raise StartError("CreateContainerConfigError", f"volume {volume['name']}: this kubelet cannot mount {sorted(volume)}")
+        os.makedirs(folder)
+        for name, (data, mode) in files.items():
+            path = os.path.join(folder, name)
+            with open(path, "wb") as f:
+                f.write(data)
+            if fs_group is not None:
+                os.chown(path, 0, fs_group)
+            os.chmod(path, mode)
+        return folder
+
+    def _secret(self, namespace: str, name: str, optional: bool = False) -> dict[str, bytes]:
+        try:
+            secret = json.loads(self.api.read_namespaced_secret(name, namespace, _preload_content=False).data)
+        except k8s.ApiException as exc:
+            if exc.status == 404 and optional:
+                return {}
+            raise StartError("CreateContainerConfigError", f'secret "{name}" not found') from None
+        return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+
+    def _config_map(self, namespace: str, name: str) -> dict[str, str]:
+        try:
+            return json.loads(self.api.read_namespaced_config_map(name, namespace, _preload_content=False).data).get("data") or {}
+        except k8s.ApiException:
+            raise StartError("CreateContainerConfigError", f'configmap "{name}" not found') from None
+
+    def _token(self, namespace: str, account: str) -> str:
+        request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[], expiration_seconds=3607))
+        reply = self.api.create_namespaced_service_account_token(account, namespace, request, _preload_content=False)
+        return json.loads(reply.data)["status"]["token"]
+
+    def _env(self, pod: dict, container: dict) -> dict[str, str]:
+        env = {}
+        for var in container.get("env") or []:
+            if "valueFrom" not in var:
+                env[var["name"]] = expand(var.get("value", ""), env)
+                continue
+            source = var["valueFrom"]
+            if "fieldRef" in source:
+                env[var["name"]] = field_value(pod, source["fieldRef"]["fieldPath"])
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                data = self._secret(pod["metadata"]["namespace"], ref["name"], optional=ref.get("optional", False))
+                if ref["key"] not in data:
+                    if ref.get("optional"):
+                        continue
+                    raise StartError("CreateContainerConfigError", f'couldn\'t find key {ref["key"]} in Secret {ref["name"]}')
+                env[var["name"]] = data[ref["key"]].decode()
+            elif "resourceFieldRef" in source:
+                ref = source["resourceFieldRef"]
+                kind, _, res = ref["resource"].partition(".")
+                env[var["name"]] = str(((container.get("resources") or {}).get(kind) or {}).get(res, "0"))
+            else:
+                raise StartError("CreateContainerConfigError", f"env {var['name']}: unsupported source {sorted(source)}")
+        return env
+
+
+class StartError(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """$(VAR) references to earlier variables, as Kubernetes expands them."""
+    for name, v in env.items():
+        value = value.replace(f"$({name})", v)
+    return value
+
+
+def field_value(pod: dict, path: str) -> str:
+    """A downward-API fieldPath: metadata.name/namespace/uid, labels['k'], annotations['k'],
+    spec.nodeName, spec.serviceAccountName, status.podIP, status.hostIP."""
+    meta, spec = pod["metadata"], pod.get("spec", {})
+    fixed = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
+             "spec.nodeName": spec.get("nodeName") or NODE, "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+             "status.podIP": NODE_IP, "status.hostIP": NODE_IP, "status.podIPs": NODE_IP}
+    if path in fixed:
+        return fixed[path]
+    for prefix, values in (("metadata.labels", meta.get("labels") or {}), ("metadata.annotations", meta.get("annotations") or {})):
+        if path.startswith(prefix + "['") and path.endswith("']"):
+            return values.get(path[len(prefix) + 2:-2], "")
+    raise StartError("CreateContainerConfigError", f"unsupported fieldPath {path}")
