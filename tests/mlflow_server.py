@@ -19,8 +19,9 @@ def free_port() -> int:
 
 
 class MlflowServer:
-    def __init__(self, root: str):
+    def __init__(self, root: str, artifacts: str | None = None):
         self.root = root
+        self.artifacts = artifacts or os.path.join(root, "artifacts")  # a folder or a store URI (s3://...)
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.db = f"sqlite:///{os.path.join(root, 'mlflow.db')}"
@@ -32,7 +33,7 @@ class MlflowServer:
         self.log = open(os.path.join(self.root, "server.log"), "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-             "--backend-store-uri", self.db, "--artifacts-destination", os.path.join(self.root, "artifacts"),
+             "--backend-store-uri", self.db, "--artifacts-destination", self.artifacts,
              "--workers", "1"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )

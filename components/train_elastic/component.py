@@ -32,8 +32,18 @@ def train_elastic(
     every epoch is applied exactly once. A retry of this task resumes its own MLflow run from
     the newest committed checkpoint.
 
+    Where workers read the data: local workers read the copy KFP downloaded to the dataset's
+    `.path`. Worker pods (`backend=kubernetes`) read the dataset's URI straight from the store:
+    KFP's `minio://bucket/key` is read as `s3://bucket/key`, and `s3://` and `gs://` as they are.
+    On a cluster that needs, in this step's environment (worker pods inherit it): the store
+    endpoint `AWS_ENDPOINT_URL` (unset: KFP's default MinIO service
+    `http://minio-service.kubeflow:9000`); `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` from a
+    Kubernetes Secret (e.g. `kubernetes.use_secret_as_env` on KFP's `mlpipeline-minio-artifact`
+    Secret, keys `accesskey`/`secretkey`) and `AWS_REGION` where the store wants one; for GCS,
+    `GOOGLE_APPLICATION_CREDENTIALS` or workload identity. Never pass credentials as parameters.
+
     Args:
-        dataset: Prepared data from prepare_data.
+        dataset: Prepared data from prepare_data (its URI is what worker pods open).
         model: The trained model; metadata: MLflow run id, model URI, framework.
         metrics: Test-split metrics of the trained model.
         model_def: The model definition: a module name or a .py file.
@@ -52,10 +62,11 @@ def train_elastic(
         pipeline_run_id: The pipeline run (tags the MLflow run so a retried task finds it).
         job_dir: Folder for the job's state and logs (default: a fresh temporary folder).
     """
+    from elastic_step.data.stores import artifact_data_uri
     from elastic_step.steps import train_step
 
     result = train_step(
-        data=dataset.path, model_dir=model.path, model_def=model_def, workers=workers, epochs=epochs,
+        data=artifact_data_uri(dataset.uri, dataset.path, workers_share_filesystem=backend == "local"), model_dir=model.path, model_def=model_def, workers=workers, epochs=epochs,
         minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps,
         seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from,
         registered_model=registered_model, warm_start_alias=warm_start_alias, pipeline_run_id=pipeline_run_id,

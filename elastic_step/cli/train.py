@@ -9,7 +9,11 @@ from elastic_step.cli.outputs import copy_folder, write_json, write_parameter
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model with an elastic group of workers")
     p.add_argument("--model-def", required=True, help="model definition: a module name or a .py file")
-    p.add_argument("--data", required=True, help="prepared data: manifest.json or its folder")
+    p.add_argument("--data", required=True, help="prepared data: manifest.json or its folder (a path, s3://, gs://, "
+                   "or another fsspec URI; endpoint and credentials from AWS_* / GOOGLE_APPLICATION_CREDENTIALS)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an fsspec storage option for --data's store, e.g. endpoint_url=http://minio:9000 or anon=true "
+                        "(repeatable; workers get it too). Never a credential: those come from the environment")
     p.add_argument("--job-dir", required=True, help="folder for the job's state, logs and model")
     p.add_argument("--workers", default="2", help="N, or MIN:MAX for an elastic group (default 2)")
     p.add_argument("--epochs", type=int, default=1)
@@ -47,10 +51,15 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from elastic_step.config import TrainConfig
+    from elastic_step.data import stores
     from elastic_step.master.job import run_job
 
-    skip = ("command", "func", "verbose", "outputs", "dry_run", "warm_start_alias", "registered_model")
+    skip = ("command", "func", "verbose", "outputs", "dry_run", "warm_start_alias", "registered_model", "storage_option")
     options = {k: v for k, v in vars(args).items() if k not in skip}
+    if args.storage_option:
+        stores.set_storage_options(args.data, dict(stores.parse_storage_option(o) for o in args.storage_option))
+    # Workers open the same store: hand them the options (credentials they take from their own environment).
+    options["worker_env"] = {**stores.worker_env(), **options.get("worker_env", {})}
     if args.warm_start_alias and not options.get("init_from"):
         from elastic_step.errors import ConfigError
         from elastic_step.steps import warm_start_source

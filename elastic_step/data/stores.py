@@ -55,15 +55,16 @@ def resolve(uri: str):
 
 
 def is_local(uri: str) -> bool:
-    return _protocol(uri) in ("file", "local")
+    """A plain path or a file:// URI (what every process on this machine can open as it is)."""
+    return "://" not in uri or uri.split("://", 1)[0].lower() in ("file", "local")
 
 
 def _protocol(protocol_or_uri: str) -> str:
     text = str(protocol_or_uri)
     if "://" in text:
         text = text.split("://", 1)[0]
-    elif "/" in text or "\\" in text or text in ("", "."):
-        return "file"
+    elif "/" in text or os.path.exists(text) or text.lower() not in fsspec.available_protocols():
+        return "file"  # a path
     try:
         cls = fsspec.get_filesystem_class(text.lower())
     except (ImportError, ValueError) as e:
@@ -104,8 +105,13 @@ def set_storage_options(protocol_or_uri: str, options: dict) -> None:
     if protocol in ("file", "local"):
         raise ConfigError(f"storage options apply to object store URIs (s3://, gs://, ...), not to the local path "
                           f"{protocol_or_uri!r}")
-    for key in options:
-        _check_not_secret(protocol, key)
+    def check(mapping: dict) -> None:  # nested too: client_kwargs={"aws_secret_access_key": ...}
+        for key, value in mapping.items():
+            _check_not_secret(protocol, str(key))
+            if isinstance(value, dict):
+                check(value)
+
+    check(options)
     fsspec.config.conf.setdefault(protocol, {}).update(options)
     _applied.setdefault(protocol, {}).update(options)
 
@@ -135,6 +141,18 @@ def kfp_artifact_uri_to_fsspec(uri: str) -> str:
     if not os.environ.get("AWS_ENDPOINT_URL"):
         os.environ["AWS_ENDPOINT_URL"] = KFP_DEFAULT_MINIO_ENDPOINT
     return "s3://" + uri[len("minio://"):]
+
+
+def artifact_data_uri(uri: str, path: str, workers_share_filesystem: bool) -> str:
+    """Where a pipeline step's workers should read a KFP `Dataset` artifact from.
+
+    Workers that are processes beside the step (the local backend) read the copy the KFP launcher
+    downloaded to the artifact's `.path`. Workers elsewhere (pods) cannot see that path: they read
+    the artifact's store URI (`minio://` → `s3://` with the endpoint from the environment, `s3://`,
+    `gs://`). A local URI (`kfp.local` runs, a mounted volume) is used as its `.path`."""
+    if not uri or is_local(uri) or workers_share_filesystem:
+        return path or uri
+    return kfp_artifact_uri_to_fsspec(uri)
 
 
 def _chain(exc: BaseException):
@@ -229,6 +247,23 @@ def classify(exc: BaseException) -> str:
     return Failure.OTHER
 
 
+def _has_s3_error_code(exc: BaseException) -> bool:
+    return any(c and not c.isdigit() for c in (_code(e) for e in _chain(exc)))
+
+
+def _diagnose_s3(uri: str):
+    """S3 answers a HEAD request with a bare 403 (a HEAD response has no body), which could mean
+    wrong credentials or missing permission. A listing of the key's folder carries the error code
+    in its body: ask once to tell the two apart (None when that says nothing more)."""
+    try:
+        fs, path, _ = resolve(uri)
+        fs.ls(path.rsplit("/", 1)[0] if "/" in path else path, refresh=True)
+    except Exception as probe:  # noqa: BLE001 — only a diagnosis; the original error is reported
+        if _has_s3_error_code(probe):
+            return classify(probe)
+    return None
+
+
 def store_error(uri: str, exc: BaseException) -> DataError:
     """One line naming `uri` and what to check, for what an object store client raised.
 
@@ -237,6 +272,8 @@ def store_error(uri: str, exc: BaseException) -> DataError:
     includes the values of credentials (only the names of the variables to check)."""
     protocol = uri.split("://", 1)[0].lower() if "://" in uri else "file"
     kind = classify(exc)
+    if kind == Failure.PERMISSION and protocol in ("s3", "s3a") and not _has_s3_error_code(exc):
+        kind = _diagnose_s3(uri) or kind
     if kind == Failure.UNREACHABLE:
         return DataError(f"cannot reach the object store for {uri} — {_endpoint_hint(protocol)}")
     if kind == Failure.CREDENTIALS:
