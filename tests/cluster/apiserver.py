@@ -176,7 +176,7 @@ class ApiServer:
     def compact(self) -> None:
         """Forget the watch history and drop every open watch: resuming gets 410 Gone."""
         with self.store.cond:
-            self.store.oldest_rv = self.store.rv + 1
+            self.store.oldest_rv = self.store.rv  # events after the current version are still to come
             self.store.history.clear()
             self.store.generation += 1
             self.store.cond.notify_all()
@@ -355,11 +355,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        if not length:
+        if not self._raw:
             return {}
         try:
-            return json.loads(self.rfile.read(length))
+            return json.loads(self._raw)
         except json.JSONDecodeError as exc:
             raise ApiError(400, "BadRequest", f"the body is not JSON: {exc}") from None
 
@@ -408,6 +407,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, method: str) -> None:
         api = self.server.api
+        # Read the whole body first, whatever the answer: the connection is kept alive.
+        self._raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
             req, query = self._route(method)
             user = api.authorizer.user_of(self.headers.get("Authorization"))
