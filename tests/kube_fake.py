@@ -1,6 +1,9 @@
 """What stands in for the Kubernetes API server in tests: a fake CoreV1Api at the client
 boundary. Its pods are real local processes started with the pod's own command and env; the
-token Secret is written to a temporary folder standing in for the mounted volume. Pod status
+token Secret is written to a temporary folder standing in for the mounted volume; the job's
+NetworkPolicies are kept as objects (nothing enforces them here). Every call records the
+request timeout it was given, and `stall_s` makes pod calls hang as a stalled API server
+does (until the caller's timeout). Pod status
 changes become watch events, streamed as the API server streams them (JSON lines), so the
 client's own Watch parses them into V1Pod objects; a resume from a compacted resourceVersion
 gets a 410 Gone. What it does not model: scheduling, nodes, the kubelet's restarts, quotas."""
@@ -67,7 +70,10 @@ class FakeCoreV1Api:
         self.stream_generation = 0  # bumping it ends every open watch (a dropped connection)
         self.pods: dict[str, FakePod] = {}
         self.secrets: dict[str, k8s.V1Secret] = {}
+        self.network_policies: dict[str, k8s.V1NetworkPolicy] = {}
         self.calls: list[tuple[str, str]] = []
+        self.request_timeouts: list[tuple[str, object]] = []  # (call, its _request_timeout)
+        self.stall_s = 0.0  # pod create/delete calls hang this long (a stalled API server)
         self.created: list[k8s.V1Pod] = []  # every pod manifest as received
         self.closed = False
         self._monitor = threading.Thread(target=self._watch_processes, daemon=True)
@@ -90,8 +96,22 @@ class FakeCoreV1Api:
                 restart_count=0, state=k8s.V1ContainerState(**container_state),
             )]
 
+    def _timed(self, call: str, kwargs: dict, stalls: bool = False) -> None:
+        """Record the call's request timeout; a stalled server answers after `stall_s`, or never
+        within the caller's timeout (which then ends the call, as urllib3 does)."""
+        timeout = kwargs.get("_request_timeout")
+        self.request_timeouts.append((call, timeout))
+        if stalls and self.stall_s:
+            limit = timeout if isinstance(timeout, (int, float)) else (timeout[1] if timeout else None)
+            time.sleep(min(self.stall_s, limit) if limit else self.stall_s)
+            if limit and self.stall_s > limit:
+                import urllib3
+
+                raise urllib3.exceptions.ReadTimeoutError(None, call, f"Read timed out. (read timeout={limit})")
+
     # -- Secrets --------------------------------------------------------------------------------
     def create_namespaced_secret(self, namespace, body, **kwargs):
+        self._timed("create_secret", kwargs)
         with self.cond:
             self.calls.append(("create_secret", body.metadata.name))
             if body.metadata.name in self.secrets:
@@ -100,15 +120,39 @@ class FakeCoreV1Api:
             return body
 
     def delete_namespaced_secret(self, name, namespace, **kwargs):
+        self._timed("delete_secret", kwargs)
         with self.cond:
             self.calls.append(("delete_secret", name))
             if self.secrets.pop(name, None) is None:
                 raise api_error(404, "NotFound")
 
+    # -- NetworkPolicies (networking.k8s.io; the backend uses this object for both groups) ------
+    def create_namespaced_network_policy(self, namespace, body, **kwargs):
+        self._timed("create_network_policy", kwargs)
+        with self.cond:
+            self.calls.append(("create_network_policy", body.metadata.name))
+            if body.metadata.name in self.network_policies:
+                raise api_error(409, "AlreadyExists")
+            self.network_policies[body.metadata.name] = copy.deepcopy(body)
+            return body
+
+    def delete_namespaced_network_policy(self, name, namespace, **kwargs):
+        self._timed("delete_network_policy", kwargs)
+        with self.cond:
+            self.calls.append(("delete_network_policy", name))
+            if self.network_policies.pop(name, None) is None:
+                raise api_error(404, "NotFound")
+
     # -- Pods -----------------------------------------------------------------------------------
-    def add_master_pod(self, name: str, image: str) -> k8s.V1Pod:
-        pod = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, uid=str(uuid.uuid4()), labels={"role": "master"}),
-                        spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="main", image=image)]),
+    def add_master_pod(self, name: str, image: str, namespace: str = "ml", containers: list[k8s.V1Container] | None = None,
+                       service_account: str = "elastic-step-runner") -> k8s.V1Pod:
+        """The step pod the master runs in, shaped as Argo makes it: its `wait` sidecar listed
+        before the `main` container."""
+        containers = containers or [k8s.V1Container(name="wait", image="quay.io/argoproj/argoexec:v3.7.1"),
+                                    k8s.V1Container(name="main", image=image)]
+        labels = {"workflows.argoproj.io/workflow": "train-wf", "workflows.argoproj.io/completed": "false"}
+        pod = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, uid=str(uuid.uuid4()), labels=labels),
+                        spec=k8s.V1PodSpec(containers=containers, service_account_name=service_account),
                         status=k8s.V1PodStatus(phase="Running", pod_ip="127.0.0.1"))
         with self.cond:
             self.pods[name] = FakePod(pod)
@@ -116,12 +160,14 @@ class FakeCoreV1Api:
         return pod
 
     def read_namespaced_pod(self, name, namespace, **kwargs):
+        self._timed("read_pod", kwargs)
         with self.cond:
-            if name not in self.pods:
+            if name not in self.pods or self.pods[name].pod.metadata.namespace not in (None, namespace):
                 raise api_error(404, "NotFound")
             return copy.deepcopy(self.pods[name].pod)
 
     def create_namespaced_pod(self, namespace, body, **kwargs):
+        self._timed("create_pod", kwargs, stalls=True)
         with self.cond:
             name = body.metadata.name
             self.calls.append(("create_pod", name))
@@ -188,6 +234,7 @@ class FakeCoreV1Api:
         self._status(record, "Running", running=k8s.V1ContainerStateRunning(started_at=now()))
 
     def delete_namespaced_pod(self, name, namespace, grace_period_seconds=None, **kwargs):
+        self._timed("delete_pod", kwargs, stalls=True)
         with self.cond:
             self.calls.append(("delete_pod", name))
             record = self.pods.get(name)
@@ -209,6 +256,9 @@ class FakeCoreV1Api:
 
     def list_namespaced_pod(self, namespace, label_selector=None, watch=False, resource_version=None,
                             timeout_seconds=None, _preload_content=True, **kwargs):
+        self._timed("watch" if watch else "list", kwargs)
+        if watch and not timeout_seconds:
+            raise AssertionError("a watch without timeout_seconds can hang forever after a network cut")
         with self.cond:
             if watch:
                 self.calls.append(("watch", str(resource_version)))

@@ -1,14 +1,20 @@
 """The backend against the fake CoreV1Api (tests/kube_fake.py), without a master: what the
 cluster does to pods (evict, preempt, a deletion during a watch gap) becomes WorkerExits with
-the right relaunch policy, and shutdown leaves nothing behind."""
+the right relaunch policy, and shutdown leaves nothing behind; what the backend asks of the
+cluster (image, owner, service account, NetworkPolicies) and that a stalled API server never
+holds up its caller."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
+from elastic_step.backends.kubernetes.manifests import to_dict
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+from elastic_step.errors import ConfigError
 
 from kube_fake import FakeCoreV1Api
 
@@ -29,7 +35,7 @@ def test_evicted_preempted_and_vanished_pods_are_free_relaunches_and_shutdown_cl
         # The master URL leads nowhere: these workers only need to be running processes.
         spec = LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path), {"ELASTIC_STEP_TEST": "1"})
         backend = KubernetesBackend(spec, PodSettings(namespace="ml", image="img:1"), "unit", api=fake,
-                                    master=MasterPod("m", "uid-m", "127.0.0.1"), watch_timeout_s=5)
+                                    master=MasterPod("m", "uid-m", "127.0.0.1", "ml"), watch_timeout_s=5)
         for slot in range(3):
             backend.launch(slot, f"w{slot}.1")
         deadline = time.monotonic() + 20
@@ -61,3 +67,148 @@ def test_evicted_preempted_and_vanished_pods_are_free_relaunches_and_shutdown_cl
         assert backend.poll() == []
     finally:
         fake.close()
+
+
+# ---- who the master is, what workers run and who owns them -------------------------------------
+
+def unit_backend(tmp_path, fake, settings, master=None, **options):
+    """A backend whose pods stay Pending (nothing is scheduled): these tests look at what it asks for."""
+    fake.unschedulable = "0/3 nodes are available"
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    spec = LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path), {}, **options.pop("spec", {}))
+    return KubernetesBackend(spec, settings, "unit", api=fake, master=master, watch_timeout_s=5, **options)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    api = FakeCoreV1Api(str(tmp_path / "cluster"))
+    yield api
+    api.close()
+
+
+@pytest.fixture
+def in_step_pod(monkeypatch, fake):
+    """The downward API of an Argo step pod (a `wait` container before `main`), without its UID."""
+    master = fake.add_master_pod("train-step-1", "registry.example/ml/es:2.0", namespace="ml")
+    for name in ("ELASTIC_STEP_IMAGE", "ELASTIC_STEP_POD_UID", "KFP_POD_UID", "KFP_POD_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ELASTIC_STEP_POD_NAME", master.metadata.name)
+    monkeypatch.setenv("ELASTIC_STEP_POD_NAMESPACE", "ml")
+    monkeypatch.setenv("ELASTIC_STEP_POD_IP", "127.0.0.1")
+    return master
+
+
+def test_workers_run_the_main_containers_image_not_argos_wait_sidecar(tmp_path, fake, in_step_pod):
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image=None))
+    backend.launch(0, "w0.1")
+    backend.shutdown(grace_s=0)
+    assert backend.image == "registry.example/ml/es:2.0"
+    assert [p.spec.containers[0].image for p in fake.created] == ["registry.example/ml/es:2.0"]
+
+
+def test_elastic_step_image_wins_over_the_pods_own(tmp_path, fake, in_step_pod, monkeypatch):
+    monkeypatch.setenv("ELASTIC_STEP_IMAGE", "registry.example/ml/es:pinned")
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image=None))
+    backend.shutdown(grace_s=0)
+    assert backend.image == "registry.example/ml/es:pinned"
+
+
+def test_a_master_pod_without_a_main_container_is_a_clear_error(tmp_path, fake, monkeypatch):
+    from kubernetes import client as k8s
+
+    fake.add_master_pod("odd-pod", "unused", containers=[k8s.V1Container(name="wait", image="argoexec"),
+                                                         k8s.V1Container(name="trainer", image="es:1")])
+    monkeypatch.delenv("ELASTIC_STEP_IMAGE", raising=False)
+    with pytest.raises(ConfigError) as error:
+        unit_backend(tmp_path, fake, PodSettings(namespace="ml", image=None),
+                     master=MasterPod("odd-pod", "", "127.0.0.1", "ml"))
+    assert "no container named main" in str(error.value) and "--image" in str(error.value)
+    assert "ELASTIC_STEP_IMAGE" in str(error.value)
+    assert fake.secrets == {} and fake.created == []  # nothing made before the error
+
+
+def test_with_image_and_no_uid_in_the_env_the_workers_are_still_owned_by_the_master_pod(tmp_path, fake, in_step_pod):
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="registry.example/other:1"))
+    backend.launch(0, "w0.1")
+    backend.calls.wait_idle(5)
+    owned = [fake.created[0].metadata, fake.secrets[backend.names.secret].metadata,
+             *(p.metadata for p in fake.network_policies.values())]
+    backend.shutdown(grace_s=0)
+    for meta in owned:
+        assert [(r.kind, r.name, r.uid) for r in meta.owner_references] == [("Pod", "train-step-1", in_step_pod.metadata.uid)]
+
+
+def test_workers_in_another_namespace_are_not_owned_across_it_and_the_master_deletes_them(tmp_path, fake, in_step_pod):
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="batch", image="registry.example/other:1"))
+    backend.launch(0, "w0.1")
+    backend.calls.wait_idle(5)
+    made = [fake.created[0].metadata, fake.secrets[backend.names.secret].metadata,
+            *(p.metadata for p in fake.network_policies.values())]
+    assert all(meta.owner_references is None for meta in made)
+    backend.shutdown(grace_s=0)
+    assert fake.wait_until_no_worker_pods() == {} and fake.secrets == {} and fake.network_policies == {}
+
+
+# ---- workers' identity, the job's NetworkPolicies -----------------------------------------------
+
+def test_workers_get_their_own_service_account_with_no_token_and_never_the_masters(tmp_path, fake, in_step_pod):
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"))
+    backend.launch(0, "w0.1")
+    backend.shutdown(grace_s=0)
+    spec = fake.created[0].spec
+    assert spec.service_account_name == "elastic-step-worker" and spec.automount_service_account_token is False
+    with pytest.raises(ConfigError) as error:
+        unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1", service_account="elastic-step-runner"))
+    assert "--service-account elastic-step-runner" in str(error.value) and "elastic-step-worker" in str(error.value)
+
+
+def test_the_job_network_policies_admit_only_its_own_workers_and_go_with_it(tmp_path, fake, in_step_pod):
+    import kubernetes_validate
+
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"), spec={"master_ports": [9, 29500]})
+    policies = {name: to_dict(p) for name, p in fake.network_policies.items()}
+    backend.launch(0, "w0.1")
+    backend.calls.wait_idle(5)
+    worker_labels = fake.created[0].metadata.labels
+    backend.shutdown(grace_s=0)
+    assert sorted(policies) == [f"{backend.names.instance}-master", f"{backend.names.instance}-workers"]
+    for policy in policies.values():
+        kubernetes_validate.validate(policy, kubernetes_validate.utils.latest_version(), strict=True)
+    workers = policies[f"{backend.names.instance}-workers"]["spec"]
+    job_workers = {"app.kubernetes.io/instance": backend.names.instance, "app.kubernetes.io/component": "worker"}
+    assert workers["podSelector"]["matchLabels"] == job_workers
+    assert workers["ingress"] == [{"from": [{"podSelector": {"matchLabels": job_workers}}]}]  # gloo: any port
+    assert job_workers.items() <= worker_labels.items()
+    master = policies[f"{backend.names.instance}-master"]["spec"]
+    # The master's own pod, by its labels (not the one that flips when the workflow completes).
+    assert master["podSelector"]["matchLabels"] == {"workflows.argoproj.io/workflow": "train-wf"}
+    assert master["ingress"] == [{"from": [{"podSelector": {"matchLabels": job_workers}}],
+                                  "ports": [{"port": 9, "protocol": "TCP"}, {"port": 29500, "protocol": "TCP"}]}]
+    assert master["policyTypes"] == workers["policyTypes"] == ["Ingress"]
+    assert fake.network_policies == {}
+    assert ("delete_network_policy", f"{backend.names.instance}-master") in fake.calls
+
+
+# ---- a stalled API server never holds the master up -----------------------------------------------
+
+def test_a_stalled_api_server_blocks_no_caller_and_every_call_has_a_timeout(tmp_path, fake, in_step_pod):
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"), request_timeout_s=1.0)
+    fake.stall_s = 30.0  # far longer than any worker's master timeout
+    started = time.monotonic()
+    for slot in range(3):
+        backend.launch(slot, f"w{slot}.1")  # the master holds its lock around these
+    backend.stop("w0.1")
+    backend.poll()
+    backend.describe("w1.1")
+    assert time.monotonic() - started < 0.5
+    # Each stalled create ends at its request timeout and comes back as a counted exit.
+    exits = exits_until(backend, 3, timeout=15)
+    assert set(exits) == {"w0.1", "w1.1", "w2.1"}, exits  # w0.1 was stopped, but never created either
+    assert all("not created" in e.reason and e.relaunch == "count" for e in exits.values())
+    fake.stall_s = 0
+    backend.shutdown(grace_s=0)
+    untimed = [call for call, timeout in fake.request_timeouts if not timeout]
+    assert not untimed, untimed
+    assert {"create_pod", "delete_pod", "read_pod", "list", "watch", "create_secret", "delete_secret",
+            "create_network_policy", "delete_network_policy"} <= {call for call, _ in fake.request_timeouts}

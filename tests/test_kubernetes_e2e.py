@@ -144,8 +144,9 @@ def test_train_on_pods_deleting_one_mid_epoch_relaunches_it_free_and_the_audit_i
         assert pod.metadata.labels["elastic-step/job"] == "job"
         assert all(token not in (e.value or "") for e in container.env) and token not in " ".join(container.command)
         assert container.resources.limits == {"cpu": "1", "memory": "1Gi"}
-    # The job's end deletes every pod and the Secret.
-    assert cluster.wait_until_no_worker_pods() == {} and cluster.secrets == {}
+    # The job's end deletes every pod, the Secret and the NetworkPolicies.
+    assert cluster.wait_until_no_worker_pods() == {} and cluster.secrets == {} and cluster.network_policies == {}
+    assert [c for c in cluster.calls if c[0] == "create_network_policy"]
     created_secret = [c for c in cluster.calls if c[0] == "create_secret"]
     assert len(created_secret) == 1 and ("delete_secret", created_secret[0][1]) in cluster.calls
 

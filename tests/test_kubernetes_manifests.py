@@ -21,7 +21,9 @@ DEPLOY = os.path.join(ROOT, "deploy")
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 FULL_OPTIONS = ["--worker-cpu", "500m:2", "--worker-memory", "2Gi:4Gi", "--worker-gpus", "1", "--node-selector", "pool=gpu",
                 "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration", "spot=true", "--priority-class", "training",
-                "--image-pull-secret", "regcred", "--service-account", "elastic-step-runner", "--image", "reg.example/es:1"]
+                "--image-pull-secret", "regcred", "--service-account", "training-workers", "--image", "reg.example/es:1"]
+IN_POD = {"ELASTIC_STEP_POD_NAME": "step-pod", "ELASTIC_STEP_POD_UID": "0b8e-uid", "ELASTIC_STEP_POD_IP": "10.4.0.7",
+          "ELASTIC_STEP_POD_NAMESPACE": "ml"}
 
 
 def validate(obj: dict) -> None:
@@ -34,16 +36,15 @@ def dry_run(tmp_path, *options, env=None) -> subprocess.CompletedProcess:
                env={**os.environ, **(env or {})})
 
 
-def test_dry_run_prints_a_secret_and_a_pod_per_slot_that_validate(tmp_path):
-    env = {"ELASTIC_STEP_POD_NAME": "step-pod", "ELASTIC_STEP_POD_UID": "0b8e-uid", "ELASTIC_STEP_POD_IP": "10.4.0.7"}
-    done = dry_run(tmp_path, *FULL_OPTIONS, env=env)
+def test_dry_run_prints_a_secret_a_network_policy_and_a_pod_per_slot_that_validate(tmp_path):
+    done = dry_run(tmp_path, *FULL_OPTIONS, env=IN_POD)
     assert done.returncode == 0, done.stderr
     objects = list(yaml.safe_load_all(done.stdout))
-    assert [o["kind"] for o in objects] == ["Secret", "Pod", "Pod", "Pod"]
+    assert [o["kind"] for o in objects] == ["Secret", "NetworkPolicy", "Pod", "Pod", "Pod"]
     for obj in objects:
         validate(obj)
         assert obj["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "step-pod", "uid": "0b8e-uid"}]
-    pod = objects[3]
+    pod = objects[4]
     labels = pod["metadata"]["labels"]
     assert labels["app.kubernetes.io/name"] == "elastic-step" and labels["app.kubernetes.io/component"] == "worker"
     assert labels["elastic-step/job"] == "my-job" and labels["elastic-step/replica-index"] == "2"
@@ -62,7 +63,18 @@ def test_dry_run_prints_a_secret_and_a_pod_per_slot_that_validate(tmp_path):
     assert spec["nodeSelector"] == {"pool": "gpu"} and spec["priorityClassName"] == "training"
     assert spec["tolerations"] == [{"effect": "NoSchedule", "key": "nvidia.com/gpu", "operator": "Exists"},
                                    {"key": "spot", "operator": "Equal", "value": "true"}]
-    assert spec["imagePullSecrets"] == [{"name": "regcred"}] and spec["serviceAccountName"] == "elastic-step-runner"
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}] and spec["serviceAccountName"] == "training-workers"
+    assert spec["automountServiceAccountToken"] is False
+
+
+def test_workers_in_another_namespace_than_the_masters_have_no_owner_references(tmp_path):
+    # An owner in another namespace reads as absent to the garbage collector: it would delete them.
+    done = dry_run(tmp_path, "--namespace", "batch", env=IN_POD)
+    assert done.returncode == 0, done.stderr
+    objects = list(yaml.safe_load_all(done.stdout))
+    assert objects and all("ownerReferences" not in o["metadata"] for o in objects)
+    pod = objects[-1]
+    assert pod["spec"]["serviceAccountName"] == "elastic-step-worker" and pod["spec"]["automountServiceAccountToken"] is False
 
 
 def test_dry_run_defaults_validate_without_a_cluster(tmp_path):
@@ -73,8 +85,8 @@ def test_dry_run_defaults_validate_without_a_cluster(tmp_path):
         validate(obj)
     from elastic_step.images import default_image
 
-    assert objects[1]["spec"]["containers"][0]["image"] == default_image()
-    assert "ownerReferences" not in objects[1]["metadata"]  # not in a pod: nothing to own them
+    assert objects[-1]["spec"]["containers"][0]["image"] == default_image()
+    assert "ownerReferences" not in objects[-1]["metadata"]  # not in a pod: nothing to own them
 
 
 @pytest.mark.parametrize("option, value, words", [
@@ -141,11 +153,29 @@ def test_every_file_under_deploy_validates():
 
 
 def test_the_role_is_namespaced_and_grants_only_what_the_master_does():
+    # What the backend calls: read its own pod; create, list, watch, delete worker pods; create and
+    # delete the token Secret and the NetworkPolicies. No reads of Secrets or logs.
     role = next(o for _, o in deploy_objects() if o["kind"] == "Role")
-    grants = {(tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]}
-    assert grants == {(("pods",), ("create", "delete", "get", "list", "watch")), (("pods/log",), ("get",)),
-                      (("secrets",), ("create", "delete", "get"))}
+    grants = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]}
+    assert grants == {(("",), ("pods",), ("create", "delete", "get", "list", "watch")),
+                      (("",), ("secrets",), ("create", "delete")),
+                      (("networking.k8s.io",), ("networkpolicies",), ("create", "delete"))}
     assert not [o for _, o in deploy_objects() if o["kind"].startswith("Cluster")]
+
+
+def test_workers_have_their_own_service_account_with_no_rbac_and_no_token():
+    objects = [o for _, o in deploy_objects()]
+    worker = next(o for o in objects if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == "elastic-step-worker")
+    assert worker["automountServiceAccountToken"] is False
+    bound = {s["name"] for o in objects if o["kind"] == "RoleBinding" for s in o["subjects"]}
+    assert "elastic-step-worker" not in bound
+    from elastic_step.backends.kubernetes.options import WORKER_SERVICE_ACCOUNT
+
+    assert WORKER_SERVICE_ACCOUNT == "elastic-step-worker"  # the backend's default is the shipped one
+    with open(os.path.join(DEPLOY, "examples", "argo-workflow.yaml")) as f:
+        example = yaml.safe_load(f)
+    train = next(t for t in example["spec"]["templates"] if t["name"] == "train")["container"]["args"]
+    assert "--service-account=elastic-step-worker" in train and "--service-account=elastic-step-runner" not in train
 
 
 def test_mlflow_allows_its_service_name_and_postgres_comes_from_a_secret():

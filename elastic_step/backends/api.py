@@ -30,6 +30,9 @@ class LaunchSpec:
     token_file: str
     job_dir: str
     env: dict[str, str] = field(default_factory=dict)
+    # The ports workers call on the master (API, store), when known: the Kubernetes backend
+    # admits its workers to exactly these; empty means every port of the master's pod.
+    master_ports: list[int] = field(default_factory=list)
 
 
 class Backend(abc.ABC):

@@ -1,10 +1,19 @@
 """Worker pods created by the master. The pod watch feeds the state table; `poll` turns the
-table's verdicts into WorkerExits for the master, which decides about relaunching."""
+table's verdicts into WorkerExits for the master, which decides about relaunching.
+
+The master calls `launch`, `stop`, `poll` and `describe` while holding its lock, which its API
+also waits on: none of them may wait for the API server. Creating and deleting pods happens on
+the backend's own thread (`PodCalls`), so a stalled API server delays pods, never the master;
+every call carries a request timeout, so a stalled call ends too."""
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 import time
+from urllib.parse import urlparse
 
 from kubernetes import client as k8s
 
@@ -18,10 +27,89 @@ from elastic_step.images import default_image
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
+REQUEST_TIMEOUT_S = 30.0  # every API call: (connect, read) seconds
+LOOPBACK = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
+
 
 def read_token(spec: LaunchSpec) -> str:
     with open(spec.token_file, encoding="utf-8") as f:
         return f.read().strip()
+
+
+def main_container(pod: k8s.V1Pod) -> k8s.V1Container | None:
+    """The master's own container: `main` (Argo's and KFP's name for the step's container; Argo
+    lists its `wait` sidecar first), else the pod's only container."""
+    containers = pod.spec.containers or []
+    named = [c for c in containers if c.name == "main"]
+    if named:
+        return named[0]
+    return containers[0] if len(containers) == 1 else None
+
+
+class PodCalls:
+    """The backend's own thread for the API calls the master's decisions cause (create and
+    delete pods): the master only enqueues. A failed create is reported back as an exit."""
+
+    def __init__(self, api, namespace: str, timeout_s: float, on_create_failed):
+        self.api, self.namespace, self.timeout_s = api, namespace, timeout_s
+        self.on_create_failed = on_create_failed
+        self.calls: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pod-calls")
+        self._thread.start()
+
+    def create(self, pod: k8s.V1Pod, worker_id: str) -> None:
+        self._idle.clear()
+        self.calls.put(("create", pod, worker_id))
+
+    def delete(self, name: str) -> None:
+        self._idle.clear()
+        self.calls.put(("delete", name, None))
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until every queued call is done (True) or `timeout_s` passed (False)."""
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        self.calls.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self.calls.get()
+            if item is None:
+                return
+            kind, what, worker_id = item
+            try:
+                if kind == "create":
+                    self._create(what, worker_id)
+                else:
+                    delete_pod(self.api, what, self.namespace, self.timeout_s)
+            except Exception as exc:  # a dropped connection, a timeout: never the end of this thread
+                log.warning("%s pod failed: %s", kind, exc)
+                if kind == "create":
+                    self.on_create_failed(worker_id, f"pod {what.metadata.name} not created: {exc}")
+            finally:
+                if self.calls.empty():
+                    self._idle.set()
+
+    def _create(self, pod: k8s.V1Pod, worker_id: str) -> None:
+        name = pod.metadata.name
+        try:
+            self.api.create_namespaced_pod(self.namespace, pod, _request_timeout=self.timeout_s)
+        except k8s.ApiException as exc:
+            # Reported as an exit at the next poll: the master's relaunch limit applies.
+            log.warning("creating pod %s failed: %s %s", name, exc.status, exc.reason)
+            self.on_create_failed(worker_id, f"pod {name} not created: {exc.status} {exc.reason}")
+
+
+def delete_pod(api, name: str, namespace: str, timeout_s: float) -> None:
+    try:
+        api.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _request_timeout=timeout_s)
+    except k8s.ApiException as exc:
+        if exc.status != 404:
+            log.warning("deleting pod %s failed: %s %s", name, exc.status, exc.reason)
 
 
 class KubernetesBackend(Backend):
@@ -35,69 +123,155 @@ class KubernetesBackend(Backend):
         api=None,
         master: MasterPod | None = None,
         watch_timeout_s: int = 30,
+        networking=None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ):
         from elastic_step.backends.kubernetes.client import load_core_api
 
         self.spec = spec
         self.settings = settings
         self.api = api if api is not None else load_core_api()
+        # NetworkPolicies live in networking.k8s.io: the same connection, another API group.
+        if networking is None:
+            networking = k8s.NetworkingV1Api(self.api.api_client) if hasattr(self.api, "api_client") else self.api
+        self.networking = networking
+        self.timeout_s = request_timeout_s
         self.master = master if master is not None else master_pod_from_env()
         self.names = manifests.JobNames.for_job(job_name)
-        self.image = settings.image or self._own_image() or default_image()
         self.pods: dict[str, str] = {}  # worker id -> pod name, for workers not yet reported gone
         self.workers: dict[str, str] = {}  # pod name -> worker id
         self.last_seen: dict[str, k8s.V1Pod] = {}
         self.we_deleted: set[str] = set()
         self.stuck_since: dict[str, float] = {}
+        self._failures_lock = threading.Lock()
         self._pending_failures: list[WorkerExit] = []  # pods the API refused to create
         self.rules_matched: list[tuple[str, str]] = []  # (pod, table row): what the table decided, for status and tests
-        self.watcher = PodWatcher(self.api, settings.namespace, self.names.selector, watch_timeout_s)
+        self.network_policies: list[str] = []
+        self._check_reachable()
+        own_pod = self._read_own_pod()
+        self.image = self._worker_image(own_pod)
+        self._check_service_account(own_pod)
+        if self.master is not None and not manifests.owns(self.master, settings.namespace):
+            log.warning(
+                "worker pods go to namespace %s, the master pod is in %s: no owner references across namespaces, so "
+                "the master deletes its pods, Secret and NetworkPolicies itself when it ends; if it is killed "
+                "outright, delete them with: kubectl delete pods,secrets,networkpolicies -n %s -l "
+                "app.kubernetes.io/instance=%s", settings.namespace, self.master.namespace or "an unknown namespace",
+                settings.namespace, self.names.instance)
+        self.watcher = PodWatcher(self.api, settings.namespace, self.names.selector, watch_timeout_s,
+                                  request_timeout_s=request_timeout_s)
         self._create_secret()
+        self._create_network_policies(own_pod)
+        self.calls = PodCalls(self.api, settings.namespace, request_timeout_s, self._create_failed)
         self.watcher.start()
 
     # -- set-up -----------------------------------------------------------------------------------
-    def _own_image(self) -> str | None:
-        """The master pod's own image: workers run the code the master runs."""
+    def _check_reachable(self) -> None:
+        """Workers in other pods cannot call a master on loopback (unless it is its pod's IP)."""
+        host = urlparse(self.spec.master_url).hostname or ""
+        if host in LOOPBACK and (self.master is None or self.master.ip != host):
+            raise ConfigError(
+                f"--backend kubernetes: worker pods cannot reach a master listening on {host}; run the master in a "
+                "pod with ELASTIC_STEP_POD_IP set from the downward API (status.podIP), or pass --host with an "
+                "address the pods can reach"
+            )
+
+    def _read_own_pod(self) -> k8s.V1Pod | None:
+        """The master's pod object: its UID (when the downward API gave none), labels, service
+        account and image. None outside a pod."""
         if self.master is None:
             return None
+        namespace = self.master.namespace or self.settings.namespace
         try:
-            pod = self.api.read_namespaced_pod(self.master.name, self.settings.namespace)
+            pod = self.api.read_namespaced_pod(self.master.name, namespace, _request_timeout=self.timeout_s)
         except k8s.ApiException as exc:
-            log.warning("cannot read the master pod %s (%s); workers use the default image", self.master.name, exc.reason)
+            log.warning("cannot read the master pod %s in %s (%s %s)", self.master.name, namespace, exc.status, exc.reason)
             return None
-        if self.master.uid == "":
-            self.master.uid = pod.metadata.uid
-        return pod.spec.containers[0].image
+        self.master.uid = self.master.uid or pod.metadata.uid
+        self.master.namespace = self.master.namespace or pod.metadata.namespace or namespace
+        return pod
+
+    def _worker_image(self, own_pod: k8s.V1Pod | None) -> str:
+        """--image, else ELASTIC_STEP_IMAGE, else the master pod's own `main` container: workers
+        run the code the master runs. Outside a pod: the project image of this version."""
+        if self.settings.image:
+            return self.settings.image
+        if os.environ.get("ELASTIC_STEP_IMAGE"):
+            return os.environ["ELASTIC_STEP_IMAGE"]
+        if self.master is None:
+            return default_image()
+        container = main_container(own_pod) if own_pod is not None else None
+        if container is None or not container.image:
+            found = "could not be read" if own_pod is None else (
+                "has no container named main among " + ", ".join(c.name for c in own_pod.spec.containers or []))
+            raise ConfigError(
+                f"--backend kubernetes: the master pod {self.master.name} {found}, so the worker image is unknown; "
+                "pass --image or set ELASTIC_STEP_IMAGE to the image workers run"
+            )
+        return container.image
+
+    def _check_service_account(self, own_pod: k8s.V1Pod | None) -> None:
+        """Worker pods never run as the master: its service account may create pods and Secrets."""
+        master_account = own_pod.spec.service_account_name if own_pod is not None and own_pod.spec else None
+        if master_account and self.settings.service_account == master_account:
+            raise ConfigError(
+                f"--service-account {master_account} is the master's own service account, which may create pods and "
+                "Secrets; give workers theirs (elastic-step-worker from deploy/rbac, the default)"
+            )
 
     def _create_secret(self) -> None:
-        secret = manifests.token_secret(self.names, self.master, read_token(self.spec))
+        secret = manifests.token_secret(self.names, self.master, read_token(self.spec), self.settings.namespace)
         try:
-            self.api.create_namespaced_secret(self.settings.namespace, secret)
+            self.api.create_namespaced_secret(self.settings.namespace, secret, _request_timeout=self.timeout_s)
         except k8s.ApiException as exc:
             raise ConfigError(
                 f"cannot create the job's token Secret {self.names.secret} in namespace {self.settings.namespace}: "
                 f"{exc.status} {exc.reason}; the master's service account needs the Role in deploy/rbac"
             ) from None
 
+    def _create_network_policies(self, own_pod: k8s.V1Pod | None) -> None:
+        same_namespace = own_pod is not None and self.master.namespace == self.settings.namespace
+        master_labels = (own_pod.metadata.labels or {}) if same_namespace else None
+        for policy in manifests.network_policies(self.names, self.master, self.settings.namespace, master_labels,
+                                                 self.spec.master_ports or None):
+            try:
+                self.networking.create_namespaced_network_policy(self.settings.namespace, policy,
+                                                                 _request_timeout=self.timeout_s)
+            except k8s.ApiException as exc:
+                self._delete_secret()
+                raise ConfigError(
+                    f"cannot create the job's NetworkPolicy {policy.metadata.name} in namespace "
+                    f"{self.settings.namespace}: {exc.status} {exc.reason}; the master's service account needs the "
+                    "Role in deploy/rbac"
+                ) from None
+            self.network_policies.append(policy.metadata.name)
+
     def pod_manifest(self, slot: int, worker_id: str) -> k8s.V1Pod:
         return manifests.worker_pod(
             self.settings, self.names, self.master, self.image, worker_id, slot, self.spec.master_url, self.spec.env
         )
 
-    # -- the Backend interface --------------------------------------------------------------------
+    def _create_failed(self, worker_id: str, reason: str) -> None:
+        with self._failures_lock:
+            self._pending_failures.append(WorkerExit(worker_id, reason, None, "count"))
+
+    # -- the Backend interface (called under the master's lock: nothing here waits for the API) ---
     def launch(self, slot: int, worker_id: str) -> None:
         pod = self.pod_manifest(slot, worker_id)
         name = pod.metadata.name
         self.pods[worker_id], self.workers[name] = name, worker_id
-        try:
-            self.api.create_namespaced_pod(self.settings.namespace, pod)
-        except k8s.ApiException as exc:
-            # Reported as an exit at the next poll: the master's relaunch limit applies.
-            log.warning("creating pod %s failed: %s %s", name, exc.status, exc.reason)
-            self._pending_failures.append(WorkerExit(worker_id, f"pod {name} not created: {exc.status} {exc.reason}", None, "count"))
+        self.calls.create(pod, worker_id)
 
     def poll(self) -> list[WorkerExit]:
-        exits, self._pending_failures = self._pending_failures, []
+        with self._failures_lock:
+            failed, self._pending_failures = self._pending_failures, []
+        exits = []
+        for exit_ in failed:
+            name = self.pods.get(exit_.worker_id)
+            if name is not None:
+                del self.pods[exit_.worker_id]
+                self.stuck_since.pop(name, None)
+                exits.append(exit_)
         for kind, pod in self.watcher.drain():
             name = pod.metadata.name
             if name in self.workers:
@@ -136,11 +310,7 @@ class KubernetesBackend(Backend):
 
     def _delete_pod(self, name: str) -> None:
         self.we_deleted.add(name)
-        try:
-            self.api.delete_namespaced_pod(name, self.settings.namespace, grace_period_seconds=0)
-        except k8s.ApiException as exc:
-            if exc.status != 404:
-                log.warning("deleting pod %s failed: %s %s", name, exc.status, exc.reason)
+        self.calls.delete(name)
 
     def stop(self, worker_id: str) -> None:
         name = self.pods.get(worker_id)
@@ -148,25 +318,43 @@ class KubernetesBackend(Backend):
             self._delete_pod(name)  # grace 0: a hung worker gets no say
 
     def shutdown(self, grace_s: float) -> None:
-        """Wait up to `grace_s` for workers to finish, then delete every pod of this job and its Secret."""
+        """Wait up to `grace_s` for workers to finish, then delete every pod of this job, its
+        Secret and its NetworkPolicies (here, not only through owner references: the master
+        may not own them, and a finished master pod is kept by Argo and KFP)."""
         deadline = time.monotonic() + grace_s
         while self.pods and time.monotonic() < deadline:
             self.poll()
             time.sleep(0.1)
+        self.calls.wait_idle(self.timeout_s)
+        self.calls.close(self.timeout_s)
         try:
-            listed = self.api.list_namespaced_pod(self.settings.namespace, label_selector=self.names.selector)
+            listed = self.api.list_namespaced_pod(self.settings.namespace, label_selector=self.names.selector,
+                                                  _request_timeout=self.timeout_s)
             remaining = {p.metadata.name for p in listed.items}
-        except k8s.ApiException:
+        except Exception as exc:
+            log.warning("listing the job's pods failed (%s); deleting the ones it knows", exc)
             remaining = set()
         for name in remaining | set(self.pods.values()):
-            self._delete_pod(name)
+            self.we_deleted.add(name)
+            delete_pod(self.api, name, self.settings.namespace, self.timeout_s)
         self.pods.clear()
+        self._delete_secret()
+        for name in self.network_policies:
+            try:
+                self.networking.delete_namespaced_network_policy(name, self.settings.namespace,
+                                                                 _request_timeout=self.timeout_s)
+            except k8s.ApiException as exc:
+                if exc.status != 404:
+                    log.warning("deleting NetworkPolicy %s failed: %s %s", name, exc.status, exc.reason)
+        self.network_policies = []
+        self.watcher.stop()
+
+    def _delete_secret(self) -> None:
         try:
-            self.api.delete_namespaced_secret(self.names.secret, self.settings.namespace)
+            self.api.delete_namespaced_secret(self.names.secret, self.settings.namespace, _request_timeout=self.timeout_s)
         except k8s.ApiException as exc:
             if exc.status != 404:
                 log.warning("deleting Secret %s failed: %s %s", self.names.secret, exc.status, exc.reason)
-        self.watcher.stop()
 
     def describe(self, worker_id: str) -> dict:
         name = self.pods.get(worker_id)

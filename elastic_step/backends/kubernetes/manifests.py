@@ -1,5 +1,6 @@
-"""The objects the backend creates, as the client's own models: one V1Pod per worker and one
-V1Secret holding the job token (mounted as a file, never in env or args)."""
+"""The objects the backend creates, as the client's own models: one V1Pod per worker, one
+V1Secret holding the job token (mounted as a file, never in env or args), and the job's
+NetworkPolicies (only the job's own worker pods reach the master and each other)."""
 
 from __future__ import annotations
 
@@ -48,9 +49,18 @@ class JobNames:
     def selector(self) -> str:
         return f"app.kubernetes.io/instance={self.instance},app.kubernetes.io/component=worker"
 
+    @property
+    def worker_labels(self) -> dict[str, str]:
+        """What selects this job's worker pods (and nobody else's)."""
+        return {"app.kubernetes.io/instance": self.instance, "app.kubernetes.io/component": "worker"}
+
+    def network_policy(self, role: str) -> str:
+        return f"{self.instance}-{role}"
+
     def labels(self, component: str) -> dict[str, str]:
         return {
             "app.kubernetes.io/name": "elastic-step",
+            "app.kubernetes.io/part-of": "elastic-step",  # deploy/mlflow's NetworkPolicy admits these
             "app.kubernetes.io/instance": self.instance,
             "app.kubernetes.io/component": component,
             "app.kubernetes.io/managed-by": "elastic-step",
@@ -58,18 +68,25 @@ class JobNames:
         }
 
 
-def owner_references(master: MasterPod | None) -> list[k8s.V1OwnerReference] | None:
-    # Deleting the master pod deletes its workers and its Secret (garbage collection).
-    if master is None or not master.uid:
+def owns(master: MasterPod | None, namespace: str) -> bool:
+    """Whether the master pod can own objects in `namespace`: owner references never cross
+    namespaces (the garbage collector would take the owner for absent and delete the objects)."""
+    return master is not None and bool(master.uid) and master.namespace == namespace
+
+
+def owner_references(master: MasterPod | None, namespace: str) -> list[k8s.V1OwnerReference] | None:
+    # Deleting the master pod deletes its workers, Secret and NetworkPolicies (garbage collection).
+    if not owns(master, namespace):
         return None
     return [k8s.V1OwnerReference(api_version="v1", kind="Pod", name=master.name, uid=master.uid)]
 
 
-def token_secret(names: JobNames, master: MasterPod | None, token: str) -> k8s.V1Secret:
+def token_secret(names: JobNames, master: MasterPod | None, token: str, namespace: str) -> k8s.V1Secret:
     return k8s.V1Secret(
         api_version="v1",
         kind="Secret",
-        metadata=k8s.V1ObjectMeta(name=names.secret, labels=names.labels("token"), owner_references=owner_references(master)),
+        metadata=k8s.V1ObjectMeta(name=names.secret, labels=names.labels("token"),
+                                  owner_references=owner_references(master, namespace)),
         type="Opaque",
         data={TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     )
@@ -141,7 +158,9 @@ def worker_pod(
         restart_policy="Never",  # the master relaunches; the kubelet must not restart in place
         termination_grace_period_seconds=10,
         enable_service_links=False,
-        automount_service_account_token=bool(settings.service_account),  # workers never call the API
+        # Workers never call the API: their own service account (no Role), no token mounted.
+        # Cloud workload identity (GKE, IRSA) needs no mounted token either.
+        automount_service_account_token=False,
         service_account_name=settings.service_account,
         priority_class_name=settings.priority_class,
         node_selector=settings.node_selector or None,
@@ -161,9 +180,42 @@ def worker_pod(
     return k8s.V1Pod(
         api_version="v1",
         kind="Pod",
-        metadata=k8s.V1ObjectMeta(name=names.pod(worker_id), labels=labels, owner_references=owner_references(master)),
+        metadata=k8s.V1ObjectMeta(name=names.pod(worker_id), labels=labels,
+                                  owner_references=owner_references(master, settings.namespace)),
         spec=spec,
     )
+
+
+# Labels that change during a pod's life: never part of a selector of it.
+VOLATILE_LABELS = ("workflows.argoproj.io/completed",)
+
+
+def network_policies(names: JobNames, master: MasterPod | None, namespace: str, master_labels: dict[str, str] | None,
+                     master_ports: list[int] | None = None) -> list[k8s.V1NetworkPolicy]:
+    """The job's data plane, closed: its worker pods admit only each other (gloo picks its ports
+    at random, so every port); the master pod admits only the job's worker pods (on its ports
+    when known). The master pod is selected by its own labels (the step pod's, from Argo or
+    KFP); without labels it cannot be selected and only the workers' policy is made."""
+    workers = k8s.V1LabelSelector(match_labels=names.worker_labels)
+    from_workers = [k8s.V1NetworkPolicyPeer(pod_selector=workers)]
+    meta = lambda role: k8s.V1ObjectMeta(  # noqa: E731
+        name=names.network_policy(role), labels=names.labels("network-policy"),
+        owner_references=owner_references(master, namespace))
+    policies = [k8s.V1NetworkPolicy(
+        api_version="networking.k8s.io/v1", kind="NetworkPolicy", metadata=meta("workers"),
+        spec=k8s.V1NetworkPolicySpec(pod_selector=workers, policy_types=["Ingress"],
+                                     ingress=[k8s.V1NetworkPolicyIngressRule(_from=from_workers)]),
+    )]
+    selector = {k: v for k, v in (master_labels or {}).items() if k not in VOLATILE_LABELS}
+    if selector:
+        ports = [k8s.V1NetworkPolicyPort(protocol="TCP", port=p) for p in master_ports or []] or None
+        policies.append(k8s.V1NetworkPolicy(
+            api_version="networking.k8s.io/v1", kind="NetworkPolicy", metadata=meta("master"),
+            spec=k8s.V1NetworkPolicySpec(pod_selector=k8s.V1LabelSelector(match_labels=selector),
+                                         policy_types=["Ingress"],
+                                         ingress=[k8s.V1NetworkPolicyIngressRule(_from=from_workers, ports=ports)]),
+        ))
+    return policies
 
 
 def to_dict(obj) -> dict:
@@ -178,11 +230,13 @@ def to_yaml(objects) -> str:
 
 
 def dry_run_manifests(config, settings: PodSettings, master: MasterPod | None, image: str) -> str:
-    """What `train --backend kubernetes --dry-run` prints: the Secret and every worker pod of
-    the first launch. The token and the API port are only known once the job starts."""
+    """What `train --backend kubernetes --dry-run` prints: the Secret, the workers'
+    NetworkPolicy and every worker pod of the first launch. The token and the API port are only
+    known once the job starts (and the master's own policy once its pod's labels are read)."""
     names = JobNames.for_job(config.job_name, suffix="xxxxxx")
     url = f"http://{config.host}:{config.port or '<port chosen at start>'}"
-    objects = [token_secret(names, master, "<generated when the job starts>")]
+    objects = [token_secret(names, master, "<generated when the job starts>", settings.namespace)]
+    objects += network_policies(names, master, settings.namespace, None)
     for slot in range(config.max_workers):
         objects.append(worker_pod(settings, names, master, image, f"w{slot}.1", slot, url, dict(config.worker_env)))
     return to_yaml(objects)

@@ -13,13 +13,19 @@ SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
+# Workers' own identity (deploy/rbac/worker-serviceaccount.yaml): no Role, no token mounted.
+WORKER_SERVICE_ACCOUNT = "elastic-step-worker"
+
+
 @dataclass
 class MasterPod:
-    """The pod the master runs in: its workers' owner, and the address they call."""
+    """The pod the master runs in: its workers' owner, and the address they call. `namespace`
+    is where it runs ("" when unknown): owner references never cross namespaces."""
 
     name: str
     uid: str
     ip: str
+    namespace: str = ""
 
 
 @dataclass
@@ -35,7 +41,7 @@ class PodSettings:
     tolerations: list[dict] = field(default_factory=list)  # V1Toleration fields, snake_case
     priority_class: str | None = None
     image_pull_secrets: list[str] = field(default_factory=list)
-    service_account: str | None = None
+    service_account: str = WORKER_SERVICE_ACCOUNT
     pending_timeout_s: float = 300.0
 
 
@@ -88,16 +94,23 @@ def parse_toleration(text: str) -> dict:
     return toleration
 
 
-def current_namespace() -> str:
-    """The namespace this process runs in: the downward API, the service account, the
-    kubeconfig's current context, else `default`."""
+def pod_namespace() -> str:
+    """The namespace of the pod this process runs in (downward API, else the mounted service
+    account's namespace file), or "" outside a pod."""
     if os.environ.get("ELASTIC_STEP_POD_NAMESPACE"):
         return os.environ["ELASTIC_STEP_POD_NAMESPACE"]
     try:
         with open(SERVICE_ACCOUNT_NAMESPACE_FILE, encoding="utf-8") as f:
             return f.read().strip()
     except OSError:
-        pass
+        return ""
+
+
+def current_namespace() -> str:
+    """The namespace this process runs in: the downward API, the service account, the
+    kubeconfig's current context, else `default`."""
+    if pod_namespace():
+        return pod_namespace()
     try:
         from kubernetes import config as kube_config
 
@@ -108,14 +121,15 @@ def current_namespace() -> str:
 
 
 def master_pod_from_env() -> MasterPod | None:
-    """The downward API's view of the master pod (ELASTIC_STEP_POD_NAME/UID/IP; KFP's own
-    KFP_POD_NAME/KFP_POD_UID also count). None outside a pod."""
+    """The downward API's view of the master pod (ELASTIC_STEP_POD_NAME/UID/NAMESPACE/IP; KFP's
+    own KFP_POD_NAME/KFP_POD_UID also count). None outside a pod. A missing UID is read from
+    the pod object when the backend starts."""
     name = os.environ.get("ELASTIC_STEP_POD_NAME") or os.environ.get("KFP_POD_NAME")
     uid = os.environ.get("ELASTIC_STEP_POD_UID") or os.environ.get("KFP_POD_UID")
     ip = os.environ.get("ELASTIC_STEP_POD_IP", "")
     if not name:
         return None
-    return MasterPod(name=name, uid=uid or "", ip=ip)
+    return MasterPod(name=name, uid=uid or "", ip=ip, namespace=pod_namespace())
 
 
 def settings_from_config(config) -> PodSettings:
@@ -138,7 +152,7 @@ def settings_from_config(config) -> PodSettings:
         tolerations=[parse_toleration(t) for t in config.tolerations],
         priority_class=config.priority_class,
         image_pull_secrets=list(config.image_pull_secrets),
-        service_account=config.service_account,
+        service_account=config.service_account or WORKER_SERVICE_ACCOUNT,
         pending_timeout_s=config.pending_timeout,
     )
 

@@ -20,8 +20,10 @@ class PodWatcher:
     items on `events`. A re-list replays every listed pod as MODIFIED and every known pod it no
     longer finds as DELETED, so the consumer never misses a transition across a gap."""
 
-    def __init__(self, api, namespace: str, selector: str, watch_timeout_s: int = 30, retry_s: float = 1.0):
+    def __init__(self, api, namespace: str, selector: str, watch_timeout_s: int = 30, retry_s: float = 1.0,
+                 request_timeout_s: float = 30.0):
         self.api = api
+        self.request_timeout_s = request_timeout_s
         self.namespace = namespace
         self.selector = selector
         self.watch_timeout_s = watch_timeout_s
@@ -52,7 +54,8 @@ class PodWatcher:
         self.events.put((kind, pod))
 
     def _relist(self) -> None:
-        listed = self.api.list_namespaced_pod(self.namespace, label_selector=self.selector)
+        listed = self.api.list_namespaced_pod(self.namespace, label_selector=self.selector,
+                                              _request_timeout=self.request_timeout_s)
         names = set()
         for pod in listed.items:
             names.add(pod.metadata.name)
@@ -75,6 +78,9 @@ class PodWatcher:
                     label_selector=self.selector,
                     resource_version=self.resource_version,
                     timeout_seconds=self.watch_timeout_s,
+                    # The server ends the watch after timeout_seconds; a cut connection ends no
+                    # watch by itself: this client-side bound does, and the loop resumes.
+                    _request_timeout=self.watch_timeout_s + self.request_timeout_s,
                     allow_watch_bookmarks=False,
                 ):
                     if self._stop.is_set():
