@@ -34,3 +34,44 @@ def test_resume_finds_the_jobs_run_without_a_pipeline_and_nests_under_a_parent(t
     assert fresh.start(resume=False) is False  # without --resume a job starts a new run
     resumed = tracker(tmp_path)
     assert resumed.start(resume=True) is True and resumed.run_id == fresh.run_id
+
+
+def test_resume_finds_a_run_by_its_exact_job_name_whatever_characters_it_holds(tmp_path, monkeypatch):
+    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME", "ELASTIC_STEP_PIPELINE_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    names = ["it's", 'say "hi"', "both ' and \"", "x' or tags.`elastic_step.job` != '", "job", "job "]
+    runs = {}
+    for name in names:
+        first = tracker(tmp_path, job=name)
+        first.start(resume=False)
+        runs[name] = first.run_id
+    for name in names:
+        again = tracker(tmp_path, job=name)
+        assert again.start(resume=True) is True and again.run_id == runs[name], name
+    unknown = tracker(tmp_path, job="jo")
+    assert unknown.start(resume=True) is False and unknown.run_id not in runs.values()
+
+
+def test_resume_refuses_a_run_of_other_data_model_or_task_size_and_leaves_it_as_it_was(tmp_path, monkeypatch):
+    import pytest
+
+    from elastic_step.errors import ConfigError
+
+    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME", "ELASTIC_STEP_PIPELINE_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    params = {"data_content_hash": "aaa", "model_def": "m.py", "model_def_sha256": "111", "rows_per_task": 32, "epochs": 3}
+    first = tracker(tmp_path)
+    first.start(resume=False)
+    first.log_params(params)
+    assert first.uploader.drain(30)
+    first.client.set_terminated(first.run_id, "FAILED")
+    for key, value, what in [("data_content_hash", "bbb", "data content hash"), ("model_def", "n.py", "model definition"),
+                             ("model_def_sha256", "222", "model definition's source"), ("rows_per_task", 64, "task size")]:
+        with pytest.raises(ConfigError) as refused:
+            tracker(tmp_path).start(resume=True, params={**params, key: value})
+        message = str(refused.value)
+        assert "\n" not in message and what in message and f"cannot resume run {first.run_id}" in message
+        assert repr(params[key]) in message or repr(str(params[key])) in message
+        assert first.client.get_run(first.run_id).info.status == "FAILED"
+    same = tracker(tmp_path)
+    assert same.start(resume=True, params={**params, "epochs": 4}) is True and same.run_id == first.run_id
