@@ -1,9 +1,11 @@
 """`prepare-data`: turn a dataset (a bundled sklearn one, or a CSV / Parquet / JSONL file at any
 fsspec URI) into shuffled train/val/test splits of Parquet shards plus a manifest.
 
-Shards are small and cut into small row groups so a worker can read one task's row range without
-reading the whole shard. The manifest is written last, by rename, so an interrupted run never
-leaves an output that looks complete.
+It streams: the source is read in blocks (`sources.py`), shuffled through bounded memory and
+local spill files (`shuffle.py`), and cut into shards that are written as they fill, so a file
+much larger than the step's memory can be prepared. Shards are small and cut into small row
+groups so a worker can read one task's row range without reading the whole shard. The manifest
+is written last, so an interrupted run never leaves an output that looks complete.
 """
 
 from __future__ import annotations
@@ -12,76 +14,26 @@ import hashlib
 import json
 import numbers
 import posixpath
-import re
+import sys
 import uuid
+from contextlib import contextmanager
 
-import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.json as pajson
 import pyarrow.parquet as pq
-from fsspec.utils import infer_compression
+from fsspec.implementations.local import LocalFileSystem
 
-from elastic_step.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, resolve, type_name
+from elastic_step.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, type_name
+from elastic_step.data.shuffle import DEFAULT_MEMORY_BYTES, ExternalShuffle
+from elastic_step.data.sources import SKLEARN_DATASETS, SourceStream, open_source  # noqa: F401 (re-exported)
+from elastic_step.data.stores import resolve, store_error
 from elastic_step.errors import ConfigError, DataError
 
 SPLITS = ("train", "val", "test")
-SKLEARN_DATASETS = ("digits", "iris", "wine")
-# Extension -> reader; .json is taken as JSON lines, which is what pyarrow.json reads.
-READERS = {
-    ".csv": lambda f: pacsv.read_csv(f),
-    ".parquet": lambda f: pq.read_table(f),
-    ".jsonl": lambda f: pajson.read_json(f),
-    ".json": lambda f: pajson.read_json(f),
-}
 
-
-def _sanitize(name: str) -> str:
-    """'sepal length (cm)' -> 'sepal_length_cm': names that are safe in CLIs and code."""
-    return re.sub(r"[^0-9a-zA-Z]+", "_", name).strip("_").lower()
-
-
-def _load_sklearn(name: str) -> pa.Table:
-    import sklearn.datasets as skd
-
-    if name not in SKLEARN_DATASETS:
-        raise DataError(f"unknown dataset sklearn:{name} — known: "
-                        + ", ".join(f"sklearn:{n}" for n in SKLEARN_DATASETS))
-    bunch = getattr(skd, f"load_{name}")()  # bundled with sklearn: no download
-    if name == "digits":
-        names = [f"pixel_{i}" for i in range(bunch.data.shape[1])]
-    else:
-        names = [_sanitize(n) for n in bunch.feature_names]
-    columns = {n: pa.array(bunch.data[:, i].astype(np.float32)) for i, n in enumerate(names)}
-    columns["label"] = pa.array(bunch.target.astype(np.int64))
-    return pa.table(columns)
-
-
-def read_source(source: str) -> pa.Table:
-    """The whole source as one Arrow table."""
-    if source.startswith("sklearn:"):
-        return _load_sklearn(source[len("sklearn:"):])
-    _, path, _ = resolve(source)
-    compression = infer_compression(path)
-    base = path[: path.rfind(".")] if compression else path  # x.csv.gz is read as CSV
-    ext = posixpath.splitext(base)[1].lower()
-    if ext not in READERS:
-        raise DataError(f"cannot tell the format of {source}: extension {ext or '(none)'!r} is not one of "
-                        f"{', '.join(READERS)} (optionally compressed, e.g. .csv.gz); rename the file or convert it")
-    try:
-        with fsspec.open(source, "rb", compression=None if ext == ".parquet" else "infer") as f:
-            return READERS[ext](f)
-    except FileNotFoundError:
-        raise DataError(f"source not found: {source} — check the path or URI") from None
-    except ImportError as e:  # e.g. gs:// without gcsfs
-        raise DataError(f"cannot open {source}: {e}") from None
-    except (pa.ArrowInvalid, OSError, ValueError) as e:
-        raise DataError(f"cannot read {source} as {ext[1:]}: {e} — check the file is valid {ext[1:]}") from None
-
-
-def _select_columns(table: pa.Table, source: str, label: str, features: list[str] | None) -> pa.Table:
-    found = table.column_names
+def _select_columns(schema: pa.Schema, source: str, label: str, features: list[str] | None) -> list[str]:
+    """The columns to keep, features first and the label last, checked against the source's schema."""
+    found = schema.names
     if label not in found:
         raise DataError(f"label column {label!r} is not in {source}; its columns are: {', '.join(found)} — "
                         "pass --label with one of them")
@@ -96,16 +48,11 @@ def _select_columns(table: pa.Table, source: str, label: str, features: list[str
     for name in features:
         if name not in found:
             raise DataError(f"feature column {name!r} is not in {source}; its columns are: {', '.join(found)}")
-        kind = table.schema.field(name).type
+        kind = schema.field(name).type
         if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
             raise DataError(f"feature column {name!r} of {source} has type {kind}, not a number — "
                             "leave it out with --features or encode it as numbers first")
-    for name in [*features, label]:
-        # A null would surface much later as a NaN loss or a failed cast in a worker.
-        if table.column(name).null_count:
-            raise DataError(f"column {name!r} of {source} has {table.column(name).null_count} missing values — "
-                            "fill or drop them first")
-    return table.select([*features, label])
+    return [*features, label]
 
 
 def _split_sizes(n: int, split) -> list[int]:
@@ -127,11 +74,46 @@ def _split_sizes(n: int, split) -> list[int]:
 
 
 def _write_atomic(fs, path: str, data: bytes) -> None:
-    """Write to a temporary name, then rename: readers see the old file or the whole new one."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp, "wb") as f:
+    """Readers see the old file or the whole new one (see `_atomic_open`)."""
+    with _atomic_open(fs, path) as f:
         f.write(data)
-    fs.mv(tmp, path)
+
+
+@contextmanager
+def _atomic_open(fs, path: str):
+    """A file to write that appears at `path` only once complete. An object store's upload is
+    atomic already (the object exists once the upload completes); a local file is written under
+    a temporary name, then renamed."""
+    if not isinstance(fs, LocalFileSystem):
+        with fs.open(path, "wb") as f:
+            yield f
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with fs.open(tmp, "wb") as f:
+            yield f
+        fs.mv(tmp, path)
+    finally:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+
+
+class _HashingFile:
+    """Passes writes through to `target` and into a running hash, so a shard is encoded once,
+    straight to its destination, and hashed without keeping its bytes."""
+
+    def __init__(self, target, digest):
+        self.target, self.digest, self.closed = target, digest, False
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.target.write(data)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def close(self) -> None:
+        self.closed = True  # the target is closed by its own context
 
 
 def parse_split(text) -> tuple[float, ...]:
@@ -144,53 +126,146 @@ def parse_split(text) -> tuple[float, ...]:
         raise ConfigError(f"--split {text!r} is not three comma-separated fractions like 0.8,0.1,0.1") from None
 
 
+class ShardWriter:
+    """Takes the shuffled rows in order and cuts them into the splits' shards, writing each shard
+    as soon as it is full (or its split ends) and hashing the bytes in manifest order."""
+
+    def __init__(self, fs, root_path: str, sizes: list[int], rows_per_shard: int, row_group_rows: int):
+        self.fs, self.root_path = fs, root_path
+        self.rows_per_shard, self.row_group_rows = rows_per_shard, row_group_rows
+        self.digest = hashlib.sha256()
+        self.splits: dict[str, list[ShardInfo]] = {name: [] for name in SPLITS}
+        self._left = list(sizes)  # rows each split still needs
+        self._split = 0
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self.rows_written = 0
+        self._skip_empty_splits()
+
+    def _skip_empty_splits(self) -> None:
+        while self._split < len(SPLITS) and self._left[self._split] == 0:
+            self._split += 1
+
+    def feed(self, table: pa.Table) -> None:
+        offset = 0
+        while offset < table.num_rows:
+            if self._split >= len(SPLITS):
+                raise AssertionError("more rows than the split sizes add up to")  # a bug, not bad input
+            room = min(self._left[self._split], self.rows_per_shard - self._pending_rows)
+            take = min(room, table.num_rows - offset)
+            self._pending.append(table.slice(offset, take))
+            self._pending_rows += take
+            self._left[self._split] -= take
+            offset += take
+            if self._pending_rows == self.rows_per_shard or self._left[self._split] == 0:
+                self._flush()
+                if self._left[self._split] == 0:
+                    self._split += 1
+                    self._skip_empty_splits()
+
+    def _flush(self) -> None:
+        name = SPLITS[self._split]
+        rel = f"{name}/part-{len(self.splits[name]):05d}.parquet"
+        if not self.splits[name]:
+            self.fs.makedirs(posixpath.join(self.root_path, name), exist_ok=True)
+        with _atomic_open(self.fs, posixpath.join(self.root_path, rel)) as f:
+            pq.write_table(pa.concat_tables(self._pending), _HashingFile(f, self.digest),
+                           row_group_size=self.row_group_rows)
+        self.splits[name].append(ShardInfo(path=rel, rows=self._pending_rows))
+        self.rows_written += self._pending_rows
+        self._pending, self._pending_rows = [], 0
+
+
+@contextmanager
+def _progress(enabled: bool):
+    """A rich progress bar on stderr (bytes read, then rows written), or nothing."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    amount = TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}")
+    with Progress(TextColumn("{task.description:<14}"), BarColumn(), amount, TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=False) as bar:
+        yield bar
+
+
 def prepare_data(source: str, out_dir: str, label: str = "label", features: list[str] | None = None,
                  split=(0.8, 0.1, 0.1), rows_per_shard: int = 512, seed: int = 0,
-                 row_group_rows: int = 64) -> Manifest:
-    """Read `source`, shuffle it with `seed`, split it and write shards + manifest.json to `out_dir`."""
-    for name, value in (("rows_per_shard", rows_per_shard), ("row_group_rows", row_group_rows)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    table = _select_columns(read_source(source), source, label, features)
-    if table.num_rows == 0:
-        raise DataError(f"source {source} has no rows")
-    sizes = _split_sizes(table.num_rows, split)
-    # Shuffle before splitting so splits do not inherit the source's order (often sorted by class).
-    table = table.take(pa.array(np.random.default_rng(seed).permutation(table.num_rows)))
+                 row_group_rows: int = 64, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 progress: bool = False) -> Manifest:
+    """Read `source`, shuffle it with `seed`, split it and write shards + manifest.json to `out_dir`.
 
-    fs, root_path, root = resolve(out_dir)
+    Memory stays near `memory_bytes` (plus one shard) whatever the source's size; larger sources
+    spill to a local temporary folder (TMPDIR) about as large as their Arrow form, compressed."""
+    for name, value in (("rows_per_shard", rows_per_shard), ("row_group_rows", row_group_rows),
+                        ("memory_bytes", memory_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    _split_sizes(1_000_000, split)  # bad fractions fail before any byte is read
+    stream = open_source(source)
+    columns = _select_columns(stream.schema, source, label, features)
+    schema = pa.schema([stream.schema.field(c) for c in columns])
+
+    shuffle = ExternalShuffle(schema, seed, memory_bytes, stream.arrow_bytes_guess)
+    try:
+        with _progress(progress) as bar:
+            _read_all(stream, columns, shuffle, bar)
+            n = shuffle.rows_added
+            if n == 0:
+                raise DataError(f"source {source} has no rows")
+            sizes = _split_sizes(n, split)
+            fs, root_path, root = resolve(out_dir)
+            try:
+                written = _write_shards(fs, root_path, shuffle, sizes, rows_per_shard, row_group_rows, bar)
+            except (DataError, ConfigError):
+                raise
+            except Exception as exc:  # the store refused a write: say which and why, in one line
+                raise store_error(out_dir, exc) from None
+    finally:
+        shuffle.close()
+    manifest = Manifest(label=label, features=columns[:-1], schema={f.name: type_name(f.type) for f in schema},
+                        splits=written.splits, content_hash=written.digest.hexdigest(), source=source, root=root)
+    _write_atomic(fs, posixpath.join(root_path, MANIFEST_NAME), json.dumps(manifest.to_json(), indent=2).encode("utf-8"))
+    return manifest
+
+
+def _read_all(stream: SourceStream, columns: list[str], shuffle: ExternalShuffle, bar) -> None:
+    """Pass one: every batch into the shuffle; missing values counted over the whole source."""
+    nulls = dict.fromkeys(columns, 0)
+    mb = 1 << 20
+    task = bar.add_task("reading", total=(stream.total_bytes or 0) / mb, unit="MB") if bar else None
+    for batch in stream.batches:
+        batch = batch.select(columns)
+        for name in columns:
+            nulls[name] += batch.column(name).null_count
+        shuffle.add(batch)
+        if bar:
+            bar.update(task, completed=stream.bytes_read() / mb)
+    for name, count in nulls.items():
+        # A null would surface much later as a NaN loss or a failed cast in a worker.
+        if count:
+            raise DataError(f"column {name!r} of {stream.source} has {count} missing values — fill or drop them first")
+
+
+def _write_shards(fs, root_path: str, shuffle: ExternalShuffle, sizes: list[int], rows_per_shard: int,
+                  row_group_rows: int, bar) -> ShardWriter:
+    """Pass two: the shuffled rows into shards; the old manifest goes first, so a crash half-way
+    leaves no "complete" output pointing at a mix of old and new shards."""
     fs.makedirs(root_path, exist_ok=True)
     manifest_path = posixpath.join(root_path, MANIFEST_NAME)
     if fs.exists(manifest_path):
-        # Overwriting: drop the old manifest first so a crash mid-way leaves no "complete" output
-        # that points at a mix of old and new shards.
         fs.rm(manifest_path)
-
-    digest = hashlib.sha256()
-    splits: dict[str, list[ShardInfo]] = {}
-    offset = 0
-    for name, size in zip(SPLITS, sizes):
-        part = table.slice(offset, size)
-        offset += size
-        fs.makedirs(posixpath.join(root_path, name), exist_ok=True)
-        shards = []
-        for index, start in enumerate(range(0, size, rows_per_shard)):
-            rel = f"{name}/part-{index:05d}.parquet"
-            buf = pa.BufferOutputStream()
-            pq.write_table(part.slice(start, rows_per_shard), buf, row_group_size=row_group_rows)
-            data = buf.getvalue().to_pybytes()
-            digest.update(data)
-            _write_atomic(fs, posixpath.join(root_path, rel), data)
-            shards.append(ShardInfo(path=rel, rows=min(rows_per_shard, size - start)))
-        splits[name] = shards
-        _remove_stale(fs, root_path, name, {s.path for s in shards})
-
-    features_out = table.column_names[:-1]
-    manifest = Manifest(label=label, features=features_out,
-                        schema={f.name: type_name(f.type) for f in table.schema},
-                        splits=splits, content_hash=digest.hexdigest(), source=source, root=root)
-    _write_atomic(fs, manifest_path, json.dumps(manifest.to_json(), indent=2).encode("utf-8"))
-    return manifest
+    writer = ShardWriter(fs, root_path, sizes, rows_per_shard, row_group_rows)
+    task = bar.add_task("writing shards", total=sum(sizes), unit="rows") if bar else None
+    for table in shuffle.rows():
+        writer.feed(table)
+        if bar:
+            bar.update(task, completed=writer.rows_written)
+    for name in SPLITS:
+        _remove_stale(fs, root_path, name, {s.path for s in writer.splits[name]})
+    return writer
 
 
 def _remove_stale(fs, root_path: str, split: str, keep: set[str]) -> None:
