@@ -1,0 +1,195 @@
+"""The elastic master as a pod of a cluster that shares nothing with it (tests/cluster): the
+training step's pod is created through the API server stand-in; the kubelet runs it in its own
+filesystem view, with only its spec's env (the downward API), its service account's token
+mounted where a pod finds it, and the API reached over HTTPS by in-cluster config. The master
+creates its worker pods through the API with that service account (deploy/'s Role, enforced);
+workers read the prepared data from an S3 server, never from a folder of the master's.
+
+The test acts as the cluster's operator: it reads the master's status through the master's own
+scratch volume on the node (as `kubectl exec` would), SIGKILLs one worker's container (`docker
+kill`), and checks what the job left behind and what it asked of the API."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+from kubernetes import client as k8s
+
+from cluster import Cluster, role_rules, venv_image
+from conftest import SLOW_MODEL
+from elastic_step.audit import audit_report
+from elastic_step.protocol import API
+
+pytestmark = pytest.mark.e2e
+
+TEST_IMAGE = "registry.example/ml/elastic-step-torch-test:0.1.0"  # the project's image plus slow_digits.py
+BUCKET = "training-data"
+SCRATCH = "/tmp"  # the master pod's emptyDir
+JOB_DIR = "/tmp/job"
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """An S3 server on 127.0.0.1 (moto). A public-read bucket: worker pods are given no
+    credentials (the backend hands them none yet), so they read anonymously.
+    TODO: use the shared S3 fixtures of tests/stores.py once they exist."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def upload(endpoint: str, local: str, bucket: str, prefix: str) -> str:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket, ACL="public-read")
+    for folder, _, files in os.walk(local):
+        for name in files:
+            path = os.path.join(folder, name)
+            s3.upload_file(path, bucket, f"{prefix}/{os.path.relpath(path, local)}", ExtraArgs={"ACL": "public-read"})
+    return f"s3://{bucket}/{prefix}"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    layer = tmp_path / "image-layer"  # what a derived image adds: the user's model definition
+    layer.mkdir()
+    shutil.copy(SLOW_MODEL, layer / "slow_digits.py")
+    image = venv_image(TEST_IMAGE, extra_path=[str(layer)])
+    image.paths.append(str(layer))
+    with Cluster(str(tmp_path / "cluster"), images={TEST_IMAGE: image}) as c:
+        print(f"kubelet runtime: {c.kubelet.mode}")
+        yield c
+
+
+def master_pod(cluster: Cluster, name: str, args: list[str]) -> k8s.V1Pod:
+    """The training step's pod as a workflow engine makes it: the step's container, the
+    downward-API env the templates set, the master's service account, a scratch volume."""
+    downward = lambda path: k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path))  # noqa: E731
+    return k8s.V1Pod(
+        metadata=k8s.V1ObjectMeta(name=name, labels={"app.kubernetes.io/name": "train-step", "workflows.argoproj.io/workflow": "wf-1"}),
+        spec=k8s.V1PodSpec(
+            service_account_name=cluster.service_account,
+            restart_policy="Never",
+            security_context=k8s.V1PodSecurityContext(run_as_user=1000, run_as_group=1000, fs_group=1000),
+            containers=[k8s.V1Container(
+                name="main", image=TEST_IMAGE, command=["elastic-step", "train", *args],
+                env=[k8s.V1EnvVar(name="ELASTIC_STEP_POD_NAME", value_from=downward("metadata.name")),
+                     k8s.V1EnvVar(name="ELASTIC_STEP_POD_UID", value_from=downward("metadata.uid")),
+                     k8s.V1EnvVar(name="ELASTIC_STEP_POD_NAMESPACE", value_from=downward("metadata.namespace")),
+                     k8s.V1EnvVar(name="ELASTIC_STEP_POD_IP", value_from=downward("status.podIP")),
+                     k8s.V1EnvVar(name="MLFLOW_TRACKING_URI", value=f"sqlite:///{SCRATCH}/mlflow.db")],
+                volume_mounts=[k8s.V1VolumeMount(name="scratch", mount_path=SCRATCH)],
+                resources=k8s.V1ResourceRequirements(limits={"memory": "3Gi"}, requests={"memory": "1Gi", "cpu": "500m"}),
+            )],
+            volumes=[k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())],
+        ),
+    )
+
+
+class MasterOnNode:
+    """The master's job folder as the node has it (the pod's scratch volume)."""
+
+    def __init__(self, cluster: Cluster, name: str):
+        self.cluster, self.name = cluster, name
+
+    def path(self, pod_path: str) -> str:
+        scratch = self.cluster.kubelet.volume_path(self.cluster.namespace, self.name, "scratch")
+        return os.path.join(scratch, os.path.relpath(pod_path, SCRATCH))
+
+    def status(self) -> dict | None:
+        try:
+            with open(self.path(f"{JOB_DIR}/master.json")) as f:
+                info = json.load(f)
+            with open(self.path(info["token_file"])) as f:
+                token = f.read().strip()
+            reply = httpx.get(info["url"] + API + "/status", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+            return reply.json() if reply.status_code == 200 else None
+        except (OSError, ValueError, KeyError, httpx.HTTPError):
+            return None
+
+    def phase(self) -> str:
+        return self.cluster.core().read_namespaced_pod(self.name, self.cluster.namespace).status.phase
+
+    def wait(self, predicate, timeout=120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        status = None
+        while time.monotonic() < deadline:
+            if self.phase() in ("Succeeded", "Failed"):
+                raise AssertionError(f"the master pod ended ({self.phase()}) before the condition; last status {status}\n{self.log()}")
+            status = self.status()
+            if status is not None and predicate(status):
+                return status
+            time.sleep(0.1)
+        raise AssertionError(f"condition not reached in {timeout}s; last status {status}\n{self.log()}")
+
+    def log(self) -> str:
+        return self.cluster.core().read_namespaced_pod_log(self.name, self.cluster.namespace)
+
+
+def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_and_survives_a_killed_worker(tmp_path, digits, s3, cluster):
+    data = upload(s3, digits, BUCKET, "digits")
+    epochs = 3
+    args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--storage-option", "anon=true",
+            "--model-def", "slow_digits", "--job-dir", JOB_DIR, "--audit", f"{JOB_DIR}/audit.jsonl", "--workers", "2:3",
+            "--epochs", str(epochs), "--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4",
+            "--checkpoint-steps", "0", "--worker-cpu", "1", "--worker-memory", "1Gi", "--max-relaunches", "1", "--no-progress"]
+    ns = cluster.namespace
+    api = cluster.core()
+    api.create_namespaced_pod(ns, master_pod(cluster, "train-step-7f9c", args))
+    master = MasterOnNode(cluster, "train-step-7f9c")
+
+    status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 3
+                         and 0.1 < s["rows_done"] / s["rows_total"] < 0.6, timeout=150)
+    victim = next(w for w in status["workers"] if w["rank"] == 1)
+    assert victim["pod"].startswith("job-") and cluster.kubelet.record(ns, victim["pod"])
+    cluster.kubelet.kill(ns, victim["pod"])  # docker kill: the container dies with SIGKILL
+
+    deadline = time.monotonic() + 150
+    while master.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = master.log()
+    assert master.phase() == "Succeeded", log
+
+    report = audit_report(master.path(f"{JOB_DIR}/audit.jsonl"), digits, epochs)
+    assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
+    with open(master.path(f"{JOB_DIR}/result.json")) as f:
+        result = json.load(f)
+    assert result["test_metrics"]["accuracy"] >= 0.85, result["test_metrics"]
+    with open(master.path(f"{JOB_DIR}/events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    died = [e for e in events if e["event"] == "died"]
+    assert [e["worker"] for e in died] == [victim["id"]], died
+    assert "137" in died[0]["reason"] or "SIGKILL" in died[0]["reason"], died[0]
+    assert any(e["event"] == "relaunched" and e["worker"] == victim["id"] for e in events)
+
+    # What the worker pods were: the master's image, owned by the master pod, no API token.
+    master_uid = api.read_namespaced_pod("train-step-7f9c", ns).metadata.uid
+    workers = [e[4] for e in cluster.server.store.history
+               if e[1] == "pods" and e[3] == "ADDED" and e[4]["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "worker"]
+    assert len(workers) == 4, [w["metadata"]["name"] for w in workers]  # 3 and the replacement
+    for pod in workers:
+        assert pod["spec"]["containers"][0]["image"] == TEST_IMAGE
+        assert [r["uid"] for r in pod["metadata"]["ownerReferences"]] == [master_uid]
+        assert not any("kube-api-access" in v["name"] for v in pod["spec"].get("volumes", []))
+
+    # Nothing of the job is left: its pods, Secret and NetworkPolicies were deleted by the master itself.
+    instance = workers[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
+    left = [o["metadata"]["name"] for plural in ("pods", "secrets", "networkpolicies") for o in cluster.objects(plural)
+            if o["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == instance]
+    assert left == []
+
+    # The verbs the job used are exactly the Role's: nothing refused, nothing granted in vain.
+    assert cluster.refused() == set()
+    used = cluster.used()
+    assert {n for _, _, n in used} == {ns}
+    assert {(verb, resource) for verb, resource, _ in used} == role_rules()
