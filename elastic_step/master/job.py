@@ -35,6 +35,7 @@ from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.protocol import JobSpec
 from elastic_step.tracking.recorder import TrainingRecorder
+from elastic_step.tracking.run import tracking_errors
 from elastic_step.tracking.uri import redact
 
 log = logging.getLogger("elastic_step.master")
@@ -139,14 +140,16 @@ def run_job(config: TrainConfig) -> JobResult:
     manifest, model_def, trainer = check_inputs(config)
     # MLflow first: unreachable tracking, or a run that cannot be resumed with these inputs, is
     # an error before any port is bound or worker starts.
-    recorder = TrainingRecorder(config, manifest, trainer, model_def)
+    with tracking_errors(f"job {config.job_name}"):
+        recorder = TrainingRecorder(config, manifest, trainer, model_def)
     try:
-        with contextlib.ExitStack() as running:
-            master = start_master(config, manifest, recorder, running)
-            supervise(master.state, recorder, config.progress)
-        if master.state.state != "succeeded":
-            raise JobFailed(f"job {config.job_name} failed: {master.state.failure}")
-        return finish_job(config, manifest, recorder, trainer, master, started)
+        with tracking_errors(f"job {config.job_name}"):
+            with contextlib.ExitStack() as running:
+                master = start_master(config, manifest, recorder, running)
+                supervise(master.state, recorder, config.progress)
+            if master.state.state != "succeeded":
+                raise JobFailed(f"job {config.job_name} failed: {master.state.failure}")
+            return finish_job(config, manifest, recorder, trainer, master, started)
     except BaseException:
         try:
             recorder.finish(False, config.job_dir)  # the run is FAILED (and resumable), never left RUNNING

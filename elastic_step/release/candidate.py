@@ -4,6 +4,7 @@ model definition (a parameter of the run) and the rows it is judged on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -12,6 +13,7 @@ from elastic_step.data.reader import ShardReader
 from elastic_step.errors import DataError
 from elastic_step.frameworks.model_def import ModelDefinition, batch_arrays, load_model_definition
 from elastic_step.tracking.run import TrackingError
+from elastic_step.tracking.uri import redact
 
 
 @dataclass
@@ -30,7 +32,7 @@ def load_candidate(client, run_id: str, model_uri: str) -> Candidate:
     try:
         run = client.get_run(run_id)
     except MlflowException:
-        raise TrackingError(f"training run {run_id!r} does not exist on {client.tracking_uri}; "
+        raise TrackingError(f"training run {run_id!r} does not exist on {redact(client.tracking_uri)}; "
                             "pass the run id the training step wrote") from None
     model_def = run.data.params.get("model_def")
     if not model_def:
@@ -39,28 +41,60 @@ def load_candidate(client, run_id: str, model_uri: str) -> Candidate:
                      dict(run.data.params), dict(run.data.metrics), run.info.experiment_id)
 
 
-def split_arrays(data: str, model_def: ModelDefinition, split: str = "test") -> tuple[np.ndarray, np.ndarray]:
-    """The features and labels of a split, as the model definition feeds them."""
+def _test_manifest(data: str, split: str):
     manifest = load_manifest(data)
     if manifest.rows(split) == 0:
         raise DataError(f"the {split} split of {manifest.root} is empty; prepare the data with a non-zero "
                         f"{split} fraction (e.g. --split 0.8,0.1,0.1)")
     validate_shards(manifest, [split])
-    batch = ShardReader(manifest).read_split(split)
-    return batch_arrays(model_def, batch, manifest.features, manifest.label)
+    return manifest
 
 
-def candidate_rows(candidate: Candidate, data: str, split: str = "test"):
-    return split_arrays(data, load_model_definition(candidate.model_def_source), split)
+def split_batches(data: str, model_def: ModelDefinition, split: str = "test") -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The features and labels of a split, one shard at a time, as the model definition feeds
+    them: memory holds one shard, however large the split."""
+    manifest = _test_manifest(data, split)
+    reader = ShardReader(manifest)
+    try:
+        for index, shard in enumerate(manifest.splits[split]):
+            batch = reader.read(split, index, 0, shard.rows)
+            yield batch_arrays(model_def, batch, manifest.features, manifest.label)
+    finally:
+        reader.close()
 
 
-def predict(model_uri: str, features: np.ndarray) -> np.ndarray:
-    """Outputs of any logged or registered MLflow model through its pyfunc flavour, so that
-    PyTorch, TorchScript and Keras models are judged by one code path."""
+def split_head(data: str, model_def: ModelDefinition, rows: int, split: str = "test") -> np.ndarray:
+    """The features of the first `rows` rows of a split (an input example), reading only the row
+    groups that hold them."""
+    manifest = _test_manifest(data, split)
+    reader = ShardReader(manifest)
+    try:
+        batch = reader.read(split, 0, 0, min(rows, manifest.splits[split][0].rows))
+    finally:
+        reader.close()
+    return batch_arrays(model_def, batch, manifest.features, manifest.label)[0]
+
+
+def load_pyfunc(model_uri: str):
     import mlflow.pyfunc
 
     try:
-        model = mlflow.pyfunc.load_model(model_uri)
+        return mlflow.pyfunc.load_model(model_uri)
     except Exception as exc:
         raise TrackingError(f"model {model_uri!r} cannot be loaded: {type(exc).__name__}: {str(exc)[:300]}") from None
-    return np.asarray(model.predict(features))
+
+
+def predict_split(model_uris: list[str], data: str, model_def: ModelDefinition,
+                  split: str = "test") -> tuple[list[np.ndarray], np.ndarray]:
+    """Every model's outputs on a split, and its labels. Any logged or registered MLflow model
+    goes through its pyfunc flavour, so that PyTorch, TorchScript and Keras models are judged by
+    one code path; the split is read and predicted one shard at a time, so only the outputs and
+    labels are held whole."""
+    models = [load_pyfunc(uri) for uri in model_uris]
+    outputs: list[list[np.ndarray]] = [[] for _ in models]
+    labels = []
+    for features, batch_labels in split_batches(data, model_def, split):
+        labels.append(batch_labels)
+        for model, out in zip(models, outputs):
+            out.append(np.asarray(model.predict(features)))
+    return [np.concatenate(out) for out in outputs], np.concatenate(labels)

@@ -3,6 +3,7 @@ step) resumes, nested under a pipeline's parent run when one is given."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,6 +36,18 @@ RESUME_MUST_MATCH = {
 
 class TrackingError(ElasticStepError):
     """MLflow cannot be used (unreachable at start, no such run or model)."""
+
+
+@contextlib.contextmanager
+def tracking_errors(what: str):
+    """An error MLflow raises inside becomes one TrackingError line, without the tracking URI's
+    password (MLflow puts the whole URI into its messages)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as exc:
+        raise TrackingError(redact(f"{what}: MLflow failed: {' '.join(str(exc).split())[:400]}")) from None
 
 
 def default_tracking_uri(job_dir: str) -> str:
