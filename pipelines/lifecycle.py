@@ -1,11 +1,24 @@
 """The task graph both pipelines share: prepare → train → evaluate → if blessed: export → promote."""
 
-from kfp import dsl
+from kfp import dsl, kubernetes
 from kfp.dsl import Dataset, Input, Model
 
 from elastic_step.components import evaluate_model, export_model, prepare_data, promote_model, train_elastic
 
 TRAIN_RETRIES = 2  # a retried training task resumes its MLflow run from the newest checkpoint
+# The downward API, as the Kubernetes backend reads it: the train task's process is the elastic
+# master; its pod owns the worker pods, they go to its namespace and call it on its pod IP (it
+# listens there, not on loopback).
+MASTER_ENV = {"ELASTIC_STEP_POD_NAME": "metadata.name", "ELASTIC_STEP_POD_UID": "metadata.uid",
+              "ELASTIC_STEP_POD_NAMESPACE": "metadata.namespace", "ELASTIC_STEP_POD_IP": "status.podIP"}
+# Every task's pod carries it: deploy/mlflow's NetworkPolicy admits these pods.
+PART_OF = ("app.kubernetes.io/part-of", "elastic-step")
+
+
+def as_elastic_master(task):
+    for env_name, field_path in MASTER_ENV.items():
+        kubernetes.use_field_path_as_env(task, env_name=env_name, field_path=field_path)
+    return task
 
 
 def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, caching: bool):
@@ -40,6 +53,7 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
             warm_start_alias=warm_start_alias, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, job_dir=job_dir,
         )
         trained.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="30s", backoff_factor=2.0)
+        as_elastic_master(trained)
         judged = evaluate_model(
             candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"], registered_model=registered_model,
             floors=floors, min_gains=min_gains, mlflow_uri=mlflow_uri,
@@ -48,6 +62,8 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
             blessed=judged.outputs["blessed"], candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"],
             registered_model=registered_model, mlflow_uri=mlflow_uri,
         )
+        for task in (prepared, trained, judged):
+            kubernetes.add_pod_label(task, *PART_OF)
         for task in (prepared, trained, judged, released):
             task.set_caching_options(caching)
 
@@ -67,6 +83,7 @@ def _release_if_blessed(caching: bool):
             promoted = promote_model(registered_model=registered_model, version=exported.outputs["model_version"],
                                      mlflow_uri=mlflow_uri)
             for task in (exported, promoted):
+                kubernetes.add_pod_label(task, *PART_OF)
                 task.set_caching_options(caching)
 
     return release

@@ -228,12 +228,10 @@ def test_dag_order_guards_and_retries():
         assert retry["limit"] == 3 and retry["backoff"] == {"duration": "30s", "factor": 2, "maxDuration": "1h"}
         assert "retryStrategy" not in templates_of(doc)["evaluate"]
         spec = doc["spec"]
-        assert spec["serviceAccountName"] == "{{workflow.parameters.service-account}}"
+        assert spec["serviceAccountName"] == "elastic-step-runner"
         assert spec["podGC"]["strategy"] and spec["ttlStrategy"]["secondsAfterSuccess"] > 0
-        patch = json.loads(templates_of(doc)["train"]["podSpecPatch"])
-        assert patch["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "{{inputs.parameters.gpus}}"
-        gpu_arg = next(p for p in task(doc, "train")["arguments"]["parameters"] if p["name"] == "gpus")
-        assert gpu_arg["value"] == "{{workflow.parameters.train-gpus}}"
+        assert templates_of(doc)["train"]["container"]["resources"] == {
+            "requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
     train_args = {p: templates_of(docs[f"{p}-workflowtemplate.yaml"])["train"]["container"]["args"]
                   for p in ("training", "retraining")}
     assert "--warm-start-alias" not in train_args["training"]
@@ -283,6 +281,154 @@ def test_image_is_the_project_image_unless_overridden(monkeypatch):
     monkeypatch.setenv("ELASTIC_STEP_IMAGE", "registry.example/custom:1")
     other = yaml.safe_load(render_texts(["training"], RenderOptions())["training-workflowtemplate.yaml"])
     assert {t["container"]["image"] for t in other["spec"]["templates"] if "container" in t} == {"registry.example/custom:1"}
+
+
+def test_the_train_step_is_an_elastic_master_that_knows_its_own_pod():
+    # The downward API, under the names the Kubernetes backend reads.
+    from elastic_step.backends.kubernetes import options
+
+    for pipeline in ("training", "retraining"):
+        env = _env(templates_of(documents()[f"{pipeline}-workflowtemplate.yaml"])["train"])
+        fields = {name: e["valueFrom"]["fieldRef"]["fieldPath"] for name, e in env.items() if "valueFrom" in e
+                  and "fieldRef" in e["valueFrom"]}
+        assert fields == {"ELASTIC_STEP_POD_NAME": "metadata.name", "ELASTIC_STEP_POD_UID": "metadata.uid",
+                          "ELASTIC_STEP_POD_NAMESPACE": "metadata.namespace", "ELASTIC_STEP_POD_IP": "status.podIP"}
+        assert env["ELASTIC_STEP_IMAGE"]["value"] == default_image()  # the workers' image
+    source = Path(options.__file__).read_text()
+    assert all(f'"{name}"' in source for name in fields)
+    labels = documents()["training-workflowtemplate.yaml"]["spec"]["podMetadata"]["labels"]
+    assert labels["app.kubernetes.io/part-of"] == "elastic-step"  # deploy/mlflow's NetworkPolicy admits these
+
+
+POD_FIELDS = ("podSpecPatch", "serviceAccountName", "resources", "securityContext", "nodeSelector", "tolerations",
+              "volumes", "hostNetwork", "automountServiceAccountToken")
+
+
+def _pod_fields(node, path=""):
+    """Every value under a field that shapes the pod (not args or env), with its path."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in POD_FIELDS:
+                yield f"{path}/{key}", value
+            yield from _pod_fields(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _pod_fields(value, f"{path}/{i}")
+
+
+@pytest.mark.parametrize("variant,name", ALL)
+def test_no_run_parameter_reaches_the_pod_spec(variant, name):
+    # A parameter pasted into a podSpecPatch can rewrite the pod (privileged, host paths); one in
+    # serviceAccountName chooses its API rights. Both are fixed when rendering.
+    doc = documents(variant)[name]
+    reached = [(where, ref) for where, value in _pod_fields(doc) for ref in _refs(value)]
+    assert reached == []
+    assert "podSpecPatch" not in json.dumps(doc)
+
+
+MALICIOUS_CPU = '4"}}}],"securityContext":{"privileged":true},"containers":[{"name":"main","resources":{"requests":{"cpu":"4'
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--train-cpu", MALICIOUS_CPU),
+    ("--train-memory", "8Gi\nsecurityContext: {privileged: true}"),
+    ("--step-cpu", "{{workflow.parameters.step-cpu}}"),
+    ("--step-memory", "-1Gi"),
+    ("--service-account", "{{workflow.parameters.service-account}}"),
+])
+def test_render_refuses_what_is_not_a_quantity_or_a_name(tmp_path, capsys, flag, value):
+    out = tmp_path / "argo"
+    assert main(["argo", "render", "--pipeline", "all", "--out", str(out), f"{flag}={value}"]) == 2
+    error = capsys.readouterr().err
+    assert flag in error and len(error.strip().splitlines()) == 1, error
+    assert not out.exists()
+
+
+def test_render_puts_checked_resources_and_the_service_account_in_the_pod_spec(tmp_path):
+    assert main(["argo", "render", "--pipeline", "training", "--out", str(tmp_path), "--train-cpu", "500m",
+                 "--train-memory", "3.5Gi", "--train-gpus", "2", "--step-memory", "1Gi",
+                 "--service-account", "team-a-runner"]) == 0
+    doc = yaml.safe_load((tmp_path / "training-workflowtemplate.yaml").read_text())
+    assert doc["spec"]["serviceAccountName"] == "team-a-runner"
+    templates = templates_of(doc)
+    assert templates["train"]["container"]["resources"] == {
+        "requests": {"cpu": "500m", "memory": "3.5Gi", "nvidia.com/gpu": "2"},
+        "limits": {"memory": "3.5Gi", "nvidia.com/gpu": "2"}}
+    assert templates["evaluate"]["container"]["resources"]["limits"] == {"memory": "1Gi"}
+
+
+# ---- the argo-workflows package's typed models (no ../shared needed) ---------------------------
+
+def typed(doc: dict):
+    """The document loaded into the argo-workflows package's models, as its API client does with
+    a server's answer: every field typed, required fields present. IntOrString fields (retry
+    limit, backoff factor) are typed str there; Argo accepts integers, so they are given as text."""
+    from argo_workflows.api_client import ApiClient
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_cron_workflow import IoArgoprojWorkflowV1alpha1CronWorkflow
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_workflow import IoArgoprojWorkflowV1alpha1Workflow
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_workflow_template import (
+        IoArgoprojWorkflowV1alpha1WorkflowTemplate,
+    )
+
+    models = {"Workflow": IoArgoprojWorkflowV1alpha1Workflow, "WorkflowTemplate": IoArgoprojWorkflowV1alpha1WorkflowTemplate,
+              "CronWorkflow": IoArgoprojWorkflowV1alpha1CronWorkflow}
+    doc = copy.deepcopy(doc)
+    spec = doc["spec"].get("workflowSpec", doc["spec"])
+    for template in spec.get("templates", []):
+        retry = template.get("retryStrategy")
+        if retry:
+            retry["limit"] = str(retry["limit"])
+            if "backoff" in retry and "factor" in retry["backoff"]:
+                retry["backoff"]["factor"] = str(retry["backoff"]["factor"])
+
+    class Response:
+        data = json.dumps(doc)
+
+    client = ApiClient()
+    return client, client.deserialize(Response(), (models[doc["kind"]],), True), doc
+
+
+def unknown_fields(obj, path="") -> list[str]:
+    """Keys the models do not know (the package keeps them instead of refusing them)."""
+    from argo_workflows.model_utils import OpenApiModel
+
+    found = []
+    if isinstance(obj, OpenApiModel):
+        known = type(obj).attribute_map
+        for key, value in obj._data_store.items():
+            if key not in known:
+                found.append(f"{path}/{key}")
+            found += unknown_fields(value, f"{path}/{known.get(key, key)}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            found += unknown_fields(value, f"{path}/{i}")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            found += unknown_fields(value, f"{path}/{key}")
+    return found
+
+
+@pytest.mark.parametrize("variant,name", ALL)
+def test_every_document_loads_into_argo_workflows_typed_models(variant, name):
+    client, model, given = typed(documents(variant)[name])
+    assert unknown_fields(model) == []
+    assert client.sanitize_for_serialization(model) == given  # nothing lost or changed on the way
+
+
+def test_typed_models_catch_what_yaml_syntax_does_not():
+    import argo_workflows
+
+    good = documents()["training-workflowtemplate.yaml"]
+    args_not_a_list = copy.deepcopy(good)
+    templates_of(args_not_a_list)["train"]["container"]["args"] = "train --epochs 5"
+    no_image = copy.deepcopy(good)
+    del templates_of(no_image)["train"]["container"]["image"]
+    for broken in (args_not_a_list, no_image):
+        with pytest.raises((argo_workflows.ApiTypeError, argo_workflows.ApiValueError, TypeError)):
+            typed(broken)
+    misspelt = copy.deepcopy(good)
+    templates_of(misspelt)["train"]["container"]["argz"] = ["train"]
+    assert unknown_fields(typed(misspelt)[1]) == ["/spec/templates/1/container/argz"]
 
 
 # ---- the committed YAML -------------------------------------------------------------------------

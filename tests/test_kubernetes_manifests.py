@@ -201,3 +201,37 @@ def test_the_kfp_example_sets_the_masters_downward_api_env(tmp_path):
     text = out.read_text()
     for name in ("ELASTIC_STEP_POD_NAME", "ELASTIC_STEP_POD_UID", "ELASTIC_STEP_POD_IP", "status.podIP"):
         assert name in text
+
+
+@pytest.mark.parametrize("pipeline", ["training_pipeline", "retraining_pipeline"])
+def test_the_compiled_kfp_train_task_sets_the_masters_downward_api_env(pipeline):
+    with open(os.path.join(ROOT, "pipelines", "compiled", f"{pipeline}.yaml")) as f:
+        documents = [d for d in yaml.safe_load_all(f) if d]
+    executors = next(d for d in documents if "platforms" in d)["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    fields = {e["name"]: e["fieldPath"] for e in executors["exec-train-elastic"]["fieldPathAsEnv"]}
+    assert fields == {"ELASTIC_STEP_POD_NAME": "metadata.name", "ELASTIC_STEP_POD_UID": "metadata.uid",
+                      "ELASTIC_STEP_POD_NAMESPACE": "metadata.namespace", "ELASTIC_STEP_POD_IP": "status.podIP"}
+    assert all(e["podMetadata"]["labels"]["app.kubernetes.io/part-of"] == "elastic-step" for e in executors.values())
+
+
+def test_a_master_with_a_pod_ip_listens_there_and_not_on_loopback(tmp_path, monkeypatch):
+    # What the KFP component does: a TrainConfig with the default host, in a pod with the env above.
+    from elastic_step.config import TrainConfig
+
+    monkeypatch.setenv("ELASTIC_STEP_POD_IP", "10.4.0.7")
+    config = TrainConfig(model_def="m", data="d", job_dir=str(tmp_path / "j"), backend="kubernetes")
+    assert config.host == "10.4.0.7"
+
+
+def test_the_backend_refuses_a_loopback_master_outside_a_pod(tmp_path):
+    from elastic_step.backends.api import LaunchSpec
+    from elastic_step.backends.kubernetes.backend import KubernetesBackend
+    from elastic_step.backends.kubernetes.options import PodSettings
+    from elastic_step.errors import ConfigError
+
+    token = tmp_path / "token"
+    token.write_text("t")
+    with pytest.raises(ConfigError) as error:  # no API call is made: `api` would fail if one were
+        KubernetesBackend(LaunchSpec("http://127.0.0.1:8080", str(token), str(tmp_path)), PodSettings(namespace="ml", image="i"),
+                          "j", api=object(), master=None)
+    assert "ELASTIC_STEP_POD_IP" in str(error.value) and "127.0.0.1" in str(error.value)

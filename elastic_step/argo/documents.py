@@ -1,7 +1,8 @@
 """The Argo documents of each pipeline: a WorkflowTemplate holding the DAG, a Workflow that runs
 it by reference (`workflowTemplateRef`), and — for retraining — a CronWorkflow that runs it on a
 schedule. Every setting a user tunes per run is a workflow parameter; what is fixed per cluster
-(image, PVC, MLflow Secret, schedule) is chosen when rendering.
+(image, PVC, MLflow Secret, schedule, the service account, each step's resources) is chosen
+when rendering: a run's parameters reach only command-line arguments, never the pod spec.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from hera.workflows import DAG, Artifact, CronWorkflow, Parameter, Task, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 
+from kubernetes.utils.quantity import parse_quantity
+
 from elastic_step.argo import steps
 from elastic_step.errors import ConfigError
 from elastic_step.images import default_image
@@ -19,6 +22,16 @@ from elastic_step.schedule import argo_cron, check_timezone
 
 PIPELINES = ("training", "retraining")
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# A Kubernetes quantity as the API server's own grammar has it (digits, a fraction, an SI or
+# binary suffix, or an exponent): nothing else can reach a pod spec.
+QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?[0-9]+)?$")
+
+
+def check_quantity(flag: str, value: str) -> None:
+    if not QUANTITY.match(str(value)) or float(parse_quantity(str(value))) <= 0:
+        raise ConfigError(f"{flag} {value!r} is not a positive Kubernetes quantity (e.g. 500m or 2 for CPU, 512Mi or 4Gi "
+                          "for memory)")
 LABELS = {"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/part-of": "elastic-step"}
 
 # Workflow parameters and their defaults: a run overrides any of them (`argo submit -p epochs=10`).
@@ -37,12 +50,6 @@ PARAMETERS = {
     "registered-model": "digits",
     "floor": "accuracy=0.9",
     "min-gain": "accuracy=0.0",
-    "service-account": "elastic-step",
-    "train-cpu": "4",
-    "train-memory": "8Gi",
-    "train-gpus": "0",
-    "step-cpu": "1",
-    "step-memory": "2Gi",
 }
 MLFLOW_URI_DEFAULT = "http://mlflow.mlflow.svc.cluster.local:5000"
 
@@ -59,10 +66,24 @@ class RenderOptions:
     timezone: str = "UTC"
     starting_deadline_seconds: int = 3600
     history_limit: int = 3
+    service_account: str = "elastic-step-runner"  # deploy/rbac's: the train step creates worker pods
+    train_cpu: str = "4"
+    train_memory: str = "8Gi"
+    train_gpus: int = 0
+    step_cpu: str = "1"
+    step_memory: str = "2Gi"
 
     def validate(self) -> None:
         if not self.image or any(c.isspace() for c in self.image):
             raise ConfigError(f"--image {self.image!r} is not an image reference; give one like ghcr.io/org/image:tag")
+        if not DNS_1123_SUBDOMAIN.match(self.service_account) or len(self.service_account) > 253:
+            raise ConfigError(f"--service-account {self.service_account!r} is not a valid Kubernetes name "
+                              "(lower-case letters, digits, '-' and '.')")
+        for flag, value in (("--train-cpu", self.train_cpu), ("--train-memory", self.train_memory),
+                            ("--step-cpu", self.step_cpu), ("--step-memory", self.step_memory)):
+            check_quantity(flag, value)
+        if self.train_gpus < 0:
+            raise ConfigError(f"--train-gpus {self.train_gpus} must be 0 or more")
         for flag, name in (("--pvc", self.pvc), ("--mlflow-secret", self.secret_name)):
             if name is not None and not DNS_1123.match(name):
                 raise ConfigError(f"{flag} {name!r} is not a valid Kubernetes name (lower-case letters, digits, '-')")
@@ -96,10 +117,6 @@ def _dataset(layout: steps.Layout) -> list:
     return [Artifact(name="dataset", from_="{{tasks.prepare-data.outputs.artifacts.dataset}}")]
 
 
-def _step_resources() -> dict[str, str]:
-    return {"cpu": "{{workflow.parameters.step-cpu}}", "memory": "{{workflow.parameters.step-memory}}"}
-
-
 def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate:
     """prepare-data → train → evaluate → (blessed) export → (blessed) promote."""
     if pipeline not in PIPELINES:
@@ -107,6 +124,8 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
     layout = steps.Layout(pvc=options.pvc)
     settings = steps.StepSettings(image=options.image, mlflow_secret=options.secret_name,
                                   mlflow_secret_key=options.secret_key)
+    step = steps.StepResources(cpu=options.step_cpu, memory=options.step_memory)
+    trainer = steps.StepResources(cpu=options.train_cpu, memory=options.train_memory, gpus=options.train_gpus)
     parameters = dict(PARAMETERS)
     if not options.mlflow_secret:
         parameters["mlflow-uri"] = MLFLOW_URI_DEFAULT
@@ -120,39 +139,40 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         labels=LABELS,
         entrypoint=pipeline,
         arguments=[Parameter(name=name, value=value) for name, value in parameters.items()],
-        service_account_name="{{workflow.parameters.service-account}}",
+        service_account_name=options.service_account,
+        # Every step pod carries the project's labels: deploy/mlflow's NetworkPolicy admits them.
+        pod_metadata=m.Metadata(labels=LABELS),
         # Keep failed pods (their logs explain the failure); delete finished workflows after a while.
         pod_gc=m.PodGC(strategy="OnPodSuccess"),
         ttl_strategy=m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),
         volumes=volumes,
     ) as template:
-        prepare_c = steps.prepare_data(settings, layout)
-        train_c = steps.train(settings, layout, options.train_retries, warm_start=pipeline == "retraining")
-        evaluate_c = steps.evaluate(settings, layout)
-        export_c = steps.export(settings, layout)
-        promote_c = steps.promote(settings, layout)
+        prepare_c = steps.prepare_data(settings, layout, step)
+        train_c = steps.train(settings, layout, options.train_retries, warm_start=pipeline == "retraining",
+                              resources=trainer)
+        evaluate_c = steps.evaluate(settings, layout, step)
+        export_c = steps.export(settings, layout, step)
+        promote_c = steps.promote(settings, layout, step)
         with DAG(name=pipeline):
             Task(name="prepare-data", template=prepare_c,
-                 arguments=_from_workflow("source", "label", "seed") | _step_resources())
-            train_args = _from_workflow(*steps.TRAIN_INPUTS) | {
-                "cpu": "{{workflow.parameters.train-cpu}}", "memory": "{{workflow.parameters.train-memory}}",
-                "gpus": "{{workflow.parameters.train-gpus}}"}
+                 arguments=_from_workflow("source", "label", "seed"))
+            train_args = _from_workflow(*steps.TRAIN_INPUTS)
             if pipeline == "retraining":
                 train_args |= _from_workflow("registered-model")
             Task(name="train", template=train_c, depends="prepare-data",
                  arguments=[Parameter(name=k, value=v) for k, v in train_args.items()] + _dataset(layout))
             evaluate_args = {"run-id": "{{tasks.train.outputs.parameters.run_id}}",
                              "model-uri": "{{tasks.train.outputs.parameters.model_uri}}"}
-            evaluate_args |= _from_workflow("registered-model", "floor", "min-gain") | _step_resources()
+            evaluate_args |= _from_workflow("registered-model", "floor", "min-gain")
             Task(name="evaluate", template=evaluate_c, depends="train",
                  arguments=[Parameter(name=k, value=v) for k, v in evaluate_args.items()] + _dataset(layout))
             export_args = {"run-id": "{{tasks.train.outputs.parameters.run_id}}",
                            "model-uri": "{{tasks.train.outputs.parameters.model_uri}}"}
-            export_args |= _from_workflow("registered-model") | _step_resources()
+            export_args |= _from_workflow("registered-model")
             Task(name="export", template=export_c, depends="evaluate", when=blessed,
                  arguments=[Parameter(name=k, value=v) for k, v in export_args.items()] + _dataset(layout))
             promote_args = {"version": "{{tasks.export.outputs.parameters.model_version}}"}
-            promote_args |= _from_workflow("registered-model") | _step_resources()
+            promote_args |= _from_workflow("registered-model")
             Task(name="promote", template=promote_c, depends="export.Succeeded", when=blessed, arguments=promote_args)
     return template
 

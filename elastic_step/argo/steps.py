@@ -10,10 +10,9 @@ here), or on a shared PersistentVolumeClaim mounted in every step, one folder pe
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from hera.workflows import Artifact, Container, Env, Parameter, SecretEnv
+from hera.workflows import Artifact, Container, Env, FieldEnv, Parameter, Resources, SecretEnv
 from hera.workflows import models as m
 
 ENTRYPOINT = "elastic-step"
@@ -66,17 +65,29 @@ class StepSettings:
                 Env(name="ELASTIC_STEP_IMAGE", value=self.image)]
 
 
+@dataclass(frozen=True)
+class StepResources:
+    """A step container's resources, fixed when the YAML is rendered (checked quantities): no
+    workflow parameter reaches the pod spec, so a run cannot ask for more than the template
+    allows, nor smuggle other fields in through a podSpecPatch."""
+
+    cpu: str
+    memory: str
+    gpus: int = 0
+
+    def build(self) -> Resources:
+        return Resources(cpu_request=self.cpu, memory_request=self.memory, memory_limit=self.memory,
+                         gpus=self.gpus or None)
+
+
+# The downward API: the train step's process is the elastic master; it learns who and where it
+# is from these (owner of its worker pods, the namespace they go to, the address they call).
+MASTER_ENV = (("ELASTIC_STEP_POD_NAME", "metadata.name"), ("ELASTIC_STEP_POD_UID", "metadata.uid"),
+              ("ELASTIC_STEP_POD_NAMESPACE", "metadata.namespace"), ("ELASTIC_STEP_POD_IP", "status.podIP"))
+
+
 def _param(name: str) -> str:
     return f"{{{{inputs.parameters.{name}}}}}"
-
-
-def _resources_patch(gpus: bool) -> str:
-    """Resource quantities cannot hold `{{...}}` in `resources:` (the controller parses them as
-    quantities before substitution); a podSpecPatch is Argo's documented way to parameterise them."""
-    resources = {"requests": {"cpu": _param("cpu"), "memory": _param("memory")}}
-    if gpus:
-        resources["limits"] = {"memory": _param("memory"), "nvidia.com/gpu": _param("gpus")}
-    return json.dumps({"containers": [{"name": "main", "resources": resources}]}, sort_keys=True)
 
 
 def _outputs(layout: Layout, step: str, parameters: list[str], artifacts: dict[str, str]) -> list:
@@ -97,34 +108,34 @@ def _inputs(layout: Layout, parameters: list[str], dataset: bool) -> list:
 
 
 def _container(name: str, settings: StepSettings, layout: Layout, args: list[str], inputs: list, outputs: list,
-               gpus: bool = False, retry_strategy: m.RetryStrategy | None = None) -> Container:
+               resources: StepResources, retry_strategy: m.RetryStrategy | None = None, env: list | None = None) -> Container:
     return Container(
         name=name,
         image=settings.image,
         command=[ENTRYPOINT],
         args=args,
-        env=settings.env(),
-        inputs=inputs + [Parameter(name="cpu"), Parameter(name="memory")] + ([Parameter(name="gpus")] if gpus else []),
+        env=settings.env() + (env or []),
+        inputs=inputs,
         outputs=outputs,
-        pod_spec_patch=_resources_patch(gpus),
+        resources=resources.build(),
         volume_mounts=layout.volume_mounts(),
         retry_strategy=retry_strategy,
     )
 
 
-def prepare_data(settings: StepSettings, layout: Layout) -> Container:
+def prepare_data(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
     out = layout.outputs("prepare-data")
     args = ["prepare-data", "--source", _param("source"), "--label", _param("label"), "--out", f"{out}/dataset",
             "--seed", _param("seed"), "--outputs", out]
     return _container("prepare-data", settings, layout, args, _inputs(layout, ["source", "label", "seed"], False),
-                      _outputs(layout, "prepare-data", [], {"dataset": "dataset", "summary": "summary.md"}))
+                      _outputs(layout, "prepare-data", [], {"dataset": "dataset", "summary": "summary.md"}), resources)
 
 
 TRAIN_INPUTS = ["model-def", "workers", "epochs", "minibatch-size", "minibatches-per-task", "checkpoint-steps",
                 "seed", "backend", "experiment"]
 
 
-def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool) -> Container:
+def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool, resources: StepResources) -> Container:
     args = ["train", "--model-def", _param("model-def"), "--data", layout.dataset_in(), "--job-dir", layout.job_dir()]
     for name in TRAIN_INPUTS[1:]:
         args += [f"--{name}", _param(name)]
@@ -145,28 +156,29 @@ def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool
     )
     return _container("train", settings, layout, args, _inputs(layout, inputs, True),
                       _outputs(layout, "train", ["run_id", "model_uri"], {"metrics": "metrics.json", "model": "model"}),
-                      gpus=True, retry_strategy=retry)
+                      resources, retry_strategy=retry, env=[FieldEnv(name=n, field_path=f) for n, f in MASTER_ENV])
 
 
-def evaluate(settings: StepSettings, layout: Layout) -> Container:
+def evaluate(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
     args = ["evaluate", "--run-id", _param("run-id"), "--model-uri", _param("model-uri"), "--data", layout.dataset_in(),
             "--registered-model", _param("registered-model"), "--floor", _param("floor"),
             "--min-gain", _param("min-gain"), "--outputs", layout.outputs("evaluate")]
     inputs = _inputs(layout, ["run-id", "model-uri", "registered-model", "floor", "min-gain"], True)
     return _container("evaluate", settings, layout, args, inputs,
-                      _outputs(layout, "evaluate", ["blessed", "reason"], {"metrics": "metrics.json", "report": "report.md"}))
+                      _outputs(layout, "evaluate", ["blessed", "reason"], {"metrics": "metrics.json", "report": "report.md"}),
+                      resources)
 
 
-def export(settings: StepSettings, layout: Layout) -> Container:
+def export(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
     args = ["export", "--run-id", _param("run-id"), "--model-uri", _param("model-uri"), "--data", layout.dataset_in(),
             "--registered-model", _param("registered-model"), "--outputs", layout.outputs("export")]
     return _container("export", settings, layout, args,
                       _inputs(layout, ["run-id", "model-uri", "registered-model"], True),
-                      _outputs(layout, "export", ["model_version", "registered_model_uri"], {}))
+                      _outputs(layout, "export", ["model_version", "registered_model_uri"], {}), resources)
 
 
-def promote(settings: StepSettings, layout: Layout) -> Container:
+def promote(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
     args = ["promote", "--registered-model", _param("registered-model"), "--version", _param("version"),
             "--outputs", layout.outputs("promote")]
     return _container("promote", settings, layout, args, _inputs(layout, ["registered-model", "version"], False),
-                      _outputs(layout, "promote", ["champion_version"], {}))
+                      _outputs(layout, "promote", ["champion_version"], {}), resources)

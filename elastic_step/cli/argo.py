@@ -21,6 +21,14 @@ def register(sub) -> None:
     r.add_argument("--starting-deadline", type=int, default=3600,
                    help="seconds after a missed schedule within which the run still starts (default 3600)")
     r.add_argument("--history-limit", type=int, default=3, help="finished runs kept per outcome (default 3)")
+    r.add_argument("--service-account", default="elastic-step-runner",
+                   help="service account of the step pods; the train step creates worker pods with it (default "
+                        "elastic-step-runner, from deploy/rbac)")
+    r.add_argument("--train-cpu", default="4", help="CPU request of the train step (the master), a quantity (default 4)")
+    r.add_argument("--train-memory", default="8Gi", help="memory request and limit of the train step (default 8Gi)")
+    r.add_argument("--train-gpus", type=int, default=0, help="nvidia.com/gpu of the train step (default 0)")
+    r.add_argument("--step-cpu", default="1", help="CPU request of every other step (default 1)")
+    r.add_argument("--step-memory", default="2Gi", help="memory request and limit of every other step (default 2Gi)")
     r.set_defaults(func=run_render)
 
 
@@ -30,7 +38,9 @@ def run_render(args) -> int:
     extra = {"image": args.image} if args.image else {}
     options = RenderOptions(pvc=args.pvc, mlflow_secret=args.mlflow_secret, train_retries=args.train_retries,
                             cron=args.cron, timezone=args.timezone, starting_deadline_seconds=args.starting_deadline,
-                            history_limit=args.history_limit, **extra)
+                            history_limit=args.history_limit, service_account=args.service_account,
+                            train_cpu=args.train_cpu, train_memory=args.train_memory, train_gpus=args.train_gpus,
+                            step_cpu=args.step_cpu, step_memory=args.step_memory, **extra)
     pipelines = list(PIPELINES) if args.pipeline == "all" else [args.pipeline]
     for path in render(pipelines, args.out, options):
         print(f"wrote {path}")
