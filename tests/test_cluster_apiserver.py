@@ -16,6 +16,7 @@ from kubernetes import client as k8s
 from kubernetes import watch
 
 from cluster import Cluster, role_rules
+from cluster.kubelet import can_isolate
 from elastic_step.backends.kubernetes import client as es_client
 
 pytestmark = pytest.mark.e2e
@@ -198,7 +199,18 @@ def run_pod(cluster, name, script, timeout=30, **spec):
     return done, api.read_namespaced_pod_log(name, cluster.namespace)
 
 
-def test_a_pod_sees_only_its_spec_its_volumes_and_its_own_folders(cluster, tmp_path):
+@pytest.mark.parametrize("isolate", [True, False], ids=["namespaces", "folders"])
+def test_a_pod_sees_only_its_spec_its_volumes_and_its_own_folders(tmp_path, isolate):
+    """Both runtimes: with a mount namespace (what this machine's kind allows: root and unshare)
+    and without one (own working folder and HOME, mount paths rewritten)."""
+    if isolate and not can_isolate():
+        pytest.fail("this node cannot make mount namespaces (needs root and unshare)")
+    with Cluster(str(tmp_path / "cluster"), isolate=isolate) as cluster:
+        print(f"kubelet runtime: {cluster.kubelet.mode}")
+        check_pod_view(cluster, tmp_path)
+
+
+def check_pod_view(cluster, tmp_path):
     secret_file = tmp_path / "master-job" / "token"
     secret_file.parent.mkdir()
     secret_file.write_text("the master's own file")
@@ -207,11 +219,11 @@ def test_a_pod_sees_only_its_spec_its_volumes_and_its_own_folders(cluster, tmp_p
     script = f"""
 import os, stat
 print("env", os.environ.get("ME"), os.environ.get("MY_UID") != "", os.environ.get("IP"), os.environ.get("HOST_MARK"))
-st = os.stat("/var/run/tok/token")
-print("secret", open("/var/run/tok/token").read(), oct(stat.S_IMODE(st.st_mode)))
+st = os.stat(os.environ["TOK"])  # a mount path, given in env as the backend gives its token file
+print("secret", open(os.environ["TOK"]).read(), oct(stat.S_IMODE(st.st_mode)))
 print("uid", os.getuid(), os.getgid(), sorted(os.getgroups()))
 print("master file visible", os.path.exists({str(secret_file)!r}), {cluster.root!r} and os.path.exists({cluster.root!r}))
-print("tmp", os.listdir("/tmp"), "cwd", os.getcwd())
+print("tmp", os.listdir("/tmp"), "cwd", os.getcwd(), "home", os.environ["HOME"] == os.getcwd())
 try:
     open("/etc/pod-was-here", "w")
     print("root writable")
@@ -228,7 +240,8 @@ except OSError:
         api_pod = pod("seer", image=cluster.project_image, command=["python", "-c", script], **body_spec)
         api_pod.spec.containers[0].env = [k8s.V1EnvVar(name="ME", value_from=downward("metadata.name")),
                                           k8s.V1EnvVar(name="MY_UID", value_from=downward("metadata.uid")),
-                                          k8s.V1EnvVar(name="IP", value_from=downward("status.podIP"))]
+                                          k8s.V1EnvVar(name="IP", value_from=downward("status.podIP")),
+                                          k8s.V1EnvVar(name="TOK", value="/var/run/tok/token")]
         api_pod.spec.containers[0].volume_mounts = [k8s.V1VolumeMount(name="tok", mount_path="/var/run/tok", read_only=True)]
         api.create_namespaced_pod(cluster.namespace, api_pod)
         done = wait_for(lambda: (p := api.read_namespaced_pod("seer", cluster.namespace)).status.phase in ("Succeeded", "Failed") and p,
@@ -239,11 +252,13 @@ except OSError:
     print(out)
     assert done.status.phase == "Succeeded", out
     assert "env seer True 127.0.0.1 None" in out
-    assert "uid 1000 1000 [1000]" in out
+    assert "secret s3cret 0o440" in out
     if cluster.kubelet.isolation == "namespaces":
-        assert "secret s3cret 0o440" in out
+        assert "uid 1000 1000 [1000]" in out
         assert "master file visible False False" in out
-        assert "tmp [] cwd /home/elastic" in out and "root read-only" in out
+        assert "tmp [] cwd /home/elastic home True" in out and "root read-only" in out
+    else:  # an own empty working folder as HOME; the rest of the machine is not hidden, the user is the node's
+        assert "home True" in out
     status = done.status.container_statuses[0]
     assert status.state.terminated.exit_code == 0 and status.state.terminated.reason == "Completed"
     assert done.status.pod_ip == "127.0.0.1" and done.spec.node_name == "node-1"

@@ -8,8 +8,9 @@ Containers run as local processes (the *process runtime*), each with:
   private /tmp, /home, /run and /dev/shm, the volumes bind-mounted at their mount paths, every
   other mount read-only — so a pod cannot reach the master's job folder or another pod's files;
   without that (`isolation == "folders"`) a pod gets its own empty working folder and HOME, and
-  the paths of its mounts are rewritten in its env (it could still open any path it is told);
-- the pod's user and groups (`runAsUser`, `fsGroup`, else the image's USER);
+  the paths of its mounts are rewritten in its env (it could still open any path it is told,
+  and it runs as the node's own user);
+- the pod's user and groups (`runAsUser`, `fsGroup`, else the image's USER; namespaces only);
 - its memory limit as a memory cgroup where one can be made; the kernel's OOM kill there is
   reported as `OOMKilled`, as a container runtime does;
 - its env from the spec only (downward-API `fieldRef`s and `secretKeyRef`s resolved) plus the
