@@ -235,3 +235,44 @@ def test_the_backend_refuses_a_loopback_master_outside_a_pod(tmp_path):
         KubernetesBackend(LaunchSpec("http://127.0.0.1:8080", str(token), str(tmp_path)), PodSettings(namespace="ml", image="i"),
                           "j", api=object(), master=None)
     assert "ELASTIC_STEP_POD_IP" in str(error.value) and "127.0.0.1" in str(error.value)
+
+
+def test_mlflow_requires_authentication_with_credentials_only_from_a_secret():
+    objects = deploy_objects()
+    for where in ("deploy", "deploy/mlflow-postgres"):
+        deployment = next(o for w, o in objects if o["kind"] == "Deployment" and w == where)
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        command = container["command"] + container.get("args", [])
+        assert command[command.index("--app-name") + 1] == "basic-auth"
+        env = {e["name"]: e for e in container["env"]}
+        for name, key in (("MLFLOW_AUTH_ADMIN_USERNAME", "admin-username"), ("MLFLOW_AUTH_ADMIN_PASSWORD", "admin-password"),
+                          ("MLFLOW_FLASK_SERVER_SECRET_KEY", "flask-secret-key")):
+            assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-auth", "key": key}
+        assert "value" not in env["MLFLOW_AUTH_ADMIN_PASSWORD"]
+    config = next(o for w, o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "mlflow-auth")
+    ini = config["data"]["basic_auth.ini"]
+    assert "admin_password" not in ini and "database_uri = sqlite:////mlflow/" in ini  # on the volume, not the image
+    # No literal credential anywhere under deploy/.
+    for where, obj in objects:
+        for container in (obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])):
+            for e in container.get("env", []):
+                if any(word in e["name"] for word in ("PASSWORD", "SECRET", "TOKEN")):
+                    assert "value" not in e, f"{where}: {e['name']} is a literal"
+
+
+def test_mlflow_admits_only_elastic_step_pods():
+    objects = deploy_objects()
+    policy = next(o for w, o in objects if o["kind"] == "NetworkPolicy" and w == "deploy")
+    mlflow = next(o for w, o in objects if o["kind"] == "Deployment" and w == "deploy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= mlflow["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    assert [p["podSelector"]["matchLabels"] for p in rule["from"]] == [{"app.kubernetes.io/part-of": "elastic-step"}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 5000}]
+    # The pods it admits carry that label: worker pods (the backend) and the Argo step pods.
+    from elastic_step.backends.kubernetes.manifests import JobNames
+
+    assert JobNames.for_job("j").labels("worker")["app.kubernetes.io/part-of"] == "elastic-step"
+    with open(os.path.join(ROOT, "pipelines", "argo", "training-workflowtemplate.yaml")) as f:
+        template = yaml.safe_load(f)
+    assert template["spec"]["podMetadata"]["labels"]["app.kubernetes.io/part-of"] == "elastic-step"
