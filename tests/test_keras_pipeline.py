@@ -24,7 +24,7 @@ def test_training_pipeline_with_the_keras_model_blesses_exports_a_savedmodel_and
     from mlflow.tracking import MlflowClient
 
     from elastic_step.pipelines.training_pipeline import training_pipeline
-    from elastic_step.release.candidate import predict, split_arrays
+    from elastic_step.release.candidate import predict_split
     from elastic_step.tracking.run import connect
     from elastic_step.frameworks.model_def import load_model_definition
 
@@ -59,9 +59,8 @@ def test_training_pipeline_with_the_keras_model_blesses_exports_a_savedmodel_and
     assert flavor["model_type"] == "tf2-module"  # a SavedModel with serving_default, not a .keras file
 
     # It loads with pyfunc and predicts what the candidate the gate judged predicts.
-    features, labels = split_arrays(model_info["data"], load_model_definition("elastic_step.model_zoo.digits_keras"))
-    served = predict(f"models:/{NAME}@champion", features)
-    candidate = predict(result["model_uri"], features)
+    (served, candidate), labels = predict_split([f"models:/{NAME}@champion", result["model_uri"]], model_info["data"],
+                                                load_model_definition("elastic_step.model_zoo.digits_keras"))
     assert served.shape == (len(labels), 10)
     np.testing.assert_allclose(served, candidate, rtol=1e-5, atol=1e-5)
     assert (served.argmax(axis=1) == labels).mean() >= 0.9

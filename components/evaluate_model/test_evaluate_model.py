@@ -49,3 +49,25 @@ def test_a_test_split_that_ends_up_empty_is_a_clear_error(tmp_path, trained, mlf
                              split="0.9,0.1,0")
     with pytest.raises(DataError, match="test split .* is empty"):
         run_gate(tmp_path, trained, no_test, mlflow_uri, floors={"accuracy": 0.5})
+
+
+def test_the_gate_and_export_never_read_a_whole_split_at_once(tmp_path, trained, dataset, mlflow_uri, monkeypatch):
+    """A test split larger than memory must still be judged: the gate predicts shard by shard and
+    export reads the few rows of its input example, never `read_split`."""
+    from elastic_step.components import export_model
+    from elastic_step.data import reader
+
+    def whole_split(*args, **kwargs):
+        raise AssertionError("read a whole split into memory")
+
+    monkeypatch.setattr(reader.ShardReader, "read_split", whole_split)
+    reads = []
+    original = reader.ShardReader.read
+    monkeypatch.setattr(reader.ShardReader, "read", lambda self, *a, **k: reads.append(a) or original(self, *a, **k))
+    result, out = run_gate(tmp_path, trained, dataset, mlflow_uri, floors={"accuracy": 0.5})
+    assert result.blessed is True
+    assert abs(out["metrics"].metadata["accuracy_score"] - trained.test_metrics["accuracy"]) < 1e-9
+    assert sum(count for split, _, _, count in reads if split == "test") == 180  # every test row, once
+    reads.clear()
+    export_model.python_func(candidate=trained, dataset=dataset, registered_model="reads-test", mlflow_uri=mlflow_uri)
+    assert reads == [("test", 0, 0, 5)]

@@ -84,6 +84,11 @@ def load_pyfunc(model_uri: str):
         raise TrackingError(f"model {model_uri!r} cannot be loaded: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
+def predict(model_uri: str, features: np.ndarray) -> np.ndarray:
+    """Outputs of any logged or registered MLflow model through its pyfunc flavour."""
+    return np.asarray(load_pyfunc(model_uri).predict(features))
+
+
 def predict_split(model_uris: list[str], data: str, model_def: ModelDefinition,
                   split: str = "test") -> tuple[list[np.ndarray], np.ndarray]:
     """Every model's outputs on a split, and its labels. Any logged or registered MLflow model

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.frameworks.registry import build_trainer
-from elastic_step.release.candidate import load_candidate, split_arrays
+from elastic_step.release.candidate import load_candidate, split_head
 from elastic_step.release.registry import registry_client
 from elastic_step.tracking.recorder import FINAL_MODEL_ARTIFACTS
 from elastic_step.tracking.run import TrackingError, pipeline_run_id
@@ -52,8 +52,7 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
                                 f"({type(exc).__name__}); export a run that `elastic-step train` finished") from None
         with open(os.path.join(folder, "model.bin"), "rb") as f:
             trainer.load_model_bytes(f.read())
-    features, _ = split_arrays(data, model_def)
-    example = features[:5]
+    example = split_head(data, model_def, rows=5)
     signature = infer_signature(example, trainer.predict(example))
     mlflow.set_tracking_uri(client.tracking_uri)
     with mlflow.start_run(run_id=run_id):

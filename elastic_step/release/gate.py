@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from elastic_step.release.candidate import Candidate, candidate_rows, load_candidate, predict
+from elastic_step.frameworks.model_def import load_model_definition
+from elastic_step.release.candidate import Candidate, load_candidate, predict_split
 from elastic_step.release.registry import CHAMPION, registry_client, version_by_alias
 from elastic_step.release.thresholds import Threshold, build_thresholds, parse_pairs, to_mlflow
 
@@ -77,16 +78,15 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
     client = registry_client(mlflow_uri)
     candidate = load_candidate(client, run_id, model_uri)
     floors, min_gains = parse_pairs(floors, "floor"), parse_pairs(min_gains, "minimum gain")
-    features, labels = candidate_rows(candidate, data)
-    outputs = predict(candidate.model_uri, features)
+    champion = version_by_alias(client, registered_model, CHAMPION)
+    uris = [candidate.model_uri] + ([f"models:/{registered_model}@{CHAMPION}"] if champion is not None else [])
+    outputs, labels = predict_split(uris, data, load_model_definition(candidate.model_def_source))
+    outputs, champion_outputs = outputs[0], (outputs[1] if champion is not None else None)
     model_type = model_type_of(outputs, labels)
     thresholds = build_thresholds(floors, min_gains, model_type)  # unknown metric: fail before logging anything
     label_list = sorted(set(labels.tolist()) | set(range(outputs.shape[1]))) if model_type == "classifier" else None
     predictions = as_predictions(outputs, model_type)
-    champion = version_by_alias(client, registered_model, CHAMPION)
-    champion_predictions = None
-    if champion is not None:
-        champion_predictions = as_predictions(predict(f"models:/{registered_model}@{CHAMPION}", features), model_type)
+    champion_predictions = None if champion is None else as_predictions(champion_outputs, model_type)
 
     mlflow.set_tracking_uri(client.tracking_uri)
     with mlflow.start_run(experiment_id=candidate.experiment_id, run_name=f"evaluate {registered_model}",
