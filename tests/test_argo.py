@@ -26,7 +26,7 @@ HERA_CLASSES = {"WorkflowTemplate": WorkflowTemplate, "Workflow": Workflow, "Cro
 VARIANTS = {  # RenderOptions keyword arguments (built per test: the default image reads the environment)
     "artifacts": {},
     "pvc+secret": {"pvc": "training-data", "mlflow_secret": "mlflow:tracking-uri", "cron": "30 2 * * 1-5",
-                   "timezone": "Europe/Berlin"},
+                   "timezone": "Europe/Berlin", "mlflow_credentials": "mlflow-pipelines"},
 }
 
 
@@ -262,12 +262,15 @@ def test_mlflow_uri_from_a_parameter_or_a_secret_and_files_from_artifacts_or_a_p
             assert _env(t)["MLFLOW_TRACKING_URI"]["value"] == "{{workflow.parameters.mlflow-uri}}"
             assert _env(t)["ARGO_WORKFLOW_NAME"]["value"] == "{{workflow.name}}"
             assert "volumeMounts" not in t["container"]
+            assert "MLFLOW_TRACKING_PASSWORD" not in _env(t)
     assert "mlflow-uri" in {p["name"] for p in plain["spec"]["arguments"]["parameters"]}
     assert templates_of(plain)["train"]["inputs"]["artifacts"] == [{"name": "dataset", "path": "/tmp/inputs/dataset"}]
     for t in templates_of(secret).values():
         if "container" in t:
             ref = _env(t)["MLFLOW_TRACKING_URI"]["valueFrom"]["secretKeyRef"]
             assert ref == {"name": "mlflow", "key": "tracking-uri"}
+            for name, key in (("MLFLOW_TRACKING_USERNAME", "username"), ("MLFLOW_TRACKING_PASSWORD", "password")):
+                assert _env(t)[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "mlflow-pipelines", "key": key}}}
             assert t["container"]["volumeMounts"] == [{"name": "work", "mountPath": "/mnt/elastic-step"}]
             assert "artifacts" not in t.get("inputs", {}) and "artifacts" not in t.get("outputs", {})
     assert "mlflow-uri" not in {p["name"] for p in secret["spec"]["arguments"]["parameters"]}
@@ -515,6 +518,7 @@ def test_render_cli_writes_the_files(tmp_path, capsys):
     (["--timezone", "Mars/Olympus"], "--timezone"),
     (["--mlflow-secret", "MLflow"], "--mlflow-secret"),
     (["--train-retries", "-1"], "--train-retries"),
+    (["--mlflow-credentials", "MLflow Users"], "--mlflow-credentials"),
 ])
 def test_render_cli_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, capsys, flags, message):
     out = tmp_path / "argo"

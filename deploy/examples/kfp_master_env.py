@@ -1,6 +1,7 @@
 """KFP: give the training step's pod (the elastic master) what the Kubernetes backend reads,
-with kfp-kubernetes. KFP itself sets KFP_POD_NAME and KFP_POD_UID, which the backend also
-accepts; the pod IP and namespace come from the downward API here.
+with kfp-kubernetes: its identity from the downward API (the shipped pipelines do the same), the
+label deploy/mlflow's NetworkPolicy admits, and MLflow credentials from a Secret (keys
+`username` and `password` of an MLflow user; never a literal).
 
     from kfp import dsl
     from kfp_master_env import as_elastic_master  # this file, or copy the function
@@ -11,10 +12,13 @@ accepts; the pod IP and namespace come from the downward API here.
 from kfp import kubernetes
 
 
-def as_elastic_master(task, service_account: str = "elastic-step-runner"):
+def as_elastic_master(task, mlflow_credentials: str = "mlflow-pipelines"):
     kubernetes.use_field_path_as_env(task, env_name="ELASTIC_STEP_POD_NAME", field_path="metadata.name")
     kubernetes.use_field_path_as_env(task, env_name="ELASTIC_STEP_POD_UID", field_path="metadata.uid")
     kubernetes.use_field_path_as_env(task, env_name="ELASTIC_STEP_POD_NAMESPACE", field_path="metadata.namespace")
     kubernetes.use_field_path_as_env(task, env_name="ELASTIC_STEP_POD_IP", field_path="status.podIP")
+    kubernetes.add_pod_label(task, "app.kubernetes.io/part-of", "elastic-step")
     task.set_env_variable("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    kubernetes.use_secret_as_env(task, secret_name=mlflow_credentials, secret_key_to_env={
+        "username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"})
     return task

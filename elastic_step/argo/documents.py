@@ -61,6 +61,7 @@ class RenderOptions:
     image: str = field(default_factory=default_image)
     pvc: str | None = None
     mlflow_secret: str | None = None  # NAME or NAME:KEY of a Secret holding the tracking URI
+    mlflow_credentials: str | None = None  # a Secret with `username` and `password` for MLflow's auth
     train_retries: int = 3
     cron: str = "0 3 * * *"
     timezone: str = "UTC"
@@ -84,7 +85,8 @@ class RenderOptions:
             check_quantity(flag, value)
         if self.train_gpus < 0:
             raise ConfigError(f"--train-gpus {self.train_gpus} must be 0 or more")
-        for flag, name in (("--pvc", self.pvc), ("--mlflow-secret", self.secret_name)):
+        for flag, name in (("--pvc", self.pvc), ("--mlflow-secret", self.secret_name),
+                           ("--mlflow-credentials", self.mlflow_credentials)):
             if name is not None and not DNS_1123.match(name):
                 raise ConfigError(f"{flag} {name!r} is not a valid Kubernetes name (lower-case letters, digits, '-')")
         if self.train_retries < 0:
@@ -123,7 +125,7 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         raise ConfigError(f"--pipeline {pipeline!r} is not one of {', '.join(PIPELINES)}")
     layout = steps.Layout(pvc=options.pvc)
     settings = steps.StepSettings(image=options.image, mlflow_secret=options.secret_name,
-                                  mlflow_secret_key=options.secret_key)
+                                  mlflow_secret_key=options.secret_key, mlflow_credentials=options.mlflow_credentials)
     step = steps.StepResources(cpu=options.step_cpu, memory=options.step_memory)
     trainer = steps.StepResources(cpu=options.train_cpu, memory=options.train_memory, gpus=options.train_gpus)
     parameters = dict(PARAMETERS)

@@ -52,6 +52,7 @@ class StepSettings:
     image: str
     mlflow_secret: str | None = None  # Secret name; None: the `mlflow-uri` workflow parameter
     mlflow_secret_key: str = "tracking-uri"
+    mlflow_credentials: str | None = None  # Secret with `username` and `password` of an MLflow user
 
     def env(self) -> list:
         # The steps read MLFLOW_TRACKING_URI (their --mlflow-uri default). ARGO_WORKFLOW_NAME tags the
@@ -61,7 +62,11 @@ class StepSettings:
             uri = SecretEnv(name="MLFLOW_TRACKING_URI", secret_name=self.mlflow_secret, secret_key=self.mlflow_secret_key)
         else:
             uri = Env(name="MLFLOW_TRACKING_URI", value="{{workflow.parameters.mlflow-uri}}")
-        return [uri, Env(name="ARGO_WORKFLOW_NAME", value="{{workflow.name}}"),
+        credentials = []
+        if self.mlflow_credentials:  # MLflow's basic-auth server (deploy/mlflow): a user, never a literal
+            credentials = [SecretEnv(name=f"MLFLOW_TRACKING_{key.upper()}", secret_name=self.mlflow_credentials,
+                                     secret_key=key) for key in ("username", "password")]
+        return [uri, *credentials, Env(name="ARGO_WORKFLOW_NAME", value="{{workflow.name}}"),
                 Env(name="ELASTIC_STEP_IMAGE", value=self.image)]
 
 

@@ -14,6 +14,9 @@ def register(sub) -> None:
     r.add_argument("--mlflow-secret", metavar="NAME[:KEY]",
                    help="take MLFLOW_TRACKING_URI from this Secret (key default: tracking-uri) instead of the "
                         "mlflow-uri workflow parameter")
+    r.add_argument("--mlflow-credentials", metavar="NAME",
+                   help="Secret with keys username and password of an MLflow user (deploy/mlflow's server needs "
+                        "one): given to every step as MLFLOW_TRACKING_USERNAME/PASSWORD")
     r.add_argument("--image", help="container image of every step (default: ELASTIC_STEP_IMAGE, else the project image)")
     r.add_argument("--train-retries", type=int, default=3, help="retries of the train step (default 3)")
     r.add_argument("--cron", default="0 3 * * *", help="CronWorkflow schedule, five fields (default '0 3 * * *')")
@@ -36,7 +39,8 @@ def run_render(args) -> int:
     from elastic_step.argo import PIPELINES, RenderOptions, render
 
     extra = {"image": args.image} if args.image else {}
-    options = RenderOptions(pvc=args.pvc, mlflow_secret=args.mlflow_secret, train_retries=args.train_retries,
+    options = RenderOptions(pvc=args.pvc, mlflow_secret=args.mlflow_secret, mlflow_credentials=args.mlflow_credentials,
+                            train_retries=args.train_retries,
                             cron=args.cron, timezone=args.timezone, starting_deadline_seconds=args.starting_deadline,
                             history_limit=args.history_limit, service_account=args.service_account,
                             train_cpu=args.train_cpu, train_memory=args.train_memory, train_gpus=args.train_gpus,

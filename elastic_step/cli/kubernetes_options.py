@@ -6,7 +6,8 @@ from __future__ import annotations
 def add_kubernetes_options(parser) -> None:
     k = parser.add_argument_group("kubernetes backend", "worker pods, when --backend kubernetes")
     k.add_argument("--namespace", help="namespace for worker pods (default: the master pod's, else the kubeconfig's)")
-    k.add_argument("--image", help="worker image (default: the master pod's own image, else elastic-step's image of this version)")
+    k.add_argument("--image", help="worker image (default: ELASTIC_STEP_IMAGE, else the image of the master pod's `main` "
+                                   "container, else elastic-step's image of this version outside a pod)")
     k.add_argument("--worker-cpu", help="CPU per worker: REQUEST or REQUEST:LIMIT (e.g. 2, or 500m:2)")
     k.add_argument("--worker-memory", help="memory per worker: REQUEST or REQUEST:LIMIT (e.g. 4Gi, or 2Gi:4Gi)")
     k.add_argument("--worker-gpus", type=int, default=0, help="nvidia.com/gpu per worker (default 0)")
@@ -16,7 +17,8 @@ def add_kubernetes_options(parser) -> None:
     k.add_argument("--priority-class", help="PriorityClass of worker pods")
     k.add_argument("--image-pull-secret", dest="image_pull_secrets", action="append", default=[], metavar="NAME",
                    help="repeatable")
-    k.add_argument("--service-account", help="service account of worker pods (default: none mounted)")
+    k.add_argument("--service-account", help="service account of worker pods, never the master's (default "
+                                             "elastic-step-worker from deploy/rbac: no Role; no token is mounted)")
     k.add_argument("--pending-timeout", type=float, default=300.0,
                    help="seconds a pod may stay unschedulable or unable to pull its image before the job fails it (default 300)")
     k.add_argument("--dry-run", action="store_true",
