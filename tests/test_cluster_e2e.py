@@ -7,7 +7,8 @@ workers read the prepared data from an S3 server, never from a folder of the mas
 
 The test acts as the cluster's operator: it reads the master's status through the master's own
 scratch volume on the node (as `kubectl exec` would), SIGKILLs one worker's container (`docker
-kill`), and checks what the job left behind and what it asked of the API."""
+kill`), pauses another (`docker pause`), pushes a third over its memory limit (a real OOM kill
+by the kernel), and checks what the job left behind and what it asked of the API."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ class MasterOnNode:
         return self.cluster.core().read_namespaced_pod_log(self.name, self.cluster.namespace)
 
 
-def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_a_killed_and_a_hung_worker(tmp_path, digits, s3, cluster):
+def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_killed_hung_and_oom_killed_workers(tmp_path, digits, s3, cluster):
     data = upload(s3, digits, BUCKET, "digits")
     epochs = 3
     args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--storage-option", "anon=true",
@@ -167,6 +168,16 @@ def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_
     master.wait(lambda s: hung["id"] not in [w["id"] for w in s["workers"] if w["state"] == "live"])
     print(f"paused worker dropped after {time.monotonic() - paused_at:.1f}s")
 
+    # Then a replacement, once it trains beside another worker that holds the model state too,
+    # goes over its memory limit: the kernel kills it, the kubelet says OOMKilled.
+    def training(s):
+        return [w for w in s["workers"] if w["state"] == "live" and w.get("pod") and w["rows_applied"] > 0]
+
+    status = master.wait(lambda s: len(training(s)) >= 2 and any(w["slot"] == victim["slot"] for w in training(s)))
+    oom = next(w for w in training(status) if w["slot"] == victim["slot"])
+    cluster.kubelet.fill_memory(ns, oom["pod"], 1200)
+    master.wait(lambda s: oom["id"] not in [w["id"] for w in s["workers"] if w["state"] == "live"])
+
     deadline = time.monotonic() + 150
     while master.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -182,7 +193,9 @@ def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_
     with open(master.path(f"{JOB_DIR}/events.jsonl")) as f:
         events = [json.loads(line) for line in f]
     died = {e["worker"]: e for e in events if e["event"] == "died"}
-    assert set(died) == {victim["id"], hung["id"]}, died
+    assert set(died) == {victim["id"], hung["id"], oom["id"]}, died
+    assert "OOMKilled" in died[oom["id"]]["reason"] and "1Gi" in died[oom["id"]]["reason"], died
+    assert any(e["event"] == "not_relaunched" and e["worker"] == oom["id"] for e in events)
     assert "137" in died[victim["id"]]["reason"] or "SIGKILL" in died[victim["id"]]["reason"], died
     assert any(e["event"] == "dropped" and e["worker"] == hung["id"] and "hung" in e.get("message", json.dumps(e)) for e in events)
     assert {e["worker"] for e in events if e["event"] == "relaunched"} == {victim["id"], hung["id"]}

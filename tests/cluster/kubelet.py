@@ -18,7 +18,8 @@ Containers run as local processes (the *process runtime*), each with:
 The network is the node's (`--network host`: podIP = hostIP = 127.0.0.1).
 
 What a test does to a node: `kill(pod)` (SIGKILL: `docker kill`), `pause(pod)` (SIGSTOP the
-container's processes: `docker pause`), `resume(pod)`. Deleting the pod object through the API
+container's processes: `docker pause`), `resume(pod)`, `fill_memory(pod, MiB)` (memory pressure
+inside the pod, up to a real OOM kill). Deleting the pod object through the API
 is an eviction or `kubectl delete`.
 Not modelled: restartPolicy Always/OnFailure (a container is not restarted), probes, init
 containers, node capacity and scheduling constraints, image pulls (an image is known or it is
@@ -194,6 +195,19 @@ class Kubelet:
 
     def resume(self, namespace: str, name: str) -> None:
         self._signal(self.record(namespace, name), signal.SIGCONT)
+
+    def fill_memory(self, namespace: str, name: str, megabytes: int) -> None:
+        """Memory pressure inside a running pod (what `kubectl exec POD -- sh -c 'head -c ... >
+        /dev/shm/x'` does): pages of the pod's memory-backed /dev/shm, charged to its memory cgroup,
+        which no process owns and the kernel cannot reclaim. Over the limit, the kernel's OOM
+        killer kills the container's biggest process."""
+        record = self.record(namespace, name)
+        c = record.containers[0]
+        if self.isolation != "namespaces" or not c.cgroup:
+            raise RuntimeError("filling a pod's memory needs the namespaces runtime and a memory cgroup")
+        script = f"echo $$ > {c.cgroup}/cgroup.procs; exec head -c {megabytes * 2**20} /dev/zero > /dev/shm/.fill"
+        subprocess.Popen(["nsenter", "--target", str(c.proc.pid), "--mount", "--", "sh", "-c", script],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def volume_path(self, namespace: str, name: str, volume: str) -> str:
         """Where a pod's volume lies on the node (what an admin on the node could read)."""
