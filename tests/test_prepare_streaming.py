@@ -178,3 +178,32 @@ def test_buckets_that_outgrow_memory_are_shuffled_again_not_held(tmp_path):
     assert np.array_equal(np.sort(every), np.arange(50_000))
     assert not np.array_equal(every[:1000], np.sort(every[:1000]))
     assert os.listdir(tmp_path) == []
+
+
+def test_the_read_ahead_thread_hands_on_errors_and_stops_when_the_consumer_does():
+    from elastic_step.data.pipelining import ahead
+
+    def failing():
+        yield 1
+        raise ValueError("bad block")
+
+    items = ahead(failing())
+    assert next(items) == 1
+    with pytest.raises(ValueError, match="bad block"):
+        next(items)
+
+    produced = []
+
+    def endless():
+        for i in range(10**9):
+            produced.append(i)
+            yield i
+
+    consumer = ahead(endless(), depth=2)
+    assert [next(consumer) for _ in range(3)] == [0, 1, 2]
+    consumer.close()  # the producer thread stops rather than running on
+    count = len(produced)
+    import time
+
+    time.sleep(0.3)
+    assert len(produced) == count <= 6

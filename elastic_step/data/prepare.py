@@ -14,7 +14,6 @@ import hashlib
 import json
 import numbers
 import posixpath
-import sys
 import uuid
 from contextlib import contextmanager
 
@@ -24,6 +23,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from elastic_step.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, type_name
+from elastic_step.data.pipelining import ahead
 from elastic_step.data.shuffle import DEFAULT_MEMORY_BYTES, ExternalShuffle
 from elastic_step.data.sources import SKLEARN_DATASETS, SourceStream, open_source  # noqa: F401 (re-exported)
 from elastic_step.data.stores import resolve, store_error
@@ -236,7 +236,7 @@ def _read_all(stream: SourceStream, columns: list[str], shuffle: ExternalShuffle
     nulls = dict.fromkeys(columns, 0)
     mb = 1 << 20
     task = bar.add_task("reading", total=(stream.total_bytes or 0) / mb, unit="MB") if bar else None
-    for batch in stream.batches:
+    for batch in ahead(stream.batches, depth=4):
         batch = batch.select(columns)
         for name in columns:
             nulls[name] += batch.column(name).null_count
@@ -259,7 +259,7 @@ def _write_shards(fs, root_path: str, shuffle: ExternalShuffle, sizes: list[int]
         fs.rm(manifest_path)
     writer = ShardWriter(fs, root_path, sizes, rows_per_shard, row_group_rows)
     task = bar.add_task("writing shards", total=sum(sizes), unit="rows") if bar else None
-    for table in shuffle.rows():
+    for table in ahead(shuffle.rows()):
         writer.feed(table)
         if bar:
             bar.update(task, completed=writer.rows_written)

@@ -27,6 +27,12 @@ DEFAULT_MEMORY_BYTES = 256 << 20
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
+def _permuted(table: pa.Table, rng: np.random.Generator) -> pa.Table:
+    """The rows in a random order. Callers drop the unpermuted table before yielding this one, so
+    a consumer running ahead holds one copy of a bucket, not two."""
+    return table.take(pa.array(rng.permutation(table.num_rows)))
+
+
 class ExternalShuffle:
     """add() batches in any number, then rows() yields tables whose concatenation is a uniformly
     random order of every row added.
@@ -106,7 +112,9 @@ class ExternalShuffle:
         if not self.spilled:
             table = pa.Table.from_batches(self._held, schema=self.schema)
             self._held = []
-            yield table.take(pa.array(self._rng.permutation(table.num_rows)))
+            shuffled = _permuted(table, self._rng)
+            del table
+            yield shuffled
             return
         self._close_writers()
         try:
@@ -118,7 +126,9 @@ class ExternalShuffle:
                 with pa.memory_map(path) as source:
                     table = pa.ipc.open_file(source).read_all()
                 os.remove(path)  # the spill never holds more on disk than is left to write
-                yield table.take(pa.array(self._rng.permutation(table.num_rows)))
+                shuffled = _permuted(table, self._rng)
+                del table
+                yield shuffled
         finally:
             self.close()
 

@@ -110,7 +110,7 @@ def open_source(source: str) -> SourceStream:
     stream = compr[compression](raw, mode="rb") if compression else raw
     try:
         if kind == "csv":
-            reader = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=BLOCK_BYTES, use_threads=False))
+            reader = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=BLOCK_BYTES))
         else:
             reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=BLOCK_BYTES))
     except Exception as exc:
