@@ -71,6 +71,7 @@ class FakeCoreV1Api:
         self.pods: dict[str, FakePod] = {}
         self.secrets: dict[str, k8s.V1Secret] = {}
         self.network_policies: dict[str, k8s.V1NetworkPolicy] = {}
+        self.created_network_policies: list[k8s.V1NetworkPolicy] = []  # as received
         self.calls: list[tuple[str, str]] = []
         self.request_timeouts: list[tuple[str, object]] = []  # (call, its _request_timeout)
         self.stall_s = 0.0  # pod create/delete calls hang this long (a stalled API server)
@@ -134,6 +135,7 @@ class FakeCoreV1Api:
             if body.metadata.name in self.network_policies:
                 raise api_error(409, "AlreadyExists")
             self.network_policies[body.metadata.name] = copy.deepcopy(body)
+            self.created_network_policies.append(copy.deepcopy(body))
             return body
 
     def delete_namespaced_network_policy(self, name, namespace, **kwargs):

@@ -146,7 +146,16 @@ def test_train_on_pods_deleting_one_mid_epoch_relaunches_it_free_and_the_audit_i
         assert container.resources.limits == {"cpu": "1", "memory": "1Gi"}
     # The job's end deletes every pod, the Secret and the NetworkPolicies.
     assert cluster.wait_until_no_worker_pods() == {} and cluster.secrets == {} and cluster.network_policies == {}
-    assert [c for c in cluster.calls if c[0] == "create_network_policy"]
+    # The master's pod admits the job's workers on exactly its two ports: the API and the store.
+    import json
+    from urllib.parse import urlparse
+
+    with open(os.path.join(cfg.job_dir, "master.json")) as f:
+        api_port = urlparse(json.load(f)["url"]).port
+    master_policy = next(p for p in cluster.created_network_policies if p.metadata.name.endswith("-master"))
+    ports = [p.port for p in master_policy.spec.ingress[0].ports]
+    assert len(ports) == 2 and api_port in ports, ports
+    assert master_policy.spec.pod_selector.match_labels == {"workflows.argoproj.io/workflow": "train-wf"}
     created_secret = [c for c in cluster.calls if c[0] == "create_secret"]
     assert len(created_secret) == 1 and ("delete_secret", created_secret[0][1]) in cluster.calls
 

@@ -225,7 +225,9 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         heartbeat_interval_s=config.heartbeat_interval, master_timeout_s=config.master_timeout,
         features=manifest.features, label=manifest.label, checkpoint_steps=config.checkpoint_steps,
     )
-    backend = create_backend(config.backend, LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env)), config=config)
+    launch = LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env),
+                        master_ports=[api_socket.getsockname()[1], store.port])  # what workers call: the job's NetworkPolicy
+    backend = create_backend(config.backend, launch, config=config)
     state = MasterState(
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
