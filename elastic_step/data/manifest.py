@@ -90,7 +90,9 @@ def open_parquet(uri: str) -> pq.ParquetFile:
     try:
         if isinstance(fs, LocalFileSystem):
             return pq.ParquetFile(path)
-        return pq.ParquetFile(fs.open(path, "rb"))
+        # From a store, fetch exactly the byte ranges pyarrow asks for, coalesced into one request per
+        # read (pre_buffer), not fsspec's default read-ahead blocks (50 MiB for S3 on every seek).
+        return pq.ParquetFile(fs.open(path, "rb", cache_type="none"), pre_buffer=True)
     except pa.ArrowInvalid as e:
         raise DataError(f"shard {uri} is not a readable Parquet file ({e}) — re-run `elastic-step prepare-data`") from None
     except Exception as e:  # what a store client raises: OSError subclasses, botocore and aiohttp errors

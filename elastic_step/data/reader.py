@@ -61,23 +61,39 @@ class ShardReader:
             # Row groups g with starts[g] < end and starts[g+1] > start overlap the range.
             first = int(np.searchsorted(starts, start, side="right")) - 1
             last = int(np.searchsorted(starts, start + count, side="left")) - 1
-            table = pa.concat_tables([self._row_group(pf, split, shard_index, g, names) for g in range(first, last + 1)])
+            table = pa.concat_tables(self._row_groups(pf, split, shard_index, range(first, last + 1), starts, names))
         return _to_numpy(table.slice(start - int(starts[first]), count))
 
-    def _row_group(self, pf: pq.ParquetFile, split: str, shard: int, group: int, names: list[str]) -> pa.Table:
-        key = (split, shard, group, tuple(names))
-        table = self._cache.get(key)
-        if table is not None:
-            self._cache.move_to_end(key)
-            return table
-        table = pf.read_row_groups([group], columns=names)
-        if table.nbytes <= self.cache_bytes:
-            self._cache[key] = table
-            self._cached += table.nbytes
-            while self._cached > self.cache_bytes:
-                _, old = self._cache.popitem(last=False)
-                self._cached -= old.nbytes
-        return table
+    def _row_groups(self, pf: pq.ParquetFile, split: str, shard: int, groups, starts, names: list[str]) -> list[pa.Table]:
+        """The row groups, from the cache where it has them; the others in one read (from an object
+        store: one coalesced request, not one per group)."""
+        tables: dict[int, pa.Table] = {}
+        for group in groups:
+            key = (split, shard, group, tuple(names))
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                tables[group] = self._cache[key]
+        missing = [g for g in groups if g not in tables]
+        if missing:
+            read = pf.read_row_groups(missing, columns=names)
+            offset = 0
+            for group in missing:
+                rows = int(starts[group + 1] - starts[group])
+                tables[group] = read.slice(offset, rows)
+                offset += rows
+                self._remember((split, shard, group, tuple(names)), tables[group])
+        return [tables[g] for g in groups]
+
+    def _remember(self, key: tuple, table: pa.Table) -> None:
+        # nbytes of a slice counts only its own rows' share of the read's buffers
+        size = table.nbytes
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = table
+        self._cached += size
+        while self._cached > self.cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._cached -= old.nbytes
 
     def read_split(self, split: str, columns=None) -> dict[str, np.ndarray]:
         """Every row of a split, shards in order (for evaluation, which wants the whole split)."""
