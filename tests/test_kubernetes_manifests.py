@@ -155,12 +155,16 @@ def test_every_file_under_deploy_validates():
 def test_the_role_is_namespaced_and_grants_only_what_the_master_does():
     # What the backend calls: read its own pod; create, list, watch, delete worker pods; create and
     # delete the token Secret and the NetworkPolicies. No reads of Secrets or logs.
-    role = next(o for _, o in deploy_objects() if o["kind"] == "Role")
+    role = next(o for _, o in deploy_objects() if o["kind"] == "Role" and o["metadata"]["name"] == "elastic-step-master")
     grants = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]}
     assert grants == {(("",), ("pods",), ("create", "delete", "get", "list", "watch")),
                       (("",), ("secrets",), ("create", "delete")),
                       (("networking.k8s.io",), ("networkpolicies",), ("create", "delete"))}
     assert not [o for _, o in deploy_objects() if o["kind"].startswith("Cluster")]
+    # Argo's executor gets only what it reports outputs with, in a Role of its own.
+    executor = next(o for _, o in deploy_objects() if o["kind"] == "Role" and o["metadata"]["name"] == "elastic-step-argo-executor")
+    assert [(r["apiGroups"], r["resources"], sorted(r["verbs"])) for r in executor["rules"]] == [
+        (["argoproj.io"], ["workflowtaskresults"], ["create", "patch"])]
 
 
 def test_workers_have_their_own_service_account_with_no_rbac_and_no_token():
