@@ -54,18 +54,24 @@ class PodCalls:
         self.api, self.namespace, self.timeout_s = api, namespace, timeout_s
         self.on_create_failed = on_create_failed
         self.calls: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, daemon=True, name="pod-calls")
         self._thread.start()
 
+    def _put(self, item) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self.calls.put(item)
+
     def create(self, pod: k8s.V1Pod, worker_id: str) -> None:
-        self._idle.clear()
-        self.calls.put(("create", pod, worker_id))
+        self._put(("create", pod, worker_id))
 
     def delete(self, name: str) -> None:
-        self._idle.clear()
-        self.calls.put(("delete", name, None))
+        self._put(("delete", name, None))
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Until every queued call is done (True) or `timeout_s` passed (False)."""
@@ -90,9 +96,13 @@ class PodCalls:
                 log.warning("%s pod failed: %s", kind, exc)
                 if kind == "create":
                     self.on_create_failed(worker_id, f"pod {what.metadata.name} not created: {exc}")
+                    # The server may have made it all the same: it must not outlive its worker.
+                    self.delete(what.metadata.name)
             finally:
-                if self.calls.empty():
-                    self._idle.set()
+                with self._lock:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.set()
 
     def _create(self, pod: k8s.V1Pod, worker_id: str) -> None:
         name = pod.metadata.name
@@ -238,7 +248,7 @@ class KubernetesBackend(Backend):
                 self.networking.create_namespaced_network_policy(self.settings.namespace, policy,
                                                                  _request_timeout=self.timeout_s)
             except k8s.ApiException as exc:
-                self._delete_secret()
+                self._delete_made()
                 raise ConfigError(
                     f"cannot create the job's NetworkPolicy {policy.metadata.name} in namespace "
                     f"{self.settings.namespace}: {exc.status} {exc.reason}; the master's service account needs the "
@@ -338,23 +348,27 @@ class KubernetesBackend(Backend):
             self.we_deleted.add(name)
             delete_pod(self.api, name, self.settings.namespace, self.timeout_s)
         self.pods.clear()
+        self._delete_made()
+        self.watcher.stop()
+
+    def _delete_made(self) -> None:
+        """The job's Secret and NetworkPolicies."""
         self._delete_secret()
         for name in self.network_policies:
             try:
                 self.networking.delete_namespaced_network_policy(name, self.settings.namespace,
                                                                  _request_timeout=self.timeout_s)
-            except k8s.ApiException as exc:
-                if exc.status != 404:
-                    log.warning("deleting NetworkPolicy %s failed: %s %s", name, exc.status, exc.reason)
+            except Exception as exc:
+                if getattr(exc, "status", None) != 404:
+                    log.warning("deleting NetworkPolicy %s failed: %s", name, exc)
         self.network_policies = []
-        self.watcher.stop()
 
     def _delete_secret(self) -> None:
         try:
             self.api.delete_namespaced_secret(self.names.secret, self.settings.namespace, _request_timeout=self.timeout_s)
-        except k8s.ApiException as exc:
-            if exc.status != 404:
-                log.warning("deleting Secret %s failed: %s %s", self.names.secret, exc.status, exc.reason)
+        except Exception as exc:  # an API error or a timeout: the rest of the clean-up still runs
+            if getattr(exc, "status", None) != 404:
+                log.warning("deleting Secret %s failed: %s", self.names.secret, exc)
 
     def describe(self, worker_id: str) -> dict:
         name = self.pods.get(worker_id)
