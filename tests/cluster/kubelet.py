@@ -107,6 +107,8 @@ class PodRecord:
     name: str
     folder: str
     containers: list[Container] = field(default_factory=list)
+    init_containers: list[Container] = field(default_factory=list)
+    init_failed: bool = False
     started: bool = False
     deleting_since: float | None = None
     grace_s: float = 30
@@ -221,13 +223,13 @@ class Kubelet:
         except KeyError:
             raise ApiError(400, "BadRequest", f'pod "{name}" has no running or finished container on this node') from None
         out = b""
-        for c in record.containers:
+        for c in record.init_containers + record.containers:
             with open(c.log_path, "rb") as f:
                 out += f.read()
         return out
 
     def _signal(self, record: PodRecord, sig: int) -> None:
-        for c in record.containers:
+        for c in record.init_containers + record.containers:
             if c.proc.poll() is None:
                 try:
                     os.killpg(c.proc.pid, sig)
@@ -397,13 +399,19 @@ class Kubelet:
                     {"name": c["name"], "image": c["image"], "imageID": "", "restartCount": 0, "ready": False, "started": False,
                      "state": {"waiting": {"reason": waiting[0], "message": waiting[1]}}}
                     for c in current["spec"]["containers"]]
+            elif record.init_failed:
+                status["phase"] = "Failed"
             else:
                 exits = [c.exit for c in record.containers]
-                if all(e is not None for e in exits):
+                if not exits:
+                    status["phase"] = "Pending"  # init containers still running
+                elif all(e is not None for e in exits):
                     status["phase"] = "Succeeded" if all(e[0] == 0 for e in exits) else "Failed"
                 else:
                     status["phase"] = "Running"
                 status["containerStatuses"] = [self._container_status(c) for c in record.containers]
+            if record.init_containers:
+                status["initContainerStatuses"] = [self._container_status(c) for c in record.init_containers]
             ready = "True" if status["phase"] == "Running" else "False"
             conditions = [c for c in status.get("conditions", []) if c["type"] not in ("Ready", "ContainersReady", "Initialized")]
             conditions += [{"type": "Initialized", "status": "True", "lastTransitionTime": now_text()},
@@ -435,62 +443,80 @@ class Kubelet:
         self._write_status(record)
 
     def _start_containers(self, record: PodRecord, pod: dict) -> None:
-        spec, meta = pod["spec"], pod["metadata"]
-        for c in spec["containers"]:
+        spec = pod["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
             if c["image"] not in self.images:
                 raise StartError("ErrImagePull", f'failed to pull image "{c["image"]}": not found')
         os.makedirs(os.path.join(record.folder, "volumes"), exist_ok=True)
+        fs_group = (spec.get("securityContext") or {}).get("fsGroup")
+        volumes = {v["name"]: self._make_volume(record, pod, v, fs_group) for v in spec.get("volumes") or []}
+        for c in spec.get("initContainers", []):  # one after the other, each to a successful end
+            container = self._run(record, pod, c, volumes)
+            record.init_containers.append(container)
+            container.proc.wait()
+            code = container.proc.returncode
+            container.exit = (128 - code if code < 0 else code, "Completed" if code == 0 else "Error")
+            container.finished_at = now_text()
+            self._remove_cgroup(container)
+            if code != 0 or record.deleting_since is not None or record.gone:
+                record.init_failed = True
+                return
+            self._write_status(record)
+        for c in spec["containers"]:
+            record.containers.append(self._run(record, pod, c, volumes))
+
+    def _run(self, record: PodRecord, pod: dict, c: dict, volumes: dict[str, str]) -> Container:
+        spec = pod["spec"]
         security = spec.get("securityContext") or {}
         fs_group = security.get("fsGroup")
-        volumes = {v["name"]: self._make_volume(record, pod, v, fs_group) for v in spec.get("volumes") or []}
-        for c in spec["containers"]:
-            image = self.images[c["image"]]
-            csec = {**security, **(c.get("securityContext") or {})}
-            uid = csec.get("runAsUser", image.uid)
-            gid = csec.get("runAsGroup", image.gid)
-            groups = sorted({gid, *([fs_group] if fs_group is not None else []), *security.get("supplementalGroups", [])})
-            env = {**image.env, **self.service_env, **self._env(pod, c)}
-            binds, tmpfs = [], []
-            for m in c.get("volumeMounts") or []:
-                source = volumes[m["name"]]
-                if source == "tmpfs":
-                    tmpfs.append(m["mountPath"])
-                else:
-                    binds.append((os.path.join(source, m.get("subPath", "")).rstrip("/"), m["mountPath"], bool(m.get("readOnly"))))
-            argv = list(c.get("command") or []) + list(c.get("args") or [])
-            if not argv:
-                raise StartError("CreateContainerError", f"container {c['name']}: no command (process images have no ENTRYPOINT)")
-            folder = os.path.join(record.folder, "containers", c["name"])
-            os.makedirs(folder)
-            cgroup = self._make_cgroup(record, c)
-            log_path = os.path.join(folder, "log")
-            if self.isolation == "namespaces":
-                init = {"cgroup": cgroup, "binds": binds, "image_paths": image.paths, "tmpfs": tmpfs, "homes": [(image.home, uid, gid)],
-                        "groups": groups, "uid": uid, "gid": gid, "cwd": c.get("workingDir") or image.workdir,
-                        "argv": argv, "env": env}
-                with open(os.path.join(folder, "init.json"), "w") as f:
-                    json.dump(init, f)
-                command = ["unshare", "--mount", "--propagation", "private", sys.executable, PODINIT, os.path.join(folder, "init.json")]
-                cwd, preexec = folder, None
+        image = self.images[c["image"]]
+        csec = {**security, **(c.get("securityContext") or {})}
+        uid = csec.get("runAsUser", image.uid)
+        gid = csec.get("runAsGroup", image.gid)
+        groups = sorted({gid, *([fs_group] if fs_group is not None else []), *security.get("supplementalGroups", [])})
+        env = {**image.env, **self.service_env, **self._env(pod, c)}
+        binds, tmpfs = [], []
+        for m in c.get("volumeMounts") or []:
+            source = volumes[m["name"]]
+            if source == "tmpfs":
+                tmpfs.append(m["mountPath"])
             else:
-                # No mount namespace: an own working folder and HOME; mount paths rewritten in env.
-                work = os.path.join(folder, "home")
-                os.makedirs(work)
-                for source, target, _ in binds:
-                    env = {k: (source + v[len(target):] if v == target or v.startswith(target + "/") else v) for k, v in env.items()}
-                sa = [s for s, t, _ in binds if t == SA_MOUNT]
-                if sa:
-                    env["ELASTIC_STEP_SERVICEACCOUNT_DIR"] = sa[0]
-                env["HOME"] = work
-                command, cwd = argv, work
-                command[0] = shutil.which(command[0], path=env["PATH"]) or command[0]
-                preexec = (lambda cg=cgroup: open(os.path.join(cg, "cgroup.procs"), "w").write(str(os.getpid()))) if cgroup else None
-            with open(log_path, "ab") as out:
-                proc = subprocess.Popen(command, cwd=cwd, env=env if self.isolation == "folders" else {"PATH": "/usr/bin:/bin"},
-                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, preexec_fn=preexec)
-            record.containers.append(Container(record.uid, record.namespace, record.name, c["name"], c["image"], proc,
-                                               folder, cgroup, now_text(), log_path))
+                path = os.path.join(source, m.get("subPath", "")).rstrip("/")
+                os.makedirs(path, exist_ok=True)  # a subPath that does not exist yet is created, as the kubelet does
+                binds.append((path, m["mountPath"], bool(m.get("readOnly"))))
+        argv = list(c.get("command") or []) + list(c.get("args") or [])
+        if not argv:
+            raise StartError("CreateContainerError", f"container {c['name']}: no command (process images have no ENTRYPOINT)")
+        folder = os.path.join(record.folder, "containers", c["name"])
+        os.makedirs(folder)
+        cgroup = self._make_cgroup(record, c)
+        log_path = os.path.join(folder, "log")
+        if self.isolation == "namespaces":
+            init = {"cgroup": cgroup, "binds": binds, "image_paths": image.paths, "tmpfs": tmpfs, "homes": [(image.home, uid, gid)],
+                    "groups": groups, "uid": uid, "gid": gid, "cwd": c.get("workingDir") or image.workdir,
+                    "argv": argv, "env": env}
+            with open(os.path.join(folder, "init.json"), "w") as f:
+                json.dump(init, f)
+            command = ["unshare", "--mount", "--propagation", "private", sys.executable, PODINIT, os.path.join(folder, "init.json")]
+            cwd, preexec = folder, None
+        else:
+            # No mount namespace: an own working folder and HOME; mount paths rewritten in env.
+            work = os.path.join(folder, "home")
+            os.makedirs(work)
+            for source, target, _ in binds:
+                env = {k: (source + v[len(target):] if v == target or v.startswith(target + "/") else v) for k, v in env.items()}
+            sa = [s for s, t, _ in binds if t == SA_MOUNT]
+            if sa:
+                env["ELASTIC_STEP_SERVICEACCOUNT_DIR"] = sa[0]
+            env["HOME"] = work
+            command, cwd = argv, work
+            command[0] = shutil.which(command[0], path=env["PATH"]) or command[0]
+            preexec = (lambda cg=cgroup: open(os.path.join(cg, "cgroup.procs"), "w").write(str(os.getpid()))) if cgroup else None
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(command, cwd=cwd, env=env if self.isolation == "folders" else {"PATH": "/usr/bin:/bin"},
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=preexec)
+        return Container(record.uid, record.namespace, record.name, c["name"], c["image"], proc, folder, cgroup, now_text(), log_path)
 
     def _make_cgroup(self, record: PodRecord, container: dict) -> str | None:
         limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
