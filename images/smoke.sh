@@ -18,8 +18,8 @@ export DOCKER_HOST=unix://$SOCK
 skip() { echo "image-smoke: SKIPPED, no image was built or run: $*"; exit 0; }
 
 [ "$(id -u)" = 0 ] || skip "needs root to start its own Docker daemon"
-command -v dockerd >/dev/null && command -v docker >/dev/null || skip "no dockerd/docker (apt-get install docker.io)"
-command -v debootstrap >/dev/null || skip "no debootstrap (apt-get install debootstrap)"
+command -v dockerd >/dev/null && command -v docker >/dev/null || skip "no dockerd/docker (apt-get install docker.io; .ci/run installs it)"
+command -v debootstrap >/dev/null || skip "no debootstrap (apt-get install debootstrap; .ci/run installs it)"
 WHEEL=$(ls /opt/wheels/torch-2.13.0*.whl 2>/dev/null | head -1 || true)
 [ -n "$WHEEL" ] || WHEEL=$(find / -xdev -name 'torch-2.13.0*cpu*.whl' 2>/dev/null | head -1 || true)
 [ -n "$WHEEL" ] || skip "no local CPU torch 2.13.0 wheel to serve (an unpinned resolve would pull the CUDA build)"
