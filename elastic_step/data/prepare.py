@@ -98,6 +98,13 @@ def _atomic_open(fs, path: str):
             fs.rm(tmp)
 
 
+def _makedirs(fs, path: str) -> None:
+    """Folders exist on a local disk only. An object store has keys, and s3fs's makedirs would
+    create a missing bucket: a typo in --out must fail, not make a bucket in the user's account."""
+    if isinstance(fs, LocalFileSystem):
+        fs.makedirs(path, exist_ok=True)
+
+
 class _HashingFile:
     """Passes writes through to `target` and into a running hash, so a shard is encoded once,
     straight to its destination, and hashed without keeping its bytes."""
@@ -167,7 +174,7 @@ class ShardWriter:
         name = SPLITS[self._split]
         rel = f"{name}/part-{len(self.splits[name]):05d}.parquet"
         if not self.splits[name]:
-            self.fs.makedirs(posixpath.join(self.root_path, name), exist_ok=True)
+            _makedirs(self.fs, posixpath.join(self.root_path, name))
         with _atomic_open(self.fs, posixpath.join(self.root_path, rel)) as f:
             pq.write_table(pa.concat_tables(self._pending), _HashingFile(f, self.digest),
                            row_group_size=self.row_group_rows)
@@ -253,7 +260,7 @@ def _write_shards(fs, root_path: str, shuffle: ExternalShuffle, sizes: list[int]
                   row_group_rows: int, bar) -> ShardWriter:
     """Pass two: the shuffled rows into shards; the old manifest goes first, so a crash half-way
     leaves no "complete" output pointing at a mix of old and new shards."""
-    fs.makedirs(root_path, exist_ok=True)
+    _makedirs(fs, root_path)
     manifest_path = posixpath.join(root_path, MANIFEST_NAME)
     if fs.exists(manifest_path):
         fs.rm(manifest_path)
