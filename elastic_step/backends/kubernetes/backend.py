@@ -172,8 +172,15 @@ class KubernetesBackend(Backend):
                                   request_timeout_s=request_timeout_s)
         self._create_secret()
         self._create_network_policies(own_pod)
+        try:
+            self.watcher.start()  # the first list, here: an API error surfaces before any worker
+        except k8s.ApiException as exc:
+            self._delete_made()
+            raise ConfigError(
+                f"cannot list pods in namespace {settings.namespace}: {exc.status} {exc.reason}; the master's service "
+                "account needs the Role in deploy/rbac"
+            ) from None
         self.calls = PodCalls(self.api, settings.namespace, request_timeout_s, self._create_failed)
-        self.watcher.start()
 
     # -- set-up -----------------------------------------------------------------------------------
     def _check_reachable(self) -> None:
