@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 
 from elastic_step.config import TrainConfig
+from elastic_step.data import stores
 from elastic_step.master.job import JobResult, run_job
 
 @dataclass
@@ -57,6 +58,7 @@ def train_step(*, data: str, model_dir: str, model_def: str, workers: str = "2:3
         workers=workers, epochs=epochs, minibatch_size=minibatch_size,
         minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
         mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None, progress=False,
+        worker_env=stores.worker_env(),  # the store endpoint for worker pods (never credentials)
     )
     job = run_job(config)
     shutil.copytree(job.model_dir, model_dir, dirs_exist_ok=True)  # where the pipeline's artifact store looks

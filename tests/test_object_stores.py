@@ -113,9 +113,11 @@ def test_storage_options_reach_workers_through_worker_env(s3_server, s3_digits, 
     worker_env() (no AWS_ENDPOINT_URL) reaches the same store."""
     monkeypatch.setattr(stores, "_applied", {})
     monkeypatch.setattr("fsspec.config.conf", {})
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
     stores.set_storage_options(s3_digits, {"endpoint_url": s3_server.endpoint})
     env = stores.worker_env()
-    assert env == {"FSSPEC_S3_ENDPOINT_URL": json.dumps(s3_server.endpoint)}
+    assert env == {"FSSPEC_S3_ENDPOINT_URL": json.dumps(s3_server.endpoint), "AWS_REGION": "us-east-1",
+                   "AWS_DEFAULT_REGION": "us-east-1", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     credentials = {k: v for k, v in s3_server.env().items() if k != "AWS_ENDPOINT_URL"}
     code = f"from elastic_step.data.manifest import load_manifest; print(load_manifest({s3_digits!r}).rows('train'))"
     assert worker_like_process(code, credentials).returncode != 0  # without the option: real AWS, which fails
@@ -130,7 +132,7 @@ def test_a_credential_as_storage_option_is_refused(option, monkeypatch):
     with pytest.raises(ConfigError, match="looks like a credential") as caught:
         stores.set_storage_options("s3://bucket/data", dict([stores.parse_storage_option(option)]))
     assert "abc" not in str(caught.value) and "\n" not in str(caught.value)
-    assert stores.worker_env() == {}
+    assert not [k for k in stores.worker_env() if k.startswith("FSSPEC_")]
 
 
 def test_train_refuses_a_credential_storage_option_before_anything_starts(tmp_path):
@@ -140,6 +142,13 @@ def test_train_refuses_a_credential_storage_option_before_anything_starts(tmp_pa
     assert done.stderr.strip().count("\n") == 0, done.stderr
     assert "looks like a credential" in done.stderr and "AWS_SECRET_ACCESS_KEY" in done.stderr
     assert "do-not-print-me" not in done.stderr + done.stdout
+
+
+def test_workers_get_the_store_location_but_never_the_credentials(s3):
+    env = stores.worker_env()
+    assert env["AWS_ENDPOINT_URL"] == s3.endpoint and env["AWS_REGION"] == "us-east-1"
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} & set(env)
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(env)
 
 
 def test_storage_option_values_are_json_or_strings():

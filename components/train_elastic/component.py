@@ -35,11 +35,12 @@ def train_elastic(
     Where workers read the data: local workers read the copy KFP downloaded to the dataset's
     `.path`. Worker pods (`backend=kubernetes`) read the dataset's URI straight from the store:
     KFP's `minio://bucket/key` is read as `s3://bucket/key`, and `s3://` and `gs://` as they are.
-    On a cluster that needs, in this step's environment (worker pods inherit it): the store
-    endpoint `AWS_ENDPOINT_URL` (unset: KFP's default MinIO service
-    `http://minio-service.kubeflow:9000`); `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` from a
-    Kubernetes Secret (e.g. `kubernetes.use_secret_as_env` on KFP's `mlpipeline-minio-artifact`
-    Secret, keys `accesskey`/`secretkey`) and `AWS_REGION` where the store wants one; for GCS,
+    On a cluster that needs, in this step's environment: the store endpoint `AWS_ENDPOINT_URL`
+    (unset: KFP's default MinIO service `http://minio-service.kubeflow:9000`) and `AWS_REGION`
+    where the store wants one, which the step hands on to its worker pods; `AWS_ACCESS_KEY_ID`
+    and `AWS_SECRET_ACCESS_KEY` from a Kubernetes Secret (e.g. `kubernetes.use_secret_as_env` on
+    KFP's `mlpipeline-minio-artifact` Secret, keys `accesskey`/`secretkey`), which worker pods
+    need from a Secret too (credentials never travel in a pod spec); for GCS,
     `GOOGLE_APPLICATION_CREDENTIALS` or workload identity. Never pass credentials as parameters.
 
     Args:

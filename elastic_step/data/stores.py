@@ -116,11 +116,18 @@ def set_storage_options(protocol_or_uri: str, options: dict) -> None:
     _applied.setdefault(protocol, {}).update(options)
 
 
+# Where the stores are, not who may use them: safe to copy into a worker pod's spec.
+STORE_LOCATION_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+                      "STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+
+
 def worker_env() -> dict[str, str]:
-    """Environment variables that give a worker process or pod the storage options applied in this
-    process (`FSSPEC_<PROTOCOL>_<OPTION>`, JSON-encoded so that types survive). Credentials are not
-    among them: workers take those from their own AWS_* / Google environment."""
-    env = {}
+    """Environment variables that point a worker process or pod at the same stores as this process:
+    the store location variables set here (`AWS_ENDPOINT_URL`, `AWS_REGION`, ...) and the storage
+    options applied here (`FSSPEC_<PROTOCOL>_<OPTION>`, JSON-encoded so that types survive).
+    Credentials are never among them: workers take those from their own environment (a local
+    worker inherits this process's; a pod gets them from a Secret)."""
+    env = {name: os.environ[name] for name in STORE_LOCATION_ENV if os.environ.get(name)}
     for protocol, options in _applied.items():
         for key, value in options.items():
             env[f"FSSPEC_{protocol.upper()}_{key.upper()}"] = json.dumps(value)
