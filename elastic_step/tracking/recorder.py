@@ -5,14 +5,11 @@ stalls training."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
 import re
-import sys
 import threading
 
 from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore
@@ -205,8 +202,7 @@ class TrainingRecorder:
         features, _ = batch_arrays(self.model_def, batch, self.manifest.features, self.manifest.label)
         with open(os.path.join(job_dir, "model", "model.bin"), "rb") as f:
             model = f.read()
-        with self.trainer_lock, contextlib.redirect_stdout(RedactingStream(sys.stdout)):
-            # (MLflow prints a link to the run, built from the tracking URI: without its password)
+        with self.trainer_lock:
             self.trainer.load_model_bytes(model)
             outputs = self.trainer.predict(features)
             with mlflow.start_run(run_id=self.run_id):
@@ -216,20 +212,6 @@ class TrainingRecorder:
                 mlflow.log_artifacts(os.path.join(job_dir, "model"), FINAL_MODEL_ARTIFACTS)
         self.client.set_tag(self.run_id, "elastic_step.model_uri", info.model_uri)
         return info.model_uri
-
-
-class RedactingStream(io.TextIOBase):
-    """A text stream that writes to another with credentials taken out of every URI."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def write(self, text: str) -> int:
-        self.target.write(redact(text))
-        return len(text)
-
-    def flush(self) -> None:
-        self.target.flush()
 
 
 def plot_training(job_dir: str) -> str | None:

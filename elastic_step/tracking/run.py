@@ -70,6 +70,9 @@ def connect(uri: str, job_dir: str):
         os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    if redact(uri) != uri:
+        # MLflow prints links to runs built from the tracking URI, password and all.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
     try:
