@@ -30,7 +30,8 @@ def register(sub) -> None:
     p.add_argument("--rendezvous-timeout", type=float, default=60.0)
     p.add_argument("--startup-grace", type=float, default=60.0, help="seconds to wait for all workers before starting with MIN")
     p.add_argument("--collective-timeout", type=float, default=30.0)
-    p.add_argument("--master-timeout", type=float, default=30.0, help="workers exit when the master is unreachable this long")
+    p.add_argument("--master-timeout", type=float, default=30.0, help="workers exit when the master does not answer this long "
+                   "(at once, within seconds, when its address refuses connections: it died)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     t = p.add_argument_group("tracking (MLflow)")
     t.add_argument("--mlflow-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else SQLite in the job dir)")
