@@ -212,3 +212,31 @@ def test_a_stalled_api_server_blocks_no_caller_and_every_call_has_a_timeout(tmp_
     assert not untimed, untimed
     assert {"create_pod", "delete_pod", "read_pod", "list", "watch", "create_secret", "delete_secret",
             "create_network_policy", "delete_network_policy"} <= {call for call, _ in fake.request_timeouts}
+
+
+def test_workers_take_the_store_credentials_from_the_masters_secrets_by_reference_only(tmp_path, fake, monkeypatch):
+    from kubernetes import client as k8s
+
+    def from_secret(name, secret, key):
+        return k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(
+            secret_key_ref=k8s.V1SecretKeySelector(name=secret, key=key)))
+
+    main = k8s.V1Container(name="main", image="es:1", env=[
+        from_secret("AWS_ACCESS_KEY_ID", "store-credentials", "accesskey"),
+        from_secret("AWS_SECRET_ACCESS_KEY", "store-credentials", "secretkey"),
+        from_secret("MLFLOW_TRACKING_PASSWORD", "mlflow-pipelines", "password"),  # workers never talk to MLflow
+        k8s.V1EnvVar(name="AWS_SESSION_TOKEN", value="a-literal"),  # never copied into another pod's spec
+    ])
+    fake.add_master_pod("step", "es:1", containers=[k8s.V1Container(name="wait", image="argoexec"), main])
+    master = MasterPod("step", "", "127.0.0.1", "ml")
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image=None), master=master)
+    backend.launch(0, "w0.1")
+    backend.shutdown(grace_s=0)
+    env = {e.name: e for e in fake.created[0].spec.containers[0].env}
+    assert env["AWS_ACCESS_KEY_ID"].value_from.secret_key_ref.to_dict() == {"name": "store-credentials", "key": "accesskey", "optional": None}
+    assert env["AWS_SECRET_ACCESS_KEY"].value is None and env["AWS_SECRET_ACCESS_KEY"].value_from.secret_key_ref.key == "secretkey"
+    assert "MLFLOW_TRACKING_PASSWORD" not in env and "AWS_SESSION_TOKEN" not in env
+    elsewhere = unit_backend(tmp_path, fake, PodSettings(namespace="batch", image=None), master=MasterPod("step", "", "127.0.0.1", "ml"))
+    elsewhere.launch(0, "w0.1")
+    elsewhere.shutdown(grace_s=0)
+    assert "AWS_ACCESS_KEY_ID" not in {e.name for e in fake.created[-1].spec.containers[0].env}  # a Secret stays in its namespace

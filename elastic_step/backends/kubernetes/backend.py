@@ -161,6 +161,7 @@ class KubernetesBackend(Backend):
         own_pod = self._read_own_pod()
         self.image = self._worker_image(own_pod)
         self._check_service_account(own_pod)
+        self.secret_env = self._store_credentials(own_pod)
         if self.master is not None and not manifests.owns(self.master, settings.namespace):
             log.warning(
                 "worker pods go to namespace %s, the master pod is in %s: no owner references across namespaces, so "
@@ -227,6 +228,17 @@ class KubernetesBackend(Backend):
             )
         return container.image
 
+    def _store_credentials(self, own_pod: k8s.V1Pod | None) -> list[k8s.V1EnvVar]:
+        """Workers read the data themselves: they get the store credentials the master's own
+        container takes from Secrets (references to the same Secrets; a Secret is only
+        visible in its own namespace)."""
+        found = manifests.store_credentials_of(main_container(own_pod)) if own_pod is not None else []
+        if found and self.master.namespace != self.settings.namespace:
+            log.warning("worker pods in namespace %s cannot use the master's Secrets in %s: %s not given to them",
+                        self.settings.namespace, self.master.namespace, ", ".join(e.name for e in found))
+            return []
+        return found
+
     def _check_service_account(self, own_pod: k8s.V1Pod | None) -> None:
         """Worker pods never run as the master: its service account may create pods and Secrets."""
         master_account = own_pod.spec.service_account_name if own_pod is not None and own_pod.spec else None
@@ -265,7 +277,8 @@ class KubernetesBackend(Backend):
 
     def pod_manifest(self, slot: int, worker_id: str) -> k8s.V1Pod:
         return manifests.worker_pod(
-            self.settings, self.names, self.master, self.image, worker_id, slot, self.spec.master_url, self.spec.env
+            self.settings, self.names, self.master, self.image, worker_id, slot, self.spec.master_url, self.spec.env,
+            self.secret_env,
         )
 
     def _create_failed(self, worker_id: str, reason: str) -> None:

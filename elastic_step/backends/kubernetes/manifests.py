@@ -121,7 +121,9 @@ def worker_pod(
     slot: int,
     master_url: str,
     extra_env: dict[str, str] | None = None,
+    secret_env: list[k8s.V1EnvVar] | None = None,
 ) -> k8s.V1Pod:
+    """`secret_env`: variables that come from Secrets (store credentials), by reference only."""
     env = {
         **(extra_env or {}),
         "ELASTIC_STEP_MASTER_URL": master_url,
@@ -139,7 +141,8 @@ def worker_pod(
         name="worker",
         image=image,
         command=list(WORKER_COMMAND),
-        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
+        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()]
+        + [e for e in secret_env or [] if e.name not in env],
         resources=resources(settings),
         volume_mounts=[
             k8s.V1VolumeMount(name="token", mount_path=TOKEN_MOUNT, read_only=True),
@@ -184,6 +187,22 @@ def worker_pod(
                                   owner_references=owner_references(master, settings.namespace)),
         spec=spec,
     )
+
+
+# What a worker needs to read the data from an object store and may not get as a value: when
+# the master's own container takes these from Secrets, worker pods take them from the same ones.
+STORE_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def store_credentials_of(container: k8s.V1Container | None) -> list[k8s.V1EnvVar]:
+    """The master container's store credentials that come from a Secret (`secretKeyRef`), as
+    the same references; literal values are never copied into another pod's spec."""
+    found = []
+    for var in (container.env or []) if container is not None else []:
+        source = var.value_from
+        if var.name in STORE_CREDENTIAL_ENV and source is not None and source.secret_key_ref is not None:
+            found.append(k8s.V1EnvVar(name=var.name, value_from=k8s.V1EnvVarSource(secret_key_ref=source.secret_key_ref)))
+    return found
 
 
 # Labels that change during a pod's life: never part of a selector of it.
