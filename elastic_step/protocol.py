@@ -1,18 +1,49 @@
-"""The master's HTTP+JSON protocol: the only thing master and worker share."""
+"""The master's HTTP+JSON protocol: the only thing master and worker share.
+
+Requests are strict: a field of the wrong type (a string where a number belongs, a float where
+an integer does), a field the model does not name, a count out of range or a list longer than
+any real job sends is refused with 422 before the master looks at it. The OpenAPI document the
+master serves is generated from these models, so it is the contract as the master enforces it.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 API = "/v1"
 
+# Bounds: generous for any real job, small enough that no request can make the master build a
+# huge list or hold a number it cannot store.
+MAX_INT = 2**53  # ids, counts and steps stay exact in every JSON reader
+MAX_WORLD = 4096  # ranks in one round
+MAX_STEPS_PER_REQUEST = 100_000  # steps in one report or one rendezvous' unacknowledged list
 
-class RegisterRequest(BaseModel):
-    worker_id: str = Field(min_length=1, max_length=128)
-    pid: int = 0
-    host: str = ""
+# w<slot>.<attempt> for the master's own workers; any short id of these characters is
+# well-formed (and then refused unless the master launched a worker of that id).
+WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+RoundId = Annotated[int, Field(ge=0, le=MAX_INT)]
+Message = Annotated[str, Field(max_length=4000)]
+
+
+class Request(BaseModel):
+    """What a client sends: strict types, no unknown fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ErrorReply(BaseModel):
+    """The body of every refusal (401, 403, 404, 409): what went wrong and what to do."""
+
+    detail: str
+
+
+class RegisterRequest(Request):
+    worker_id: WorkerId
+    pid: int = Field(default=0, ge=0, le=2**31)
+    host: str = Field(default="", max_length=253)
 
 
 class JobSpec(BaseModel):
@@ -33,38 +64,41 @@ class JobSpec(BaseModel):
     checkpoint_steps: int = 0  # rank 0 checkpoints every K steps and at each epoch end; 0: never
 
 
-class HeartbeatRequest(BaseModel):
-    worker_id: str
-    round_id: int = 0
-    step: int = -1
+class HeartbeatRequest(Request):
+    worker_id: WorkerId
+    round_id: RoundId = 0
+    step: int = Field(default=-1, ge=-1, le=MAX_INT)
 
 
 class HeartbeatReply(BaseModel):
     round_id: int
+    # The newest *final* step: a worker forgets the ranges of steps up to it. A step that is
+    # only reported may still be voided by a regroup, and its number then reused by the next
+    # round's different step; acknowledging it would make workers forget that step's ranges.
     acked_step: int
     action: Literal["continue", "stop"]
 
 
-class RangeRecord(BaseModel):
-    task_id: int = Field(ge=0)
-    offset: int = Field(ge=0)
-    count: int = Field(gt=0)
+class RangeRecord(Request):
+    task_id: Count
+    offset: Count
+    count: int = Field(gt=0, le=MAX_INT)
 
 
-class StepRecord(BaseModel):
-    step: int = Field(ge=1)
-    ranges: list[RangeRecord | None]  # by rank; None where that rank had no data
-    samples: int = Field(ge=0)
-    loss: float
-    time: float
+class StepRecord(Request):
+    step: int = Field(ge=1, le=MAX_INT)
+    ranges: list[RangeRecord | None] = Field(min_length=1, max_length=MAX_WORLD)  # by rank; None: no data
+    samples: Count
+    loss: float = Field(allow_inf_nan=False)
+    time: float = Field(ge=0, allow_inf_nan=False)
     checkpoint: bool = False  # rank 0 snapshotted its state after this step
 
 
-class RendezvousRequest(BaseModel):
-    worker_id: str
-    step: int = Field(ge=-1)
-    unacked: list[StepRecord] = []
-    left_round: int = 0  # the round this worker just left (0: none)
+class RendezvousRequest(Request):
+    worker_id: WorkerId
+    step: int = Field(ge=-1, le=MAX_INT)
+    unacked: list[StepRecord] = Field(default=[], max_length=MAX_STEPS_PER_REQUEST)
+    left_round: RoundId = 0  # the round this worker just left (0: none)
 
 
 class RendezvousReply(BaseModel):
@@ -79,9 +113,9 @@ class RendezvousReply(BaseModel):
     initial_state: Literal["", "checkpoint", "model"] = ""  # the source loads it from the master first
 
 
-class TaskRequest(BaseModel):
-    worker_id: str
-    round_id: int
+class TaskRequest(Request):
+    worker_id: WorkerId
+    round_id: RoundId
 
 
 class TaskInfo(BaseModel):
@@ -97,16 +131,16 @@ class TaskReply(BaseModel):
     task: TaskInfo | None = None
 
 
-class TaskFailedRequest(BaseModel):
-    worker_id: str
-    task_id: int
-    error: str = Field(max_length=4000)
+class TaskFailedRequest(Request):
+    worker_id: WorkerId
+    task_id: Count
+    error: Message
 
 
-class StepsRequest(BaseModel):
-    worker_id: str
-    round_id: int
-    steps: list[StepRecord]
+class StepsRequest(Request):
+    worker_id: WorkerId
+    round_id: RoundId
+    steps: list[StepRecord] = Field(min_length=1, max_length=MAX_STEPS_PER_REQUEST)
 
 
 class StepsReply(BaseModel):
@@ -114,16 +148,20 @@ class StepsReply(BaseModel):
     epoch: int = 0  # the epoch in progress (rank 0 checkpoints when it moves on)
 
 
-class CollectiveFailedRequest(BaseModel):
-    worker_id: str
-    round_id: int
-    error: str = Field(default="", max_length=4000)
+class CollectiveFailedRequest(Request):
+    worker_id: WorkerId
+    round_id: RoundId
+    error: Message = ""
 
 
-class FailJobRequest(BaseModel):
-    worker_id: str
-    reason: str = Field(max_length=4000)
+class FailJobRequest(Request):
+    worker_id: WorkerId
+    reason: Message
 
 
-class ScaleRequest(BaseModel):
-    workers: int = Field(ge=1)
+class ScaleRequest(Request):
+    workers: int = Field(ge=1, le=MAX_WORLD)
+
+
+class Empty(BaseModel):
+    """The reply of a call that only reports something."""

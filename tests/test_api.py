@@ -54,7 +54,7 @@ def test_unparseable_json_is_422(app_state):
 def test_scale_outside_the_job_range_is_refused_with_the_range(app_state):
     client, state = app_state
     response = client.post("/v1/scale", headers=AUTH, json={"workers": 7})
-    assert response.status_code == 422 and "2:3" in response.text
+    assert response.status_code == 409 and "2:3" in response.text
     assert state.target == 3
 
 

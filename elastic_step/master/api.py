@@ -1,20 +1,28 @@
 """The master's HTTP+JSON API (FastAPI). Every route needs the job's bearer token; a request
 without it gets 401 before its body is even parsed, so it cannot change any state. Malformed
-bodies get FastAPI's 422."""
+bodies get FastAPI's 422. Only live workers of this job may change anything (403 otherwise: a
+stale worker of an earlier attempt holds the same token), and a request that does not fit the
+job's state now gets 409. Every status code a route returns is declared in the OpenAPI document,
+which is generated from the protocol models: the document is the contract the master enforces."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import time
+from typing import Annotated
 
-from fastapi import FastAPI, HTTPException, Request
+import uvicorn
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from elastic_step.master.state import MasterState
+from elastic_step.master.state import MasterState, Refused
 from elastic_step.protocol import (
     API,
+    MAX_INT,
     CollectiveFailedRequest,
+    Empty,
+    ErrorReply,
     FailJobRequest,
     HeartbeatReply,
     HeartbeatRequest,
@@ -22,15 +30,29 @@ from elastic_step.protocol import (
     RegisterRequest,
     RendezvousReply,
     RendezvousRequest,
+    RoundId,
     ScaleRequest,
     StepsReply,
     StepsRequest,
     TaskFailedRequest,
     TaskReply,
     TaskRequest,
+    WorkerId,
 )
 
 LONG_POLL_S = 1.0
+
+# uvicorn's limits for the API server: more concurrent connections than this get 503 (which
+# workers retry) instead of exhausting the master's file descriptors, a connection backlog
+# beyond the kernel default, and idle keep-alive connections closed after a while. A worker
+# holds up to five connections at once (main loop, task prefetch, heartbeat, step reports,
+# checkpoint upload), so 512 serves a hundred workers and the operator's CLI.
+SERVER_LIMITS = {"limit_concurrency": 512, "backlog": 256, "timeout_keep_alive": 30}
+
+
+def server_config(app: FastAPI) -> uvicorn.Config:
+    """How the master serves its API: quiet, no lifespan events, within SERVER_LIMITS."""
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", **SERVER_LIMITS)
 
 
 class RequireToken:
@@ -51,22 +73,45 @@ class RequireToken:
         await self.app(scope, receive, send)
 
 
+def _declared(*codes: int) -> dict:
+    """OpenAPI entries for the refusals a route can answer with (401 on every route)."""
+    meaning = {
+        401: "missing or wrong bearer token",
+        403: "the caller is not a live worker of this job, or not the member this request needs",
+        404: "there is nothing to return",
+        409: "the request does not fit the job's state now (the detail says what to do)",
+    }
+    return {code: {"model": ErrorReply, "description": meaning[code]} for code in (401, *codes)}
+
+
+WorkerParam = Annotated[WorkerId, Query()]
+StepParam = Annotated[int, Query(ge=0, le=MAX_INT)]
+RoundParam = Annotated[RoundId, Query()]
+BINARY_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
 def create_app(state: MasterState, token: str) -> FastAPI:
     app = FastAPI(title="elastic-step master", docs_url=None, redoc_url=None)
     app.add_middleware(RequireToken, token=token)
 
-    @app.post(f"{API}/register", response_model=JobSpec)
+    @app.exception_handler(Refused)
+    async def refused(request: Request, exc: Refused):
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    @app.post(f"{API}/register", response_model=JobSpec, responses=_declared(409))
     async def register(body: RegisterRequest):
         spec = state.register(body.worker_id, body.pid, body.host)
         if spec is None:
             raise HTTPException(409, f"worker {body.worker_id!r} was not launched by this master or is gone")
         return spec
 
-    @app.post(f"{API}/heartbeat", response_model=HeartbeatReply)
+    # Heartbeat and rendezvous answer a stale or unknown worker 200 with "stop": that is how it
+    # learns to leave, and it changes nothing.
+    @app.post(f"{API}/heartbeat", response_model=HeartbeatReply, responses=_declared())
     async def heartbeat(body: HeartbeatRequest):
         return state.heartbeat(body.worker_id, body.step)
 
-    @app.post(f"{API}/rendezvous", response_model=RendezvousReply)
+    @app.post(f"{API}/rendezvous", response_model=RendezvousReply, responses=_declared())
     async def rendezvous(body: RendezvousRequest):
         deadline = time.monotonic() + LONG_POLL_S
         while True:
@@ -75,60 +120,61 @@ def create_app(state: MasterState, token: str) -> FastAPI:
                 return reply
             await asyncio.sleep(0.005)
 
-    @app.post(f"{API}/task", response_model=TaskReply)
+    @app.post(f"{API}/task", response_model=TaskReply, responses=_declared())
     async def task(body: TaskRequest):
         return state.next_task(body.worker_id, body.round_id)
 
-    @app.post(f"{API}/task-failed")
+    @app.post(f"{API}/task-failed", response_model=Empty, responses=_declared(403))
     async def task_failed(body: TaskFailedRequest):
         state.task_failed(body.worker_id, body.task_id, body.error)
-        return {}
+        return Empty()
 
-    @app.post(f"{API}/steps", response_model=StepsReply)
+    @app.post(f"{API}/steps", response_model=StepsReply, responses=_declared(403, 409))
     async def steps(body: StepsRequest):
-        try:
-            acked = state.report_steps(body.worker_id, body.round_id, body.steps)
-            return StepsReply(acked_step=acked, epoch=state.dispatcher.current_epoch)
-        except ValueError as exc:  # a gap or a range that does not fit: the reporter retries
-            raise HTTPException(409, str(exc)) from exc
+        acked = state.report_steps(body.worker_id, body.round_id, body.steps)
+        return StepsReply(acked_step=acked, epoch=state.dispatcher.current_epoch)
 
-    @app.post(f"{API}/collective-failed")
+    @app.post(f"{API}/collective-failed", response_model=Empty, responses=_declared(403))
     async def collective_failed(body: CollectiveFailedRequest):
         state.collective_failed(body.worker_id, body.round_id, body.error)
-        return {}
+        return Empty()
 
-    @app.post(f"{API}/fail")
+    @app.post(f"{API}/fail", response_model=Empty, responses=_declared(403))
     async def fail(body: FailJobRequest):
-        state.fail(f"{body.worker_id}: {body.reason}")
-        return {}
+        state.fail_by_worker(body.worker_id, body.reason)
+        return Empty()
 
-    @app.put(f"{API}/model")
-    async def upload_model(request: Request, worker_id: str, step: int):
+    @app.put(f"{API}/model", response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
+    async def upload_model(request: Request, worker_id: WorkerParam, step: StepParam):
         data = await request.body()
         if not state.upload_model(worker_id, step, data):
             raise HTTPException(409, "the job is not finished at that step")
-        return {}
+        return Empty()
 
-    @app.put(f"{API}/checkpoint")
-    async def checkpoint(request: Request, worker_id: str, step: int):
-        state.checkpoint_state(worker_id, step, await request.body())
-        return {}
+    @app.put(f"{API}/checkpoint", response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
+    async def checkpoint(request: Request, worker_id: WorkerParam, round_id: RoundParam, step: StepParam):
+        state.checkpoint_state(worker_id, round_id, step, await request.body())
+        return Empty()
 
-    @app.get(f"{API}/initial-state")
+    @app.get(
+        f"{API}/initial-state",
+        responses={**_declared(404), 200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+        response_class=Response,
+    )
     async def initial_state():
         if state.initial_state is None:
             raise HTTPException(404, "this job has no initial state")
         return Response(state.initial_state.data, media_type="application/octet-stream")
 
-    @app.post(f"{API}/scale")
+    @app.post(f"{API}/scale", responses=_declared(409))
     async def scale(body: ScaleRequest):
         try:
             state.scale(body.workers)
-        except ValueError as exc:
-            raise HTTPException(422, str(exc)) from exc
+        except ValueError as exc:  # outside the job's range, or the job has ended
+            raise HTTPException(409, str(exc)) from exc
         return state.status()
 
-    @app.get(f"{API}/status")
+    @app.get(f"{API}/status", responses=_declared())
     async def status():
         return state.status()
 

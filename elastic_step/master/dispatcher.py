@@ -185,6 +185,22 @@ class Dispatcher:
         return returned
 
     # -- the ledger's view -------------------------------------------------------------------
+    def check_step(self, ranges: list[tuple[int, int, int, str | None]]) -> None:
+        """Validate one step's (task, offset, count, holder) ranges together, before any of them
+        is applied, so a step is taken whole or not at all. Each rank consumes one task per step,
+        so a task named twice is refused; a range must continue its task's applied prefix; and
+        where the holder is given, the task must be one the master handed to that worker (a
+        report cannot claim rows of a task another worker holds, or of one in nobody's hands)."""
+        seen: set[int] = set()
+        for task_id, offset, count, holder in ranges:
+            if task_id in seen:
+                raise ValueError(f"task {task_id} is named twice in one step; each rank consumes one task per step")
+            seen.add(task_id)
+            self.check_range(task_id, offset, count)
+            if holder is not None and self.holder.get(task_id) != holder:
+                held_by = self.holder.get(task_id) or "nobody"
+                raise ValueError(f"task {task_id} is held by {held_by}, not by {holder} whose rank reported rows of it")
+
     def check_range(self, task_id: int, offset: int, count: int) -> Task:
         task = self.tasks.get(task_id)
         if task is None:

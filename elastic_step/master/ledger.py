@@ -3,8 +3,10 @@
 Rank 0 reports each applied step with the (task, offset, count) range every rank consumed in
 it. A reported step is *tentative* until it can no longer be undone: step s is final once step
 s+1 is reported (no rank enters step s+1's collective before applying s, so every survivor holds
-s), or once a regroup settles at S >= s. A regroup that settles at S voids the tentative steps
-above S: their rows go back to the dispatcher and so to todo. Only final steps reach the audit
+s). A regroup that settles at S voids the tentative steps above S: their rows go back to the
+dispatcher and so to todo. S itself stays tentative until the new round's first step: until its
+source has broadcast it, only the source holds it. Workers forget a step's ranges only once it is
+final (a voided step's number is reused by the next round's step). Only final steps reach the audit
 file, which therefore lists every row of every epoch exactly once.
 """
 
@@ -18,7 +20,14 @@ from elastic_step.master.dispatcher import Dispatcher
 
 
 class StepGap(ValueError):
-    """A step report arrived before the steps in front of it; the reporter retries."""
+    """A step report arrived before the steps in front of it (an earlier report was lost): the
+    master regroups, and the new round's state source re-reports what is missing."""
+
+
+class StepRejected(ValueError):
+    """A step whose ranges the ledger cannot take (a task named twice, a range that does not
+    continue its task's applied prefix, rows of a task its rank did not hold). Every rank holds
+    the same ranges, so no resend or regroup can correct them: the job cannot stay exact."""
 
 
 @dataclass(frozen=True)
@@ -37,14 +46,20 @@ class Ledger:
         self._tentative: dict[int, list[Consumed]] = {}
         self._audit: IO[str] | None = open(audit_path, "a", encoding="utf-8") if audit_path else None
 
-    def ingest(self, step: int, consumed: list[Consumed]) -> bool:
-        """Record an applied step; False when it was already known (a repeated report)."""
+    def ingest(self, step: int, consumed: list[Consumed], holders: list[str] | None = None) -> bool:
+        """Record an applied step; False when it was already known (a repeated report).
+        `holders[i]`, where given, is the worker whose rank consumed `consumed[i]`: the task must
+        be one the master handed to it. Nothing changes unless the whole step is valid."""
         if step <= self.applied_step:
             return False
         if step != self.applied_step + 1:
             raise StepGap(f"step {step} reported before step {self.applied_step + 1}")
-        for c in consumed:  # validate all before changing anything
-            self.dispatcher.check_range(c.task_id, c.offset, c.count)
+        try:
+            self.dispatcher.check_step(
+                [(c.task_id, c.offset, c.count, holders[i] if holders else None) for i, c in enumerate(consumed)]
+            )
+        except ValueError as exc:
+            raise StepRejected(f"step {step}: {exc}") from None
         for c in consumed:
             self.dispatcher.mark_applied(c.task_id, c.offset, c.count)
         self._tentative[step] = consumed
@@ -81,6 +96,10 @@ class Ledger:
         if self._audit is not None and lines:
             self._audit.write("\n".join(lines) + "\n")
             self._audit.flush()
+
+    def tentative(self) -> dict[int, list[Consumed]]:
+        """The steps reported but not yet final, with their ranges (a copy)."""
+        return {step: list(consumed) for step, consumed in self._tentative.items()}
 
     def void_after(self, step: int) -> int:
         """Undo tentative steps above `step`; returns how many rows went back."""

@@ -7,6 +7,7 @@ rank) proposed by the master and *ready* once every member has called in to rend
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -59,10 +60,11 @@ class Round:
     source_rank: int = 0
     initial_state: str = ""  # "checkpoint" | "model" when the source loads it from the master
     first_step_at: float | None = None
-
-    @property
-    def store_prefix(self) -> str:
-        return f"round-{self.id}/"
+    # The round's keys in the master's TCPStore. The store itself has no authentication, so the
+    # prefix is a secret: 128 random bits, handed out only in the rendezvous reply (behind the
+    # job's token) to the round's members. Anyone else who reaches the store cannot find the
+    # round's keys, so cannot join its process group and feed it gradients or row ranges.
+    store_prefix: str = field(default_factory=lambda: f"round-{secrets.token_hex(16)}/", repr=False)
 
 
 def worker_id_for(slot: int, attempt: int) -> str:

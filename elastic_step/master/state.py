@@ -14,7 +14,7 @@ from elastic_step.backends.api import Backend, WorkerExit
 from elastic_step.errors import JobFailed
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
-from elastic_step.master.ledger import Consumed, Ledger
+from elastic_step.master.ledger import Consumed, Ledger, StepGap, StepRejected
 from elastic_step.master.membership import Round, Slot, WorkerInfo, order_members, worker_id_for
 from elastic_step.protocol import (
     HeartbeatReply,
@@ -24,6 +24,26 @@ from elastic_step.protocol import (
     TaskInfo,
     TaskReply,
 )
+
+
+class Refused(Exception):
+    """A request the master will not act on. The API answers it with `status` and the message
+    as a JSON error; the master's state is unchanged."""
+
+    status = 409
+
+
+class NotAMember(Refused):
+    """The caller is not a live worker of this job, or not the member the request needs (a
+    stale worker of an earlier attempt holds the same token: it may change nothing)."""
+
+    status = 403
+
+
+class Conflict(Refused):
+    """The request is well-formed and from a member, but does not fit the job's state now."""
+
+    status = 409
 
 
 @dataclass
@@ -41,6 +61,7 @@ class PendingCheckpoint:
     ledger: dict | None = None
     epoch: int = 0
     state: bytes | None = None
+    round_id: int = 0  # the round whose rank 0 sent the state
 
 
 @dataclass
@@ -48,6 +69,11 @@ class Timeouts:
     heartbeat_s: float = 10.0  # a worker silent this long is hung: dropped and killed
     rendezvous_s: float = 60.0  # a proposed member that has not called in by then is dropped
     startup_grace_s: float = 30.0  # first round: wait this long for all MAX workers, then go with MIN
+
+
+# A checkpoint's state may reach the master before the step's report (both are sent in the
+# background); it may not run further ahead than this.
+MAX_CHECKPOINT_LEAD = 10_000
 
 
 class MasterState:
@@ -83,8 +109,8 @@ class MasterState:
         self.target = max_workers
         self.slots = [Slot(i) for i in range(max_workers)]
         self.workers: dict[str, WorkerInfo] = {}
-        self.round: Round | None = None
-        self.ready_round_id = 0  # the newest round that became ready
+        self.round: Round | None = None  # the newest round, ready or still gathering
+        self.ready_round: Round | None = None  # the newest round that became ready
         self._round_counter = 0
         self._regroup_cause: tuple[str, float] | None = None
         self._failed_since_settle: set[str] = set()
@@ -121,6 +147,34 @@ class MasterState:
     def over(self) -> bool:
         return self.state != "running"
 
+    @property
+    def ready_round_id(self) -> int:
+        return self.ready_round.id if self.ready_round else 0
+
+    # -- who may ask ------------------------------------------------------------------------------
+    def _live_worker(self, worker_id: str) -> WorkerInfo:
+        """The caller as a live worker of this job (and heard from now), or refused."""
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.alive:
+            raise NotAMember(
+                f"{worker_id!r} is not a live worker of this job (it was never launched by this master, "
+                "or it is an earlier attempt's worker that is gone); it must stop"
+            )
+        worker.last_seen = time.time()
+        return worker
+
+    def _member_of_ready_round(self, worker_id: str, round_id: int | None = None, rank0: bool = False) -> Round:
+        """The newest ready round, if the caller is a member of it (its rank 0 where `rank0`)."""
+        self._live_worker(worker_id)
+        ready = self.ready_round
+        if ready is None or worker_id not in ready.members:
+            raise NotAMember(f"{worker_id} is not a member of the current round; rendezvous first")
+        if round_id is not None and round_id != ready.id:
+            raise Conflict(f"round {round_id} is over (the current round is {ready.id}); rendezvous again")
+        if rank0 and ready.members[0] != worker_id:
+            raise NotAMember(f"only rank 0 of round {ready.id} ({ready.members[0]}) may send this, not {worker_id}")
+        return ready
+
     # -- worker calls ------------------------------------------------------------------------------
     def register(self, worker_id: str, pid: int, host: str) -> JobSpec | None:
         with self.lock:
@@ -147,7 +201,7 @@ class MasterState:
                 worker.step = step
             return HeartbeatReply(
                 round_id=self.round.id if self.round else 0,
-                acked_step=self.ledger.applied_step,
+                acked_step=self.ledger.final_step,
                 action="stop" if stop else "continue",
             )
 
@@ -188,7 +242,7 @@ class MasterState:
                 store_prefix=current.store_prefix,
                 source_rank=current.source_rank,
                 start_step=current.start_step,
-                acked_step=self.ledger.applied_step,
+                acked_step=self.ledger.final_step,
                 initial_state=current.initial_state,
             )
 
@@ -210,10 +264,10 @@ class MasterState:
 
     def task_failed(self, worker_id: str, task_id: int, error: str) -> None:
         with self.lock:
-            self._seen(worker_id)
+            self._live_worker(worker_id)
             task = self.dispatcher.tasks.get(task_id)
             if task is None or self.dispatcher.holder.get(task_id) != worker_id:
-                return
+                return  # it was taken back at a regroup while the worker read it: nothing to charge
             self.events.add("task_failed", f"{task.describe(self.dispatcher.shard_names)}: {error}", worker=worker_id)
             try:
                 self.dispatcher.return_task(task_id, failed=True, reason=error)
@@ -221,25 +275,47 @@ class MasterState:
                 self.fail(str(exc))
 
     def report_steps(self, worker_id: str, round_id: int, steps: list[StepRecord]) -> int:
+        """Rank 0's report of applied steps. A report of an older round is acknowledged and
+        ignored: after a settle, that round's steps are in the ledger (from the state source) or
+        voided. A lost earlier report (a gap) makes the master regroup, and the new round's
+        state source re-reports every step the master lacks (each rank keeps its unacknowledged
+        steps' ranges). A step the ledger cannot take fails the job: every rank holds the same
+        ranges, so neither a resend nor a regroup could correct them."""
         with self.lock:
-            self._seen(worker_id)
-            # Reports of the newest ready round only: after a settle, older rounds' steps are
-            # already in the ledger (from the state source) or voided.
+            self._live_worker(worker_id)
             if round_id != self.ready_round_id:
-                return self.ledger.applied_step
-            members = self.round.members if self.round and self.round.id == round_id else None
+                return self.ledger.final_step
+            ready = self._member_of_ready_round(worker_id, round_id, rank0=True)
             for record in steps:
-                self._ingest(record, members)
-            return self.ledger.applied_step
+                try:
+                    self._ingest(record, ready.members)
+                except StepGap as exc:
+                    self.request_regroup(f"step reports from {worker_id} were lost ({exc})")
+                    raise Conflict(f"{exc}; the master regroups and takes the missing steps from the state source") from None
+                except StepRejected as exc:
+                    self._fail_inexact(worker_id, round_id, exc)
+                    raise Conflict(str(exc)) from None
+            return self.ledger.final_step
 
-    def _ingest(self, record: StepRecord, members: list[str] | None = None) -> None:
-        consumed = [Consumed(r.task_id, r.offset, r.count) for r in record.ranges if r is not None]
-        if not self.ledger.ingest(record.step, consumed):
+    def _fail_inexact(self, reporter: str, round_id: int, exc: Exception) -> None:
+        self.fail(
+            f"the step report from {reporter} (round {round_id}) cannot be applied exactly once: {exc}. "
+            "The ledger would no longer be exact, so the job stops here; rerun it with --resume to "
+            "continue from its newest checkpoint"
+        )
+
+    def _ingest(self, record: StepRecord, members: list[str]) -> None:
+        """Take one applied step. `members` is the round it was applied in (position = rank):
+        each rank's range must be of a task the master handed to that member."""
+        if len(record.ranges) != len(members):
+            raise StepRejected(
+                f"step {record.step} has ranges for {len(record.ranges)} ranks; its round has {len(members)} members"
+            )
+        held = [(Consumed(r.task_id, r.offset, r.count), member) for member, r in zip(members, record.ranges) if r is not None]
+        if not self.ledger.ingest(record.step, [c for c, _ in held], [m for _, m in held]):
             return
-        if members is not None and len(members) == len(record.ranges):
-            for member, r in zip(members, record.ranges):
-                if r is not None:
-                    self.workers[member].rows_applied += r.count
+        for consumed, member in held:
+            self.workers[member].rows_applied += consumed.count
         self._rate_window.append((record.time, record.samples))
         self.last_loss = record.loss / max(record.samples, 1)
         current = self.round
@@ -249,6 +325,8 @@ class MasterState:
             # The ledger as of exactly this step: the other half of the checkpoint.
             pending = self._pending_checkpoints.setdefault(record.step, PendingCheckpoint())
             pending.ledger, pending.epoch = self.dispatcher.snapshot(), self.dispatcher.current_epoch
+            if pending.state is not None and pending.round_id != self.ready_round_id:
+                pending.state = None  # sent by a rank 0 of another round: not this step's state
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
             current.first_step_at = record.time
             if current.cause_time:
@@ -260,11 +338,21 @@ class MasterState:
                     cause=current.cause,
                 )
 
-    def checkpoint_state(self, worker_id: str, step: int, data: bytes) -> None:
+    def checkpoint_state(self, worker_id: str, round_id: int, step: int, data: bytes) -> None:
+        """Rank 0's model state after `step`, the half of a checkpoint the ledger cannot give.
+        Only the current round's rank 0 may send it, for a step after the round's start: a late
+        upload from an earlier round (a partitioned old rank 0, or one whose steps a regroup
+        voided) would pair stale state with the new ledger."""
         with self.lock:
-            self._seen(worker_id)
+            ready = self._member_of_ready_round(worker_id, round_id, rank0=True)
+            if step <= ready.start_step or step > self.ledger.applied_step + MAX_CHECKPOINT_LEAD:
+                raise Conflict(
+                    f"step {step} is not a step of round {ready.id} (it started at step {ready.start_step}, "
+                    f"the master has step {self.ledger.applied_step})"
+                )
             if self.on_checkpoint is not None:
-                self._pending_checkpoints.setdefault(step, PendingCheckpoint()).state = data
+                pending = self._pending_checkpoints.setdefault(step, PendingCheckpoint())
+                pending.state, pending.round_id = data, ready.id
 
     def _commit_checkpoints(self) -> None:
         """Hand over checkpoints whose step is final (never voided) and whose two halves arrived."""
@@ -283,13 +371,22 @@ class MasterState:
 
     def collective_failed(self, worker_id: str, round_id: int, error: str) -> None:
         with self.lock:
-            self._seen(worker_id)
+            self._live_worker(worker_id)
             if self.round is not None and self.round.ready and self.round.id == round_id:
+                if worker_id not in self.round.members:
+                    raise NotAMember(f"{worker_id} is not a member of round {round_id}")
                 self.events.add("collective_failed", error[:300], worker=worker_id, round=round_id)
                 self.request_regroup(f"collective failed on {worker_id}")
 
+    def fail_by_worker(self, worker_id: str, reason: str) -> None:
+        """A member found the job cannot go on (a non-finite loss): fail it with its reason."""
+        with self.lock:
+            self._member_of_ready_round(worker_id)
+            self.fail(f"{worker_id}: {reason}")
+
     def upload_model(self, worker_id: str, step: int, data: bytes) -> bool:
         with self.lock:
+            self._member_of_ready_round(worker_id, rank0=True)
             if not self.dispatcher.finished or step != self.ledger.applied_step:
                 return False
             self.ledger.finalize_through(step)
@@ -461,13 +558,30 @@ class MasterState:
             return
         source_rank = steps.index(newest)
         start_step = max(newest, 0)
+        # The source's unacknowledged steps were applied in the round it last trained in, the
+        # newest ready one (a worker that missed a ready round holds no newer step than it).
+        previous = self.ready_round.members if self.ready_round else []
         for record in sorted(self.workers[current.members[source_rank]].unacked, key=lambda r: r.step):
             if self.ledger.applied_step < record.step <= start_step:
-                self._ingest(record)
+                try:
+                    self._ingest(record, previous)
+                except (StepGap, StepRejected) as exc:
+                    self._fail_inexact(current.members[source_rank], current.id, exc)
+                    return
+        if self.ledger.applied_step < start_step:
+            # The source applied steps the master never received and it no longer holds: their
+            # rows would go back to todo and be applied to the model a second time.
+            self._fail_inexact(current.members[source_rank], current.id, StepGap(
+                f"the state source is at step {start_step} but holds no record of steps "
+                f"{self.ledger.applied_step + 1}..{start_step}"))
+            return
         voided_rows = self.ledger.void_after(start_step)
         for step in [s for s in self._pending_checkpoints if s > start_step]:
             del self._pending_checkpoints[step]  # a voided step's checkpoint is no cut at all
-        self.ledger.finalize_through(start_step)
+        # start_step stays tentative here: until the source has broadcast it, only the source
+        # holds it. If the source dies first, the next settle must void it and go on from the
+        # survivors' step. It becomes final with the round's first reported step (every rank
+        # applied start_step to enter that step's collective).
         try:
             returned = self.dispatcher.return_all(self._failed_since_settle)
         except JobFailed as exc:
@@ -476,7 +590,7 @@ class MasterState:
         self._failed_since_settle = set()
         current.ready, current.ready_at = True, time.time()
         current.source_rank, current.start_step, current.initial_state = source_rank, start_step, initial
-        self.ready_round_id = current.id
+        self.ready_round = current
         for member in current.members:
             self.workers[member].unacked = []
         self.events.add(

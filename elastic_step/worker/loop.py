@@ -209,7 +209,7 @@ class Worker:
                 self.unacked[self.step] = record
                 if rank == 0:
                     if record.checkpoint:
-                        self._send_checkpoint()
+                        self._send_checkpoint(rv.round_id)
                     self.reporter.push(rv.round_id, record)
                 if mine is not None:
                     offset += mine[2]
@@ -239,14 +239,14 @@ class Worker:
             return True
         return False
 
-    def _send_checkpoint(self) -> None:
+    def _send_checkpoint(self, round_id: int) -> None:
         """Copy the state to memory now; a background thread hands it to the master, which
         pairs it with its ledger of the same step. Training does not wait."""
         state, step = self.trainer.state_bytes(), self.step
 
         def send():
             try:
-                self.client.call("PUT", "/checkpoint", content=state, params={"worker_id": self.worker_id, "step": step})
+                self.client.call("PUT", "/checkpoint", content=state, params={"worker_id": self.worker_id, "round_id": round_id, "step": step})
             except Rejected as exc:
                 log.warning("checkpoint of step %d refused: %s", step, exc)
 
