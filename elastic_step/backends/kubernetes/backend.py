@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from urllib.parse import urlparse
@@ -19,6 +18,7 @@ from kubernetes import client as k8s
 
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
 from elastic_step.backends.kubernetes import manifests
+from elastic_step.backends.kubernetes.calls import REQUEST_TIMEOUT_S, PodCalls, delete_pod
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings, master_pod_from_env
 from elastic_step.backends.kubernetes.pod_states import is_stuck_waiting, judge, read_facts
 from elastic_step.backends.kubernetes.watch import PodWatcher
@@ -27,7 +27,6 @@ from elastic_step.images import default_image
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
-REQUEST_TIMEOUT_S = 30.0  # every API call: (connect, read) seconds
 LOOPBACK = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 
 
@@ -44,82 +43,6 @@ def main_container(pod: k8s.V1Pod) -> k8s.V1Container | None:
     if named:
         return named[0]
     return containers[0] if len(containers) == 1 else None
-
-
-class PodCalls:
-    """The backend's own thread for the API calls the master's decisions cause (create and
-    delete pods): the master only enqueues. A failed create is reported back as an exit."""
-
-    def __init__(self, api, namespace: str, timeout_s: float, on_create_failed):
-        self.api, self.namespace, self.timeout_s = api, namespace, timeout_s
-        self.on_create_failed = on_create_failed
-        self.calls: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="pod-calls")
-        self._thread.start()
-
-    def _put(self, item) -> None:
-        with self._lock:
-            self._pending += 1
-            self._idle.clear()
-        self.calls.put(item)
-
-    def create(self, pod: k8s.V1Pod, worker_id: str) -> None:
-        self._put(("create", pod, worker_id))
-
-    def delete(self, name: str) -> None:
-        self._put(("delete", name, None))
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Until every queued call is done (True) or `timeout_s` passed (False)."""
-        return self._idle.wait(timeout_s)
-
-    def close(self, timeout_s: float) -> None:
-        self.calls.put(None)
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            item = self.calls.get()
-            if item is None:
-                return
-            kind, what, worker_id = item
-            try:
-                if kind == "create":
-                    self._create(what, worker_id)
-                else:
-                    delete_pod(self.api, what, self.namespace, self.timeout_s)
-            except Exception as exc:  # a dropped connection, a timeout: never the end of this thread
-                log.warning("%s pod failed: %s", kind, exc)
-                if kind == "create":
-                    self.on_create_failed(worker_id, f"pod {what.metadata.name} not created: {exc}")
-                    # The server may have made it all the same: it must not outlive its worker.
-                    self.delete(what.metadata.name)
-            finally:
-                with self._lock:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.set()
-
-    def _create(self, pod: k8s.V1Pod, worker_id: str) -> None:
-        name = pod.metadata.name
-        try:
-            self.api.create_namespaced_pod(self.namespace, pod, _request_timeout=self.timeout_s)
-        except k8s.ApiException as exc:
-            # Reported as an exit at the next poll: the master's relaunch limit applies.
-            log.warning("creating pod %s failed: %s %s", name, exc.status, exc.reason)
-            self.on_create_failed(worker_id, f"pod {name} not created: {exc.status} {exc.reason}")
-
-
-def delete_pod(api, name: str, namespace: str, timeout_s: float) -> None:
-    try:
-        api.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _request_timeout=timeout_s)
-    except k8s.ApiException as exc:
-        if exc.status != 404:
-            log.warning("deleting pod %s failed: %s %s", name, exc.status, exc.reason)
 
 
 class KubernetesBackend(Backend):
