@@ -23,7 +23,7 @@ from elastic_step.backends.registry import create_backend
 from elastic_step.config import TrainConfig
 from elastic_step.data.manifest import load_manifest, validate_shards
 from elastic_step.data.reader import ShardReader
-from elastic_step.durable import write_atomic, write_json_atomic, write_private
+from elastic_step.durable import fsync_path, write_atomic, write_json_atomic, write_private
 from elastic_step.errors import ConfigError, JobFailed, ModelDefinitionError
 from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
 from elastic_step.frameworks.registry import build_trainer
@@ -293,5 +293,7 @@ def finish_job(config: TrainConfig, manifest, recorder: TrainingRecorder, traine
         rows_audited=ledger.rows_final, recoveries_s=[e["seconds"] for e in master.events.of("recovered")],
         seconds=round(time.time() - started, 2),
     )
+    if config.audit and os.path.exists(config.audit):
+        fsync_path(config.audit)  # the audit is whole on disk before the result vouches for it
     write_json_atomic(os.path.join(config.job_dir, "result.json"), result.to_json())
     return result
