@@ -22,6 +22,7 @@ import pytest
 from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules, venv_image
+from cluster.s3 import s3_server, upload
 from conftest import SLOW_MODEL
 from elastic_step.audit import audit_report
 from elastic_step.protocol import API
@@ -35,29 +36,9 @@ JOB_DIR = "/tmp/job"
 
 
 @pytest.fixture
-def s3(tmp_path):
-    """An S3 server on 127.0.0.1 (moto). A public-read bucket: worker pods are given no
-    credentials (the backend hands them none yet), so they read anonymously.
-    TODO: use the shared S3 fixtures of tests/stores.py once they exist."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-def upload(endpoint: str, local: str, bucket: str, prefix: str) -> str:
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
-    s3.create_bucket(Bucket=bucket, ACL="public-read")
-    for folder, _, files in os.walk(local):
-        for name in files:
-            path = os.path.join(folder, name)
-            s3.upload_file(path, bucket, f"{prefix}/{os.path.relpath(path, local)}", ExtraArgs={"ACL": "public-read"})
-    return f"s3://{bucket}/{prefix}"
+def s3():
+    with s3_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
@@ -66,7 +47,6 @@ def cluster(tmp_path):
     layer.mkdir()
     shutil.copy(SLOW_MODEL, layer / "slow_digits.py")
     image = venv_image(TEST_IMAGE, extra_path=[str(layer)])
-    image.paths.append(str(layer))
     with Cluster(str(tmp_path / "cluster"), images={TEST_IMAGE: image}) as c:
         print(f"kubelet runtime: {c.kubelet.mode}")
         yield c

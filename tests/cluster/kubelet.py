@@ -66,16 +66,20 @@ class Image:
     workdir: str = "/home/elastic"
     home: str = "/home/elastic"
     paths: list[str] = field(default_factory=list)  # host folders the image's files live in, if under a private folder
+    layers: dict[str, str] = field(default_factory=dict)  # folder in the image -> the host folder with its files
 
 
 def venv_image(name: str, extra_path: list[str] | None = None) -> Image:
     """The project's image as this machine has it: the test's own Python environment (what
-    `pip install .` put in the image). `extra_path`: folders copied into the image, on PYTHONPATH."""
+    `pip install .` put in the image). `extra_path`: host folders added to the image (at
+    /image/layerN), on its PYTHONPATH."""
     env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1",
            "HOME": "/home/elastic", "MPLCONFIGDIR": "/tmp/matplotlib", "LANG": "C.UTF-8"}
-    if extra_path:
-        env["PYTHONPATH"] = ":".join(extra_path)
-    return Image(name, env, paths=[sys.base_prefix] if sys.base_prefix.startswith(("/root/", "/home/", "/tmp/")) else [])
+    layers = {f"/image/layer{i}": path for i, path in enumerate(extra_path or [])}
+    if layers:
+        env["PYTHONPATH"] = ":".join(layers)
+    return Image(name, env, paths=[sys.base_prefix] if sys.base_prefix.startswith(("/root/", "/home/", "/tmp/")) else [],
+                 layers=layers)
 
 
 def parse_memory(text: str) -> int:
@@ -151,6 +155,7 @@ class Kubelet:
         self.isolation = "namespaces" if (can_isolate() if isolate is None else isolate) else "folders"
         self.cgroup_parent = memory_cgroup_parent()
         self.pods: dict[str, PodRecord] = {}  # uid -> record
+        self.past_logs: dict[tuple[str, str], bytes] = {}  # (namespace, pod) -> the log's tail, once the pod is gone
         self.lock = threading.RLock()
         self.closed = False
         self._watch: watch.Watch | None = None
@@ -208,7 +213,7 @@ class Kubelet:
         if self.isolation != "namespaces" or not c.cgroup:
             raise RuntimeError("filling a pod's memory needs the namespaces runtime and a memory cgroup")
         script = f"echo $$ > {c.cgroup}/cgroup.procs; exec head -c {megabytes * 2**20} /dev/zero > /dev/shm/.fill"
-        subprocess.Popen(["nsenter", "--target", str(c.proc.pid), "--mount", "--", "sh", "-c", script],
+        subprocess.Popen(["nsenter", "--target", str(c.proc.pid), "--mount", "--root", "--", "sh", "-c", script],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def volume_path(self, namespace: str, name: str, volume: str) -> str:
@@ -222,6 +227,10 @@ class Kubelet:
             record = self.record(namespace, name)
         except KeyError:
             raise ApiError(400, "BadRequest", f'pod "{name}" has no running or finished container on this node') from None
+        return self._log_of(record)
+
+    @staticmethod
+    def _log_of(record: PodRecord) -> bytes:
         out = b""
         for c in record.init_containers + record.containers:
             with open(c.log_path, "rb") as f:
@@ -339,6 +348,10 @@ class Kubelet:
             if all(c.exit is not None for c in record.containers):
                 with self.lock:
                     self.pods.pop(record.uid, None)
+                try:
+                    self.past_logs[(record.namespace, record.name)] = self._log_of(record)[-4000:]
+                except OSError:
+                    pass
                 shutil.rmtree(record.folder, ignore_errors=True)
             return
         if changed:
@@ -475,7 +488,8 @@ class Kubelet:
         gid = csec.get("runAsGroup", image.gid)
         groups = sorted({gid, *([fs_group] if fs_group is not None else []), *security.get("supplementalGroups", [])})
         env = {**image.env, **self.service_env, **self._env(pod, c)}
-        binds, tmpfs = [], []
+        binds = [(host, target, True) for target, host in image.layers.items()]
+        tmpfs = []
         for m in c.get("volumeMounts") or []:
             source = volumes[m["name"]]
             if source == "tmpfs":

@@ -1,15 +1,17 @@
 """The process runtime's container init: run as root inside a fresh mount namespace (`unshare
---mount`), it gives the container its own filesystem view, then becomes the container's command.
+--mount`), it builds the container's own root filesystem, then becomes the container's command.
 
 - joins the pod's memory cgroup first, so everything the container allocates is charged there;
-- mounts private tmpfs over /tmp, /home, /root, /run (= /var/run) and /dev/shm: another pod's
-  files, the master's job folder and the test's own temporary folders are out of sight; the
-  image's own files that live under them (an interpreter under /root) are bound back read-only;
-- bind-mounts each volume (Secret, emptyDir, the service-account token) at its mount path;
-- makes every other mount read-only (a container's root filesystem is never the node's);
-- drops to the pod's user and groups, changes to the working folder and execs the command.
+- builds a new root (a tmpfs): the node's top-level folders bound in read-only (a container's
+  root filesystem is never the node's to write), but private, empty tmpfs for /tmp, /home,
+  /root, /run (= /var/run) and /dev/shm — so another pod's files, the master's job folder and the
+  test's own temporary folders are out of sight; the image's own files that live under them (an
+  interpreter under /root, a layer folder) are bound back read-only;
+- binds each volume (Secret, emptyDir, the service-account token) at its mount path, which may
+  be a new top-level folder (/argo, /data) but never a new folder inside one of the node's;
+- chroots into it, drops to the pod's user and groups, changes to the working folder and execs.
 
-Usage: python podinit.py SPEC.json  (written by kubelet.py; see ProcessRuntime.start)
+Usage: python podinit.py SPEC.json  (written by kubelet.py; see Kubelet._run)
 """
 
 import json
@@ -17,16 +19,12 @@ import os
 import subprocess
 import sys
 
-PRIVATE = ("/tmp", "/home", "/root", "/dev/shm")  # /run is made private first: it holds the staging area
-STAGE = "/run/.stage"
+PRIVATE = ("tmp", "home", "root", "run")  # top-level folders that start empty in every container
+NEW_ROOT = "/run/.root"
 
 
 def mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL)
-
-
-def private_target(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in PRIVATE + ("/run",))
 
 
 def main(spec_path: str) -> None:
@@ -35,44 +33,56 @@ def main(spec_path: str) -> None:
     if spec.get("cgroup"):
         with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
+    # /run is made private first: the new root is built inside it, out of every other pod's sight.
     mount("-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/run")
-    staged = []
-    for i, (source, target, read_only) in enumerate(spec["binds"]):
-        stage = f"{STAGE}/{i}"
-        os.makedirs(stage)
-        mount("--bind", source, stage)
-        staged.append((stage, os.path.realpath(target), read_only))  # /var/run is /run
-    for i, path in enumerate(spec.get("image_paths", [])):
-        stage = f"{STAGE}/image-{i}"
-        os.makedirs(stage)
-        mount("--bind", path, stage)
-        staged.append((stage, path, True))
-    for path in PRIVATE:
-        mount("-t", "tmpfs", "-o", "mode=1777" if path in ("/tmp", "/dev/shm") else "mode=0755", "tmpfs", path)
-    for path, uid, gid in spec.get("homes", []):
-        os.makedirs(path, exist_ok=True)
-        os.chown(path, uid, gid)
-    for target in map(os.path.realpath, spec.get("tmpfs", [])):
-        if not private_target(target):
-            sys.exit(f"podinit: mount path {target} is outside the container's private folders")
-        os.makedirs(target, exist_ok=True)
-        mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", target)
-    for stage, target, read_only in sorted(staged, key=lambda s: s[1].count("/")):
-        if not private_target(target):
-            sys.exit(f"podinit: mount path {target} is outside the container's private folders")
-        os.makedirs(target, exist_ok=True)
-        mount("--bind", stage, target)
-        if read_only:
-            mount("-o", "remount,bind,ro", target)
-    for stage, _, _ in staged:
-        subprocess.run(["umount", "-l", stage], check=True)
-    ours = set(PRIVATE) | {"/run"} | {t for _, t, _ in staged} | set(map(os.path.realpath, spec.get("tmpfs", [])))
-    with open("/proc/self/mounts") as f:
-        targets = [line.split()[1] for line in f]
-    for target in targets:
-        if target in ours or any(target.startswith(p) for p in ("/proc", "/sys", "/dev")):
+    root = NEW_ROOT
+    os.makedirs(root)
+    mount("-t", "tmpfs", "-o", "mode=0755", "tmpfs", root)
+    node_folders = []
+    for entry in sorted(os.listdir("/")):
+        host, mine = f"/{entry}", f"{root}/{entry}"
+        if os.path.islink(host):
+            os.symlink(os.readlink(host), mine)
+        elif not os.path.isdir(host):
             continue
-        subprocess.run(["mount", "-o", "remount,bind,ro", target], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        elif entry in PRIVATE:
+            os.makedirs(mine)
+            mount("-t", "tmpfs", "-o", "mode=1777" if entry == "tmp" else "mode=0755", "tmpfs", mine)
+        else:
+            os.makedirs(mine)
+            mount("--rbind", host, mine)
+            if entry not in ("proc", "sys", "dev"):
+                node_folders.append(entry)
+    mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", f"{root}/dev/shm")
+
+    def place(target: str) -> str:
+        """The target's path in the new root, made if it may be."""
+        real = os.path.realpath(target)  # /var/run/x is /run/x
+        top = real.strip("/").split("/")[0]
+        path = root + real
+        if not os.path.exists(path):
+            if top in node_folders:
+                sys.exit(f"podinit: mount path {target} does not exist in the image and cannot be made in it")
+            os.makedirs(path)
+        return path
+
+    for path in spec.get("image_paths", []):
+        mine = place(path)
+        mount("--bind", path, mine)
+        mount("-o", "remount,bind,ro", mine)
+    for path, uid, gid in spec.get("homes", []):
+        os.makedirs(root + path, exist_ok=True)
+        os.chown(root + path, uid, gid)
+    for target in spec.get("tmpfs", []):
+        mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", place(target))
+    for source, target, read_only in sorted(spec["binds"], key=lambda b: os.path.realpath(b[1]).count("/")):
+        mine = place(target)
+        mount("--bind", source, mine)
+        if read_only:
+            mount("-o", "remount,bind,ro", mine)
+    for entry in node_folders:
+        subprocess.run(["mount", "-o", "remount,bind,ro", f"{root}/{entry}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.chroot(root)
     os.setgroups(spec["groups"])
     os.setgid(spec["gid"])
     os.setuid(spec["uid"])
