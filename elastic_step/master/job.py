@@ -27,12 +27,13 @@ from elastic_step.durable import fsync_path, write_atomic, write_json_atomic, wr
 from elastic_step.errors import ConfigError, JobFailed, ModelDefinitionError
 from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
 from elastic_step.frameworks.registry import build_trainer
-from elastic_step.master.api import create_app
+from elastic_step.master.api import create_app, server_config
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.state import InitialState, MasterState, Timeouts
+from elastic_step.master.store import RendezvousStore
 from elastic_step.protocol import JobSpec
 from elastic_step.tracking.recorder import TrainingRecorder
 from elastic_step.tracking.run import tracking_errors
@@ -106,7 +107,7 @@ def check_model_definition(config: TrainConfig, manifest):
 
 class ApiServer:
     def __init__(self, app, sock: socket.socket):
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        self.server = uvicorn.Server(server_config(app))  # with its connection limits
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="api")
 
     def start(self) -> None:
@@ -189,8 +190,6 @@ def plan_start(config: TrainConfig, recorder: TrainingRecorder, dispatcher: Disp
 def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, running: contextlib.ExitStack) -> Master:
     """The ledger and its starting point, the store, the API and the backend; every one of them
     registered with `running` for release."""
-    import torch.distributed as dist  # the store that hosts every round's rendezvous
-
     shards = manifest.splits["train"]
     dispatcher = Dispatcher(
         [s.rows for s in shards], [s.path for s in shards], config.rows_per_task, config.epochs,
@@ -205,7 +204,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
 
     api_socket = bind_socket(config.host, config.port, "master API")
     running.callback(api_socket.close)
-    store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False)
+    store = RendezvousStore(config.host)  # hosts every round's rendezvous; listens on the API's host only
     url = f"http://{config.host}:{api_socket.getsockname()[1]}"
     token = secrets.token_urlsafe(32)
     token_file = os.path.join(config.job_dir, "token")
