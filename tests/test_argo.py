@@ -27,6 +27,7 @@ VARIANTS = {  # RenderOptions keyword arguments (built per test: the default ima
     "artifacts": {},
     "pvc+secret": {"pvc": "training-data", "mlflow_secret": "mlflow:tracking-uri", "cron": "30 2 * * 1-5",
                    "timezone": "Europe/Berlin", "mlflow_credentials": "mlflow-pipelines"},
+    "store": {"data_store": "s3://ml-data/elastic-step"},
 }
 
 
@@ -286,6 +287,22 @@ def test_image_is_the_project_image_unless_overridden(monkeypatch):
     assert {t["container"]["image"] for t in other["spec"]["templates"] if "container" in t} == {"registry.example/custom:1"}
 
 
+def test_with_a_data_store_every_step_and_every_worker_reads_the_dataset_by_its_uri():
+    # Worker pods share no file with the train step's pod: the dataset must be where they can
+    # read it themselves, not an artifact downloaded into the master's pod.
+    doc = documents("store")["training-workflowtemplate.yaml"]
+    templates = templates_of(doc)
+    uri = "s3://ml-data/elastic-step/{{workflow.name}}/dataset"
+    prepare = templates["prepare-data"]["container"]["args"]
+    assert prepare[prepare.index("--out") + 1] == uri
+    assert [a["name"] for a in templates["prepare-data"]["outputs"]["artifacts"]] == ["summary"]
+    for name in ("train", "evaluate", "export"):
+        args = templates[name]["container"]["args"]
+        assert args[args.index("--data") + 1] == uri
+        assert "artifacts" not in templates[name].get("inputs", {})
+        assert "artifacts" not in task(doc, name).get("arguments", {})
+
+
 def test_the_train_step_is_an_elastic_master_that_knows_its_own_pod():
     # The downward API, under the names the Kubernetes backend reads.
     from elastic_step.backends.kubernetes import options
@@ -447,6 +464,7 @@ def test_committed_argo_yaml_is_fresh(tmp_path):
 
 # ---- each step's command line against the real CLI ----------------------------------------------
 
+WORKFLOW_NAME = "elastic-step-training-abcde"
 SAMPLE_OUTPUTS = {"run_id": "0123456789abcdef", "model_uri": "models:/m-0123", "blessed": "true",
                   "model_version": "7"}
 
@@ -457,7 +475,7 @@ def _resolve(text: str, task_args: dict, workflow_params: dict) -> str:
         if scope == "inputs":
             return _resolve(task_args[rest[1]], task_args, workflow_params)
         if scope == "workflow":
-            return workflow_params[rest[1]] if rest[0] == "parameters" else "elastic-step-training-abcde"
+            return workflow_params[rest[1]] if rest[0] == "parameters" else WORKFLOW_NAME
         if scope == "tasks":
             return SAMPLE_OUTPUTS[rest[-1]]
         raise AssertionError(f"unexpected reference {match.group(0)}")
@@ -494,7 +512,8 @@ def test_every_step_command_line_parses_with_the_real_cli(variant, pipeline):
         for a in template.get("inputs", {}).get("artifacts", []):
             assert a["path"] == args.data  # the dataset arrives where --data reads it
         if t["name"] == "prepare-data":
-            assert args.out == f"{args.outputs}/dataset"
+            assert args.out == (f"s3://ml-data/elastic-step/{WORKFLOW_NAME}/dataset" if variant == "store"
+                                else f"{args.outputs}/dataset")
         if t["name"] in ("train", "evaluate", "export") and variant != "artifacts":
             assert args.data == _resolve(templates["train"]["container"]["args"][4], task_args, workflow_params)
 
@@ -519,6 +538,9 @@ def test_render_cli_writes_the_files(tmp_path, capsys):
     (["--mlflow-secret", "MLflow"], "--mlflow-secret"),
     (["--train-retries", "-1"], "--train-retries"),
     (["--mlflow-credentials", "MLflow Users"], "--mlflow-credentials"),
+    (["--data-store", "/mnt/data"], "--data-store"),
+    (["--data-store", "s3://b/{{workflow.parameters.x}}"], "--data-store"),
+    (["--data-store", "s3://b/p", "--pvc", "shared"], "choose one"),
 ])
 def test_render_cli_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, capsys, flags, message):
     out = tmp_path / "argo"

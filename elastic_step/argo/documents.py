@@ -25,6 +25,7 @@ DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 # A Kubernetes quantity as the API server's own grammar has it (digits, a fraction, an SI or
 # binary suffix, or an exponent): nothing else can reach a pod spec.
+DATA_STORE = re.compile(r"^[a-z][a-z0-9+.-]*://[A-Za-z0-9._~/:@%+=,-]+$")
 QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?[0-9]+)?$")
 
 
@@ -60,6 +61,7 @@ class RenderOptions:
 
     image: str = field(default_factory=default_image)
     pvc: str | None = None
+    data_store: str | None = None  # s3://bucket/prefix: the dataset there, readable by worker pods
     mlflow_secret: str | None = None  # NAME or NAME:KEY of a Secret holding the tracking URI
     mlflow_credentials: str | None = None  # a Secret with `username` and `password` for MLflow's auth
     train_retries: int = 3
@@ -83,6 +85,12 @@ class RenderOptions:
         for flag, value in (("--train-cpu", self.train_cpu), ("--train-memory", self.train_memory),
                             ("--step-cpu", self.step_cpu), ("--step-memory", self.step_memory)):
             check_quantity(flag, value)
+        if self.data_store is not None:
+            if not DATA_STORE.match(self.data_store) or self.data_store.startswith("file:"):
+                raise ConfigError(f"--data-store {self.data_store!r} is not an object-store URI; give one like "
+                                  "s3://bucket/prefix or gs://bucket/prefix")
+            if self.pvc:
+                raise ConfigError("--data-store and --pvc: choose one place for the dataset")
         if self.train_gpus < 0:
             raise ConfigError(f"--train-gpus {self.train_gpus} must be 0 or more")
         for flag, name in (("--pvc", self.pvc), ("--mlflow-secret", self.secret_name),
@@ -114,7 +122,7 @@ def _from_workflow(*names: str) -> dict[str, str]:
 
 
 def _dataset(layout: steps.Layout) -> list:
-    if not layout.uses_artifacts:
+    if not layout.dataset_is_artifact:
         return []
     return [Artifact(name="dataset", from_="{{tasks.prepare-data.outputs.artifacts.dataset}}")]
 
@@ -123,7 +131,7 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
     """prepare-data → train → evaluate → (blessed) export → (blessed) promote."""
     if pipeline not in PIPELINES:
         raise ConfigError(f"--pipeline {pipeline!r} is not one of {', '.join(PIPELINES)}")
-    layout = steps.Layout(pvc=options.pvc)
+    layout = steps.Layout(pvc=options.pvc, data_store=options.data_store)
     settings = steps.StepSettings(image=options.image, mlflow_secret=options.secret_name,
                                   mlflow_secret_key=options.secret_key, mlflow_credentials=options.mlflow_credentials)
     step = steps.StepResources(cpu=options.step_cpu, memory=options.step_memory)

@@ -6,6 +6,8 @@ Files travel between steps one of two ways (`Layout`): through the cluster's art
 (outputs declared by path only and inputs `from:` the producing task, so the repository Argo is
 configured with — S3, MinIO, GCS, ... — chooses the key and no bucket or credentials appear
 here), or on a shared PersistentVolumeClaim mounted in every step, one folder per workflow.
+The dataset may instead live in an object store (`data_store`, one folder per workflow), which
+is what worker pods need: they read it themselves and share no file with the train step's pod.
 """
 
 from __future__ import annotations
@@ -25,10 +27,15 @@ class Layout:
     """Where a step reads its inputs and writes its outputs."""
 
     pvc: str | None = None  # claim name; None: the artifact repository
+    data_store: str | None = None  # an object-store URI (s3://bucket/prefix): the dataset lives there
 
     @property
     def uses_artifacts(self) -> bool:
         return self.pvc is None
+
+    @property
+    def dataset_is_artifact(self) -> bool:
+        return self.uses_artifacts and not self.data_store
 
     def outputs(self, step: str) -> str:
         if self.pvc:
@@ -36,7 +43,12 @@ class Layout:
         return "/tmp/outputs"
 
     def dataset_in(self) -> str:
+        if self.data_store:
+            return f"{self.data_store.rstrip('/')}/{{{{workflow.name}}}}/dataset"
         return f"{self.outputs('prepare-data')}/dataset" if self.pvc else "/tmp/inputs/dataset"
+
+    def dataset_out(self) -> str:
+        return self.dataset_in() if self.data_store else f"{self.outputs('prepare-data')}/dataset"
 
     def job_dir(self) -> str:
         return f"{self.outputs('train')}/job" if self.pvc else "/tmp/job"
@@ -107,7 +119,7 @@ def _outputs(layout: Layout, step: str, parameters: list[str], artifacts: dict[s
 
 def _inputs(layout: Layout, parameters: list[str], dataset: bool) -> list:
     declared: list = [Parameter(name=p) for p in parameters]
-    if dataset and layout.uses_artifacts:
+    if dataset and layout.dataset_is_artifact:
         declared.append(Artifact(name="dataset", path=layout.dataset_in()))
     return declared
 
@@ -130,10 +142,12 @@ def _container(name: str, settings: StepSettings, layout: Layout, args: list[str
 
 def prepare_data(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
     out = layout.outputs("prepare-data")
-    args = ["prepare-data", "--source", _param("source"), "--label", _param("label"), "--out", f"{out}/dataset",
+    args = ["prepare-data", "--source", _param("source"), "--label", _param("label"), "--out", layout.dataset_out(),
             "--seed", _param("seed"), "--outputs", out]
     return _container("prepare-data", settings, layout, args, _inputs(layout, ["source", "label", "seed"], False),
-                      _outputs(layout, "prepare-data", [], {"dataset": "dataset", "summary": "summary.md"}), resources)
+                      _outputs(layout, "prepare-data", [],
+                               ({"dataset": "dataset"} if layout.dataset_is_artifact else {}) | {"summary": "summary.md"}),
+                      resources)
 
 
 TRAIN_INPUTS = ["model-def", "workers", "epochs", "minibatch-size", "minibatches-per-task", "checkpoint-steps",

@@ -11,6 +11,10 @@ def register(sub) -> None:
     r.add_argument("--out", required=True, help="folder to write the YAML files into")
     r.add_argument("--pvc", help="pass files between steps on this PersistentVolumeClaim instead of the "
                                  "cluster's artifact repository")
+    r.add_argument("--data-store", metavar="URI",
+                   help="keep the prepared dataset in this object store (s3://bucket/prefix, gs://...; one folder per "
+                        "workflow) instead of passing it as an artifact: needed with backend=kubernetes, whose worker "
+                        "pods read it themselves; the steps need the store's endpoint and credentials in their env")
     r.add_argument("--mlflow-secret", metavar="NAME[:KEY]",
                    help="take MLFLOW_TRACKING_URI from this Secret (key default: tracking-uri) instead of the "
                         "mlflow-uri workflow parameter")
@@ -39,7 +43,7 @@ def run_render(args) -> int:
     from elastic_step.argo import PIPELINES, RenderOptions, render
 
     extra = {"image": args.image} if args.image else {}
-    options = RenderOptions(pvc=args.pvc, mlflow_secret=args.mlflow_secret, mlflow_credentials=args.mlflow_credentials,
+    options = RenderOptions(pvc=args.pvc, data_store=args.data_store, mlflow_secret=args.mlflow_secret, mlflow_credentials=args.mlflow_credentials,
                             train_retries=args.train_retries,
                             cron=args.cron, timezone=args.timezone, starting_deadline_seconds=args.starting_deadline,
                             history_limit=args.history_limit, service_account=args.service_account,
