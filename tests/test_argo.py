@@ -27,7 +27,8 @@ VARIANTS = {  # RenderOptions keyword arguments (built per test: the default ima
     "artifacts": {},
     "pvc+secret": {"pvc": "training-data", "mlflow_secret": "mlflow:tracking-uri", "cron": "30 2 * * 1-5",
                    "timezone": "Europe/Berlin", "mlflow_credentials": "mlflow-pipelines"},
-    "store": {"data_store": "s3://ml-data/elastic-step"},
+    "store": {"data_store": "s3://ml-data/elastic-step", "store_secret": "store-credentials",
+              "store_endpoint": "http://minio-service.kubeflow:9000"},
 }
 
 
@@ -296,6 +297,11 @@ def test_with_a_data_store_every_step_and_every_worker_reads_the_dataset_by_its_
     prepare = templates["prepare-data"]["container"]["args"]
     assert prepare[prepare.index("--out") + 1] == uri
     assert [a["name"] for a in templates["prepare-data"]["outputs"]["artifacts"]] == ["summary"]
+    for name in ("prepare-data", "train", "evaluate", "export"):
+        env = _env(templates[name])
+        assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio-service.kubeflow:9000"
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # by reference: the workers take the same
+            assert env[key] == {"name": key, "valueFrom": {"secretKeyRef": {"name": "store-credentials", "key": key}}}
     for name in ("train", "evaluate", "export"):
         args = templates[name]["container"]["args"]
         assert args[args.index("--data") + 1] == uri
@@ -541,6 +547,8 @@ def test_render_cli_writes_the_files(tmp_path, capsys):
     (["--data-store", "/mnt/data"], "--data-store"),
     (["--data-store", "s3://b/{{workflow.parameters.x}}"], "--data-store"),
     (["--data-store", "s3://b/p", "--pvc", "shared"], "choose one"),
+    (["--store-endpoint", "minio:9000"], "--store-endpoint"),
+    (["--store-secret", "Store_Creds"], "--store-secret"),
 ])
 def test_render_cli_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, capsys, flags, message):
     out = tmp_path / "argo"

@@ -26,6 +26,7 @@ DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-
 # A Kubernetes quantity as the API server's own grammar has it (digits, a fraction, an SI or
 # binary suffix, or an exponent): nothing else can reach a pod spec.
 DATA_STORE = re.compile(r"^[a-z][a-z0-9+.-]*://[A-Za-z0-9._~/:@%+=,-]+$")
+ENDPOINT = re.compile(r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$")
 QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?[0-9]+)?$")
 
 
@@ -62,6 +63,8 @@ class RenderOptions:
     image: str = field(default_factory=default_image)
     pvc: str | None = None
     data_store: str | None = None  # s3://bucket/prefix: the dataset there, readable by worker pods
+    store_secret: str | None = None  # Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+    store_endpoint: str | None = None  # AWS_ENDPOINT_URL
     mlflow_secret: str | None = None  # NAME or NAME:KEY of a Secret holding the tracking URI
     mlflow_credentials: str | None = None  # a Secret with `username` and `password` for MLflow's auth
     train_retries: int = 3
@@ -91,10 +94,13 @@ class RenderOptions:
                                   "s3://bucket/prefix or gs://bucket/prefix")
             if self.pvc:
                 raise ConfigError("--data-store and --pvc: choose one place for the dataset")
+        if self.store_endpoint is not None and not ENDPOINT.match(self.store_endpoint):
+            raise ConfigError(f"--store-endpoint {self.store_endpoint!r} is not an http(s) URL (e.g. "
+                              "http://minio-service.kubeflow:9000)")
         if self.train_gpus < 0:
             raise ConfigError(f"--train-gpus {self.train_gpus} must be 0 or more")
         for flag, name in (("--pvc", self.pvc), ("--mlflow-secret", self.secret_name),
-                           ("--mlflow-credentials", self.mlflow_credentials)):
+                           ("--mlflow-credentials", self.mlflow_credentials), ("--store-secret", self.store_secret)):
             if name is not None and not DNS_1123.match(name):
                 raise ConfigError(f"{flag} {name!r} is not a valid Kubernetes name (lower-case letters, digits, '-')")
         if self.train_retries < 0:
@@ -133,7 +139,8 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         raise ConfigError(f"--pipeline {pipeline!r} is not one of {', '.join(PIPELINES)}")
     layout = steps.Layout(pvc=options.pvc, data_store=options.data_store)
     settings = steps.StepSettings(image=options.image, mlflow_secret=options.secret_name,
-                                  mlflow_secret_key=options.secret_key, mlflow_credentials=options.mlflow_credentials)
+                                  mlflow_secret_key=options.secret_key, mlflow_credentials=options.mlflow_credentials,
+                                  store_secret=options.store_secret, store_endpoint=options.store_endpoint)
     step = steps.StepResources(cpu=options.step_cpu, memory=options.step_memory)
     trainer = steps.StepResources(cpu=options.train_cpu, memory=options.train_memory, gpus=options.train_gpus)
     parameters = dict(PARAMETERS)

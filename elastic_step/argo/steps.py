@@ -65,6 +65,8 @@ class StepSettings:
     mlflow_secret: str | None = None  # Secret name; None: the `mlflow-uri` workflow parameter
     mlflow_secret_key: str = "tracking-uri"
     mlflow_credentials: str | None = None  # Secret with `username` and `password` of an MLflow user
+    store_secret: str | None = None  # Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY of the data store
+    store_endpoint: str | None = None  # AWS_ENDPOINT_URL (MinIO, any S3-compatible store)
 
     def env(self) -> list:
         # The steps read MLFLOW_TRACKING_URI (their --mlflow-uri default). ARGO_WORKFLOW_NAME tags the
@@ -78,6 +80,11 @@ class StepSettings:
         if self.mlflow_credentials:  # MLflow's basic-auth server (deploy/mlflow): a user, never a literal
             credentials = [SecretEnv(name=f"MLFLOW_TRACKING_{key.upper()}", secret_name=self.mlflow_credentials,
                                      secret_key=key) for key in ("username", "password")]
+        if self.store_secret:  # by reference: the train step's worker pods take the same Secret's keys
+            credentials += [SecretEnv(name=key, secret_name=self.store_secret, secret_key=key)
+                            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+        if self.store_endpoint:
+            credentials.append(Env(name="AWS_ENDPOINT_URL", value=self.store_endpoint))
         return [uri, *credentials, Env(name="ARGO_WORKFLOW_NAME", value="{{workflow.name}}"),
                 Env(name="ELASTIC_STEP_IMAGE", value=self.image)]
 

@@ -15,6 +15,10 @@ def register(sub) -> None:
                    help="keep the prepared dataset in this object store (s3://bucket/prefix, gs://...; one folder per "
                         "workflow) instead of passing it as an artifact: needed with backend=kubernetes, whose worker "
                         "pods read it themselves; the steps need the store's endpoint and credentials in their env")
+    r.add_argument("--store-secret", metavar="NAME",
+                   help="Secret with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for the data store, given to "
+                        "every step (and by reference to the train step's worker pods)")
+    r.add_argument("--store-endpoint", metavar="URL", help="AWS_ENDPOINT_URL of an S3-compatible data store (MinIO)")
     r.add_argument("--mlflow-secret", metavar="NAME[:KEY]",
                    help="take MLFLOW_TRACKING_URI from this Secret (key default: tracking-uri) instead of the "
                         "mlflow-uri workflow parameter")
@@ -43,7 +47,8 @@ def run_render(args) -> int:
     from elastic_step.argo import PIPELINES, RenderOptions, render
 
     extra = {"image": args.image} if args.image else {}
-    options = RenderOptions(pvc=args.pvc, data_store=args.data_store, mlflow_secret=args.mlflow_secret, mlflow_credentials=args.mlflow_credentials,
+    options = RenderOptions(pvc=args.pvc, data_store=args.data_store, store_secret=args.store_secret,
+                            store_endpoint=args.store_endpoint, mlflow_secret=args.mlflow_secret, mlflow_credentials=args.mlflow_credentials,
                             train_retries=args.train_retries,
                             cron=args.cron, timezone=args.timezone, starting_deadline_seconds=args.starting_deadline,
                             history_limit=args.history_limit, service_account=args.service_account,
