@@ -121,7 +121,7 @@ def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_
     data = upload(s3, digits, BUCKET, "digits")
     epochs = 3
     args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--storage-option", "anon=true",
-            "--model-def", "slow_digits", "--job-dir", JOB_DIR, "--audit", f"{JOB_DIR}/audit.jsonl", "--workers", "2:3",
+            "--model-def", "slow_digits", "--job-dir", JOB_DIR, "--audit", f"{JOB_DIR}/audit.jsonl", "--workers", "2:4",
             "--epochs", str(epochs), "--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4",
             "--checkpoint-steps", "0", "--worker-cpu", "1", "--worker-memory", "1Gi", "--max-relaunches", "1", "--no-progress"]
     ns = cluster.namespace
@@ -130,33 +130,28 @@ def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_
     master = MasterOnNode(cluster, "train-step-7f9c")
 
     started = time.monotonic()
-    status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 3
-                         and 0.1 < s["rows_done"] / s["rows_total"] < 0.35, timeout=150)
-    print(f"job running on 3 worker pods after {time.monotonic() - started:.1f}s")
+    status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 4
+                         and 0.05 < s["rows_done"] / s["rows_total"] < 0.35, timeout=150)
+    print(f"job running on 4 worker pods after {time.monotonic() - started:.1f}s")
     victim = next(w for w in status["workers"] if w["rank"] == 1)
     assert victim["pod"].startswith("job-") and cluster.kubelet.record(ns, victim["pod"])
     cluster.kubelet.kill(ns, victim["pod"])  # docker kill: the container dies with SIGKILL
     killed_at, rows_at_kill = time.monotonic(), status["rows_done"]
 
-    # Then a survivor hangs (docker pause): its heartbeats stop, the master drops it.
+    # Once the survivors train again, two more of the first workers fail, while a third (which
+    # holds the model state) stays: one hangs (docker pause: its heartbeats stop, the master drops
+    # it), one goes over its memory limit (the kernel kills it, the kubelet says OOMKilled).
     status = master.wait(lambda s: victim["id"] not in [w["id"] for w in s["workers"] if w["state"] == "live"]
                          and s["rows_done"] > rows_at_kill)
     print(f"training again {time.monotonic() - killed_at:.1f}s after the SIGKILL")
-    hung = next(w for w in status["workers"] if w["state"] == "live" and w["id"] != victim["id"] and w.get("pod"))
+    first = [w for w in status["workers"] if w["state"] == "live" and w["id"].endswith(".1") and w["id"] != victim["id"] and w.get("pod")]
+    assert len(first) == 3, status["workers"]
+    hung, oom = first[0], first[1]
     cluster.kubelet.pause(ns, hung["pod"])
-    paused_at = time.monotonic()
-    master.wait(lambda s: hung["id"] not in [w["id"] for w in s["workers"] if w["state"] == "live"])
-    print(f"paused worker dropped after {time.monotonic() - paused_at:.1f}s")
-
-    # Then a replacement, once it trains beside another worker that holds the model state too,
-    # goes over its memory limit: the kernel kills it, the kubelet says OOMKilled.
-    def training(s):
-        return [w for w in s["workers"] if w["state"] == "live" and w.get("pod") and w["rows_applied"] > 0]
-
-    status = master.wait(lambda s: len(training(s)) >= 2 and any(w["slot"] == victim["slot"] for w in training(s)))
-    oom = next(w for w in training(status) if w["slot"] == victim["slot"])
     cluster.kubelet.fill_memory(ns, oom["pod"], 1200)
-    master.wait(lambda s: oom["id"] not in [w["id"] for w in s["workers"] if w["state"] == "live"])
+    paused_at = time.monotonic()
+    master.wait(lambda s: not {hung["id"], oom["id"]} & {w["id"] for w in s["workers"] if w["state"] == "live"})
+    print(f"paused and OOM-killed workers gone after {time.monotonic() - paused_at:.1f}s")
 
     deadline = time.monotonic() + 150
     while master.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
@@ -185,7 +180,7 @@ def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_
     master_uid = api.read_namespaced_pod("train-step-7f9c", ns).metadata.uid
     workers = [e[4] for e in cluster.server.store.history
                if e[1] == "pods" and e[3] == "ADDED" and e[4]["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "worker"]
-    assert len(workers) == 5, [w["metadata"]["name"] for w in workers]  # 3 and the two replacements
+    assert len(workers) == 6, [w["metadata"]["name"] for w in workers]  # 4 and two replacements (none for the OOM)
     for pod in workers:
         assert pod["spec"]["containers"][0]["image"] == TEST_IMAGE
         assert [r["uid"] for r in pod["metadata"]["ownerReferences"]] == [master_uid]
