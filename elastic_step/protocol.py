@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 API = "/v1"
 
@@ -20,11 +20,22 @@ MAX_INT = 2**53  # ids, counts and steps stay exact in every JSON reader
 MAX_WORLD = 4096  # ranks in one round
 MAX_STEPS_PER_REQUEST = 100_000  # steps in one report or one rendezvous' unacknowledged list
 
+
+def _whole_number(value):
+    """JSON Schema counts 3.0 as an integer, so the master takes it as 3; a fraction, a string
+    or a boolean where an integer belongs stays an error."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+
 # w<slot>.<attempt> for the master's own workers; any short id of these characters is
 # well-formed (and then refused unless the master launched a worker of that id).
 WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
-Count = Annotated[int, Field(ge=0, le=MAX_INT)]
-RoundId = Annotated[int, Field(ge=0, le=MAX_INT)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT), BeforeValidator(_whole_number)]  # Field first: its bounds reach the schema
+RoundId = Annotated[int, Field(ge=0, le=MAX_INT), BeforeValidator(_whole_number)]
 Message = Annotated[str, Field(max_length=4000)]
 
 
@@ -42,7 +53,7 @@ class ErrorReply(BaseModel):
 
 class RegisterRequest(Request):
     worker_id: WorkerId
-    pid: int = Field(default=0, ge=0, le=2**31)
+    pid: Int = Field(default=0, ge=0, le=2**31)
     host: str = Field(default="", max_length=253)
 
 
@@ -67,7 +78,7 @@ class JobSpec(BaseModel):
 class HeartbeatRequest(Request):
     worker_id: WorkerId
     round_id: RoundId = 0
-    step: int = Field(default=-1, ge=-1, le=MAX_INT)
+    step: Int = Field(default=-1, ge=-1, le=MAX_INT)
 
 
 class HeartbeatReply(BaseModel):
@@ -82,11 +93,11 @@ class HeartbeatReply(BaseModel):
 class RangeRecord(Request):
     task_id: Count
     offset: Count
-    count: int = Field(gt=0, le=MAX_INT)
+    count: Int = Field(gt=0, le=MAX_INT)
 
 
 class StepRecord(Request):
-    step: int = Field(ge=1, le=MAX_INT)
+    step: Int = Field(ge=1, le=MAX_INT)
     ranges: list[RangeRecord | None] = Field(min_length=1, max_length=MAX_WORLD)  # by rank; None: no data
     samples: Count
     loss: float = Field(allow_inf_nan=False)
@@ -96,7 +107,7 @@ class StepRecord(Request):
 
 class RendezvousRequest(Request):
     worker_id: WorkerId
-    step: int = Field(ge=-1, le=MAX_INT)
+    step: Int = Field(ge=-1, le=MAX_INT)
     unacked: list[StepRecord] = Field(default=[], max_length=MAX_STEPS_PER_REQUEST)
     left_round: RoundId = 0  # the round this worker just left (0: none)
 
@@ -160,7 +171,7 @@ class FailJobRequest(Request):
 
 
 class ScaleRequest(Request):
-    workers: int = Field(ge=1, le=MAX_WORLD)
+    workers: Int = Field(ge=1, le=MAX_WORLD)
 
 
 class Empty(BaseModel):

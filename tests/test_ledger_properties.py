@@ -242,7 +242,9 @@ class LedgerMachine(RuleBasedStateMachine):
             if last_torn:
                 if data.draw(st.booleans()):  # rank 0's reporter got the step out before the death
                     self._send(rank0, len(rank0.reports), "in_order")
-                self._kill(data.draw(st.sampled_from(members)).id)
+                # rank 0 half the time: a reporter that dies ahead of the others is the case
+                # that makes a regroup void steps
+                self._kill(data.draw(st.sampled_from(members + [rank0] * len(members))).id)
                 for worker in members:
                     self._leave_round(worker)
                 return
@@ -421,6 +423,6 @@ def json_model(data: bytes) -> tuple[int, ...]:
 
 
 LedgerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=80, deadline=None, suppress_health_check=list(HealthCheck),
+    max_examples=100, stateful_step_count=80, deadline=None, suppress_health_check=list(HealthCheck),
 )
 test_ledger_under_random_interleavings = LedgerMachine.TestCase

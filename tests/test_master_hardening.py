@@ -129,7 +129,8 @@ def test_refusals_are_declared_in_the_openapi_document():
 # -- strict requests ---------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body", [
     ("task", {"worker_id": "w0.1", "round_id": "1"}),  # a string where an integer belongs
-    ("task", {"worker_id": "w0.1", "round_id": 1.0}),  # a float where an integer belongs
+    ("task", {"worker_id": "w0.1", "round_id": True}),  # a boolean where an integer belongs
+    ("task", {"worker_id": "w0.1", "round_id": 1.5}),  # a fraction where an integer belongs (1.0 is an integer)
     ("task", {"worker_id": "w0.1", "round_id": -1}),
     ("task", {"worker_id": "w0.1", "round_id": 1, "extra": True}),  # a field the protocol does not name
     ("task", {"worker_id": "", "round_id": 1}),
@@ -187,6 +188,29 @@ def test_a_lost_step_report_does_not_stall_the_ledger_the_next_round_fills_the_g
     assert job.state.round.ready and job.state.round.start_step == 2
     assert job.state.ledger.applied_step == 2
     assert job.state.state == "running"
+
+
+def test_workers_forget_a_step_only_once_it_is_final():
+    # A reported step may still be voided by a regroup, and the next round then trains a
+    # different step of the same number: acknowledging the first would make every rank forget
+    # the second's ranges, and the master could never learn them.
+    job = Job()
+    t0, t1, t2 = job.tasks()
+    s1 = step(1, (t0.id, 0, 2), (t1.id, 0, 2), (t2.id, 0, 2))
+    s2 = step(2, (t0.id, 2, 2), (t1.id, 2, 2), (t2.id, 2, 2))
+    job.post("steps", {"worker_id": "w0.1", "round_id": job.round_id, "steps": dumped(s1)})
+    assert job.state.heartbeat("w1.1", 1).acked_step == 0
+    job.post("steps", {"worker_id": "w0.1", "round_id": job.round_id, "steps": dumped(s2)})
+    assert job.state.heartbeat("w1.1", 2).acked_step == 1
+
+
+def test_a_state_source_without_the_records_of_its_steps_fails_the_job_instead_of_double_counting():
+    job = Job()
+    first = job.round_id
+    job.kill("w2.1")
+    # the survivors are at step 3, but nobody reported steps 1..3 and nobody holds their ranges
+    join_all(job.state, steps={"w0.1": 3, "w1.1": 3}, left=first)
+    assert job.state.state == "failed" and "holds no record of steps 1..3" in job.state.failure
 
 
 # -- checkpoints are bound to the round and its rank 0 -----------------------------------------------

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from elastic_step.master.state import MasterState, Refused
@@ -76,6 +77,7 @@ class RequireToken:
 def _declared(*codes: int) -> dict:
     """OpenAPI entries for the refusals a route can answer with (401 on every route)."""
     meaning = {
+        400: "the body is not readable as JSON",
         401: "missing or wrong bearer token",
         403: "the caller is not a live worker of this job, or not the member this request needs",
         404: "there is nothing to return",
@@ -94,11 +96,22 @@ def create_app(state: MasterState, token: str) -> FastAPI:
     app = FastAPI(title="elastic-step master", docs_url=None, redoc_url=None)
     app.add_middleware(RequireToken, token=token)
 
+    def openapi() -> dict:
+        """The generated document, saying also that every route needs the job's bearer token."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {"jobToken": {"type": "http", "scheme": "bearer"}}
+            schema["security"] = [{"jobToken": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.exception_handler(Refused)
     async def refused(request: Request, exc: Refused):
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
-    @app.post(f"{API}/register", response_model=JobSpec, responses=_declared(409))
+    @app.post(f"{API}/register", response_model=JobSpec, responses=_declared(400, 409))
     async def register(body: RegisterRequest):
         spec = state.register(body.worker_id, body.pid, body.host)
         if spec is None:
@@ -107,11 +120,11 @@ def create_app(state: MasterState, token: str) -> FastAPI:
 
     # Heartbeat and rendezvous answer a stale or unknown worker 200 with "stop": that is how it
     # learns to leave, and it changes nothing.
-    @app.post(f"{API}/heartbeat", response_model=HeartbeatReply, responses=_declared())
+    @app.post(f"{API}/heartbeat", response_model=HeartbeatReply, responses=_declared(400))
     async def heartbeat(body: HeartbeatRequest):
         return state.heartbeat(body.worker_id, body.step)
 
-    @app.post(f"{API}/rendezvous", response_model=RendezvousReply, responses=_declared())
+    @app.post(f"{API}/rendezvous", response_model=RendezvousReply, responses=_declared(400))
     async def rendezvous(body: RendezvousRequest):
         deadline = time.monotonic() + LONG_POLL_S
         while True:
@@ -120,26 +133,26 @@ def create_app(state: MasterState, token: str) -> FastAPI:
                 return reply
             await asyncio.sleep(0.005)
 
-    @app.post(f"{API}/task", response_model=TaskReply, responses=_declared())
+    @app.post(f"{API}/task", response_model=TaskReply, responses=_declared(400))
     async def task(body: TaskRequest):
         return state.next_task(body.worker_id, body.round_id)
 
-    @app.post(f"{API}/task-failed", response_model=Empty, responses=_declared(403))
+    @app.post(f"{API}/task-failed", response_model=Empty, responses=_declared(400, 403))
     async def task_failed(body: TaskFailedRequest):
         state.task_failed(body.worker_id, body.task_id, body.error)
         return Empty()
 
-    @app.post(f"{API}/steps", response_model=StepsReply, responses=_declared(403, 409))
+    @app.post(f"{API}/steps", response_model=StepsReply, responses=_declared(400, 403, 409))
     async def steps(body: StepsRequest):
         acked = state.report_steps(body.worker_id, body.round_id, body.steps)
         return StepsReply(acked_step=acked, epoch=state.dispatcher.current_epoch)
 
-    @app.post(f"{API}/collective-failed", response_model=Empty, responses=_declared(403))
+    @app.post(f"{API}/collective-failed", response_model=Empty, responses=_declared(400, 403))
     async def collective_failed(body: CollectiveFailedRequest):
         state.collective_failed(body.worker_id, body.round_id, body.error)
         return Empty()
 
-    @app.post(f"{API}/fail", response_model=Empty, responses=_declared(403))
+    @app.post(f"{API}/fail", response_model=Empty, responses=_declared(400, 403))
     async def fail(body: FailJobRequest):
         state.fail_by_worker(body.worker_id, body.reason)
         return Empty()
@@ -166,7 +179,7 @@ def create_app(state: MasterState, token: str) -> FastAPI:
             raise HTTPException(404, "this job has no initial state")
         return Response(state.initial_state.data, media_type="application/octet-stream")
 
-    @app.post(f"{API}/scale", responses=_declared(409))
+    @app.post(f"{API}/scale", responses=_declared(400, 409))
     async def scale(body: ScaleRequest):
         try:
             state.scale(body.workers)
