@@ -155,6 +155,7 @@ class Kubelet:
         self.isolation = "namespaces" if (can_isolate() if isolate is None else isolate) else "folders"
         self.cgroup_parent = memory_cgroup_parent()
         self.pods: dict[str, PodRecord] = {}  # uid -> record
+        self.cgroups: set[str] = set()  # every memory cgroup made, removed at the latest on close
         self.past_logs: dict[tuple[str, str], bytes] = {}  # (namespace, pod) -> the log's tail, once the pod is gone
         self.lock = threading.RLock()
         self.closed = False
@@ -179,12 +180,23 @@ class Kubelet:
         for record in records:
             self._signal(record, signal.SIGKILL)
         for record in records:
-            for c in record.containers:
+            for c in record.init_containers + record.containers:
                 try:
                     c.proc.wait(10)
                 except subprocess.TimeoutExpired:
                     pass
-                self._remove_cgroup(c)
+        deadline = time.monotonic() + 10
+        while self.cgroups and time.monotonic() < deadline:
+            for path in list(self.cgroups):
+                try:
+                    os.rmdir(path)
+                    self.cgroups.discard(path)
+                except FileNotFoundError:
+                    self.cgroups.discard(path)
+                except OSError:  # a process of it (a memory filler) still exiting
+                    pass
+            if self.cgroups:
+                time.sleep(0.1)
 
     # -- what a test does to a node -----------------------------------------------------------------
     def record(self, namespace: str, name: str) -> PodRecord:
@@ -378,8 +390,10 @@ class Kubelet:
             for _ in range(20):
                 try:
                     os.rmdir(c.cgroup)
+                    self.cgroups.discard(c.cgroup)
                     break
                 except FileNotFoundError:
+                    self.cgroups.discard(c.cgroup)
                     break
                 except OSError:  # processes of it still exiting
                     time.sleep(0.05)
@@ -538,6 +552,7 @@ class Kubelet:
             return None
         path = os.path.join(self.cgroup_parent, f"pod-{record.uid[:8]}-{container['name']}")
         os.makedirs(path, exist_ok=True)
+        self.cgroups.add(path)
         with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
             f.write(str(parse_memory(limit)))
         return path
