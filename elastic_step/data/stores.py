@@ -105,6 +105,7 @@ def set_storage_options(protocol_or_uri: str, options: dict) -> None:
     if protocol in ("file", "local"):
         raise ConfigError(f"storage options apply to object store URIs (s3://, gs://, ...), not to the local path "
                           f"{protocol_or_uri!r}")
+
     def check(mapping: dict) -> None:  # nested too: client_kwargs={"aws_secret_access_key": ...}
         for key, value in mapping.items():
             _check_not_secret(protocol, str(key))
