@@ -241,8 +241,10 @@ def test_store_error_never_repeats_a_secret_in_the_message():
     from botocore.exceptions import ClientError
 
     error = ClientError({"Error": {"Code": "SignatureDoesNotMatch", "Message": "signature for key s3cr3t"}}, "GetObject")
-    message = str(stores.store_error("s3://b/k", PermissionError("s3cr3t")).__str__()) + str(stores.store_error("s3://b/k", error))
-    assert "s3cr3t" not in message
+    for uri, exc in (("gs://b/k", PermissionError("s3cr3t")), ("s3://b/k", error),
+                     ("s3://b/k", OSError("connection refused by s3cr3t"))):
+        message = str(stores.store_error(uri, exc))
+        assert uri in message and "s3cr3t" not in message and "\n" not in message
 
 
 # -- KFP artifact URIs --------------------------------------------------------------------------
