@@ -279,7 +279,7 @@ def test_a_memory_limit_is_a_real_oom_kill_reported_as_oomkilled(cluster):
     assert done.status.phase == "Failed" and terminated.reason == "OOMKilled" and terminated.exit_code == 137
 
 
-def test_a_killed_container_fails_its_pod_and_a_deleted_pod_is_terminated_then_removed(cluster):
+def test_a_killed_container_fails_its_pod_and_an_evicted_pod_is_terminated_then_removed(cluster):
     api = cluster.core()
     ns = cluster.namespace
     sleeper = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\nprint('up', flush=True)\ntime.sleep(60)"
@@ -292,9 +292,12 @@ def test_a_killed_container_fails_its_pod_and_a_deleted_pod_is_terminated_then_r
     done = wait_for(lambda: (p := api.read_namespaced_pod("victim", ns)).status.phase == "Failed" and p, 10, "victim failed")
     assert done.status.container_statuses[0].state.terminated.exit_code == 137
     wait_for(lambda: b"up" in api.read_namespaced_pod_log("evictee", ns, _preload_content=False).data, 30, "evictee up")
-    api.delete_namespaced_pod("evictee", ns)  # graceful: SIGTERM, the final status, then the object goes
+    eviction = k8s.V1Eviction(metadata=k8s.V1ObjectMeta(name="evictee", namespace=ns))
+    api.create_namespaced_pod_eviction("evictee", ns, eviction)  # kubectl drain: marked, then deleted gracefully
     marked = api.read_namespaced_pod("evictee", ns)
     assert marked.metadata.deletion_timestamp is not None
+    assert [(c.type, c.reason) for c in marked.status.conditions if c.type == "DisruptionTarget"] == [
+        ("DisruptionTarget", "EvictionByEvictionAPI")]
     wait_for(lambda: not [p for p in cluster.pods() if p["metadata"]["name"] == "evictee"], 10, "evictee removed")
     last = [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[4]["metadata"]["name"] == "evictee"][-1]
     assert last["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 143

@@ -1,7 +1,7 @@
 """A Kubernetes API server stand-in over HTTPS on 127.0.0.1, for the real `kubernetes` client.
 
 It serves the REST paths the elastic master and the kubelet stand-in call — pods (create, get,
-list, watch, delete, and the status, binding and log subresources), secrets, serviceaccounts (and
+list, watch, delete, and the status, binding, log and eviction subresources), secrets, serviceaccounts (and
 their token subresource), configmaps, networkpolicies — storing each object as the JSON dict the
 client sent, with `metadata.uid`, `creationTimestamp` and a cluster-wide `resourceVersion`.
 
@@ -11,7 +11,7 @@ As the real server does:
 - a list answer carries the collection's resourceVersion; a watch (`?watch=true`) streams JSON
   lines over a chunked response from that version, ends after `timeoutSeconds`, and answers a
   version older than its compacted history with an `ERROR` event carrying `410 Gone`;
-- pod deletion is graceful (deletionTimestamp, then the kubelet's final delete) unless the grace
+- pod deletion is graceful; the Eviction API marks the pod DisruptionTarget first; (deletionTimestamp, then the kubelet's final delete) unless the grace
   period is 0, the pod is unbound, or it has finished;
 - admission checks that the pod's ServiceAccount exists and mounts its token (the projected
   `kube-api-access-*` volume) unless automounting is off;
@@ -51,7 +51,7 @@ RESOURCES = {
     ("", "namespaces"): ("Namespace", False),
     ("networking.k8s.io", "networkpolicies"): ("NetworkPolicy", True),
 }
-SUBRESOURCES = {("pods", "status"), ("pods", "binding"), ("pods", "log"), ("serviceaccounts", "token")}
+SUBRESOURCES = {("pods", "status"), ("pods", "binding"), ("pods", "log"), ("pods", "eviction"), ("serviceaccounts", "token")}
 
 
 def now_text() -> str:
@@ -458,6 +458,17 @@ class _Handler(BaseHTTPRequestHandler):
                 if api.log_reader is None:
                     raise ApiError(400, "BadRequest", f'pod "{req.name}" has no node to read logs from')
                 return 200, api.log_reader(req.namespace, req.name)
+            if sub == "eviction":
+                # The Eviction API (`kubectl drain`): the pod is marked as disrupted, then deleted gracefully.
+                grace = (self._body().get("deleteOptions") or {}).get("gracePeriodSeconds")
+                if obj.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+                    conditions = [c for c in obj.setdefault("status", {}).get("conditions", []) if c["type"] != "DisruptionTarget"]
+                    conditions.append({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+                                       "message": "Eviction API: evicting", "lastTransitionTime": now_text()})
+                    obj["status"]["conditions"] = conditions
+                    store.commit("MODIFIED", plural, obj)
+                api._delete(plural, req.namespace, req.name, None if grace is None else int(grace))
+                return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
             if sub == "binding":
                 target = self._body().get("target", {})
                 if obj["spec"].get("nodeName"):
