@@ -15,6 +15,7 @@ from elastic_step.errors import JobFailed
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Consumed, Ledger, StepGap, StepRejected
+from elastic_step.master.pairing import CheckpointPairing
 from elastic_step.master.membership import Round, Slot, WorkerInfo, order_members, worker_id_for
 from elastic_step.protocol import (
     HeartbeatReply,
@@ -57,14 +58,6 @@ class InitialState:
 
 
 @dataclass
-class PendingCheckpoint:
-    ledger: dict | None = None
-    epoch: int = 0
-    state: bytes | None = None
-    round_id: int = 0  # the round whose rank 0 sent the state
-
-
-@dataclass
 class Timeouts:
     heartbeat_s: float = 10.0  # a worker silent this long is hung: dropped and killed
     rendezvous_s: float = 60.0  # a proposed member that has not called in by then is dropped
@@ -100,8 +93,7 @@ class MasterState:
         self.events = events
         self.step_log = step_log
         self.initial_state = initial_state
-        self.on_checkpoint = on_checkpoint
-        self._pending_checkpoints: dict[int, PendingCheckpoint] = {}
+        self.checkpoints = CheckpointPairing(on_checkpoint)
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.max_relaunches = max_relaunches
@@ -321,12 +313,9 @@ class MasterState:
         current = self.round
         if self.step_log is not None:
             self.step_log.add(record, world_size=len(record.ranges), round_id=self.ready_round_id)
-        if record.checkpoint and self.on_checkpoint is not None:
+        if record.checkpoint and self.checkpoints.enabled:
             # The ledger as of exactly this step: the other half of the checkpoint.
-            pending = self._pending_checkpoints.setdefault(record.step, PendingCheckpoint())
-            pending.ledger, pending.epoch = self.dispatcher.snapshot(), self.dispatcher.current_epoch
-            if pending.state is not None and pending.round_id != self.ready_round_id:
-                pending.state = None  # sent by a rank 0 of another round: not this step's state
+            self.checkpoints.ledger_at(record.step, self.dispatcher.snapshot(), self.dispatcher.current_epoch, self.ready_round_id)
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
             current.first_step_at = record.time
             if current.cause_time:
@@ -350,24 +339,7 @@ class MasterState:
                     f"step {step} is not a step of round {ready.id} (it started at step {ready.start_step}, "
                     f"the master has step {self.ledger.applied_step})"
                 )
-            if self.on_checkpoint is not None:
-                pending = self._pending_checkpoints.setdefault(step, PendingCheckpoint())
-                pending.state, pending.round_id = data, ready.id
-
-    def _commit_checkpoints(self) -> None:
-        """Hand over checkpoints whose step is final (never voided) and whose two halves arrived."""
-        for step in sorted(self._pending_checkpoints):
-            pending = self._pending_checkpoints[step]
-            if step > self.ledger.final_step:
-                break
-            if pending.ledger is not None and pending.state is not None:
-                del self._pending_checkpoints[step]
-                self.on_checkpoint(step, pending.epoch, pending.state, pending.ledger)
-                self.events.add("checkpoint", step=step, epoch=pending.epoch)
-            elif pending.ledger is None or step < self.ledger.final_step - 1000:
-                # A state for a step nobody flagged (voided), or a flagged step whose state
-                # never came (rank 0 died first): no consistent cut, drop it.
-                del self._pending_checkpoints[step]
+            self.checkpoints.state_at(step, data, ready.id)
 
     def collective_failed(self, worker_id: str, round_id: int, error: str) -> None:
         with self.lock:
@@ -483,8 +455,9 @@ class MasterState:
                 self.on_exit(exit_)
             if self.over:
                 return
-            if self._pending_checkpoints:
-                self._commit_checkpoints()
+            if self.checkpoints:
+                for step, epoch in self.checkpoints.hand_over(self.ledger.final_step):
+                    self.events.add("checkpoint", step=step, epoch=epoch)
             now = time.time()
             self._forgive_silence_while_paused(now)
             for worker in self.workers.values():
@@ -576,8 +549,7 @@ class MasterState:
                 f"{self.ledger.applied_step + 1}..{start_step}"))
             return
         voided_rows = self.ledger.void_after(start_step)
-        for step in [s for s in self._pending_checkpoints if s > start_step]:
-            del self._pending_checkpoints[step]  # a voided step's checkpoint is no cut at all
+        self.checkpoints.void_after(start_step)
         # start_step stays tentative here: until the source has broadcast it, only the source
         # holds it. If the source dies first, the next settle must void it and go on from the
         # survivors' step. It becomes final with the round's first reported step (every rank

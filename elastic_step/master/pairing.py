@@ -1,0 +1,75 @@
+"""Checkpoint pairing: a checkpoint is two halves that reach the master apart, and is handed
+over only once both belong to the same step of the same lineage.
+
+- the ledger as of step s, taken when rank 0's report of s (flagged as a checkpoint step) is
+  ingested, and
+- rank 0's model state after s, uploaded in the background.
+
+A pair is handed over once s is final (it can no longer be voided). A state sent by a rank 0 of
+another round than the one whose report gave the ledger is no half of that checkpoint; a voided
+step's halves are dropped. This runs under the master's one lock, like everything it pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+# A flagged step whose state never came (rank 0 died first) is given up this many steps later.
+GIVE_UP_AFTER_STEPS = 1000
+
+
+@dataclass
+class PendingCheckpoint:
+    ledger: dict | None = None
+    epoch: int = 0
+    state: bytes | None = None
+    round_id: int = 0  # the round whose rank 0 sent the state
+
+
+class CheckpointPairing:
+    def __init__(self, on_checkpoint: Callable[[int, int, bytes, dict], None] | None):
+        self.on_checkpoint = on_checkpoint  # (step, epoch, state, ledger): the tracking side
+        self._pending: dict[int, PendingCheckpoint] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.on_checkpoint is not None
+
+    def ledger_at(self, step: int, ledger: dict, epoch: int, round_id: int) -> None:
+        """The ledger half of step `step`, reported in round `round_id`."""
+        pending = self._pending.setdefault(step, PendingCheckpoint())
+        pending.ledger, pending.epoch = ledger, epoch
+        if pending.state is not None and pending.round_id != round_id:
+            pending.state = None  # sent by a rank 0 of another round: not this step's state
+
+    def state_at(self, step: int, state: bytes, round_id: int) -> None:
+        """The model state half of step `step`, from rank 0 of round `round_id`."""
+        if self.enabled:
+            pending = self._pending.setdefault(step, PendingCheckpoint())
+            pending.state, pending.round_id = state, round_id
+
+    def void_after(self, step: int) -> None:
+        """A regroup voided the steps above `step`: their halves are no cut at all."""
+        for voided in [s for s in self._pending if s > step]:
+            del self._pending[voided]
+
+    def hand_over(self, final_step: int) -> list[tuple[int, int]]:
+        """Hand over every complete pair up to `final_step`; returns their (step, epoch)."""
+        handed = []
+        for step in sorted(self._pending):
+            pending = self._pending[step]
+            if step > final_step:
+                break
+            if pending.ledger is not None and pending.state is not None:
+                del self._pending[step]
+                self.on_checkpoint(step, pending.epoch, pending.state, pending.ledger)
+                handed.append((step, pending.epoch))
+            elif pending.ledger is None or step < final_step - GIVE_UP_AFTER_STEPS:
+                # A state for a step nobody flagged (voided), or a flagged step whose state
+                # never came (rank 0 died first): no consistent cut, drop it.
+                del self._pending[step]
+        return handed
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
