@@ -8,6 +8,7 @@ master serves is generated from these models, so it is the contract as the maste
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -37,6 +38,49 @@ WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z
 Count = Annotated[int, Field(ge=0, le=MAX_INT), BeforeValidator(_whole_number)]  # Field first: its bounds reach the schema
 RoundId = Annotated[int, Field(ge=0, le=MAX_INT), BeforeValidator(_whole_number)]
 Message = Annotated[str, Field(max_length=4000)]
+
+
+class JobState(StrEnum):
+    """A job's state, as /status reports it. RUNNING -> SUCCEEDED once rank 0 hands in the final
+    model at the step that applies the last row; RUNNING -> FAILED on any unrecoverable error
+    (the failure says what to do). Both ends are final."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class WorkerState(StrEnum):
+    """A worker as the master sees it:
+
+        LAUNCHED --register--> LIVE --scaled in--> RETIRING
+           |                    |                     |
+           +--------------------+---- exit ----------> GONE
+
+    A GONE worker is never back: its slot is relaunched under a new id."""
+
+    LAUNCHED = "launched"  # started by the backend, not yet registered
+    LIVE = "live"  # registered, heartbeating; a member of rounds once it called in to rendezvous
+    RETIRING = "retiring"  # scaled in: it finishes its round and leaves
+    GONE = "gone"  # exited, or dropped and killed
+
+
+class Rendezvous(StrEnum):
+    """The rendezvous reply's status."""
+
+    READY = "ready"  # the round is settled: join it with this rank and store prefix
+    WAIT = "wait"  # no round for this worker yet: call again
+    STOP = "stop"  # this worker is not (or no longer) wanted: exit
+    DONE = "done"  # the job has succeeded: exit
+
+
+class TaskStatus(StrEnum):
+    """The task reply's status."""
+
+    TASK = "task"  # here is a task
+    WAIT = "wait"  # the epoch's last tasks are in flight: step without data, ask again
+    DONE = "done"  # every row of every epoch is applied
+    REGROUP = "regroup"  # the asker's round is over: rendezvous again
 
 
 class Request(BaseModel):
@@ -113,7 +157,7 @@ class RendezvousRequest(Request):
 
 
 class RendezvousReply(BaseModel):
-    status: Literal["ready", "wait", "stop", "done"]
+    status: Rendezvous
     round_id: int = 0
     rank: int = 0
     world_size: int = 0
@@ -138,7 +182,7 @@ class TaskInfo(BaseModel):
 
 
 class TaskReply(BaseModel):
-    status: Literal["task", "wait", "done", "regroup"]
+    status: TaskStatus
     task: TaskInfo | None = None
 
 

@@ -29,6 +29,7 @@ from elastic_step.protocol import (
     HeartbeatRequest,
     JobSpec,
     RegisterRequest,
+    Rendezvous,
     RendezvousReply,
     RendezvousRequest,
     RoundId,
@@ -129,7 +130,7 @@ def create_app(state: MasterState, token: str) -> FastAPI:
         deadline = time.monotonic() + LONG_POLL_S
         while True:
             reply = state.rendezvous(body.worker_id, body.step, body.unacked, body.left_round)
-            if reply.status != "wait" or time.monotonic() > deadline:
+            if reply.status != Rendezvous.WAIT or time.monotonic() > deadline:
                 return reply
             await asyncio.sleep(0.005)
 

@@ -11,7 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from elastic_step.protocol import StepRecord
+from elastic_step.protocol import StepRecord, WorkerState
 
 
 @dataclass
@@ -19,7 +19,7 @@ class WorkerInfo:
     id: str
     slot: int
     launched_at: float
-    state: str = "launched"  # launched | live | retiring | gone
+    state: WorkerState = WorkerState.LAUNCHED
     registered_at: float | None = None
     last_seen: float = 0.0
     pid: int = 0
@@ -35,7 +35,7 @@ class WorkerInfo:
 
     @property
     def alive(self) -> bool:
-        return self.state in ("launched", "live", "retiring")
+        return self.state != WorkerState.GONE
 
 
 @dataclass

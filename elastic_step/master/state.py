@@ -20,10 +20,14 @@ from elastic_step.master.membership import Round, Slot, WorkerInfo, order_member
 from elastic_step.protocol import (
     HeartbeatReply,
     JobSpec,
+    JobState,
+    Rendezvous,
     RendezvousReply,
     StepRecord,
     TaskInfo,
     TaskReply,
+    TaskStatus,
+    WorkerState,
 )
 
 
@@ -108,7 +112,7 @@ class MasterState:
         self._failed_since_settle: set[str] = set()
         self.started_at = time.time()
         self._last_tick = self.started_at
-        self.state = "running"  # running | succeeded | failed
+        self.state = JobState.RUNNING
         self.failure = ""
         self.final_model: bytes | None = None
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
@@ -130,14 +134,14 @@ class MasterState:
 
     def fail(self, reason: str) -> None:
         with self.lock:
-            if self.state == "running":
-                self.state = "failed"
+            if self.state == JobState.RUNNING:
+                self.state = JobState.FAILED
                 self.failure = reason
                 self.events.add("job_failed", reason)
 
     @property
     def over(self) -> bool:
-        return self.state != "running"
+        return self.state != JobState.RUNNING
 
     @property
     def ready_round_id(self) -> int:
@@ -173,7 +177,7 @@ class MasterState:
             worker = self.workers.get(worker_id)
             if worker is None or not worker.alive:
                 return None
-            worker.state = "live" if worker.state == "launched" else worker.state
+            worker.state = WorkerState.LIVE if worker.state == WorkerState.LAUNCHED else worker.state
             worker.registered_at = worker.last_seen = time.time()
             worker.pid, worker.host = pid, host
             self.events.add("joined", worker=worker_id, pid=pid)
@@ -188,7 +192,7 @@ class MasterState:
     def heartbeat(self, worker_id: str, step: int) -> HeartbeatReply:
         with self.lock:
             worker = self._seen(worker_id)
-            stop = worker is None or not worker.alive or worker.state == "retiring" or self.over
+            stop = worker is None or not worker.alive or worker.state == WorkerState.RETIRING or self.over
             if worker is not None and step > worker.step:
                 worker.step = step
             return HeartbeatReply(
@@ -201,12 +205,12 @@ class MasterState:
         """One non-blocking look; the API long-polls by calling again."""
         with self.lock:
             worker = self._seen(worker_id)
-            if worker is None or not worker.alive or worker.state == "retiring":
-                return RendezvousReply(status="stop")
-            if self.state == "succeeded":
-                return RendezvousReply(status="done")
+            if worker is None or not worker.alive or worker.state == WorkerState.RETIRING:
+                return RendezvousReply(status=Rendezvous.STOP)
+            if self.state == JobState.SUCCEEDED:
+                return RendezvousReply(status=Rendezvous.DONE)
             if self.over:
-                return RendezvousReply(status="stop")
+                return RendezvousReply(status=Rendezvous.STOP)
             if not worker.ready:
                 worker.ready = True
                 self.events.add("ready", worker=worker_id)
@@ -218,16 +222,16 @@ class MasterState:
                 current = None
             if current is None or worker_id not in current.members:
                 worker.step, worker.unacked = step, unacked
-                return RendezvousReply(status="wait")
+                return RendezvousReply(status=Rendezvous.WAIT)
             if worker.joined_round != current.id:
                 worker.joined_round = current.id
                 worker.step, worker.unacked = step, unacked
             if not current.ready and all(self.workers[m].joined_round == current.id for m in current.members):
                 self._settle(current)
             if not current.ready:
-                return RendezvousReply(status="wait")
+                return RendezvousReply(status=Rendezvous.WAIT)
             return RendezvousReply(
-                status="ready",
+                status=Rendezvous.READY,
                 round_id=current.id,
                 rank=current.members.index(worker_id),
                 world_size=len(current.members),
@@ -243,14 +247,14 @@ class MasterState:
             self._seen(worker_id)
             current = self.round
             if current is None or not current.ready or current.id != round_id or worker_id not in current.members:
-                return TaskReply(status="regroup")
+                return TaskReply(status=TaskStatus.REGROUP)
             if self.dispatcher.finished:
-                return TaskReply(status="done")
+                return TaskReply(status=TaskStatus.DONE)
             task = self.dispatcher.next_task(worker_id)
             if task is None:
-                return TaskReply(status="done" if self.dispatcher.finished else "wait")
+                return TaskReply(status=TaskStatus.DONE if self.dispatcher.finished else TaskStatus.WAIT)
             return TaskReply(
-                status="task",
+                status=TaskStatus.TASK,
                 task=TaskInfo(id=task.id, epoch=task.epoch, shard=task.shard, start=task.start, count=task.count),
             )
 
@@ -363,8 +367,8 @@ class MasterState:
                 return False
             self.ledger.finalize_through(step)
             self.final_model = data
-            if self.state == "running":
-                self.state = "succeeded"
+            if self.state == JobState.RUNNING:
+                self.state = JobState.SUCCEEDED
                 self.events.add("job_succeeded", worker=worker_id, step=step)
             return True
 
@@ -389,7 +393,7 @@ class MasterState:
                     slot.active = False
                     worker = self.workers.get(slot.worker_id or "")
                     if worker is not None and worker.alive:
-                        worker.state = "retiring"
+                        worker.state = WorkerState.RETIRING
                         self.request_regroup(f"scaled in: {worker.id} retires")
 
     # -- supervision ------------------------------------------------------------------------------
@@ -402,10 +406,10 @@ class MasterState:
         if worker is None:
             return
         was_member = self.round is not None and worker.id in self.round.members
-        retiring = worker.state == "retiring"
+        retiring = worker.state == WorkerState.RETIRING
         worker.exit_reason = exit_.reason
-        if worker.state != "gone":
-            worker.state = "gone"
+        if worker.state != WorkerState.GONE:
+            worker.state = WorkerState.GONE
             if not self.over and not retiring and exit_.relaunch != "free":  # the cluster took it: not the data's fault
                 self._failed_since_settle.add(worker.id)
         if self.over:
@@ -461,7 +465,7 @@ class MasterState:
             now = time.time()
             self._forgive_silence_while_paused(now)
             for worker in self.workers.values():
-                if worker.state in ("live", "retiring") and now - worker.last_seen > self.timeouts.heartbeat_s:
+                if worker.state in (WorkerState.LIVE, WorkerState.RETIRING) and now - worker.last_seen > self.timeouts.heartbeat_s:
                     worker.last_seen = now  # drop once, not every tick until it is reaped
                     self._drop(worker, f"{worker.id} sent no heartbeat for {self.timeouts.heartbeat_s:.0f}s (hung)")
             current = self.round
@@ -475,7 +479,7 @@ class MasterState:
             self._check_enough_workers()
 
     def _check_enough_workers(self) -> None:
-        alive = [w for w in self.workers.values() if w.alive and w.state != "retiring"]
+        alive = [w for w in self.workers.values() if w.alive and w.state != WorkerState.RETIRING]
         if len(alive) < self.min_workers:
             reasons = "; ".join(f"{w.id} {w.exit_reason}" for w in self.workers.values() if w.exit_reason)
             self.fail(
@@ -484,7 +488,7 @@ class MasterState:
             )
 
     def _maybe_propose(self, now: float) -> None:
-        live = [w for w in self.workers.values() if w.state == "live"]
+        live = [w for w in self.workers.values() if w.state == WorkerState.LIVE]
         current = self.round
         if current is not None:
             # Once training runs, a worker takes part only when it is ready to train. A joiner
@@ -500,7 +504,7 @@ class MasterState:
                 if len(live) >= self.target or (startup_over and len(live) >= self.min_workers):
                     cause = ("first round", 0.0)
             else:
-                gone = [m for m in current.members if self.workers[m].state != "live"]
+                gone = [m for m in current.members if self.workers[m].state != WorkerState.LIVE]
                 joiners = [w for w in live if w.id not in current.members]
                 if gone:
                     cause = (f"{', '.join(gone)} gone", now)
