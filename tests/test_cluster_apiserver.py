@@ -16,7 +16,7 @@ from kubernetes import client as k8s
 from kubernetes import watch
 
 from cluster import Cluster, role_rules
-from cluster.kubelet import can_isolate
+from cluster.runtime import can_isolate
 from elastic_step.backends.kubernetes import client as es_client
 
 pytestmark = pytest.mark.e2e

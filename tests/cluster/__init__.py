@@ -20,7 +20,8 @@ import yaml
 from kubernetes import client as k8s
 
 from .apiserver import ApiServer
-from .kubelet import Image, Kubelet, venv_image
+from .kubelet import Kubelet
+from .runtime import Image, venv_image
 from .rbac import DEPLOY_RBAC, REPO, SUPERUSER, Authorizer, kustomize_namespace, read_manifests, service_account_user
 
 __all__ = ["Cluster", "Image", "venv_image", "role_rules"]

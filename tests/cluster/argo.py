@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from .kubelet import Image
+from .runtime import Image
 
 ARGOEXEC_IMAGE = "quay.io/argoproj/argoexec:v3.6.5"
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -3,7 +3,8 @@ containers, talking to the API server stand-in only through the real `kubernetes
 own token, as a kubelet does — it sees the pods, Secrets and tokens the API gives it and nothing
 else, and writes every status change back through the API.
 
-Containers run as local processes (the *process runtime*), each with:
+Containers run as local processes (the *process runtime*, runtime.py; what a container is
+given from its spec is read by podinputs.py), each with:
 - its own filesystem view where the node allows it (root, `unshare --mount`: see podinit.py):
   private /tmp, /home, /run and /dev/shm, the volumes bind-mounted at their mount paths, every
   other mount read-only — so a pod cannot reach the master's job folder or another pod's files;
@@ -28,7 +29,6 @@ ErrImagePull), CPU limits (OMP_NUM_THREADS still follows them), a writable root 
 
 from __future__ import annotations
 
-import base64
 import datetime
 import json
 import logging
@@ -36,7 +36,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,48 +43,14 @@ from dataclasses import dataclass, field
 from kubernetes import client as k8s
 from kubernetes import watch
 
+from .podinputs import NODE, NODE_IP, PodInputs, StartError
+from .runtime import Image, ProcessRuntime
+
 log = logging.getLogger("cluster.kubelet")
-NODE = "node-1"
-NODE_IP = "127.0.0.1"
-SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-PODINIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "podinit.py")
 
 
 def now_text() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass
-class Image:
-    """What a container image gives a process: its ENV, USER and WORKDIR."""
-
-    name: str
-    env: dict[str, str]
-    uid: int = 1000
-    gid: int = 1000
-    workdir: str = "/home/elastic"
-    home: str = "/home/elastic"
-    paths: list[str] = field(default_factory=list)  # host folders the image's files live in, if under a private folder
-    layers: dict[str, str] = field(default_factory=dict)  # folder in the image -> the host folder with its files
-
-
-def venv_image(name: str, extra_path: list[str] | None = None) -> Image:
-    """The project's image as this machine has it: the test's own Python environment (what
-    `pip install .` put in the image). `extra_path`: host folders added to the image (at
-    /image/layerN), on its PYTHONPATH."""
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1",
-           "HOME": "/home/elastic", "MPLCONFIGDIR": "/tmp/matplotlib", "LANG": "C.UTF-8"}
-    layers = {f"/image/layer{i}": path for i, path in enumerate(extra_path or [])}
-    if layers:
-        env["PYTHONPATH"] = ":".join(layers)
-    return Image(name, env, paths=[sys.base_prefix] if sys.base_prefix.startswith(("/root/", "/home/", "/tmp/")) else [],
-                 layers=layers)
-
-
-def parse_memory(text: str) -> int:
-    from kubernetes.utils.quantity import parse_quantity
-
-    return int(parse_quantity(text))
 
 
 @dataclass
@@ -121,29 +86,6 @@ class PodRecord:
     status_lock: threading.Lock = field(default_factory=threading.Lock)  # one status write at a time, from the newest facts
 
 
-def memory_cgroup_parent() -> str | None:
-    """A memory cgroup (v1) this process may make children in, or None."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                _, controllers, path = line.strip().split(":", 2)
-                if "memory" in controllers.split(","):
-                    parent = f"/sys/fs/cgroup/memory{path}"
-                    probe = os.path.join(parent, f"probe-{os.getpid()}")
-                    os.mkdir(probe)
-                    os.rmdir(probe)
-                    return parent
-    except OSError:
-        return None
-    return None
-
-
-def can_isolate() -> bool:
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
-
-
 class Kubelet:
     def __init__(self, api: k8s.CoreV1Api, root: str, images: dict[str, Image], service_host: str, service_port: int,
                  isolate: bool | None = None):
@@ -152,10 +94,9 @@ class Kubelet:
         self.images = images
         self.service_env = {"KUBERNETES_SERVICE_HOST": service_host, "KUBERNETES_SERVICE_PORT": str(service_port),
                             "KUBERNETES_PORT": f"tcp://{service_host}:{service_port}"}
-        self.isolation = "namespaces" if (can_isolate() if isolate is None else isolate) else "folders"
-        self.cgroup_parent = memory_cgroup_parent()
+        self.runtime = ProcessRuntime(isolate)
+        self.inputs = PodInputs(api, memory_tmpfs=self.runtime.isolation == "namespaces")
         self.pods: dict[str, PodRecord] = {}  # uid -> record
-        self.cgroups: set[str] = set()  # every memory cgroup made, removed at the latest on close
         self.past_logs: dict[tuple[str, str], bytes] = {}  # (namespace, pod) -> the log's tail, once the pod is gone
         self.lock = threading.RLock()
         self.closed = False
@@ -165,7 +106,15 @@ class Kubelet:
 
     @property
     def mode(self) -> str:
-        return f"process ({self.isolation}; memory limits {'by cgroup' if self.cgroup_parent else 'not enforced'})"
+        return self.runtime.mode
+
+    @property
+    def isolation(self) -> str:
+        return self.runtime.isolation
+
+    @property
+    def cgroup_parent(self) -> str | None:
+        return self.runtime.cgroup_parent
 
     def start(self) -> None:
         for thread in self._threads:
@@ -185,18 +134,7 @@ class Kubelet:
                     c.proc.wait(10)
                 except subprocess.TimeoutExpired:
                     pass
-        deadline = time.monotonic() + 10
-        while self.cgroups and time.monotonic() < deadline:
-            for path in list(self.cgroups):
-                try:
-                    os.rmdir(path)
-                    self.cgroups.discard(path)
-                except FileNotFoundError:
-                    self.cgroups.discard(path)
-                except OSError:  # a process of it (a memory filler) still exiting
-                    pass
-            if self.cgroups:
-                time.sleep(0.1)
+        self.runtime.close()
 
     # -- what a test does to a node -----------------------------------------------------------------
     def record(self, namespace: str, name: str) -> PodRecord:
@@ -220,13 +158,8 @@ class Kubelet:
         /dev/shm/x'` does): pages of the pod's memory-backed /dev/shm, charged to its memory cgroup,
         which no process owns and the kernel cannot reclaim. Over the limit, the kernel's OOM
         killer kills the container's biggest process."""
-        record = self.record(namespace, name)
-        c = record.containers[0]
-        if self.isolation != "namespaces" or not c.cgroup:
-            raise RuntimeError("filling a pod's memory needs the namespaces runtime and a memory cgroup")
-        script = f"echo $$ > {c.cgroup}/cgroup.procs; exec head -c {megabytes * 2**20} /dev/zero > /dev/shm/.fill"
-        subprocess.Popen(["nsenter", "--target", str(c.proc.pid), "--mount", "--root", "--", "sh", "-c", script],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        c = self.record(namespace, name).containers[0]
+        self.runtime.fill_memory(c.proc, c.cgroup, megabytes)
 
     def volume_path(self, namespace: str, name: str, volume: str) -> str:
         """Where a pod's volume lies on the node (what an admin on the node could read)."""
@@ -251,11 +184,7 @@ class Kubelet:
 
     def _signal(self, record: PodRecord, sig: int) -> None:
         for c in record.init_containers + record.containers:
-            if c.proc.poll() is None:
-                try:
-                    os.killpg(c.proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+            self.runtime.signal(c.proc, sig)
 
     # -- the sync loop ------------------------------------------------------------------------------
     def _watch_loop(self) -> None:
@@ -348,11 +277,11 @@ class Kubelet:
         for c in record.containers:
             if c.exit is None and c.proc.poll() is not None:
                 code = c.proc.returncode
-                oom = self._oom_killed(c)
+                oom = self.runtime.oom_killed(c.cgroup)
                 exit_code = 128 - code if code < 0 else code
                 c.exit = (exit_code, "OOMKilled" if oom else ("Completed" if exit_code == 0 else "Error"))
                 c.finished_at = now_text()
-                self._remove_cgroup(c)
+                self.runtime.remove_cgroup(c.cgroup)
                 changed = True
         if record.deleting_since is not None and time.monotonic() - record.deleting_since > record.grace_s:
             self._signal(record, signal.SIGKILL)
@@ -375,28 +304,6 @@ class Kubelet:
                 if exc.status != 404:
                     raise
             record.gone = True
-
-    def _oom_killed(self, c: Container) -> bool:
-        if not c.cgroup:
-            return False
-        try:
-            with open(os.path.join(c.cgroup, "memory.oom_control")) as f:
-                return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
-        except OSError:
-            return False
-
-    def _remove_cgroup(self, c: Container) -> None:
-        if c.cgroup:
-            for _ in range(20):
-                try:
-                    os.rmdir(c.cgroup)
-                    self.cgroups.discard(c.cgroup)
-                    break
-                except FileNotFoundError:
-                    self.cgroups.discard(c.cgroup)
-                    break
-                except OSError:  # processes of it still exiting
-                    time.sleep(0.05)
 
     # -- statuses -----------------------------------------------------------------------------------
     def _container_status(self, c: Container) -> dict:
@@ -476,7 +383,8 @@ class Kubelet:
                 raise StartError("ErrImagePull", f'failed to pull image "{c["image"]}": not found')
         os.makedirs(os.path.join(record.folder, "volumes"), exist_ok=True)
         fs_group = (spec.get("securityContext") or {}).get("fsGroup")
-        volumes = {v["name"]: self._make_volume(record, pod, v, fs_group) for v in spec.get("volumes") or []}
+        volumes = {v["name"]: self.inputs.make_volume(os.path.join(record.folder, "volumes", v["name"]), pod, v, fs_group)
+                   for v in spec.get("volumes") or []}
         for c in spec.get("initContainers", []):  # one after the other, each to a successful end
             container = self._run(record, pod, c, volumes)
             record.init_containers.append(container)
@@ -484,7 +392,7 @@ class Kubelet:
             code = container.proc.returncode
             container.exit = (128 - code if code < 0 else code, "Completed" if code == 0 else "Error")
             container.finished_at = now_text()
-            self._remove_cgroup(container)
+            self.runtime.remove_cgroup(container.cgroup)
             if code != 0 or record.deleting_since is not None or record.gone:
                 record.init_failed = True
                 return
@@ -493,6 +401,7 @@ class Kubelet:
             record.containers.append(self._run(record, pod, c, volumes))
 
     def _run(self, record: PodRecord, pod: dict, c: dict, volumes: dict[str, str]) -> Container:
+        """One container of the pod, as its spec and its image say."""
         spec = pod["spec"]
         security = spec.get("securityContext") or {}
         fs_group = security.get("fsGroup")
@@ -501,9 +410,8 @@ class Kubelet:
         uid = csec.get("runAsUser", image.uid)
         gid = csec.get("runAsGroup", image.gid)
         groups = sorted({gid, *([fs_group] if fs_group is not None else []), *security.get("supplementalGroups", [])})
-        env = {**image.env, **self.service_env, **self._env(pod, c)}
-        binds = [(host, target, True) for target, host in image.layers.items()]
-        tmpfs = []
+        env = {**image.env, **self.service_env, **self.inputs.env(pod, c)}
+        binds, tmpfs = [], []
         for m in c.get("volumeMounts") or []:
             source = volumes[m["name"]]
             if source == "tmpfs":
@@ -515,161 +423,8 @@ class Kubelet:
         argv = list(c.get("command") or []) + list(c.get("args") or [])
         if not argv:
             raise StartError("CreateContainerError", f"container {c['name']}: no command (process images have no ENTRYPOINT)")
-        folder = os.path.join(record.folder, "containers", c["name"])
-        os.makedirs(folder)
-        cgroup = self._make_cgroup(record, c)
-        log_path = os.path.join(folder, "log")
-        if self.isolation == "namespaces":
-            init = {"cgroup": cgroup, "binds": binds, "image_paths": image.paths, "tmpfs": tmpfs, "homes": [(image.home, uid, gid)],
-                    "groups": groups, "uid": uid, "gid": gid, "cwd": c.get("workingDir") or image.workdir,
-                    "argv": argv, "env": env}
-            with open(os.path.join(folder, "init.json"), "w") as f:
-                json.dump(init, f)
-            command = ["unshare", "--mount", "--propagation", "private", sys.executable, PODINIT, os.path.join(folder, "init.json")]
-            cwd, preexec = folder, None
-        else:
-            # No mount namespace: an own working folder and HOME; mount paths rewritten in env.
-            work = os.path.join(folder, "home")
-            os.makedirs(work)
-            for source, target, _ in binds:
-                env = {k: (source + v[len(target):] if v == target or v.startswith(target + "/") else v) for k, v in env.items()}
-            sa = [s for s, t, _ in binds if t == SA_MOUNT]
-            if sa:
-                env["ELASTIC_STEP_SERVICEACCOUNT_DIR"] = sa[0]
-            env["HOME"] = work
-            command, cwd = argv, work
-            command[0] = shutil.which(command[0], path=env["PATH"]) or command[0]
-            preexec = (lambda cg=cgroup: open(os.path.join(cg, "cgroup.procs"), "w").write(str(os.getpid()))) if cgroup else None
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(command, cwd=cwd, env=env if self.isolation == "folders" else {"PATH": "/usr/bin:/bin"},
-                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=preexec)
-        return Container(record.uid, record.namespace, record.name, c["name"], c["image"], proc, folder, cgroup, now_text(), log_path)
-
-    def _make_cgroup(self, record: PodRecord, container: dict) -> str | None:
-        limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
-        if not limit or not self.cgroup_parent:
-            return None
-        path = os.path.join(self.cgroup_parent, f"pod-{record.uid[:8]}-{container['name']}")
-        os.makedirs(path, exist_ok=True)
-        self.cgroups.add(path)
-        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(parse_memory(limit)))
-        return path
-
-    def _make_volume(self, record: PodRecord, pod: dict, volume: dict, fs_group: int | None) -> str:
-        folder = os.path.join(record.folder, "volumes", volume["name"])
-        if "emptyDir" in volume:
-            if (volume["emptyDir"] or {}).get("medium") == "Memory" and self.isolation == "namespaces":
-                return "tmpfs"
-            os.makedirs(folder)
-            os.chmod(folder, 0o777)
-            return folder
-        files: dict[str, tuple[bytes, int]] = {}
-        ns = pod["metadata"]["namespace"]
-        if "secret" in volume:
-            source = volume["secret"]
-            mode = source.get("defaultMode", 0o644)
-            data = self._secret(ns, source["secretName"], optional=source.get("optional", False))
-            for key, value in data.items():
-                files[key] = (value, mode)
-        elif "projected" in volume:
-            mode = volume["projected"].get("defaultMode", 0o644)
-            for source in volume["projected"]["sources"]:
-                if "serviceAccountToken" in source:
-                    token = self._token(ns, pod["spec"]["serviceAccountName"])
-                    files[source["serviceAccountToken"]["path"]] = (token.encode(), mode)
-                elif "configMap" in source:
-                    data = self._config_map(ns, source["configMap"]["name"])
-                    for item in source["configMap"].get("items") or [{"key": k, "path": k} for k in data]:
-                        files[item["path"]] = (data[item["key"]].encode(), mode)
-                elif "downwardAPI" in source:
-                    for item in source["downwardAPI"]["items"]:
-                        files[item["path"]] = (field_value(pod, item["fieldRef"]["fieldPath"]).encode(), mode)
-                elif "secret" in source:
-                    for key, value in self._secret(ns, source["secret"]["name"]).items():
-                        files[key] = (value, mode)
-        else:
-            raise StartError("CreateContainerConfigError", f"volume {volume['name']}: this kubelet cannot mount {sorted(volume)}")
-        os.makedirs(folder)
-        for name, (data, mode) in files.items():
-            path = os.path.join(folder, name)
-            with open(path, "wb") as f:
-                f.write(data)
-            if fs_group is not None:
-                os.chown(path, 0, fs_group)
-            os.chmod(path, mode)
-        return folder
-
-    def _secret(self, namespace: str, name: str, optional: bool = False) -> dict[str, bytes]:
-        try:
-            secret = json.loads(self.api.read_namespaced_secret(name, namespace, _preload_content=False).data)
-        except k8s.ApiException as exc:
-            if exc.status == 404 and optional:
-                return {}
-            raise StartError("CreateContainerConfigError", f'secret "{name}" not found') from None
-        return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
-
-    def _config_map(self, namespace: str, name: str) -> dict[str, str]:
-        try:
-            return json.loads(self.api.read_namespaced_config_map(name, namespace, _preload_content=False).data).get("data") or {}
-        except k8s.ApiException:
-            raise StartError("CreateContainerConfigError", f'configmap "{name}" not found') from None
-
-    def _token(self, namespace: str, account: str) -> str:
-        request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[], expiration_seconds=3607))
-        reply = self.api.create_namespaced_service_account_token(account, namespace, request, _preload_content=False)
-        return json.loads(reply.data)["status"]["token"]
-
-    def _env(self, pod: dict, container: dict) -> dict[str, str]:
-        env = {}
-        for var in container.get("env") or []:
-            if "valueFrom" not in var:
-                env[var["name"]] = expand(var.get("value", ""), env)
-                continue
-            source = var["valueFrom"]
-            if "fieldRef" in source:
-                env[var["name"]] = field_value(pod, source["fieldRef"]["fieldPath"])
-            elif "secretKeyRef" in source:
-                ref = source["secretKeyRef"]
-                data = self._secret(pod["metadata"]["namespace"], ref["name"], optional=ref.get("optional", False))
-                if ref["key"] not in data:
-                    if ref.get("optional"):
-                        continue
-                    raise StartError("CreateContainerConfigError", f'couldn\'t find key {ref["key"]} in Secret {ref["name"]}')
-                env[var["name"]] = data[ref["key"]].decode()
-            elif "resourceFieldRef" in source:
-                ref = source["resourceFieldRef"]
-                kind, _, res = ref["resource"].partition(".")
-                env[var["name"]] = str(((container.get("resources") or {}).get(kind) or {}).get(res, "0"))
-            else:
-                raise StartError("CreateContainerConfigError", f"env {var['name']}: unsupported source {sorted(source)}")
-        return env
-
-
-class StartError(Exception):
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-def expand(value: str, env: dict[str, str]) -> str:
-    """$(VAR) references to earlier variables, as Kubernetes expands them."""
-    for name, v in env.items():
-        value = value.replace(f"$({name})", v)
-    return value
-
-
-def field_value(pod: dict, path: str) -> str:
-    """A downward-API fieldPath: metadata.name/namespace/uid, labels['k'], annotations['k'],
-    spec.nodeName, spec.serviceAccountName, status.podIP, status.hostIP."""
-    meta, spec = pod["metadata"], pod.get("spec", {})
-    fixed = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
-             "spec.nodeName": spec.get("nodeName") or NODE, "spec.serviceAccountName": spec.get("serviceAccountName", ""),
-             "status.podIP": NODE_IP, "status.hostIP": NODE_IP, "status.podIPs": NODE_IP}
-    if path in fixed:
-        return fixed[path]
-    for prefix, values in (("metadata.labels", meta.get("labels") or {}), ("metadata.annotations", meta.get("annotations") or {})):
-        if path.startswith(prefix + "['") and path.endswith("']"):
-            return values.get(path[len(prefix) + 2:-2], "")
-    raise StartError("CreateContainerConfigError", f"unsupported fieldPath {path}")
+        limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+        started = self.runtime.run(os.path.join(record.folder, "containers", c["name"]), f"pod-{record.uid[:8]}-{c['name']}",
+                                   image, argv, env, binds, tmpfs, uid, gid, groups, c.get("workingDir") or image.workdir, limit)
+        return Container(record.uid, record.namespace, record.name, c["name"], c["image"], started.proc,
+                         os.path.dirname(started.log_path), started.cgroup, now_text(), started.log_path)

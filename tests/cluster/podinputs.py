@@ -1,0 +1,138 @@
+"""What a container is given from its pod's spec, read through the API with the kubelet's
+credentials: volume files (Secret, projected service-account token, CA and namespace, ConfigMap,
+downward API; emptyDir folders) and env (values, `$(VAR)`, `fieldRef`, `secretKeyRef`,
+`resourceFieldRef`). What cannot be given is a StartError with the kubelet's reason."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+from kubernetes import client as k8s
+
+NODE = "node-1"
+NODE_IP = "127.0.0.1"
+
+
+class PodInputs:
+    def __init__(self, api: k8s.CoreV1Api, memory_tmpfs: bool):
+        self.api = api
+        self.memory_tmpfs = memory_tmpfs  # the runtime mounts memory emptyDirs as tmpfs itself
+
+    def make_volume(self, folder: str, pod: dict, volume: dict, fs_group: int | None) -> str:
+        """The volume's files in `folder`; \"tmpfs\" for a memory emptyDir the runtime mounts itself."""
+        if "emptyDir" in volume:
+            if (volume["emptyDir"] or {}).get("medium") == "Memory" and self.memory_tmpfs:
+                return "tmpfs"
+            os.makedirs(folder)
+            os.chmod(folder, 0o777)
+            return folder
+        files: dict[str, tuple[bytes, int]] = {}
+        ns = pod["metadata"]["namespace"]
+        if "secret" in volume:
+            source = volume["secret"]
+            mode = source.get("defaultMode", 0o644)
+            data = self.secret(ns, source["secretName"], optional=source.get("optional", False))
+            for key, value in data.items():
+                files[key] = (value, mode)
+        elif "projected" in volume:
+            mode = volume["projected"].get("defaultMode", 0o644)
+            for source in volume["projected"]["sources"]:
+                if "serviceAccountToken" in source:
+                    token = self.token(ns, pod["spec"]["serviceAccountName"])
+                    files[source["serviceAccountToken"]["path"]] = (token.encode(), mode)
+                elif "configMap" in source:
+                    data = self.config_map(ns, source["configMap"]["name"])
+                    for item in source["configMap"].get("items") or [{"key": k, "path": k} for k in data]:
+                        files[item["path"]] = (data[item["key"]].encode(), mode)
+                elif "downwardAPI" in source:
+                    for item in source["downwardAPI"]["items"]:
+                        files[item["path"]] = (field_value(pod, item["fieldRef"]["fieldPath"]).encode(), mode)
+                elif "secret" in source:
+                    for key, value in self.secret(ns, source["secret"]["name"]).items():
+                        files[key] = (value, mode)
+        else:
+            raise StartError("CreateContainerConfigError", f"volume {volume['name']}: this kubelet cannot mount {sorted(volume)}")
+        os.makedirs(folder)
+        for name, (data, mode) in files.items():
+            path = os.path.join(folder, name)
+            with open(path, "wb") as f:
+                f.write(data)
+            if fs_group is not None:
+                os.chown(path, 0, fs_group)
+            os.chmod(path, mode)
+        return folder
+
+    def secret(self, namespace: str, name: str, optional: bool = False) -> dict[str, bytes]:
+        try:
+            secret = json.loads(self.api.read_namespaced_secret(name, namespace, _preload_content=False).data)
+        except k8s.ApiException as exc:
+            if exc.status == 404 and optional:
+                return {}
+            raise StartError("CreateContainerConfigError", f'secret "{name}" not found') from None
+        return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+
+    def config_map(self, namespace: str, name: str) -> dict[str, str]:
+        try:
+            return json.loads(self.api.read_namespaced_config_map(name, namespace, _preload_content=False).data).get("data") or {}
+        except k8s.ApiException:
+            raise StartError("CreateContainerConfigError", f'configmap "{name}" not found') from None
+
+    def token(self, namespace: str, account: str) -> str:
+        request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[], expiration_seconds=3607))
+        reply = self.api.create_namespaced_service_account_token(account, namespace, request, _preload_content=False)
+        return json.loads(reply.data)["status"]["token"]
+
+    def env(self, pod: dict, container: dict) -> dict[str, str]:
+        env = {}
+        for var in container.get("env") or []:
+            if "valueFrom" not in var:
+                env[var["name"]] = expand(var.get("value", ""), env)
+                continue
+            source = var["valueFrom"]
+            if "fieldRef" in source:
+                env[var["name"]] = field_value(pod, source["fieldRef"]["fieldPath"])
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                data = self.secret(pod["metadata"]["namespace"], ref["name"], optional=ref.get("optional", False))
+                if ref["key"] not in data:
+                    if ref.get("optional"):
+                        continue
+                    raise StartError("CreateContainerConfigError", f'couldn\'t find key {ref["key"]} in Secret {ref["name"]}')
+                env[var["name"]] = data[ref["key"]].decode()
+            elif "resourceFieldRef" in source:
+                ref = source["resourceFieldRef"]
+                kind, _, res = ref["resource"].partition(".")
+                env[var["name"]] = str(((container.get("resources") or {}).get(kind) or {}).get(res, "0"))
+            else:
+                raise StartError("CreateContainerConfigError", f"env {var['name']}: unsupported source {sorted(source)}")
+        return env
+
+
+class StartError(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """$(VAR) references to earlier variables, as Kubernetes expands them."""
+    for name, v in env.items():
+        value = value.replace(f"$({name})", v)
+    return value
+
+
+def field_value(pod: dict, path: str) -> str:
+    """A downward-API fieldPath: metadata.name/namespace/uid, labels['k'], annotations['k'],
+    spec.nodeName, spec.serviceAccountName, status.podIP, status.hostIP."""
+    meta, spec = pod["metadata"], pod.get("spec", {})
+    fixed = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
+             "spec.nodeName": spec.get("nodeName") or NODE, "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+             "status.podIP": NODE_IP, "status.hostIP": NODE_IP, "status.podIPs": NODE_IP}
+    if path in fixed:
+        return fixed[path]
+    for prefix, values in (("metadata.labels", meta.get("labels") or {}), ("metadata.annotations", meta.get("annotations") or {})):
+        if path.startswith(prefix + "['") and path.endswith("']"):
+            return values.get(path[len(prefix) + 2:-2], "")
+    raise StartError("CreateContainerConfigError", f"unsupported fieldPath {path}")
