@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import datetime
 import json
 import logging
 import socket
@@ -38,6 +37,7 @@ import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .objects import ApiError, Store, field_matches, label_matches, merge_patch, not_found, now_text, status_body
 from .rbac import Authorizer, Request, forbidden_message
 
 log = logging.getLogger("cluster.apiserver")
@@ -52,95 +52,6 @@ RESOURCES = {
     ("networking.k8s.io", "networkpolicies"): ("NetworkPolicy", True),
 }
 SUBRESOURCES = {("pods", "status"), ("pods", "binding"), ("pods", "log"), ("pods", "eviction"), ("serviceaccounts", "token")}
-
-
-def now_text() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def status_body(code: int, reason: str, message: str, details: dict | None = None) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "details": details or {}, "code": code}
-
-
-class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str, details: dict | None = None):
-        super().__init__(message)
-        self.body = status_body(code, reason, message, details)
-
-
-def not_found(plural: str, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{plural} "{name}" not found', {"name": name, "kind": plural})
-
-
-def label_matches(labels: dict | None, selector: str | None) -> bool:
-    """Equality-based selectors: `k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-separated (ANDed)."""
-    labels = labels or {}
-    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key.strip()) == value.strip():
-                return False
-        elif "=" in term:
-            key, value = term.replace("==", "=").split("=", 1)
-            if labels.get(key.strip()) != value.strip():
-                return False
-        elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
-
-
-def field_matches(obj: dict, selector: str | None) -> bool:
-    for term in filter(None, (selector or "").split(",")):
-        negate = "!=" in term
-        path, value = term.split("!=" if negate else "=", 1)
-        current = obj
-        for part in path.strip().lstrip("=").split("."):
-            current = current.get(part) if isinstance(current, dict) else None
-        if ((current or "") == value) == negate:
-            return False
-    return True
-
-
-def merge_patch(target, patch):
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-class Store:
-    """Objects, their history (for watches) and the resourceVersion clock. One lock for all."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.rv = 1000
-        self.objects: dict[tuple[str, str, str], dict] = {}  # (plural, namespace, name) -> object
-        self.history: list[tuple[int, str, str, str, dict]] = []  # (rv, plural, namespace, type, object)
-        self.oldest_rv = 0  # a watch from before this is 410 Gone
-        self.generation = 0  # bumped to drop every open watch connection
-
-    def commit(self, kind: str, plural: str, obj: dict) -> dict:
-        self.rv += 1
-        meta = obj["metadata"]
-        meta["resourceVersion"] = str(self.rv)
-        key = (plural, meta.get("namespace", ""), meta["name"])
-        if kind == "DELETED":
-            self.objects.pop(key, None)
-        else:
-            self.objects[key] = obj
-        self.history.append((self.rv, plural, key[1], kind, copy.deepcopy(obj)))
-        self.cond.notify_all()
-        return obj
 
 
 class ApiServer:
