@@ -312,3 +312,21 @@ def test_job_with_data_checkpoints_and_model_in_s3_survives_a_sigkilled_worker(s
         assert not any(os.environ["AWS_SECRET_ACCESS_KEY"] in str(v) for v in run.data.params.values())
     finally:
         server.stop()
+
+
+def test_a_small_remote_shard_costs_one_read_for_all_its_tasks(s3_digits, digits, monkeypatch):
+    import pyarrow.parquet as pq
+
+    calls = []
+    original = pq.ParquetFile.read_row_groups
+
+    def spy(self, row_groups, *args, **kwargs):
+        calls.append(list(row_groups))
+        return original(self, row_groups, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
+    remote, local = ShardReader(load_manifest(s3_digits)), ShardReader(load_manifest(digits))
+    groups = remote._open("train", 0)[0].metadata.num_row_groups
+    for start in (0, 100, 200):
+        np.testing.assert_array_equal(remote.read("train", 0, start, 50)["label"], local.read("train", 0, start, 50)["label"])
+    assert calls[0] == list(range(groups)) and len([c for c in calls if len(c) == groups]) == 1

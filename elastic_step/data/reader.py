@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic_step.data.manifest import Manifest, open_parquet
+from elastic_step.data.stores import is_local
 from elastic_step.errors import DataError
 
 
@@ -28,6 +29,10 @@ class ShardReader:
         # Workers read many ranges of the same few shards: keep each footer parsed and file open.
         self._files: dict[tuple[str, int], tuple[pq.ParquetFile, np.ndarray]] = {}
         self._lock = threading.Lock()  # a ParquetFile's handle is not safe to share between threads
+        # From an object store every request costs a round trip (and CPU in the client): a small
+        # shard is read whole on its first miss, in one request, and its row groups cached, so
+        # the shard's later tasks cost no request at all. Bounded by the cache like any read.
+        self.whole_shard_bytes = 0 if is_local(manifest.root) else min(8 << 20, cache_bytes // 8)
 
     def _open(self, split: str, index: int) -> tuple[pq.ParquetFile, np.ndarray]:
         key = (split, index)
@@ -74,6 +79,11 @@ class ShardReader:
                 self._cache.move_to_end(key)
                 tables[group] = self._cache[key]
         missing = [g for g in groups if g not in tables]
+        if missing and self.whole_shard_bytes:
+            meta = pf.metadata
+            if sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)) <= self.whole_shard_bytes:
+                missing = [g for g in range(meta.num_row_groups)
+                           if g not in tables and (split, shard, g, tuple(names)) not in self._cache]
         if missing:
             read = pf.read_row_groups(missing, columns=names)
             offset = 0
