@@ -46,7 +46,8 @@ def test_the_argo_train_step_pod_trains_on_worker_pods_that_share_nothing_with_i
         document = yaml.safe_load(f)
     ns = cluster.namespace
     with s3_server() as endpoint:
-        upload(endpoint, digits, "artifacts", "wf-1/prepare-data/dataset")  # what the prepare-data step left
+        # What the prepare-data step left in the artifact repository (its credentials are not modelled: public-read).
+        upload(endpoint, digits, "artifacts", "wf-1/prepare-data/dataset", public=True)
         inputs = {"model-def": "slow_digits", "workers": "2:3", "epochs": "2", "minibatch-size": "16",
                   "minibatches-per-task": "2", "checkpoint-steps": "0", "seed": "0", "backend": "kubernetes",
                   "experiment": "elastic-step"}

@@ -3,7 +3,8 @@ training step's pod is created through the API server stand-in; the kubelet runs
 filesystem view, with only its spec's env (the downward API), its service account's token
 mounted where a pod finds it, and the API reached over HTTPS by in-cluster config. The master
 creates its worker pods through the API with that service account (deploy/'s Role, enforced);
-workers read the prepared data from an S3 server, never from a folder of the master's.
+workers read the prepared data from a private bucket of an S3 server, never from a folder of the
+master's, with the credentials the master's own pod takes from a Secret.
 
 The test acts as the cluster's operator: it reads the master's status through the master's own
 scratch volume on the node (as `kubectl exec` would), SIGKILLs one worker's container (`docker
@@ -33,6 +34,7 @@ TEST_IMAGE = "registry.example/ml/elastic-step-torch-test:0.1.0"  # the project'
 BUCKET = "training-data"
 SCRATCH = "/tmp"  # the master pod's emptyDir
 JOB_DIR = "/tmp/job"
+STORE_SECRET = "training-data-store"
 
 
 @pytest.fixture
@@ -56,6 +58,7 @@ def master_pod(cluster: Cluster, name: str, args: list[str]) -> k8s.V1Pod:
     """The training step's pod as a workflow engine makes it: the step's container, the
     downward-API env the templates set, the master's service account, a scratch volume."""
     downward = lambda path: k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path))  # noqa: E731
+    secret_key = lambda key: k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=STORE_SECRET, key=key))  # noqa: E731
     return k8s.V1Pod(
         metadata=k8s.V1ObjectMeta(name=name, labels={"app.kubernetes.io/name": "train-step", "workflows.argoproj.io/workflow": "wf-1"}),
         spec=k8s.V1PodSpec(
@@ -68,7 +71,10 @@ def master_pod(cluster: Cluster, name: str, args: list[str]) -> k8s.V1Pod:
                      k8s.V1EnvVar(name="ELASTIC_STEP_POD_UID", value_from=downward("metadata.uid")),
                      k8s.V1EnvVar(name="ELASTIC_STEP_POD_NAMESPACE", value_from=downward("metadata.namespace")),
                      k8s.V1EnvVar(name="ELASTIC_STEP_POD_IP", value_from=downward("status.podIP")),
-                     k8s.V1EnvVar(name="MLFLOW_TRACKING_URI", value=f"sqlite:///{SCRATCH}/mlflow.db")],
+                     k8s.V1EnvVar(name="MLFLOW_TRACKING_URI", value=f"sqlite:///{SCRATCH}/mlflow.db"),
+                     # The store's credentials, from a Secret: workers must be given the same references.
+                     k8s.V1EnvVar(name="AWS_ACCESS_KEY_ID", value_from=secret_key("access-key")),
+                     k8s.V1EnvVar(name="AWS_SECRET_ACCESS_KEY", value_from=secret_key("secret-key"))],
                 volume_mounts=[k8s.V1VolumeMount(name="scratch", mount_path=SCRATCH)],
                 resources=k8s.V1ResourceRequirements(limits={"memory": "3Gi"}, requests={"memory": "1Gi", "cpu": "500m"}),
             )],
@@ -120,12 +126,14 @@ class MasterOnNode:
 def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_killed_hung_and_oom_killed_workers(tmp_path, digits, s3, cluster):
     data = upload(s3, digits, BUCKET, "digits")
     epochs = 3
-    args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--storage-option", "anon=true",
+    args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}",
             "--model-def", "slow_digits", "--job-dir", JOB_DIR, "--audit", f"{JOB_DIR}/audit.jsonl", "--workers", "2:4",
             "--epochs", str(epochs), "--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4",
             "--checkpoint-steps", "0", "--worker-cpu", "1", "--worker-memory", "1Gi", "--max-relaunches", "1", "--no-progress"]
     ns = cluster.namespace
     api = cluster.core()
+    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET),
+                                                  string_data={"access-key": "AKIDTEST", "secret-key": "not-a-real-secret"}))
     api.create_namespaced_pod(ns, master_pod(cluster, "train-step-7f9c", args))
     master = MasterOnNode(cluster, "train-step-7f9c")
 
@@ -185,6 +193,8 @@ def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_
         assert pod["spec"]["containers"][0]["image"] == TEST_IMAGE
         assert [r["uid"] for r in pod["metadata"]["ownerReferences"]] == [master_uid]
         assert not any("kube-api-access" in v["name"] for v in pod["spec"].get("volumes", []))
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "secret-key"}
 
     # Nothing of the job is left: its pods, Secret and NetworkPolicies were deleted by the master itself.
     instance = workers[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
