@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import psutil
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.e2e
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection, positive_data_acceptance]
 EXAMPLES = 20  # per operation and mode: the whole fuzz stays well under two minutes
+EPOCHS = 6
 
 
 def fuzz(schema, headers: dict | None, checks: list, examples: int = EXAMPLES, **call) -> int:
@@ -59,26 +61,40 @@ def fuzz(schema, headers: dict | None, checks: list, examples: int = EXAMPLES, *
 
 
 def test_fuzzing_a_live_job_with_its_token_breaks_nothing_and_the_audit_stays_exact(digits, start_job):
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "6", "--model-def", SLOW_MODEL,
-                    "--minibatch-size", "16", "--minibatches-per-task", "2", "--heartbeat-timeout", "4")
-    job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0, timeout=300)  # imports are slow on a busy machine
-    with open(os.path.join(job.job_dir, "master.json")) as f:
-        url = json.load(f)["url"]
-    with open(os.path.join(job.job_dir, "token")) as f:
-        headers = {"Authorization": f"Bearer {f.read().strip()}"}
-    # the data plane too: every port the master listens on (API, store) is on the API's host
-    host = url.split("//")[1].rsplit(":", 1)[0]
-    listening = [c.laddr for c in psutil.Process(job.proc.pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
-    assert len(listening) >= 2 and all(addr.ip == host for addr in listening), listening
-    schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=headers)
-    started = time.monotonic()
-    sent = fuzz(schema, headers, CHECKS, timeout=10)
-    assert time.monotonic() - started < 120
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", str(EPOCHS), "--model-def", SLOW_MODEL,
+                    "--minibatch-size", "16", "--minibatches-per-task", "2",
+                    # the workers are paused while the master is fuzzed: that is no hang
+                    "--heartbeat-timeout", "600", "--rendezvous-timeout", "600")
+    status = job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0, timeout=300)
+    # The workers pause mid-epoch (SIGSTOP) at once, so however fast this machine trains, the
+    # fuzz meets a job with a ready round, tasks in flight and steps not yet final, and the job
+    # cannot end first.
+    workers = [w["pid"] for w in status["workers"] if w["state"] == "live"]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with open(os.path.join(job.job_dir, "master.json")) as f:
+            url = json.load(f)["url"]
+        with open(os.path.join(job.job_dir, "token")) as f:
+            headers = {"Authorization": f"Bearer {f.read().strip()}"}
+        # the data plane too: every port the master listens on (API, store) is on the API's host
+        host = url.split("//")[1].rsplit(":", 1)[0]
+        listening = [c.laddr for c in psutil.Process(job.proc.pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+        assert len(listening) >= 2 and all(addr.ip == host for addr in listening), listening
+        schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=headers)
+        paused = job.status()
+        assert paused["state"] == "running" and paused["rows_done"] < paused["rows_total"], paused
+        started = time.monotonic()
+        sent = fuzz(schema, headers, CHECKS, timeout=10)
+        assert time.monotonic() - started < 120
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
     assert sent > 100
     status = job.status()
-    assert status is not None and status["state"] == "running", "the job ended while it was fuzzed"
-    assert job.finish() == 0, job.output()
-    report = audit_report(job.audit, digits, epochs=6)
+    assert status is not None and status["state"] == "running", status
+    assert job.finish(timeout=600) == 0, job.output()
+    report = audit_report(job.audit, digits, epochs=EPOCHS)
     assert report["exact"], report
     assert not [e for e in job.events() if e["event"] in ("job_failed", "died", "dropped")]
 
