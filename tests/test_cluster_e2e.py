@@ -207,3 +207,30 @@ def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_
     used = cluster.used()
     assert {n for _, _, n in used} == {ns}
     assert {(verb, resource) for verb, resource, _ in used} == role_rules()
+
+
+def test_a_master_whose_service_account_has_no_role_fails_saying_so_and_creates_nothing(tmp_path, digits, s3, cluster):
+    """The step pod run as a service account without deploy/'s Role (here the namespace's
+    `default`): the API refuses, the job ends at once naming the Role, no pod is created."""
+    data = upload(s3, digits, BUCKET, "digits")
+    ns = cluster.namespace
+    api = cluster.core()
+    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET),
+                                                  string_data={"access-key": "AKIDTEST", "secret-key": "not-a-real-secret"}))
+    args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--model-def", "slow_digits",
+            "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "1", "--no-progress",
+            # --image: without it the refused read of its own pod ends the job first, with advice about the image
+            "--image", TEST_IMAGE]
+    pod = master_pod(cluster, "train-step-norole", args)
+    pod.spec.service_account_name = "default"
+    api.create_namespaced_pod(ns, pod)
+    deadline = time.monotonic() + 120
+    while api.read_namespaced_pod("train-step-norole", ns).status.phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = api.read_namespaced_pod_log("train-step-norole", ns)
+    assert api.read_namespaced_pod("train-step-norole", ns).status.phase == "Failed", log
+    assert "403" in log and "deploy/rbac" in log, log
+    default_user = f"system:serviceaccount:{ns}:default"
+    assert cluster.refused(default_user), cluster.server.audit
+    assert [p["metadata"]["name"] for p in cluster.pods()] == ["train-step-norole"]
+    assert cluster.objects("secrets") == [] or [s["metadata"]["name"] for s in cluster.objects("secrets")] == [STORE_SECRET]
