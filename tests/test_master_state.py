@@ -132,3 +132,15 @@ def test_a_paused_master_restarts_the_rendezvous_clock_and_still_drops_a_member_
         state.tick()
     assert backend.stopped == ["w2.1"]
     assert "did not join round" in state.events.of("dropped")[0]["message"]
+
+
+def test_status_reports_the_newest_mean_loss_and_samples_per_second():
+    state, backend = make_state()
+    join_all(state)
+    round_id = state.round.id
+    t0, t1, t2 = (state.next_task(m, round_id).task for m in state.round.members)
+    ranges = lambda offset: [RangeRecord(task_id=t.id, offset=offset, count=2) for t in (t0, t1, t2)]  # noqa: E731
+    state.report_steps("w0.1", round_id, [StepRecord(step=1, ranges=ranges(0), samples=6, loss=6.0, time=100.0),
+                                          StepRecord(step=2, ranges=ranges(2), samples=6, loss=3.0, time=100.5)])
+    status = state.status()
+    assert status["loss"] == 0.5 and status["samples_per_s"] == 12.0

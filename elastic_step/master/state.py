@@ -3,8 +3,6 @@ through one lock, so the dispatcher, the ledger and the membership always change
 
 from __future__ import annotations
 
-import collections
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Consumed, Ledger, StepGap, StepRejected
 from elastic_step.master.pairing import CheckpointPairing
+from elastic_step.master.throughput import Throughput
 from elastic_step.master.membership import Round, Slot, WorkerInfo, order_members, worker_id_for
 from elastic_step.protocol import (
     HeartbeatReply,
@@ -115,8 +114,7 @@ class MasterState:
         self.state = JobState.RUNNING
         self.failure = ""
         self.final_model: bytes | None = None
-        self._rate_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
-        self.last_loss = float("nan")
+        self.throughput = Throughput()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def launch_all(self) -> None:
@@ -312,8 +310,7 @@ class MasterState:
             return
         for consumed, member in held:
             self.workers[member].rows_applied += consumed.count
-        self._rate_window.append((record.time, record.samples))
-        self.last_loss = record.loss / max(record.samples, 1)
+        self.throughput.add(record.time, record.samples, record.loss)
         current = self.round
         if self.step_log is not None:
             self.step_log.add(record, world_size=len(record.ranges), round_id=self.ready_round_id)
@@ -581,12 +578,6 @@ class MasterState:
         )
 
     # -- status -------------------------------------------------------------------------------------
-    def samples_per_second(self) -> float:
-        window = list(self._rate_window)
-        if len(window) < 2 or window[-1][0] <= window[0][0]:
-            return 0.0
-        return sum(n for _, n in window[1:]) / (window[-1][0] - window[0][0])
-
     def status(self) -> dict:
         with self.lock:
             done, total = self.dispatcher.epoch_progress()
@@ -605,8 +596,8 @@ class MasterState:
                 "rows_done": done,
                 "rows_total": total,
                 "step": self.ledger.applied_step,
-                "loss": self.last_loss if math.isfinite(self.last_loss) else None,
-                "samples_per_s": round(self.samples_per_second(), 1),
+                "loss": self.throughput.loss,
+                "samples_per_s": round(self.throughput.samples_per_second(), 1),
                 "workers": [
                     {
                         "id": w.id,
