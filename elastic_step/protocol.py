@@ -15,6 +15,24 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 API = "/v1"
 
+
+class Route(StrEnum):
+    """Every route of the master's API, under API. The master serves exactly these."""
+
+    REGISTER = "/register"  # a launched worker says it has started: JobSpec back
+    HEARTBEAT = "/heartbeat"  # every worker, every heartbeat_interval_s
+    RENDEZVOUS = "/rendezvous"  # join the next round (long poll)
+    TASK = "/task"  # the next row range to train on
+    TASK_FAILED = "/task-failed"  # a task's rows could not be read or fed
+    STEPS = "/steps"  # rank 0 reports applied steps
+    COLLECTIVE_FAILED = "/collective-failed"  # a round's collective failed on this worker
+    FAIL = "/fail"  # a member fails the job (a non-finite loss)
+    MODEL = "/model"  # rank 0 hands in the final model (PUT, bytes)
+    CHECKPOINT = "/checkpoint"  # rank 0's state for a checkpoint step (PUT, bytes)
+    INITIAL_STATE = "/initial-state"  # the checkpoint or model the first round's source loads
+    SCALE = "/scale"  # the operator changes the number of workers
+    STATUS = "/status"  # the job as people and the CLI see it
+
 # Bounds: generous for any real job, small enough that no request can make the master build a
 # huge list or hold a number it cannot store.
 MAX_INT = 2**53  # ids, counts and steps stay exact in every JSON reader

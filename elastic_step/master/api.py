@@ -33,6 +33,7 @@ from elastic_step.protocol import (
     RendezvousReply,
     RendezvousRequest,
     RoundId,
+    Route,
     ScaleRequest,
     StepsReply,
     StepsRequest,
@@ -112,7 +113,7 @@ def create_app(state: MasterState, token: str) -> FastAPI:
     async def refused(request: Request, exc: Refused):
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
-    @app.post(f"{API}/register", response_model=JobSpec, responses=_declared(400, 409))
+    @app.post(API + Route.REGISTER, response_model=JobSpec, responses=_declared(400, 409))
     async def register(body: RegisterRequest):
         spec = state.register(body.worker_id, body.pid, body.host)
         if spec is None:
@@ -121,11 +122,11 @@ def create_app(state: MasterState, token: str) -> FastAPI:
 
     # Heartbeat and rendezvous answer a stale or unknown worker 200 with "stop": that is how it
     # learns to leave, and it changes nothing.
-    @app.post(f"{API}/heartbeat", response_model=HeartbeatReply, responses=_declared(400))
+    @app.post(API + Route.HEARTBEAT, response_model=HeartbeatReply, responses=_declared(400))
     async def heartbeat(body: HeartbeatRequest):
         return state.heartbeat(body.worker_id, body.step)
 
-    @app.post(f"{API}/rendezvous", response_model=RendezvousReply, responses=_declared(400))
+    @app.post(API + Route.RENDEZVOUS, response_model=RendezvousReply, responses=_declared(400))
     async def rendezvous(body: RendezvousRequest):
         deadline = time.monotonic() + LONG_POLL_S
         while True:
@@ -134,44 +135,44 @@ def create_app(state: MasterState, token: str) -> FastAPI:
                 return reply
             await asyncio.sleep(0.005)
 
-    @app.post(f"{API}/task", response_model=TaskReply, responses=_declared(400))
+    @app.post(API + Route.TASK, response_model=TaskReply, responses=_declared(400))
     async def task(body: TaskRequest):
         return state.next_task(body.worker_id, body.round_id)
 
-    @app.post(f"{API}/task-failed", response_model=Empty, responses=_declared(400, 403))
+    @app.post(API + Route.TASK_FAILED, response_model=Empty, responses=_declared(400, 403))
     async def task_failed(body: TaskFailedRequest):
         state.task_failed(body.worker_id, body.task_id, body.error)
         return Empty()
 
-    @app.post(f"{API}/steps", response_model=StepsReply, responses=_declared(400, 403, 409))
+    @app.post(API + Route.STEPS, response_model=StepsReply, responses=_declared(400, 403, 409))
     async def steps(body: StepsRequest):
         acked = state.report_steps(body.worker_id, body.round_id, body.steps)
         return StepsReply(acked_step=acked, epoch=state.dispatcher.current_epoch)
 
-    @app.post(f"{API}/collective-failed", response_model=Empty, responses=_declared(400, 403))
+    @app.post(API + Route.COLLECTIVE_FAILED, response_model=Empty, responses=_declared(400, 403))
     async def collective_failed(body: CollectiveFailedRequest):
         state.collective_failed(body.worker_id, body.round_id, body.error)
         return Empty()
 
-    @app.post(f"{API}/fail", response_model=Empty, responses=_declared(400, 403))
+    @app.post(API + Route.FAIL, response_model=Empty, responses=_declared(400, 403))
     async def fail(body: FailJobRequest):
         state.fail_by_worker(body.worker_id, body.reason)
         return Empty()
 
-    @app.put(f"{API}/model", response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
+    @app.put(API + Route.MODEL, response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
     async def upload_model(request: Request, worker_id: WorkerParam, step: StepParam):
         data = await request.body()
         if not state.upload_model(worker_id, step, data):
             raise HTTPException(409, "the job is not finished at that step")
         return Empty()
 
-    @app.put(f"{API}/checkpoint", response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
+    @app.put(API + Route.CHECKPOINT, response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
     async def checkpoint(request: Request, worker_id: WorkerParam, round_id: RoundParam, step: StepParam):
         state.checkpoint_state(worker_id, round_id, step, await request.body())
         return Empty()
 
     @app.get(
-        f"{API}/initial-state",
+        API + Route.INITIAL_STATE,
         responses={**_declared(404), 200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
         response_class=Response,
     )
@@ -180,7 +181,7 @@ def create_app(state: MasterState, token: str) -> FastAPI:
             raise HTTPException(404, "this job has no initial state")
         return Response(state.initial_state.data, media_type="application/octet-stream")
 
-    @app.post(f"{API}/scale", responses=_declared(400, 409))
+    @app.post(API + Route.SCALE, responses=_declared(400, 409))
     async def scale(body: ScaleRequest):
         try:
             state.scale(body.workers)
@@ -188,7 +189,7 @@ def create_app(state: MasterState, token: str) -> FastAPI:
             raise HTTPException(409, str(exc)) from exc
         return state.status()
 
-    @app.get(f"{API}/status", responses=_declared())
+    @app.get(API + Route.STATUS, responses=_declared())
     async def status():
         return state.status()
 
