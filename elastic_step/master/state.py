@@ -1,5 +1,11 @@
 """The master's state machine. Every API call and every tick of the supervision loop goes
-through one lock, so the dispatcher, the ledger and the membership always change together."""
+through one lock, so the dispatcher, the ledger and the membership always change together.
+
+Its parts, each with one job, all behind that lock: the dispatcher (tasks) and the ledger
+(applied rows), checkpoint pairing (pairing.py), throughput (throughput.py); the membership,
+the rounds and their settle are still here. Who may ask for what is checked first: only live
+workers of this job change anything, and what only a round's member or its rank 0 may do is
+refused to anyone else (Refused: the API's 403 and 409)."""
 
 from __future__ import annotations
 
