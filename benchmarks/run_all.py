@@ -11,6 +11,7 @@ BENCHMARKS = [
     ["bench_dispatcher.py"],
     ["bench_checkpoint.py"],
     ["bench_keras.py", "--workers", "2"],
+    ["bench_remote_data.py"],
 ]
 
 if __name__ == "__main__":
