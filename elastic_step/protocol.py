@@ -137,10 +137,32 @@ class JobSpec(BaseModel):
     checkpoint_steps: int = 0  # rank 0 checkpoints every K steps and at each epoch end; 0: never
 
 
+class GpuSample(Request):
+    """One GPU the worker can use, as NVML sees it."""
+
+    index: Int = Field(ge=0, le=1024)
+    name: str = Field(default="", max_length=128)
+    utilization_percent: float = Field(ge=0, le=100, allow_inf_nan=False)
+    memory_used_bytes: Count
+    memory_total_bytes: Count
+
+
+class ResourceSample(Request):
+    """What a worker process uses now: its CPU (percent of one core, so above 100 on several
+    cores), its resident memory and its GPUs. Measured by the worker itself, so both backends
+    show the same figures."""
+
+    time: float = Field(ge=0, allow_inf_nan=False)
+    cpu_percent: float = Field(ge=0, le=100.0 * MAX_WORLD, allow_inf_nan=False)
+    rss_bytes: Count
+    gpus: list[GpuSample] = Field(default=[], max_length=64)
+
+
 class HeartbeatRequest(Request):
     worker_id: WorkerId
     round_id: RoundId = 0
     step: Int = Field(default=-1, ge=-1, le=MAX_INT)
+    resources: ResourceSample | None = None  # optional: an older worker sends none
 
 
 class HeartbeatReply(BaseModel):

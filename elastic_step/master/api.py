@@ -124,7 +124,7 @@ def create_app(state: MasterState, token: str) -> FastAPI:
     # learns to leave, and it changes nothing.
     @app.post(API + Route.HEARTBEAT, response_model=HeartbeatReply, responses=_declared(400))
     async def heartbeat(body: HeartbeatRequest):
-        return state.heartbeat(body.worker_id, body.step)
+        return state.heartbeat(body.worker_id, body.step, body.resources)
 
     @app.post(API + Route.RENDEZVOUS, response_model=RendezvousReply, responses=_declared(400))
     async def rendezvous(body: RendezvousRequest):

@@ -11,7 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from elastic_step.protocol import StepRecord, WorkerState
+from elastic_step.protocol import ResourceSample, StepRecord, WorkerState
 
 
 @dataclass
@@ -32,6 +32,8 @@ class WorkerInfo:
     unacked: list[StepRecord] = field(default_factory=list)
     exit_reason: str = ""
     rows_applied: int = 0  # rows of steps it took part in (shown by status)
+    resources: ResourceSample | None = None  # its newest heartbeat's figures (CPU, RSS, GPUs)
+    exited_at: float | None = None
 
     @property
     def alive(self) -> bool:

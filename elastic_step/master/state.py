@@ -28,6 +28,7 @@ from elastic_step.protocol import (
     JobState,
     Rendezvous,
     RendezvousReply,
+    ResourceSample,
     StepRecord,
     TaskInfo,
     TaskReply,
@@ -193,12 +194,15 @@ class MasterState:
             worker.last_seen = time.time()
         return worker
 
-    def heartbeat(self, worker_id: str, step: int) -> HeartbeatReply:
+    def heartbeat(self, worker_id: str, step: int, resources: ResourceSample | None = None) -> HeartbeatReply:
         with self.lock:
             worker = self._seen(worker_id)
             stop = worker is None or not worker.alive or worker.state == WorkerState.RETIRING or self.over
             if worker is not None and step > worker.step:
                 worker.step = step
+            if worker is not None and worker.alive and resources is not None:
+                if worker.resources is None or resources.time >= worker.resources.time:
+                    worker.resources = resources  # the newest sample only
             return HeartbeatReply(
                 round_id=self.round.id if self.round else 0,
                 acked_step=self.ledger.final_step,
@@ -411,6 +415,7 @@ class MasterState:
         was_member = self.round is not None and worker.id in self.round.members
         retiring = worker.state == WorkerState.RETIRING
         worker.exit_reason = exit_.reason
+        worker.exited_at = worker.exited_at or time.time()
         if worker.state != WorkerState.GONE:
             worker.state = WorkerState.GONE
             if not self.over and not retiring and exit_.relaunch != "free":  # the cluster took it: not the data's fault
@@ -591,6 +596,7 @@ class MasterState:
             return {
                 "job": self.spec.job_name,
                 "state": self.state,
+                "started_at": self.started_at,
                 "failure": self.failure,
                 "round": current.id if current else 0,
                 "round_ready": bool(current and current.ready),
@@ -613,6 +619,11 @@ class MasterState:
                         "step": w.step,
                         "rows_applied": w.rows_applied,
                         "exit": w.exit_reason,
+                        "host": w.host,
+                        "launched_at": w.launched_at,
+                        "last_seen": w.last_seen or None,
+                        "exited_at": w.exited_at,
+                        "resources": w.resources.model_dump() if w.resources is not None else None,
                         **self.backend.describe(w.id),
                         **({"pid": w.pid} if w.pid and "pid" not in self.backend.describe(w.id) else {}),
                     }

@@ -11,6 +11,7 @@ import time
 
 from elastic_step.protocol import HeartbeatRequest, StepRecord, StepsRequest
 from elastic_step.worker.client import MasterClient, MasterGone, Rejected
+from elastic_step.worker.resources import ResourceSampler
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -27,12 +28,25 @@ class Heartbeat(threading.Thread):
         self.acked_step = 0
         self.stop_requested = False
         self._halt = threading.Event()
+        self._sampler: ResourceSampler | None = None
+
+    def _resources(self):
+        """This process's CPU, memory and GPUs for the heartbeat (None if they cannot be read:
+        the heartbeat matters more than its figures)."""
+        try:
+            if self._sampler is None:
+                self._sampler = ResourceSampler()
+            return self._sampler.sample()
+        except Exception as exc:
+            log.debug("no resource figures: %s", exc)
+            return None
 
     def run(self) -> None:
         while not self._halt.is_set():
             try:
                 reply = self.client.call(
-                    "POST", "/heartbeat", HeartbeatRequest(worker_id=self.worker_id, round_id=self.round_id, step=self.step)
+                    "POST", "/heartbeat",
+                    HeartbeatRequest(worker_id=self.worker_id, round_id=self.round_id, step=self.step, resources=self._resources()),
                 )
             except MasterGone as exc:
                 # No master: nobody will ever tell this worker to stop. Leave without running
