@@ -23,10 +23,37 @@ log = logging.getLogger("elastic_step.tracking")
 
 LATEST_TAG = "elastic_step.checkpoint"
 ALL_TAG = "elastic_step.checkpoints"
+BEST_TAG = "elastic_step.best_checkpoint"  # "STEP METRIC VALUE": the best validated one, kept too
 
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class BestRule:
+    """Which checkpoint is best: the one with the lowest (`min`) or highest (`max`) value of a
+    validation metric (a name the model definition's `metrics()` returns, or `loss`)."""
+
+    metric: str
+    mode: str  # "min" or "max"
+
+    def better(self, value: float, than: float | None) -> bool:
+        return than is None or (value < than if self.mode == "min" else value > than)
+
+
+def parse_best_rule(text: str) -> BestRule:
+    """`METRIC[:min|max]`; without a mode, `loss` and names ending in `loss` or `error` are
+    minimised and every other metric maximised."""
+    metric, _, mode = text.partition(":")
+    metric = metric.strip()
+    if metric.startswith("val_"):
+        metric = metric[len("val_"):]
+    if not metric or mode not in ("", "min", "max"):
+        raise ValueError(f"--keep-best {text!r}: give a validation metric, optionally with :min or :max (e.g. accuracy:max)")
+    if not mode:
+        mode = "min" if metric.endswith(("loss", "error")) else "max"
+    return BestRule(metric, mode)
 
 
 class CheckpointDamaged(Exception):
@@ -95,14 +122,23 @@ class CheckpointStore:
     """Saves checkpoints through the run's uploader (so they wait on local disk while MLflow is
     away), keeps the newest `keep`, and finds the newest committed one of a run."""
 
-    def __init__(self, tracker, local_dir: str, keep: int = 3, sync_before_commit: list[str] | None = None):
+    def __init__(self, tracker, local_dir: str, keep: int = 3, sync_before_commit: list[str] | None = None,
+                 keep_best: BestRule | None = None):
         self.tracker = tracker
         self.local_dir = local_dir
         self.keep = keep
         # Files a commit vouches for besides the checkpoint's own (the audit file): on disk first.
         self.sync_before_commit = [p for p in (sync_before_commit or []) if p]
-        self.committed: list[int] = []  # oldest first, at most `keep`
+        self.committed: list[int] = []  # oldest first: the newest `keep`, and the best one
+        self.keep_best = keep_best
+        self.best: tuple[int, float] | None = None  # (step, value) of the best validated checkpoint
         self._repository = None
+
+    def _retained(self, steps: list[int]) -> tuple[list[int], list[int]]:
+        """(kept, dropped) of these committed steps: the newest `keep`, and the best one."""
+        newest = steps[-self.keep:]
+        kept = sorted(set(newest) | ({self.best[0]} if self.best and self.best[0] in steps else set()))
+        return kept, [s for s in steps if s not in kept]
 
     def save(self, checkpoint: Checkpoint) -> None:
         path = write_local(self.local_dir, checkpoint)
@@ -119,8 +155,7 @@ class CheckpointStore:
                 if os.path.exists(extra):
                     fsync_path(extra)
             client.log_artifacts(run_id, path, f"checkpoints/{name}")
-            everything = self.committed + [checkpoint.step]
-            kept, dropped = everything[-self.keep:], everything[:-self.keep]
+            kept, dropped = self._retained(self.committed + [checkpoint.step])
             # The commit marker and the list of kept checkpoints in one write (one transaction on
             # a database store): a reader sees both or neither. Only then are old ones deleted.
             client.log_batch(run_id, tags=[RunTag(ALL_TAG, ",".join(map(str, kept))), RunTag(LATEST_TAG, str(checkpoint.step))])
@@ -129,6 +164,30 @@ class CheckpointStore:
                 self._delete(old)
 
         self.tracker.uploader.submit(f"checkpoint {name}", upload_and_commit)
+
+    def validated(self, step: int, metrics: dict) -> bool:
+        """Called (on the uploader's thread, so after the checkpoint of `step` is committed) with
+        the validation metrics of that checkpoint: when it is the best so far under `keep_best`,
+        it is kept beyond the newest `keep` and named by the run's BEST_TAG. True when it is."""
+        rule = self.keep_best
+        if rule is None or step not in self.committed:
+            return False
+        if rule.metric not in metrics:
+            log.warning("--keep-best %s: validation gave no such metric (it gave %s)", rule.metric, ", ".join(sorted(metrics)))
+            return False
+        value = float(metrics[rule.metric])
+        if not rule.better(value, self.best[1] if self.best else None):
+            return False
+        from mlflow.entities import RunTag
+
+        self.best = (step, value)
+        kept, dropped = self._retained(self.committed)
+        self.tracker.client.log_batch(self.tracker.run_id, tags=[
+            RunTag(ALL_TAG, ",".join(map(str, kept))), RunTag(BEST_TAG, f"{step} {rule.metric} {value!r}")])
+        self.committed = kept
+        for old in dropped:
+            self._delete(old)
+        return True
 
     def _delete(self, step: int) -> None:
         name = checkpoint_name(step)
@@ -159,6 +218,23 @@ class CheckpointStore:
         kept = [s for s in kept if s <= int(step)]
         if run_id is None or run_id == self.tracker.run_id:
             self.committed = kept
+            self.best = _best_of(run.data.tags, self.keep_best)
+        return self._download_newest(run, kept, int(step))
+
+    def best_checkpoint(self, run_id: str) -> Checkpoint:
+        """The best validated checkpoint a run kept (`--keep-best`); a clear error otherwise."""
+        from elastic_step.tracking.run import TrackingError
+
+        run = self.tracker.client.get_run(run_id)
+        tag = run.data.tags.get(BEST_TAG)
+        if not tag:
+            raise TrackingError(f"run {run_id} kept no best checkpoint (it ran without --keep-best, or no validation "
+                                "finished); name the run alone to start from its newest checkpoint")
+        return self._download_newest(run, [int(tag.split()[0])], int(tag.split()[0]))
+
+    def _download_newest(self, run, kept: list[int], step: int) -> Checkpoint:
+        """The newest of these checkpoints of a run that downloads whole."""
+        client = self.tracker.client
         problems = []
         for candidate in reversed(kept):
             target = tempfile.mkdtemp(prefix="checkpoint-")
@@ -175,7 +251,7 @@ class CheckpointStore:
             finally:
                 shutil.rmtree(target, ignore_errors=True)
             if problems:
-                print(f"checkpoint {checkpoint_name(int(step))} of run {run.info.run_id} is damaged; "
+                print(f"checkpoint {checkpoint_name(step)} of run {run.info.run_id} is damaged; "
                       f"using the older {checkpoint_name(candidate)}", file=sys.stderr)
             return checkpoint
         from elastic_step.tracking.run import TrackingError
@@ -184,3 +260,11 @@ class CheckpointStore:
             f"run {run.info.run_id} has committed checkpoints but none of them can be read ({'; '.join(problems)}); "
             "rerun without --resume (or with another --job-name) to start afresh"
         )
+
+
+def _best_of(tags: dict, rule: BestRule | None) -> tuple[int, float] | None:
+    """The (step, value) a run's BEST_TAG records, when it was chosen by the same metric."""
+    parts = tags.get(BEST_TAG, "").split()
+    if rule is None or len(parts) != 3 or parts[1] != rule.metric:
+        return None
+    return int(parts[0]), float(parts[2])

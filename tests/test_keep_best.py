@@ -1,0 +1,77 @@
+"""`--keep-best METRIC[:min|max]`: besides the newest checkpoints, the one with the best
+validation metric is kept, named by a run tag, readable after the run and across `--resume`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from elastic_step.tracking.checkpoints import BEST_TAG, BestRule, Checkpoint, CheckpointStore, parse_best_rule
+
+from test_durability import checkpoint_artifact_dir, sqlite_tracker
+
+
+def save_and_validate(store, tracker, step, metrics):
+    store.save(Checkpoint(step, step // 10, f"state of {step}".encode() * 20, {"current_epoch": 0, "epochs": {}}))
+    # validation runs on the uploader's thread after the checkpoint's commit, as the recorder does it
+    tracker.uploader.submit(f"validation of {step}", lambda: store.validated(step, metrics))
+    assert tracker.uploader.drain(60)
+
+
+def test_the_best_checkpoint_outlives_the_newest_ones_and_can_be_read_back(tmp_path):
+    tracker = sqlite_tracker(tmp_path)
+    store = CheckpointStore(tracker, str(tmp_path / "checkpoints"), keep=2, keep_best=parse_best_rule("accuracy"))
+    for step, accuracy in ((10, 0.5), (20, 0.9), (30, 0.7), (40, 0.6)):
+        save_and_validate(store, tracker, step, {"accuracy": accuracy, "loss": 1 - accuracy, "rows": 100})
+
+    assert store.committed == [20, 30, 40]
+    assert not os.path.exists(checkpoint_artifact_dir(tracker, 10))  # neither newest nor best
+    assert os.path.exists(checkpoint_artifact_dir(tracker, 20))
+    tags = tracker.client.get_run(tracker.run_id).data.tags
+    assert tags[BEST_TAG] == "20 accuracy 0.9" and tags["elastic_step.checkpoints"] == "20,30,40"
+
+    reader = CheckpointStore(tracker, str(tmp_path / "elsewhere"))
+    best = reader.best_checkpoint(tracker.run_id)
+    assert best.step == 20 and best.state == b"state of 20" * 20
+    assert reader.latest(tracker.run_id).step == 40  # the newest is still the newest
+
+
+def test_a_resumed_run_keeps_comparing_against_its_earlier_best(tmp_path):
+    tracker = sqlite_tracker(tmp_path)
+    rule = parse_best_rule("val_loss")  # minimised; the val_ prefix as MLflow shows it is accepted
+    first = CheckpointStore(tracker, str(tmp_path / "checkpoints"), keep=1, keep_best=rule)
+    for step, loss in ((10, 0.4), (20, 0.2), (30, 0.3)):
+        save_and_validate(first, tracker, step, {"loss": loss})
+    assert first.committed == [20, 30]
+
+    resumed = CheckpointStore(tracker, str(tmp_path / "checkpoints"), keep=1, keep_best=rule)
+    assert resumed.latest().step == 30 and resumed.best == (20, 0.2)
+    save_and_validate(resumed, tracker, 40, {"loss": 0.25})  # worse than step 20: 30 goes, 20 stays
+    assert resumed.committed == [20, 40]
+    save_and_validate(resumed, tracker, 50, {"loss": 0.1})  # the new best: 20 may go now
+    assert resumed.committed == [50]
+    assert tracker.client.get_run(tracker.run_id).data.tags[BEST_TAG] == "50 loss 0.1"
+    assert not os.path.exists(checkpoint_artifact_dir(tracker, 20))
+
+
+def test_without_keep_best_only_the_newest_stay_and_asking_for_the_best_says_what_to_do(tmp_path):
+    from elastic_step.tracking.run import TrackingError
+
+    tracker = sqlite_tracker(tmp_path)
+    store = CheckpointStore(tracker, str(tmp_path / "checkpoints"), keep=1)
+    for step, accuracy in ((10, 0.9), (20, 0.1)):
+        save_and_validate(store, tracker, step, {"accuracy": accuracy})
+    assert store.committed == [20]
+    with pytest.raises(TrackingError, match="kept no best checkpoint .* without --keep-best"):
+        store.best_checkpoint(tracker.run_id)
+
+
+def test_best_rules_parse_with_sensible_directions_and_refuse_nonsense():
+    assert parse_best_rule("accuracy") == BestRule("accuracy", "max")
+    assert parse_best_rule("loss") == BestRule("loss", "min")
+    assert parse_best_rule("val_mean_error") == BestRule("mean_error", "min")
+    assert parse_best_rule("f1:min") == BestRule("f1", "min")
+    for bad in ("", ":max", "accuracy:up"):
+        with pytest.raises(ValueError, match="--keep-best .*: give a validation metric"):
+            parse_best_rule(bad)
