@@ -1,0 +1,53 @@
+"""Every default a user meets, in one place.
+
+`TrainConfig`, the `train` and `prepare-data` commands, the KFP components, both KFP pipelines and
+the Argo workflow parameters take their defaults from here, so a job started from any of them
+behaves the same when nothing is set. tests/test_defaults.py fails when a surface says otherwise.
+
+One surface cannot import this module: a KFP component's signature. KFP runs the component
+function's own source, alone, in its container, so its defaults are written out there; the same
+test pins them to these values.
+"""
+
+from __future__ import annotations
+
+# -- a training job ---------------------------------------------------------------------------------
+WORKERS = "2:3"  # MIN:MAX: start MAX workers, train while at least MIN are live
+EPOCHS = 5
+MINIBATCH_SIZE = 32  # rows per minibatch per worker
+MINIBATCHES_PER_TASK = 4  # a task the master hands out is this many minibatches
+SEED = 0  # the model's initialisation and the per-epoch shuffle (and prepare-data's split)
+BACKEND = "local"  # local processes; "kubernetes": pods
+HOST = "127.0.0.1"  # where the master's API listens
+PORT = 0  # 0: a free port
+CHECKPOINT_STEPS = 100  # and at each epoch end; 0: never
+KEEP_CHECKPOINTS = 3
+EXPERIMENT = "elastic-step"  # the MLflow experiment
+MAX_RELAUNCHES = 3  # per worker slot
+MAX_TASK_FAILURES = 3  # a task that fails this often fails the job
+
+# -- clocks, in seconds -----------------------------------------------------------------------------
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 10.0  # silence before a worker counts as hung
+RENDEZVOUS_TIMEOUT_S = 60.0
+STARTUP_GRACE_S = 60.0  # the first round waits this long for all MAX workers, then starts with MIN
+COLLECTIVE_TIMEOUT_S = 30.0
+MASTER_TIMEOUT_S = 30.0  # a worker whose master does not answer this long exits
+PENDING_TIMEOUT_S = 300.0  # a pod unschedulable (or its image not pulled) this long fails
+
+# -- prepare-data -----------------------------------------------------------------------------------
+LABEL = "label"
+SPLIT = "0.8,0.1,0.1"  # TRAIN,VAL,TEST fractions
+ROWS_PER_SHARD = 512
+
+# -- the bundled example the ready pipelines run when nothing is set ----------------------------------
+SOURCE = "sklearn:digits"
+MODEL_DEF = "elastic_step.model_zoo.digits_torch"
+REGISTERED_MODEL = "digits"
+FLOORS = {"accuracy": 0.9}  # the gate: a candidate must reach these
+MIN_GAINS = {"accuracy": 0.0}  # ... and beat the champion by these
+
+
+def metric_pairs(metrics: dict) -> str:
+    """`{"accuracy": 0.9}` → `accuracy=0.9`, as `--floor` and `--min-gain` take them."""
+    return ",".join(f"{name}={value}" for name, value in metrics.items())
