@@ -15,6 +15,7 @@ from hera.workflows import models as m
 
 from kubernetes.utils.quantity import parse_quantity
 
+from elastic_step import defaults
 from elastic_step.argo import steps
 from elastic_step.errors import ConfigError
 from elastic_step.images import default_image
@@ -38,20 +39,20 @@ LABELS = {"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/part-of":
 
 # Workflow parameters and their defaults: a run overrides any of them (`argo submit -p epochs=10`).
 PARAMETERS = {
-    "source": "sklearn:digits",
-    "label": "label",
-    "model-def": "elastic_step.model_zoo.digits_torch",
-    "workers": "2:4",
-    "epochs": "5",
-    "minibatch-size": "32",
-    "minibatches-per-task": "4",
-    "checkpoint-steps": "100",
-    "seed": "0",
-    "backend": "local",
-    "experiment": "elastic-step",
-    "registered-model": "digits",
-    "floor": "accuracy=0.9",
-    "min-gain": "accuracy=0.0",
+    "source": defaults.SOURCE,
+    "label": defaults.LABEL,
+    "model-def": defaults.MODEL_DEF,
+    "workers": defaults.WORKERS,
+    "epochs": str(defaults.EPOCHS),
+    "minibatch-size": str(defaults.MINIBATCH_SIZE),
+    "minibatches-per-task": str(defaults.MINIBATCHES_PER_TASK),
+    "checkpoint-steps": str(defaults.CHECKPOINT_STEPS),
+    "seed": str(defaults.SEED),
+    "backend": defaults.BACKEND,
+    "experiment": defaults.EXPERIMENT,
+    "registered-model": defaults.REGISTERED_MODEL,
+    "floor": defaults.metric_pairs(defaults.FLOORS),
+    "min-gain": defaults.metric_pairs(defaults.MIN_GAINS),
 }
 MLFLOW_URI_DEFAULT = "http://mlflow.mlflow.svc.cluster.local:5000"
 
