@@ -1,10 +1,11 @@
-"""Training job settings, validated before anything starts."""
+"""Training job settings, validated before anything starts. Their defaults are elastic_step.defaults'."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
+from elastic_step import defaults
 from elastic_step.errors import ConfigError
 
 
@@ -27,31 +28,31 @@ class TrainConfig:
     model_def: str
     data: str
     job_dir: str
-    workers: str = "2"
-    epochs: int = 1
-    minibatch_size: int = 32
-    minibatches_per_task: int = 4
-    seed: int = 0
+    workers: str = defaults.WORKERS
+    epochs: int = defaults.EPOCHS
+    minibatch_size: int = defaults.MINIBATCH_SIZE
+    minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK
+    seed: int = defaults.SEED
     shuffle: bool = True
     audit: str | None = None
-    backend: str = "local"
-    host: str = "127.0.0.1"
-    port: int = 0
-    max_relaunches: int = 3
-    max_task_failures: int = 3
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 10.0
-    rendezvous_timeout: float = 60.0
-    startup_grace: float = 60.0
-    collective_timeout: float = 30.0
-    master_timeout: float = 30.0
-    job_name: str = ""
+    backend: str = defaults.BACKEND
+    host: str = defaults.HOST
+    port: int = defaults.PORT
+    max_relaunches: int = defaults.MAX_RELAUNCHES
+    max_task_failures: int = defaults.MAX_TASK_FAILURES
+    heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL_S
+    heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT_S
+    rendezvous_timeout: float = defaults.RENDEZVOUS_TIMEOUT_S
+    startup_grace: float = defaults.STARTUP_GRACE_S
+    collective_timeout: float = defaults.COLLECTIVE_TIMEOUT_S
+    master_timeout: float = defaults.MASTER_TIMEOUT_S
+    job_name: str = ""  # default: the job folder's name
     progress: bool = True
     mlflow_uri: str | None = None  # default: MLFLOW_TRACKING_URI, else SQLite in the job dir
-    experiment: str = "elastic-step"
+    experiment: str = defaults.EXPERIMENT
     parent_run_id: str | None = None
-    checkpoint_steps: int = 100
-    keep_checkpoints: int = 3
+    checkpoint_steps: int = defaults.CHECKPOINT_STEPS
+    keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
     resume: bool = False
     init_from: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -66,7 +67,7 @@ class TrainConfig:
     priority_class: str | None = None
     image_pull_secrets: list[str] = field(default_factory=list)
     service_account: str | None = None
-    pending_timeout: float = 300.0
+    pending_timeout: float = defaults.PENDING_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self.min_workers, self.max_workers = parse_workers(self.workers)

@@ -3,6 +3,7 @@
 from kfp import dsl, kubernetes
 from kfp.dsl import Dataset, Input, Model
 
+from elastic_step import defaults
 from elastic_step.components import evaluate_model, export_model, prepare_data, promote_model, train_elastic
 
 TRAIN_RETRIES = 2  # a retried training task resumes its MLflow run from the newest checkpoint
@@ -23,26 +24,27 @@ def as_elastic_master(task):
 
 def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, caching: bool):
     """One pipeline of the lifecycle. Both ready pipelines come from here so their parameters
-    (what a user sets in the KFP UI) are declared once and cannot drift apart."""
+    (what a user sets in the KFP UI) are declared once and cannot drift apart; their defaults
+    are elastic_step.defaults'."""
 
     @dsl.pipeline(name=name, description=description)
     def pipeline(
-        source: str = "sklearn:digits",
-        model_def: str = "elastic_step.model_zoo.digits_torch",
-        registered_model: str = "digits",
-        workers: str = "2:3",
-        epochs: int = 5,
-        minibatch_size: int = 32,
-        minibatches_per_task: int = 4,
-        checkpoint_steps: int = 100,
-        backend: str = "local",
+        source: str = defaults.SOURCE,
+        model_def: str = defaults.MODEL_DEF,
+        registered_model: str = defaults.REGISTERED_MODEL,
+        workers: str = defaults.WORKERS,
+        epochs: int = defaults.EPOCHS,
+        minibatch_size: int = defaults.MINIBATCH_SIZE,
+        minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK,
+        checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
+        backend: str = defaults.BACKEND,
         mlflow_uri: str = "",
-        experiment: str = "elastic-step",
-        floors: dict = {"accuracy": 0.9},
-        min_gains: dict = {"accuracy": 0.0},
-        split: str = "0.8,0.1,0.1",
-        rows_per_shard: int = 512,
-        seed: int = 0,
+        experiment: str = defaults.EXPERIMENT,
+        floors: dict = dict(defaults.FLOORS),
+        min_gains: dict = dict(defaults.MIN_GAINS),
+        split: str = defaults.SPLIT,
+        rows_per_shard: int = defaults.ROWS_PER_SHARD,
+        seed: int = defaults.SEED,
         job_dir: str = "",
     ):
         prepared = prepare_data(source=source, split=split, rows_per_shard=rows_per_shard, seed=seed)

@@ -116,13 +116,33 @@ def test_storage_options_reach_workers_through_worker_env(s3_server, s3_digits, 
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     stores.set_storage_options(s3_digits, {"endpoint_url": s3_server.endpoint})
     env = stores.worker_env()
-    assert env == {"FSSPEC_S3_ENDPOINT_URL": json.dumps(s3_server.endpoint), "AWS_REGION": "us-east-1",
+    assert env == {"FSSPEC_S3": json.dumps({"endpoint_url": s3_server.endpoint}), "AWS_REGION": "us-east-1",
                    "AWS_DEFAULT_REGION": "us-east-1", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     credentials = {k: v for k, v in s3_server.env().items() if k != "AWS_ENDPOINT_URL"}
     code = f"from elastic_step.data.manifest import load_manifest; print(load_manifest({s3_digits!r}).rows('train'))"
     assert worker_like_process(code, credentials).returncode != 0  # without the option: real AWS, which fails
     done = worker_like_process(code, {**credentials, **env})
     assert done.returncode == 0, done.stderr
+
+
+def test_a_worker_started_with_worker_env_has_the_options_with_their_types(monkeypatch):
+    """fsspec reads `FSSPEC_<PROTOCOL>` as a JSON object when it is imported: a worker process
+    started with worker_env() (and nothing else) holds the very options applied here, a bool as a
+    bool, a dict as a dict, a URL without quotes around it."""
+    monkeypatch.setattr(stores, "_applied", {})
+    monkeypatch.setattr("fsspec.config.conf", {})
+    for name in stores.STORE_LOCATION_ENV:
+        monkeypatch.delenv(name, raising=False)
+    options = {"endpoint_url": "http://minio:9000", "anon": False, "client_kwargs": {"region_name": "eu-west-1"},
+               "default_block_size": 1048576}
+    stores.set_storage_options("s3://bucket/data", options)
+    env = stores.worker_env()
+    assert list(env) == ["FSSPEC_S3"]
+    code = "import json, fsspec, fsspec.config; print(json.dumps(fsspec.config.conf.get('s3')))"
+    done = worker_like_process(code, env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == options
+    assert "Ignoring environment variable" not in done.stderr
 
 
 @pytest.mark.parametrize("option", ["key=abc", "secret=abc", "token=abc", "password=x", "session_token=x",
@@ -250,26 +270,42 @@ def test_store_error_never_repeats_a_secret_in_the_message():
 # -- KFP artifact URIs --------------------------------------------------------------------------
 
 def test_kfp_artifact_uris(monkeypatch):
+    """minio:// reads as s3://; the endpoint, when AWS_ENDPOINT_URL does not name one, is KFP's
+    MinIO, returned as a storage option: this process's environment is left as it is."""
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    assert stores.kfp_artifact_uri_to_fsspec("s3://b/k") == "s3://b/k"
-    assert stores.kfp_artifact_uri_to_fsspec("gs://b/k") == "gs://b/k"
-    assert stores.kfp_artifact_uri_to_fsspec("/tmp/local/dataset") == "/tmp/local/dataset"
-    assert "AWS_ENDPOINT_URL" not in os.environ
-    assert stores.kfp_artifact_uri_to_fsspec("minio://mlpipeline/v2/artifacts/p/r/dataset") == "s3://mlpipeline/v2/artifacts/p/r/dataset"
-    assert os.environ["AWS_ENDPOINT_URL"] == stores.KFP_DEFAULT_MINIO_ENDPOINT == "http://minio-service.kubeflow:9000"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://my-minio:9000")
-    stores.kfp_artifact_uri_to_fsspec("minio://b/k")
+    before = dict(os.environ)
+    assert stores.kfp_artifact_uri_to_fsspec("s3://b/k") == ("s3://b/k", {})
+    assert stores.kfp_artifact_uri_to_fsspec("gs://b/k") == ("gs://b/k", {})
+    assert stores.kfp_artifact_uri_to_fsspec("/tmp/local/dataset") == ("/tmp/local/dataset", {})
+    assert stores.kfp_artifact_uri_to_fsspec("minio://mlpipeline/v2/artifacts/p/r/dataset") == (
+        "s3://mlpipeline/v2/artifacts/p/r/dataset", {"endpoint_url": "http://minio-service.kubeflow:9000"})
+    assert stores.KFP_DEFAULT_MINIO_ENDPOINT == "http://minio-service.kubeflow:9000"
+    assert dict(os.environ) == before
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://my-minio:9000")  # the user's own endpoint wins
+    assert stores.kfp_artifact_uri_to_fsspec("minio://b/k") == ("s3://b/k", {})
     assert os.environ["AWS_ENDPOINT_URL"] == "http://my-minio:9000"
     # the train_elastic component: pods read the store URI, local workers the downloaded copy
-    assert stores.artifact_data_uri("minio://b/k", "/minio/b/k", workers_share_filesystem=False) == "s3://b/k"
-    assert stores.artifact_data_uri("minio://b/k", "/minio/b/k", workers_share_filesystem=True) == "/minio/b/k"
-    assert stores.artifact_data_uri("/tmp/outputs/dataset", "/tmp/outputs/dataset", workers_share_filesystem=False) == "/tmp/outputs/dataset"
+    assert stores.artifact_data_uri("minio://b/k", "/minio/b/k", workers_share_filesystem=False) == ("s3://b/k", {})
+    assert stores.artifact_data_uri("minio://b/k", "/minio/b/k", workers_share_filesystem=True) == ("/minio/b/k", {})
+    assert stores.artifact_data_uri("/tmp/outputs/dataset", "/tmp/outputs/dataset", workers_share_filesystem=False) == (
+        "/tmp/outputs/dataset", {})
 
 
-def test_a_minio_artifact_uri_opens_the_s3_store(s3_digits):
-    uri = stores.kfp_artifact_uri_to_fsspec("minio://" + s3_digits[len("s3://"):])
-    assert uri == s3_digits
-    assert load_manifest(uri).rows("train") == load_manifest(s3_digits).rows("train")
+def test_a_minio_artifact_uri_opens_the_s3_store(s3_digits, digits, monkeypatch):
+    """The endpoint reaches the reader as a storage option, and the workers through worker_env."""
+    monkeypatch.setattr(stores, "_applied", {})
+    monkeypatch.setattr("fsspec.config.conf", {})
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setattr(stores, "KFP_DEFAULT_MINIO_ENDPOINT", endpoint)  # the test's S3 server plays KFP's MinIO
+    uri, options = stores.kfp_artifact_uri_to_fsspec("minio://" + s3_digits[len("s3://"):])
+    assert (uri, options) == (s3_digits, {"endpoint_url": endpoint})
+    fresh_filesystems()
+    stores.set_storage_options(uri, options)
+    assert "AWS_ENDPOINT_URL" not in os.environ
+    assert load_manifest(uri).rows("train") == load_manifest(digits).rows("train")
+    assert stores.worker_env()["FSSPEC_S3"] == json.dumps({"endpoint_url": endpoint})
+    fresh_filesystems()
 
 
 # -- the whole job in S3 ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def pipeline_run(tmp_path_factory, digits):
     from elastic_step.pipelines.training_pipeline import training_pipeline
     from elastic_step.release.export import export_model
     from elastic_step.release.promote import promote
-    from elastic_step.steps import train_step
+    from elastic_step.training_step import train_step
     from elastic_step.tracking.run import connect
 
     root = tmp_path_factory.mktemp("pipeline")

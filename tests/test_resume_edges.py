@@ -119,7 +119,7 @@ def test_workers_leave_within_5s_of_their_master_being_killed(digits, start_job)
 
 TRAIN_STEP = """
 import json, sys
-from elastic_step.steps import train_step
+from elastic_step.training_step import train_step
 result = train_step(data=sys.argv[1], model_dir=sys.argv[2], model_def=sys.argv[3], workers="2", epochs=1,
                     minibatch_size=16, minibatches_per_task=2, checkpoint_steps=10, mlflow_uri=sys.argv[4],
                     experiment="credentials", job_dir=sys.argv[5], job_name="credentials")

@@ -4,6 +4,8 @@ from kfp.dsl import Dataset, Markdown, Output
 from elastic_step.images import default_image
 
 
+# The defaults below are elastic_step.defaults' (KFP runs this function's source alone in its
+# container, so they cannot be imported here; tests/test_defaults.py keeps them equal).
 @dsl.component(base_image=default_image(), install_kfp_package=False)
 def prepare_data(
     source: str,

@@ -4,6 +4,8 @@ from kfp.dsl import Dataset, Input, Metrics, Model, Output
 from elastic_step.images import default_image
 
 
+# The defaults below are elastic_step.defaults' (KFP runs this function's source alone in its
+# container, so they cannot be imported here; tests/test_defaults.py keeps them equal).
 @dsl.component(base_image=default_image(), install_kfp_package=False)
 def train_elastic(
     dataset: Input[Dataset],
@@ -64,14 +66,15 @@ def train_elastic(
         job_dir: Folder for the job's state and logs (default: a fresh temporary folder).
     """
     from elastic_step.data.stores import artifact_data_uri
-    from elastic_step.steps import train_step
+    from elastic_step.training_step import train_step
 
+    data, storage_options = artifact_data_uri(dataset.uri, dataset.path, workers_share_filesystem=backend == "local")
     result = train_step(
-        data=artifact_data_uri(dataset.uri, dataset.path, workers_share_filesystem=backend == "local"), model_dir=model.path, model_def=model_def, workers=workers, epochs=epochs,
-        minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps,
-        seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from,
-        registered_model=registered_model, warm_start_alias=warm_start_alias, pipeline_run_id=pipeline_run_id,
-        job_dir=job_dir,
+        data=data, storage_options=storage_options, model_dir=model.path, model_def=model_def, workers=workers,
+        epochs=epochs, minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
+        checkpoint_steps=checkpoint_steps, seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment,
+        init_from=init_from, registered_model=registered_model, warm_start_alias=warm_start_alias,
+        pipeline_run_id=pipeline_run_id, job_dir=job_dir,
     )
     model.metadata.update(result.model_metadata())
     for name, value in result.test_metrics.items():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from elastic_step import defaults
+
 
 def register(sub) -> None:
     p = sub.add_parser("prepare-data", help="turn a dataset into a manifest and Parquet shards")
@@ -12,14 +14,14 @@ def register(sub) -> None:
                    help="sklearn:digits, or a CSV/Parquet/JSONL file, optionally compressed (.gz, .bz2, .xz, .zst), "
                         "as a path or fsspec URI (s3://, gs://, ...)")
     p.add_argument("--out", required=True, help="output folder (or fsspec URI)")
-    p.add_argument("--label", default="label")
+    p.add_argument("--label", default=defaults.LABEL, help="the label column (default %(default)s)")
     p.add_argument("--features", help="comma-separated feature columns (default: every other column)")
-    p.add_argument("--split", default="0.8,0.1,0.1", help="TRAIN,VAL,TEST fractions")
-    p.add_argument("--rows-per-shard", type=int, default=512)
+    p.add_argument("--split", default=defaults.SPLIT, help="TRAIN,VAL,TEST fractions (default %(default)s)")
+    p.add_argument("--rows-per-shard", type=int, default=defaults.ROWS_PER_SHARD, help="default %(default)s")
     p.add_argument("--row-group-rows", type=int, default=64,
                    help="rows per Parquet row group: a worker reads whole row groups, so keep it near a task's "
                         "rows; raise it (e.g. 4096) for large shards, where each row group costs metadata")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=defaults.SEED, help="seed of the shuffle before splitting (default %(default)s)")
     p.add_argument("--memory-mb", type=int, default=256,
                    help="rows held in memory for the shuffle; a larger source spills to TMPDIR (default 256)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",

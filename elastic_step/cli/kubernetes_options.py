@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from elastic_step import defaults
+
 
 def add_kubernetes_options(parser) -> None:
     k = parser.add_argument_group("kubernetes backend", "worker pods, when --backend kubernetes")
@@ -19,8 +21,9 @@ def add_kubernetes_options(parser) -> None:
                    help="repeatable")
     k.add_argument("--service-account", help="service account of worker pods, never the master's (default "
                                              "elastic-step-worker from deploy/rbac: no Role; no token is mounted)")
-    k.add_argument("--pending-timeout", type=float, default=300.0,
-                   help="seconds a pod may stay unschedulable or unable to pull its image before the job fails it (default 300)")
+    k.add_argument("--pending-timeout", type=float, default=defaults.PENDING_TIMEOUT_S,
+                   help="seconds a pod may stay unschedulable or unable to pull its image before the job fails it "
+                        "(default %(default)s)")
     k.add_argument("--dry-run", action="store_true",
                    help="print the worker pod and Secret manifests as YAML and exit without training")
 

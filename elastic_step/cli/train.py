@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from elastic_step import defaults
 from elastic_step.cli.kubernetes_options import add_kubernetes_options
 from elastic_step.cli.outputs import copy_folder, write_json, write_parameter
+from elastic_step.config import TrainConfig
 
 
 def register(sub) -> None:
@@ -15,30 +17,37 @@ def register(sub) -> None:
                    help="an fsspec storage option for --data's store, e.g. endpoint_url=http://minio:9000 or anon=true "
                         "(repeatable; workers get it too). Never a credential: those come from the environment")
     p.add_argument("--job-dir", required=True, help="folder for the job's state, logs and model")
-    p.add_argument("--workers", default="2", help="N, or MIN:MAX for an elastic group (default 2)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--minibatch-size", type=int, default=32)
-    p.add_argument("--minibatches-per-task", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", default=defaults.WORKERS,
+                   help="N, or MIN:MAX for an elastic group: start MAX, train while MIN are live (default %(default)s)")
+    p.add_argument("--epochs", type=int, default=defaults.EPOCHS, help="default %(default)s")
+    p.add_argument("--minibatch-size", type=int, default=defaults.MINIBATCH_SIZE, help="rows per worker (default %(default)s)")
+    p.add_argument("--minibatches-per-task", type=int, default=defaults.MINIBATCHES_PER_TASK, help="default %(default)s")
+    p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")
     p.add_argument("--audit", help="write every applied row range as JSON lines to this file")
-    p.add_argument("--backend", default="local", help="where workers run (default: local processes)")
-    p.add_argument("--port", type=int, default=0, help="master API port (default: a free one)")
-    p.add_argument("--host", default="127.0.0.1", help="address the master listens on")
-    p.add_argument("--max-relaunches", type=int, default=3, help="relaunches per worker slot (default 3)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a worker counts as hung")
-    p.add_argument("--rendezvous-timeout", type=float, default=60.0)
-    p.add_argument("--startup-grace", type=float, default=60.0, help="seconds to wait for all workers before starting with MIN")
-    p.add_argument("--collective-timeout", type=float, default=30.0)
-    p.add_argument("--master-timeout", type=float, default=30.0, help="workers exit when the master does not answer this long "
-                   "(at once, within seconds, when its address refuses connections: it died)")
+    p.add_argument("--backend", default=defaults.BACKEND, help="where workers run: local processes or kubernetes pods "
+                                                              "(default %(default)s)")
+    p.add_argument("--port", type=int, default=defaults.PORT, help="master API port (default: a free one)")
+    p.add_argument("--host", default=defaults.HOST, help="address the master listens on (default %(default)s)")
+    p.add_argument("--max-relaunches", type=int, default=defaults.MAX_RELAUNCHES,
+                   help="relaunches per worker slot (default %(default)s)")
+    p.add_argument("--heartbeat-timeout", type=float, default=defaults.HEARTBEAT_TIMEOUT_S,
+                   help="seconds of silence before a worker counts as hung (default %(default)s)")
+    p.add_argument("--rendezvous-timeout", type=float, default=defaults.RENDEZVOUS_TIMEOUT_S, help="default %(default)s")
+    p.add_argument("--startup-grace", type=float, default=defaults.STARTUP_GRACE_S,
+                   help="seconds to wait for all workers before starting with MIN (default %(default)s)")
+    p.add_argument("--collective-timeout", type=float, default=defaults.COLLECTIVE_TIMEOUT_S, help="default %(default)s")
+    p.add_argument("--master-timeout", type=float, default=defaults.MASTER_TIMEOUT_S,
+                   help="workers exit when the master does not answer this long (at once, within seconds, when its "
+                        "address refuses connections: it died; default %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     t = p.add_argument_group("tracking (MLflow)")
     t.add_argument("--mlflow-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else SQLite in the job dir)")
-    t.add_argument("--experiment", default="elastic-step")
+    t.add_argument("--experiment", default=defaults.EXPERIMENT, help="default %(default)s")
     t.add_argument("--parent-run-id", help="nest this job's run under a pipeline's parent run")
-    t.add_argument("--checkpoint-steps", type=int, default=100, help="checkpoint every K steps and at each epoch end (0: never)")
-    t.add_argument("--keep-checkpoints", type=int, default=3)
+    t.add_argument("--checkpoint-steps", type=int, default=defaults.CHECKPOINT_STEPS,
+                   help="checkpoint every K steps and at each epoch end (0: never; default %(default)s)")
+    t.add_argument("--keep-checkpoints", type=int, default=defaults.KEEP_CHECKPOINTS, help="default %(default)s")
     t.add_argument("--resume", action="store_true", help="continue this job's run from its newest committed checkpoint")
     t.add_argument("--init-from", help="warm start: models:/NAME@ALIAS, a model URI, or a run id (its newest checkpoint)")
     t.add_argument("--warm-start-alias", metavar="ALIAS",
@@ -51,24 +60,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from elastic_step.config import TrainConfig
-    from elastic_step.data import stores
     from elastic_step.master.job import run_job
 
-    skip = ("command", "func", "verbose", "outputs", "dry_run", "warm_start_alias", "registered_model", "storage_option")
-    options = {k: v for k, v in vars(args).items() if k not in skip}
-    if args.storage_option:
-        stores.set_storage_options(args.data, dict(stores.parse_storage_option(o) for o in args.storage_option))
-    # Workers open the same store: hand them the options (credentials they take from their own environment).
-    options["worker_env"] = {**stores.worker_env(), **options.get("worker_env", {})}
-    if args.warm_start_alias and not options.get("init_from"):
-        from elastic_step.errors import ConfigError
-        from elastic_step.steps import warm_start_source
-
-        if not args.registered_model:
-            raise ConfigError("--warm-start-alias needs --registered-model NAME (the model whose alias to start from)")
-        options["init_from"] = warm_start_source(args.registered_model, args.warm_start_alias, args.mlflow_uri) or None
-    config = TrainConfig(**options)
+    config = train_config(args)
     if args.dry_run or config.backend == "kubernetes":
         from elastic_step.cli.kubernetes_options import dry_run_or_check
 
@@ -88,3 +82,40 @@ def run(args) -> int:
     return 0
 
 
+
+
+def train_config(args) -> TrainConfig:
+    """The job's settings from `train`'s flags: each flag is read here and nowhere else.
+
+    Besides copying flags, three things happen on the way: `--storage-option`s are applied to
+    `--data`'s store in this process (and handed to the workers in their environment, with the
+    store's location; credentials they take from their own), and `--warm-start-alias` becomes
+    `init_from` when the alias exists."""
+    from elastic_step.data import stores
+    from elastic_step.errors import ConfigError
+
+    if args.storage_option:
+        stores.set_storage_options(args.data, dict(stores.parse_storage_option(o) for o in args.storage_option))
+    init_from = args.init_from
+    if args.warm_start_alias and not init_from:
+        from elastic_step.training_step import warm_start_source
+
+        if not args.registered_model:
+            raise ConfigError("--warm-start-alias needs --registered-model NAME (the model whose alias to start from)")
+        init_from = warm_start_source(args.registered_model, args.warm_start_alias, args.mlflow_uri) or None
+    return TrainConfig(
+        model_def=args.model_def, data=args.data, job_dir=args.job_dir, workers=args.workers, epochs=args.epochs,
+        minibatch_size=args.minibatch_size, minibatches_per_task=args.minibatches_per_task, seed=args.seed,
+        shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
+        max_relaunches=args.max_relaunches, heartbeat_timeout=args.heartbeat_timeout,
+        rendezvous_timeout=args.rendezvous_timeout, startup_grace=args.startup_grace,
+        collective_timeout=args.collective_timeout, master_timeout=args.master_timeout, progress=args.progress,
+        mlflow_uri=args.mlflow_uri, experiment=args.experiment, parent_run_id=args.parent_run_id,
+        checkpoint_steps=args.checkpoint_steps, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+        init_from=init_from, worker_env=stores.worker_env(),
+        # --backend kubernetes
+        namespace=args.namespace, image=args.image, worker_cpu=args.worker_cpu, worker_memory=args.worker_memory,
+        worker_gpus=args.worker_gpus, node_selector=args.node_selector, tolerations=args.tolerations,
+        priority_class=args.priority_class, image_pull_secrets=args.image_pull_secrets,
+        service_account=args.service_account, pending_timeout=args.pending_timeout,
+    )

@@ -11,8 +11,8 @@ the way users already configure them, never on a command line:
   emulator).
 - Anything else a store needs that is not a secret (`endpoint_url`, `anon`, `requester_pays`,
   `client_kwargs`, ...) as fsspec storage options: `set_storage_options` applies them in this
-  process and `worker_env` hands the same options to workers as `FSSPEC_<PROTOCOL>_<OPTION>`
-  variables, which fsspec reads by itself when a worker imports it.
+  process and `worker_env` hands the same options to workers as an `FSSPEC_<PROTOCOL>` variable
+  (a JSON object), which fsspec reads by itself when a worker imports it.
 """
 
 from __future__ import annotations
@@ -125,41 +125,41 @@ STORE_LOCATION_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "
 def worker_env() -> dict[str, str]:
     """Environment variables that point a worker process or pod at the same stores as this process:
     the store location variables set here (`AWS_ENDPOINT_URL`, `AWS_REGION`, ...) and the storage
-    options applied here (`FSSPEC_<PROTOCOL>_<OPTION>`, JSON-encoded so that types survive).
-    Credentials are never among them: workers take those from their own environment (a local
-    worker inherits this process's; a pod gets them from a Secret)."""
+    options applied here, one `FSSPEC_<PROTOCOL>` variable per protocol holding them as a JSON
+    object (the form fsspec documents as JSON, so `anon=false` stays a bool and `client_kwargs`
+    a dict; fsspec applies it when a worker imports it). Credentials are never among them:
+    workers take those from their own environment (a local worker inherits this process's; a pod
+    gets them from a Secret)."""
     env = {name: os.environ[name] for name in STORE_LOCATION_ENV if os.environ.get(name)}
     for protocol, options in _applied.items():
-        for key, value in options.items():
-            env[f"FSSPEC_{protocol.upper()}_{key.upper()}"] = json.dumps(value)
+        env[f"FSSPEC_{protocol.upper()}"] = json.dumps(options, sort_keys=True)
     return env
 
 
-def kfp_artifact_uri_to_fsspec(uri: str) -> str:
-    """The fsspec URI a worker can open for a KFP artifact URI.
+def kfp_artifact_uri_to_fsspec(uri: str) -> tuple[str, dict]:
+    """The fsspec URI a worker can open for a KFP artifact URI, and the storage options it needs.
 
     KFP records artifacts kept in its MinIO as `minio://bucket/key`; fsspec reads them as
-    `s3://bucket/key`, with the S3 endpoint from `AWS_ENDPOINT_URL`. When that is unset, this
-    points `AWS_ENDPOINT_URL` at KFP's default in-cluster MinIO service
-    (`http://minio-service.kubeflow:9000`) so the resolving process and the workers it starts
-    (which inherit its environment) reach the same store. `s3://`, `gs://` and local paths are
-    returned unchanged."""
+    `s3://bucket/key`, with the S3 endpoint from `AWS_ENDPOINT_URL`. When that is unset, the
+    options name KFP's default in-cluster MinIO service (`http://minio-service.kubeflow:9000`) as
+    `endpoint_url`: applied with `set_storage_options`, this process and the workers it starts
+    reach the same store. `s3://`, `gs://` and local paths are returned unchanged, without options."""
     if not uri.startswith("minio://"):
-        return uri
-    if not os.environ.get("AWS_ENDPOINT_URL"):
-        os.environ["AWS_ENDPOINT_URL"] = KFP_DEFAULT_MINIO_ENDPOINT
-    return "s3://" + uri[len("minio://"):]
+        return uri, {}
+    options = {} if os.environ.get("AWS_ENDPOINT_URL") else {"endpoint_url": KFP_DEFAULT_MINIO_ENDPOINT}
+    return "s3://" + uri[len("minio://"):], options
 
 
-def artifact_data_uri(uri: str, path: str, workers_share_filesystem: bool) -> str:
-    """Where a pipeline step's workers should read a KFP `Dataset` artifact from.
+def artifact_data_uri(uri: str, path: str, workers_share_filesystem: bool) -> tuple[str, dict]:
+    """Where a pipeline step's workers should read a KFP `Dataset` artifact from, and the storage
+    options of that store (see `kfp_artifact_uri_to_fsspec`).
 
     Workers that are processes beside the step (the local backend) read the copy the KFP launcher
     downloaded to the artifact's `.path`. Workers elsewhere (pods) cannot see that path: they read
     the artifact's store URI (`minio://` → `s3://` with the endpoint from the environment, `s3://`,
     `gs://`). A local URI (`kfp.local` runs, a mounted volume) is used as its `.path`."""
     if not uri or is_local(uri) or workers_share_filesystem:
-        return path or uri
+        return path or uri, {}
     return kfp_artifact_uri_to_fsspec(uri)
 
 

@@ -11,9 +11,11 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from elastic_step import defaults
 from elastic_step.config import TrainConfig
 from elastic_step.data import stores
 from elastic_step.master.job import JobResult, run_job
+
 
 @dataclass
 class TrainStepResult:
@@ -43,13 +45,20 @@ def warm_start_source(registered_model: str, alias: str, mlflow_uri: str | None)
     return f"models:/{registered_model}@{alias}"
 
 
-def train_step(*, data: str, model_dir: str, model_def: str, workers: str = "2:3", epochs: int = 5,
-               minibatch_size: int = 32, minibatches_per_task: int = 4, checkpoint_steps: int = 100, seed: int = 0,
-               backend: str = "local", mlflow_uri: str = "", experiment: str = "elastic-step", init_from: str = "",
-               registered_model: str = "", warm_start_alias: str = "", pipeline_run_id: str = "",
-               job_dir: str = "", job_name: str = "train-elastic") -> TrainStepResult:
+def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF, workers: str = defaults.WORKERS,
+               epochs: int = defaults.EPOCHS, minibatch_size: int = defaults.MINIBATCH_SIZE,
+               minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK, checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
+               seed: int = defaults.SEED, backend: str = defaults.BACKEND, mlflow_uri: str = "",
+               experiment: str = defaults.EXPERIMENT, init_from: str = "", registered_model: str = "",
+               warm_start_alias: str = "", pipeline_run_id: str = "", job_dir: str = "", job_name: str = "train-elastic",
+               storage_options: dict | None = None) -> TrainStepResult:
+    """`storage_options`: fsspec options for `data`'s store (e.g. the endpoint of KFP's MinIO), applied
+    here and handed to the workers."""
     if pipeline_run_id:
+        # The run tracker finds a retried task's run by this (tracking.run.pipeline_run_id).
         os.environ["ELASTIC_STEP_PIPELINE_RUN_ID"] = pipeline_run_id
+    if storage_options:
+        stores.set_storage_options(data, storage_options)
     init_from = init_from or warm_start_source(registered_model, warm_start_alias, mlflow_uri or None)
     job_dir = job_dir or tempfile.mkdtemp(prefix="elastic-step-job-")
     config = TrainConfig(
@@ -58,7 +67,7 @@ def train_step(*, data: str, model_dir: str, model_def: str, workers: str = "2:3
         workers=workers, epochs=epochs, minibatch_size=minibatch_size,
         minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
         mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None, progress=False,
-        worker_env=stores.worker_env(),  # the store endpoint for worker pods (never credentials)
+        worker_env=stores.worker_env(),  # the store's location and options for the workers (never credentials)
     )
     job = run_job(config)
     shutil.copytree(job.model_dir, model_dir, dirs_exist_ok=True)  # where the pipeline's artifact store looks
