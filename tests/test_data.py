@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from elastic_step.data.manifest import MANIFEST_NAME, Manifest, load_manifest, validate_shards
-from elastic_step.data.prepare import prepare_data, summarize
+from elastic_step.data.prepare import prepare_data
+from elastic_step.data.summary import class_balance
 from elastic_step.data.reader import ShardReader, default_feed
 from elastic_step.errors import ConfigError, DataError
 
@@ -54,12 +55,12 @@ def test_content_hash_depends_on_seed_only(tmp_path, digits):
     assert other.content_hash != digits.content_hash
 
 
-def test_summarize_counts_classes(digits):
-    s = summarize(digits)
-    assert s["rows"] == {"train": 1437, "val": 180, "test": 180}
-    assert s["columns"] == 65 and s["features"] == 64
-    assert sorted(s["class_balance"]) == list(range(10))
-    assert sum(s["class_balance"].values()) == 1437
+def test_rows_columns_and_class_balance(digits):
+    assert {name: digits.rows(name) for name in digits.splits} == {"train": 1437, "val": 180, "test": 180}
+    assert len(digits.schema) == 65 and len(digits.features) == 64
+    balance = class_balance(digits)
+    assert sorted(balance, key=int) == [str(c) for c in range(10)]
+    assert sum(balance.values()) == 1437
 
 
 @pytest.mark.parametrize("name,n", [("iris", 150), ("wine", 178)])

@@ -17,7 +17,6 @@ import posixpath
 import uuid
 from contextlib import contextmanager
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
@@ -281,20 +280,3 @@ def _remove_stale(fs, root_path: str, split: str, keep: set[str]) -> None:
         rel = f"{split}/{posixpath.basename(path)}"
         if rel not in keep:
             fs.rm(path)
-
-
-def summarize(manifest: Manifest) -> dict:
-    """Rows per split, column counts and the label's class balance in train (read from the shards)."""
-    from elastic_step.data.reader import ShardReader
-
-    labels = ShardReader(manifest).read_split("train", columns=[manifest.label])[manifest.label]
-    values, counts = np.unique(labels, return_counts=True)
-    return {
-        "source": manifest.source,
-        "rows": {name: manifest.rows(name) for name in manifest.splits},
-        "columns": len(manifest.schema),
-        "features": len(manifest.features),
-        "label": manifest.label,
-        "class_balance": {v.item() if hasattr(v, "item") else v: int(c) for v, c in zip(values, counts)},
-        "content_hash": manifest.content_hash,
-    }
