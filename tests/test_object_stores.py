@@ -32,14 +32,19 @@ def s3_server():
     server.stop()
 
 
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    """The S3 server, with this process's environment (and so its children's) pointing at it."""
-    for name, value in s3_server.env().items():
+def pointed_at(server, monkeypatch):
+    """The server, with this process's environment (and so its children's) pointing at it, and no
+    filesystem cached from before; the cache is dropped again after the test."""
+    for name, value in server.env().items():
         monkeypatch.setenv(name, value)
     fresh_filesystems()
-    yield s3_server
+    yield server
     fresh_filesystems()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    yield from pointed_at(s3_server, monkeypatch)
 
 
 @pytest.fixture
@@ -60,11 +65,7 @@ def gcs_server():
 
 @pytest.fixture
 def gcs(gcs_server, monkeypatch):
-    for name, value in gcs_server.env().items():
-        monkeypatch.setenv(name, value)
-    fresh_filesystems()
-    yield gcs_server
-    fresh_filesystems()
+    yield from pointed_at(gcs_server, monkeypatch)
 
 
 def same_rows(manifest_uri: str, local: str) -> None:
