@@ -3,7 +3,11 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 
 from elastic_step.components import export_model
-from elastic_step.release.candidate import predict
+
+
+def predict(model_uri: str, features: np.ndarray) -> np.ndarray:
+    """What a serving stack does with a registered model: load it through its pyfunc flavour."""
+    return np.asarray(mlflow.pyfunc.load_model(model_uri).predict(features))
 
 
 def test_export_registers_torchscript_with_signature_tags_and_is_idempotent(trained, dataset, mlflow_uri):

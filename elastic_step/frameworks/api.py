@@ -55,8 +55,9 @@ class Trainer(abc.ABC):
 
     @abc.abstractmethod
     def model_bytes_of_logged_model(self, model_uri: str) -> bytes:
-        """The parameters of a model this framework logged to MLflow (warm start from
-        `models:/NAME@ALIAS`), as model_bytes()."""
+        """The parameters of a logged or registered model (warm start from `models:/NAME@ALIAS`),
+        as model_bytes(): the weights file its training run logged (frameworks/weights.py), parsed
+        without pickle and checked against this network. Never the MLflow flavour's loader."""
 
     @abc.abstractmethod
     def predict(self, features: np.ndarray) -> np.ndarray:

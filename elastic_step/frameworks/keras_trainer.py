@@ -208,12 +208,18 @@ class KerasTrainer(Trainer):
         return self._pack({name: value for name, value in arrays.items() if name.startswith("weight_")})
 
     def model_bytes_of_logged_model(self, model_uri: str) -> bytes:
-        """The parameters of a model logged by log_mlflow_model() (warm start from
-        `models:/NAME@champion`), as model_bytes()."""
-        import mlflow.tensorflow
+        """The weights of the run a logged or registered model comes from (its own `.npz`
+        weights file, read with `allow_pickle=False`), as model_bytes(). MLflow's Keras model
+        file (which may carry code) is never loaded."""
+        from elastic_step.frameworks.weights import WeightsError, final_model_bytes
 
-        logged = mlflow.tensorflow.load_model(model_uri)
-        return self._pack({f"weight_{i}": np.asarray(w) for i, w in enumerate(logged.get_weights())})
+        data = final_model_bytes(model_uri)
+        try:
+            self.load_model_bytes(data)
+        except Exception as exc:
+            raise WeightsError(f"the weights of {model_uri!r} do not fit this model definition's network "
+                               f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        return data
 
     # -- inference --------------------------------------------------------------------------
     def predict(self, features):

@@ -115,13 +115,19 @@ class TorchTrainer(Trainer):
         return buffer.getvalue()
 
     def model_bytes_of_logged_model(self, model_uri: str) -> bytes:
-        """The parameters of a logged or registered MLflow pytorch model (eager or TorchScript:
-        both have the same state_dict keys), as model_bytes()."""
-        import mlflow.pytorch
+        """The weights of the run a logged or registered model comes from (its own weights file,
+        checked to be a state dict of this network with `weights_only=True`), as model_bytes().
+        Nothing is unpickled: MLflow's pytorch flavour is never loaded."""
+        from elastic_step.frameworks.weights import WeightsError, final_model_bytes
 
-        buffer = io.BytesIO()
-        torch.save(mlflow.pytorch.load_model(model_uri, map_location="cpu").state_dict(), buffer)
-        return buffer.getvalue()
+        data = final_model_bytes(model_uri)
+        try:
+            state = torch.load(io.BytesIO(data), weights_only=True)
+            self.net.load_state_dict(state)
+        except Exception as exc:
+            raise WeightsError(f"the weights of {model_uri!r} do not fit this model definition's network "
+                               f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        return data
 
     def predict(self, features):
         self.net.eval()

@@ -1,5 +1,6 @@
-"""What the release steps know about a trained model: its training run, its logged model, its
-model definition (a parameter of the run) and the rows it is judged on."""
+"""What the release steps know about a trained model: its training run, its logged model, the
+model definition to rebuild it from (the pipeline's own parameter; a run's `model_def` parameter
+only where none is given) and the rows it is judged on."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ class Candidate:
     experiment_id: str
 
 
-def load_candidate(client, run_id: str, model_uri: str) -> Candidate:
+def load_candidate(client, run_id: str, model_uri: str, model_def: str | None = None) -> Candidate:
+    """`model_def`: the pipeline's model definition parameter. Without it the run's `model_def`
+    parameter is used, which whoever can write to MLflow can change: callers should pass it."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -34,7 +37,7 @@ def load_candidate(client, run_id: str, model_uri: str) -> Candidate:
     except MlflowException:
         raise TrackingError(f"training run {run_id!r} does not exist on {redact(client.tracking_uri)}; "
                             "pass the run id the training step wrote") from None
-    model_def = run.data.params.get("model_def")
+    model_def = model_def or run.data.params.get("model_def")
     if not model_def:
         raise TrackingError(f"run {run_id} has no model_def parameter: it was not made by elastic-step train")
     return Candidate(run_id, model_uri or run.data.tags.get("elastic_step.model_uri", ""), model_def,
@@ -75,27 +78,29 @@ def split_head(data: str, model_def: ModelDefinition, rows: int, split: str = "t
     return batch_arrays(model_def, batch, manifest.features, manifest.label)[0]
 
 
-def load_pyfunc(model_uri: str):
-    import mlflow.pyfunc
+def load_weights(model_uri: str, model_def: ModelDefinition, tracking_uri: str | None = None):
+    """A trainer of `model_def`'s network holding the weights of the run `model_uri` comes from
+    (its weights file, parsed without pickle: frameworks/weights.py). No MLflow model is loaded
+    through its flavour, so nothing a writer to MLflow put there is unpickled or imported."""
+    from elastic_step.frameworks.registry import build_trainer
+    from elastic_step.frameworks.weights import final_model_bytes
 
+    trainer = build_trainer(model_def)
+    data = final_model_bytes(model_uri, tracking_uri)
     try:
-        return mlflow.pyfunc.load_model(model_uri)
+        trainer.load_model_bytes(data)
     except Exception as exc:
-        raise TrackingError(f"model {model_uri!r} cannot be loaded: {type(exc).__name__}: {str(exc)[:300]}") from None
+        raise TrackingError(f"the weights of model {model_uri!r} do not fit the network of {model_def.source!r}: "
+                            f"{type(exc).__name__}: {str(exc)[:300]}; give the model definition it was trained with") from None
+    return trainer
 
 
-def predict(model_uri: str, features: np.ndarray) -> np.ndarray:
-    """Outputs of any logged or registered MLflow model through its pyfunc flavour."""
-    return np.asarray(load_pyfunc(model_uri).predict(features))
-
-
-def predict_split(model_uris: list[str], data: str, model_def: ModelDefinition,
-                  split: str = "test") -> tuple[list[np.ndarray], np.ndarray]:
-    """Every model's outputs on a split, and its labels. Any logged or registered MLflow model
-    goes through its pyfunc flavour, so that PyTorch, TorchScript and Keras models are judged by
-    one code path; the split is read and predicted one shard at a time, so only the outputs and
-    labels are held whole."""
-    models = [load_pyfunc(uri) for uri in model_uris]
+def predict_split(model_uris: list[str], data: str, model_def: ModelDefinition, split: str = "test",
+                  tracking_uri: str | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """Every model's outputs on a split, and its labels. Each model is `model_def`'s network with
+    the weights its training run logged (never an unpickled MLflow model); the split is read and
+    predicted one shard at a time, so only the outputs and labels are held whole."""
+    models = [load_weights(uri, model_def, tracking_uri) for uri in model_uris]
     outputs: list[list[np.ndarray]] = [[] for _ in models]
     labels = []
     for features, batch_labels in split_batches(data, model_def, split):

@@ -31,12 +31,14 @@ class Export:
 
 
 def export_model(*, run_id: str, model_uri: str, data: str, registered_model: str, mlflow_uri: str | None = None,
-                 pipeline_run: str = "") -> Export:
+                 pipeline_run: str = "", model_def: str | None = None) -> Export:
+    """`model_def`: the pipeline's model definition, whose network the run's weights file is
+    loaded into (no MLflow model is unpickled)."""
     import mlflow
     from mlflow.models import infer_signature
 
     client = registry_client(mlflow_uri)
-    candidate = load_candidate(client, run_id, model_uri)
+    candidate = load_candidate(client, run_id, model_uri, model_def)
     existing = _version_of_run(client, registered_model, run_id)
     if existing is not None:  # a retried step: never register the same training run twice
         return Export(registered_model, str(existing.version), f"models:/{registered_model}/{existing.version}", existing.source, True)

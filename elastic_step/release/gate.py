@@ -71,16 +71,18 @@ def _evaluate(predictions: np.ndarray, labels: np.ndarray, model_type: str, labe
 
 
 def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_model: str, floors=None, min_gains=None,
-                       mlflow_uri: str | None = None) -> GateResult:
+                       mlflow_uri: str | None = None, model_def: str | None = None) -> GateResult:
+    """`model_def`: the pipeline's model definition (both the candidate's and the champion's
+    weights are loaded into its network; nothing is unpickled)."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     client = registry_client(mlflow_uri)
-    candidate = load_candidate(client, run_id, model_uri)
+    candidate = load_candidate(client, run_id, model_uri, model_def)
     floors, min_gains = parse_pairs(floors, "floor"), parse_pairs(min_gains, "minimum gain")
     champion = version_by_alias(client, registered_model, CHAMPION)
     uris = [candidate.model_uri] + ([f"models:/{registered_model}@{CHAMPION}"] if champion is not None else [])
-    outputs, labels = predict_split(uris, data, load_model_definition(candidate.model_def_source))
+    outputs, labels = predict_split(uris, data, load_model_definition(candidate.model_def_source), tracking_uri=client.tracking_uri)
     outputs, champion_outputs = outputs[0], (outputs[1] if champion is not None else None)
     model_type = model_type_of(outputs, labels)
     thresholds = build_thresholds(floors, min_gains, model_type)  # unknown metric: fail before logging anything

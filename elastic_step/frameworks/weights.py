@@ -1,0 +1,82 @@
+"""A trained model's weights from MLflow without unpickling anything.
+
+Every run `elastic-step train` finishes logs its final parameters as a plain weights file
+(`elastic_step_model/model.bin`: a PyTorch state dict for `torch.load(weights_only=True)`, or a
+Keras `.npz` read with `allow_pickle=False`), beside the MLflow model of its flavour. Warm start
+and the evaluation gate read that file and build the network from a model definition they were
+given; they never load an MLflow model through its flavour (`mlflow.pytorch.load_model` is a
+pickle, a Keras model file may carry code), so whoever can write to MLflow can change weights
+but cannot run code in the pipeline's pods.
+
+A model URI names its run: `runs:/RUN/...`, `models:/NAME@ALIAS`, `models:/NAME/VERSION` (the
+version's source run), or MLflow 3's `models:/m-ID` (the logged model's source run).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from elastic_step.errors import ElasticStepError
+
+FINAL_MODEL_ARTIFACTS = "elastic_step_model"  # model.bin + model.json of the finished job (the recorder logs it)
+WEIGHTS_FILE = "model.bin"
+
+
+class WeightsError(ElasticStepError):
+    """A model URI whose run, or whose run's weights file, cannot be found."""
+
+
+def run_of_model_uri(model_uri: str, client) -> str:
+    """The training run a model URI comes from."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if model_uri.startswith("runs:/"):
+            return model_uri[len("runs:/"):].split("/")[0]
+        if not model_uri.startswith("models:/"):
+            raise WeightsError(f"model {model_uri!r} is neither runs:/RUN/PATH nor models:/NAME@ALIAS, models:/NAME/VERSION "
+                               "or models:/ID; give the URI the train or export step wrote")
+        rest = model_uri[len("models:/"):].strip("/")
+        if "@" in rest:
+            name, alias = rest.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        elif "/" in rest:
+            name, number = rest.rsplit("/", 1)
+            version = client.get_model_version(name, number)
+        else:
+            return _logged_model_run(client, rest, model_uri)
+        if version.run_id:
+            return version.run_id
+        if getattr(version, "model_id", None):
+            return _logged_model_run(client, version.model_id, model_uri)
+    except MlflowException as exc:
+        raise WeightsError(f"model {model_uri!r} cannot be found: {exc.message[:300]}") from None
+    raise WeightsError(f"model {model_uri!r} was not registered from a training run, so it has no weights file; "
+                       "register the version the export step made")
+
+
+def _logged_model_run(client, model_id: str, model_uri: str) -> str:
+    run_id = client.get_logged_model(model_id).source_run_id
+    if not run_id:
+        raise WeightsError(f"model {model_uri!r} was not logged by a training run, so it has no weights file")
+    return run_id
+
+
+def final_model_bytes(model_uri: str, tracking_uri: str | None = None) -> bytes:
+    """The weights file of the run a model URI comes from (raw bytes; the framework parses them
+    without pickle)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    run_id = run_of_model_uri(model_uri, client)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=FINAL_MODEL_ARTIFACTS, dst_path=tmp,
+                                                         tracking_uri=client.tracking_uri)
+            with open(os.path.join(folder, WEIGHTS_FILE), "rb") as f:
+                return f.read()
+        except Exception as exc:
+            raise WeightsError(f"run {run_id} of model {model_uri!r} has no weights file {FINAL_MODEL_ARTIFACTS}/{WEIGHTS_FILE} "
+                               f"({type(exc).__name__}); use a model that `elastic-step train` finished") from None
