@@ -106,3 +106,13 @@ def test_nan_loss_stops_the_job_and_says_at_which_step(tmp_path, digits):
     assert not (job_dir / "model").exists()
     assert os.listdir(job_dir / "logs"), "workers did start"
     assert worker_processes(str(job_dir)) == []
+
+
+def test_a_worker_that_cannot_start_says_why_in_the_jobs_failure(tmp_path, digits):
+    done, job_dir = train(tmp_path, digits, "--workers", "1", "--max-relaunches", "1",
+                          model=os.path.join(HERE, "model_defs", "fails_in_workers.py"))
+    assert done.returncode == 1
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.count("No module named 'a_package_only_the_master_has'") == 2, done.stderr  # both attempts say why
+    assert "w0.1 exited with code 2: model definition" in message, done.stderr
+    assert worker_processes(str(job_dir)) == []

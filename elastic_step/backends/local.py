@@ -20,6 +20,24 @@ def describe_returncode(code: int) -> str:
     return f"exited with code {code}"
 
 
+def last_words(log_path: str, limit: int = 300) -> str:
+    """': <why a worker exited>' from the end of its log: its own one-line error, else the last
+    line of a traceback, else its last line ('' when it wrote nothing)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - 8192))
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if line.startswith("elastic-step worker: error:"):
+            return f": {line[len('elastic-step worker: error:'):].strip()[:limit]}"
+    for line in reversed(lines):
+        if line.split(":")[0].endswith(("Error", "Exception", "Interrupt")):
+            return f": {line[:limit]}"
+    return f": {lines[-1][:limit]}" if lines else ""
+
+
 class LocalBackend(Backend):
     name = "local"
 
@@ -60,7 +78,10 @@ class LocalBackend(Backend):
             code = proc.poll()
             if code is not None:
                 del self.procs[worker_id]
-                exits.append(WorkerExit(worker_id, describe_returncode(code), code, "count"))
+                reason = describe_returncode(code)
+                if code > 0:  # it said why before it exited: the last line of its log
+                    reason += last_words(os.path.join(self.log_dir, f"{worker_id}.log"))
+                exits.append(WorkerExit(worker_id, reason, code, "count"))
         return exits
 
     def stop(self, worker_id: str) -> None:

@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from enum import StrEnum
 
 import numpy as np
 
@@ -28,18 +29,29 @@ from elastic_step.protocol import (
     JobSpec,
     RangeRecord,
     RegisterRequest,
+    Rendezvous,
     RendezvousReply,
     RendezvousRequest,
     StepRecord,
     TaskFailedRequest,
     TaskInfo,
+    TaskReply,
     TaskRequest,
+    TaskStatus,
 )
 from elastic_step.worker.background import Heartbeat, StepReporter
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
 from elastic_step.worker.collective import Collective, decode_int, encode_int
 
 log = logging.getLogger("elastic_step.worker")
+
+class RoundOutcome(StrEnum):
+    """How a round ended for this worker."""
+
+    DONE = "done"  # every epoch is applied (rank 0 handed in the model)
+    REGROUP = "regroup"  # a peer died, a member joined or left: rendezvous again
+    FAILED = "failed"  # the job cannot go on (the loss is not finite): exit
+
 
 HEADER = 4  # samples, loss, regroup, done
 PER_RANK = 6  # task, offset, count: two float halves each
@@ -82,11 +94,11 @@ class Worker:
         try:
             while True:
                 reply = self._rendezvous(left_round)
-                if reply.status != "ready":
+                if reply.status != Rendezvous.READY:
                     return 0
                 outcome = self._run_round(reply)
                 left_round = reply.round_id
-                if outcome == "failed":
+                if outcome == RoundOutcome.FAILED:
                     return 1
         finally:
             self.collective.leave()
@@ -101,10 +113,10 @@ class Worker:
                 worker_id=self.worker_id, step=self.step, unacked=list(self.unacked.values()), left_round=left_round
             )
             reply = RendezvousReply(**self.client.call("POST", "/rendezvous", body, timeout=30.0))
-            if reply.status != "wait":
+            if reply.status != Rendezvous.WAIT:
                 return reply
 
-    def _run_round(self, rv: RendezvousReply) -> str:
+    def _run_round(self, rv: RendezvousReply) -> RoundOutcome:
         self.heartbeat.round_id = rv.round_id
         try:
             self.collective.join(rv.store_prefix, rv.rank, rv.world_size)
@@ -126,16 +138,16 @@ class Worker:
                 self.client.call("POST", "/collective-failed", CollectiveFailedRequest(worker_id=self.worker_id, round_id=rv.round_id, error=str(exc)))
             except Rejected:
                 pass
-            return "regroup"
+            return RoundOutcome.REGROUP
         finally:
             self.collective.leave()
 
     # -- the inner loop: steps ----------------------------------------------------------------
-    def _fetch(self, round_id: int) -> tuple[str, TaskInfo | None, tuple | None]:
-        reply = self.client.call("POST", "/task", TaskRequest(worker_id=self.worker_id, round_id=round_id))
-        if reply["status"] != "task":
-            return reply["status"], None, None
-        task = TaskInfo(**reply["task"])
+    def _fetch(self, round_id: int) -> tuple[TaskStatus, TaskInfo | None, tuple | None]:
+        reply = TaskReply(**self.client.call("POST", "/task", TaskRequest(worker_id=self.worker_id, round_id=round_id)))
+        if reply.status != TaskStatus.TASK or reply.task is None:
+            return reply.status, None, None
+        task = reply.task
         try:
             rows = self.reader.read("train", task.shard, task.start, task.count)
             # feed() is row-wise: apply it to the whole task here, off the training thread,
@@ -144,10 +156,10 @@ class Worker:
         except Exception as exc:
             log.error("task %d: %s", task.id, exc)
             self.client.call("POST", "/task-failed", TaskFailedRequest(worker_id=self.worker_id, task_id=task.id, error=f"{type(exc).__name__}: {exc}"))
-            return "wait", None, None
-        return "task", task, rows
+            return TaskStatus.WAIT, None, None
+        return TaskStatus.TASK, task, rows
 
-    def _train(self, rv: RendezvousReply) -> str:
+    def _train(self, rv: RendezvousReply) -> RoundOutcome:
         rank, world, batch_size = rv.rank, rv.world_size, self.spec.minibatch_size
         n_grad = self.trainer.num_gradient_values
         buffer = np.zeros(n_grad + HEADER + PER_RANK * world, dtype=np.float32)
@@ -165,7 +177,7 @@ class Worker:
             future = pending or self._prefetch.submit(self._fetch, rv.round_id)
             pending = None
             result = future.result()
-            if result[0] == "task":
+            if result[0] == TaskStatus.TASK:
                 pending = self._prefetch.submit(self._fetch, rv.round_id)
             return result
 
@@ -177,8 +189,8 @@ class Worker:
                 if task is None or offset >= task.count:
                     status, task, rows = take_task()
                     offset = 0
-                    regroup = status == "regroup"
-                    master_done = status == "done"
+                    regroup = status == TaskStatus.REGROUP
+                    master_done = status == TaskStatus.DONE
                 if task is not None:
                     count = min(batch_size, task.count - offset)
                     features, labels = rows[0][offset:offset + count], rows[1][offset:offset + count]
@@ -200,7 +212,7 @@ class Worker:
                             worker_id=self.worker_id,
                             reason=f"loss is {loss_sum} at step {self.step + 1}; lower the learning rate or check the data",
                         ))
-                    return "failed"
+                    return RoundOutcome.FAILED
                 self.trainer.apply_gradients(grads, total)
                 self.step += 1
                 self.heartbeat.step = self.step
@@ -216,7 +228,7 @@ class Worker:
             if int(round(buffer[n_grad + 3])) == world:
                 return self._finish(rv)
             if buffer[n_grad + 2] > 0:
-                return "regroup"
+                return RoundOutcome.REGROUP
             if total == 0:
                 time.sleep(0.01)  # nobody had data (the epoch's last tasks are in flight)
 
@@ -259,7 +271,7 @@ class Worker:
         else:
             self.trainer.load_model_bytes(data)
 
-    def _finish(self, rv: RendezvousReply) -> str:
+    def _finish(self, rv: RendezvousReply) -> RoundOutcome:
         """Every rank has heard that all epochs are applied: rank 0 hands in the final model."""
         if rv.rank == 0:
             self._checkpoint_sender.submit(lambda: None).result()  # earlier checkpoints are sent
@@ -268,12 +280,13 @@ class Worker:
                 self.client.call("PUT", "/model", content=self.trainer.model_bytes(), params={"worker_id": self.worker_id, "step": self.step})
             except Rejected as exc:  # the master no longer agrees the job is done here: regroup
                 log.warning("final model refused: %s", exc)
-                return "regroup"
-        return "done"
+                return RoundOutcome.REGROUP
+        return RoundOutcome.DONE
 
 
 def run_worker() -> int:
     logging.getLogger().setLevel(logging.INFO)  # worker logs go to JOB_DIR/logs/, read when things go wrong
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     url, token, worker_id = worker_identity()
     client = MasterClient(url, token)
     spec = JobSpec(**client.call("POST", "/register", RegisterRequest(worker_id=worker_id, pid=os.getpid(), host=socket.gethostname())))
