@@ -1,34 +1,54 @@
 """The Argo path on the cluster stand-in (tests/cluster): the train step's pod is made from the
-shipped, rendered WorkflowTemplate the way Argo's controller makes it (an `init` container
-fetching the input artifact, the `wait` container listed before `main`, main's command wrapped
-by the executor, the workflow's service account), and the master in it trains on worker pods it
-creates through the API. Workers share nothing with the master pod: not its image's first
-container, not its files (the dataset artifact lives in the master pod only), not its token."""
+shipped WorkflowTemplate, rendered as a platform engineer renders it for `backend=kubernetes`
+(`argo render --data-store s3://... --store-secret ... --store-endpoint ...`), the way Argo's
+controller makes it (an `init` container, the `wait` container listed before `main`, main's
+command wrapped by the executor, the workflow's service account), and the master in it trains on
+worker pods it creates through the API. Workers share nothing with the master pod: not its
+image's first container, not its files (the dataset lives in a private bucket of an S3 server
+that they read with the credentials of the Secret the template names), not its token.
+
+The default render (the dataset an Argo artifact, a folder in the train step's pod only) cannot
+work with worker pods: the master refuses it before it creates anything."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 
+import httpx
 import pytest
 import yaml
+from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules, venv_image
 from cluster.argo import ARGOEXEC_IMAGE, argoexec_image, step_pod
-from cluster.rbac import REPO
-from cluster.s3 import s3_server, upload
 from conftest import SLOW_MODEL
+from elastic_step.argo import RenderOptions
+from elastic_step.argo.render import render_texts
+from elastic_step.audit import audit_report
+from elastic_step.protocol import API
+from stores import S3Server, upload
 
 pytestmark = pytest.mark.e2e
 
-TEMPLATE = os.path.join(REPO, "pipelines", "argo", "training-workflowtemplate.yaml")
-ARTIFACT_PATH = "/tmp/inputs/dataset"  # where Argo puts the train step's dataset artifact, in its pod only
+TEMPLATE = "training-workflowtemplate.yaml"
+STORE_SECRET = "training-data-store"  # keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, as --store-secret wants
+DATA_STORE = "s3://ml-data/elastic-step"
+JOB_DIR = "/tmp/job"  # the train template's job folder (steps.Layout.job_dir): main's own /tmp
+INPUTS = {"model-def": "slow_digits", "workers": "2:4", "epochs": "3", "minibatch-size": "16",
+          "minibatches-per-task": "2", "checkpoint-steps": "0", "seed": "0", "backend": "kubernetes",
+          "experiment": "elastic-step"}
+
+
+def rendered(**options) -> dict:
+    """The training WorkflowTemplate as `elastic-step argo render` writes it."""
+    return yaml.safe_load(render_texts(["training"], RenderOptions(**options))[TEMPLATE])
 
 
 @pytest.fixture
 def cluster(tmp_path):
-    import shutil
-
     from elastic_step.images import default_image
 
     layer = tmp_path / "image-layer"  # the project image, with the user's model definition added
@@ -41,51 +61,195 @@ def cluster(tmp_path):
         yield c
 
 
-def test_the_argo_train_step_pod_trains_on_worker_pods_that_share_nothing_with_it(tmp_path, digits, cluster):
-    with open(TEMPLATE) as f:
-        document = yaml.safe_load(f)
-    ns = cluster.namespace
-    with s3_server() as endpoint:
-        # What the prepare-data step left in the artifact repository (its credentials are not modelled: public-read).
-        upload(endpoint, digits, "artifacts", "wf-1/prepare-data/dataset", public=True)
-        inputs = {"model-def": "slow_digits", "workers": "2:3", "epochs": "2", "minibatch-size": "16",
-                  "minibatches-per-task": "2", "checkpoint-steps": "0", "seed": "0", "backend": "kubernetes",
-                  "experiment": "elastic-step"}
-        pod = step_pod(document, "train", "wf-1", inputs, {"mlflow-uri": "sqlite:////tmp/mlflow.db"},
-                       {"dataset": {"bucket": "artifacts", "key": "wf-1/prepare-data/dataset", "endpoint": endpoint}})
-        assert [c["name"] for c in pod["spec"]["containers"]] == ["wait", "main"]
-        api = cluster.core()
-        api.create_namespaced_pod(ns, pod)
-        name = pod["metadata"]["name"]
-        deadline = time.monotonic() + 240
+@pytest.fixture
+def s3():
+    with S3Server() as server:
+        yield server
+
+
+class StepOnNode:
+    """The train step pod's main container as the node has it: its /tmp (`docker cp`) and status."""
+
+    def __init__(self, cluster: Cluster, name: str):
+        self.cluster, self.name = cluster, name
+
+    def path(self, pod_path: str) -> str:
+        return self.cluster.kubelet.container_file(self.cluster.namespace, self.name, "main", pod_path)
+
+    def status(self) -> dict | None:
+        try:
+            with open(self.path(f"{JOB_DIR}/master.json")) as f:
+                info = json.load(f)
+            with open(self.path(info["token_file"])) as f:
+                token = f.read().strip()
+            reply = httpx.get(info["url"] + API + "/status", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+            return reply.json() if reply.status_code == 200 else None
+        except (OSError, ValueError, KeyError, httpx.HTTPError):
+            return None
+
+    def phase(self) -> str:
+        return self.cluster.core().read_namespaced_pod(self.name, self.cluster.namespace).status.phase
+
+    def log(self) -> str:
+        return self.cluster.core().read_namespaced_pod_log(self.name, self.cluster.namespace)
+
+    def wait(self, predicate, timeout=120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        status = None
         while time.monotonic() < deadline:
-            phase = api.read_namespaced_pod(name, ns).status.phase
-            if phase in ("Succeeded", "Failed"):
-                break
-            time.sleep(0.5)
-        log = api.read_namespaced_pod_log(name, ns)
-        workers = [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[3] == "ADDED"
-                   and e[4]["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "worker"]
-        master = api.read_namespaced_pod(name, ns)
-        # The workers run main's image (not the executor's, listed first), as their own account, owned by the step's pod.
-        assert workers, log
-        for worker in workers:
-            assert worker["spec"]["containers"][0]["image"] == pod["spec"]["containers"][1]["image"]
-            assert worker["spec"]["serviceAccountName"] != document["spec"]["serviceAccountName"]
-            assert [r["uid"] for r in worker["metadata"]["ownerReferences"]] == [master.metadata.uid]
-        worker_logs = {name: [line for line in text.decode(errors="replace").splitlines() if "error" in line.lower()][-2:]
-                       for (_, name), text in cluster.kubelet.past_logs.items() if name != pod["metadata"]["name"]}
-        if phase == "Failed" and worker_logs and all(
-                any(f"manifest not found: {ARTIFACT_PATH}/manifest.json" in line for line in lines) for lines in worker_logs.values()):
-            # Known defect (issue 14, first item): the train template hands workers the dataset
-            # artifact's path inside the master's pod; no worker pod can read it. This test passes
-            # once workers get a store URI instead; any other failure fails it.
-            pytest.xfail(f"workers were given the master pod's own path {ARTIFACT_PATH} (issue 14)")
-        assert phase == "Succeeded", f"{log}\nworker logs: {worker_logs}"
+            if self.phase() in ("Succeeded", "Failed"):
+                raise AssertionError(f"the step pod ended ({self.phase()}) before the condition; last status {status}\n{self.log()}")
+            status = self.status()
+            if status is not None and predicate(status):
+                return status
+            time.sleep(0.1)
+        raise AssertionError(f"condition not reached in {timeout}s; last status {status}\n{self.log()}")
+
+    def wait_ended(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while self.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.phase()
+
+
+def job_objects(cluster: Cluster) -> list[str]:
+    """Every pod, Secret and NetworkPolicy the job made (the master labels them as its own)."""
+    return [o["metadata"]["name"] for plural in ("pods", "secrets", "networkpolicies") for o in cluster.objects(plural)
+            if o["metadata"].get("labels", {}).get("app.kubernetes.io/managed-by") == "elastic-step"]
+
+
+def worker_pods_made(cluster: Cluster) -> list[dict]:
+    return [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[3] == "ADDED"
+            and e[4]["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "worker"]
+
+
+def test_the_argo_train_step_trains_on_worker_pods_that_share_nothing_with_it_through_killed_oom_killed_and_paused_workers(
+        tmp_path, digits, s3, cluster):
+    document = rendered(data_store=DATA_STORE, store_secret=STORE_SECRET, store_endpoint=s3.endpoint,
+                        worker_cpu="1", worker_memory="1Gi")
+    ns = cluster.namespace
+    api = cluster.core()
+    # What prepare-data left in the store (its own step is not run here), in a private bucket.
+    s3.upload(digits, "ml-data", "elastic-step/wf-1/dataset")
+    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
+        "AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}))
+    pod = step_pod(document, "train", "wf-1", INPUTS, {"mlflow-uri": "sqlite:////tmp/mlflow.db"}, {})
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["wait", "main"]
+    main = pod["spec"]["containers"][1]
+    assert main["args"][main["args"].index("--data") + 1] == "s3://ml-data/elastic-step/wf-1/dataset"
+    # The operator's two additions to main's arguments (no workflow parameter reaches them): the
+    # audit file this test checks, and a heartbeat timeout that keeps the paused worker's wait short.
+    main["args"] += ["--audit", f"{JOB_DIR}/audit.jsonl", "--heartbeat-timeout", "4"]
+    api.create_namespaced_pod(ns, pod)
+    name = pod["metadata"]["name"]
+    step = StepOnNode(cluster, name)
+
+    started = time.monotonic()
+    status = step.wait(lambda s: s["state"] == "running" and s["world_size"] == 4
+                       and 0.05 < s["rows_done"] / s["rows_total"] < 0.35, timeout=150)
+    print(f"job running on 4 worker pods after {time.monotonic() - started:.1f}s")
+    victim = next(w for w in status["workers"] if w["rank"] == 1)
+    cluster.kubelet.kill(ns, victim["pod"])  # docker kill: SIGKILL
+    rows_at_kill = status["rows_done"]
+    status = step.wait(lambda s: victim["id"] not in [w["id"] for w in s["workers"] if w["state"] == "live"]
+                       and s["rows_done"] > rows_at_kill)
+    # Once the survivors train again, one first worker hangs (docker pause), one goes over its
+    # memory limit (a kernel OOM kill), and the third (which holds the model state) stays.
+    first = [w for w in status["workers"] if w["state"] == "live" and w["id"].endswith(".1") and w["id"] != victim["id"] and w.get("pod")]
+    assert len(first) == 3, status["workers"]
+    hung, oom = first[0], first[1]
+    cluster.kubelet.pause(ns, hung["pod"])
+    cluster.kubelet.fill_memory(ns, oom["pod"], 1200)
+    step.wait(lambda s: not {hung["id"], oom["id"]} & {w["id"] for w in s["workers"] if w["state"] == "live"})
+
+    phase = step.wait_ended(180)
+    log = step.log()
+    worker_logs = {n: [line for line in text.decode(errors="replace").splitlines() if "error" in line.lower()][-2:]
+                   for (_, n), text in cluster.kubelet.past_logs.items() if n != name}
+    assert phase == "Succeeded", f"{log}\nworker logs: {worker_logs}"
     assert "argoexec wait: main exited with 0" in log
-    instance = workers[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
-    left = [o["metadata"]["name"] for plural in ("pods", "secrets", "networkpolicies") for o in cluster.objects(plural)
-            if o["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == instance]
-    assert left == []
+    print(f"job done {time.monotonic() - started:.1f}s after it started")
+
+    report = audit_report(step.path(f"{JOB_DIR}/audit.jsonl"), digits, int(INPUTS["epochs"]))
+    assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
+    with open(step.path(f"{JOB_DIR}/result.json")) as f:
+        result = json.load(f)
+    assert result["test_metrics"]["accuracy"] >= 0.85, result["test_metrics"]  # what the local backend gets (>= 0.85)
+    with open(step.path(f"{JOB_DIR}/events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    died = {e["worker"]: e for e in events if e["event"] == "died"}
+    assert set(died) == {victim["id"], hung["id"], oom["id"]}, died
+    assert "OOMKilled" in died[oom["id"]]["reason"], died
+    assert {e["worker"] for e in events if e["event"] == "relaunched"} == {victim["id"], hung["id"]}
+
+    # The workers run main's image (not the executor's, listed first), as their own account
+    # (not the workflow's), owned by the step's pod, with the store's credentials by reference.
+    master = api.read_namespaced_pod(name, ns)
+    workers = worker_pods_made(cluster)
+    assert len(workers) == 6, [w["metadata"]["name"] for w in workers]  # 4 and two replacements (none for the OOM)
+    for worker in workers:
+        container = worker["spec"]["containers"][0]
+        assert container["image"] == main["image"]
+        assert container["resources"]["limits"]["memory"] == "1Gi"
+        assert worker["spec"]["serviceAccountName"] != document["spec"]["serviceAccountName"]
+        assert [r["uid"] for r in worker["metadata"]["ownerReferences"]] == [master.metadata.uid]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "AWS_SECRET_ACCESS_KEY"}
+        assert env["AWS_ENDPOINT_URL"]["value"] == s3.endpoint
+
+    assert job_objects(cluster) == []  # no pod, Secret or NetworkPolicy of the job is left
     assert cluster.refused() == set()
-    assert {(verb, resource) for verb, resource, _ in cluster.used()} == role_rules()
+    used = cluster.used()
+    assert {n for _, _, n in used} == {ns}
+    assert {(verb, resource) for verb, resource, _ in used} == role_rules()
+
+
+def test_the_default_render_with_worker_pods_is_refused_before_anything_is_created(tmp_path, digits, s3, cluster):
+    """Without --data-store the dataset is an Argo artifact: a folder in the train step's pod,
+    which no worker pod can read. The master says so and exits 2 (Argo does not retry it)."""
+    document = rendered()
+    s3.upload(digits, "artifacts", "wf-2/prepare-data/dataset", public=True)
+    ns = cluster.namespace
+    pod = step_pod(document, "train", "wf-2", INPUTS, {"mlflow-uri": "sqlite:////tmp/mlflow.db"},
+                   {"dataset": {"bucket": "artifacts", "key": "wf-2/prepare-data/dataset", "endpoint": s3.endpoint}})
+    cluster.core().create_namespaced_pod(ns, pod)
+    step = StepOnNode(cluster, pod["metadata"]["name"])
+    assert step.wait_ended(120) == "Failed", step.log()
+    log = step.log()
+    assert "argoexec wait: main exited with 2" in log, log
+    refusal = [line for line in log.splitlines() if "error:" in line]
+    assert len(refusal) == 1 and "--data '/tmp/inputs/dataset' is a local path" in refusal[0] and "--data-store" in refusal[0], log
+    assert not os.path.exists(step.path(JOB_DIR))
+    assert worker_pods_made(cluster) == [] and job_objects(cluster) == []
+    assert cluster.used() == set() and cluster.refused() == set()  # not one API call
+
+
+@pytest.mark.parametrize("data", ["prepared/digits", "/data/digits", "file:///data/digits"])
+def test_a_local_data_path_is_refused_with_kubernetes_in_every_form(tmp_path, data):
+    from conftest import cli
+
+    env = {**os.environ, "ELASTIC_STEP_POD_IP": "127.0.0.1"}  # in a pod: only the data is wrong
+    done = cli("train", "--backend", "kubernetes", "--model-def", "m", "--data", data, "--job-dir", str(tmp_path / "j"),
+               env=env, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--data {data!r}" in lines[0] and "s3://" in lines[0], done.stderr
+    assert not os.path.exists(tmp_path / "j")
+
+
+def test_an_object_store_uri_passes_the_check():
+    from elastic_step.backends.kubernetes.options import check_data_readable_by_pods
+
+    for uri in ("s3://ml-data/x/dataset", "gs://b/dataset", "minio://b/k"):
+        check_data_readable_by_pods(uri)
+
+
+def test_worker_resources_are_fixed_at_render_time_as_checked_quantities():
+    from elastic_step.errors import ConfigError
+
+    args = rendered(worker_cpu="500m", worker_memory="2Gi")["spec"]["templates"]
+    train = next(t for t in args if t["name"] == "train")["container"]["args"]
+    assert train[train.index("--worker-cpu") + 1] == "500m" and train[train.index("--worker-memory") + 1] == "2Gi"
+    assert "--worker-memory" not in next(t for t in rendered()["spec"]["templates"] if t["name"] == "train")["container"]["args"]
+    with pytest.raises(ConfigError, match="--worker-memory 'lots'"):
+        RenderOptions(worker_memory="lots").validate()

@@ -79,6 +79,10 @@ class RenderOptions:
     train_gpus: int = 0
     step_cpu: str = "1"
     step_memory: str = "2Gi"
+    # Each worker pod's resources (train's --worker-cpu/--worker-memory), fixed here like the
+    # steps' own; None: the workers get none (BestEffort pods, no memory limit).
+    worker_cpu: str | None = None
+    worker_memory: str | None = None
 
     def validate(self) -> None:
         if not self.image or any(c.isspace() for c in self.image):
@@ -89,6 +93,9 @@ class RenderOptions:
         for flag, value in (("--train-cpu", self.train_cpu), ("--train-memory", self.train_memory),
                             ("--step-cpu", self.step_cpu), ("--step-memory", self.step_memory)):
             check_quantity(flag, value)
+        for flag, value in (("--worker-cpu", self.worker_cpu), ("--worker-memory", self.worker_memory)):
+            if value is not None:
+                check_quantity(flag, value)
         if self.data_store is not None:
             if not DATA_STORE.match(self.data_store) or self.data_store.startswith("file:"):
                 raise ConfigError(f"--data-store {self.data_store!r} is not an object-store URI; give one like "
@@ -167,7 +174,7 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
     ) as template:
         prepare_c = steps.prepare_data(settings, layout, step)
         train_c = steps.train(settings, layout, options.train_retries, warm_start=pipeline == "retraining",
-                              resources=trainer)
+                              resources=trainer, worker_cpu=options.worker_cpu, worker_memory=options.worker_memory)
         evaluate_c = steps.evaluate(settings, layout, step)
         export_c = steps.export(settings, layout, step)
         promote_c = steps.promote(settings, layout, step)

@@ -161,10 +161,15 @@ TRAIN_INPUTS = ["model-def", "workers", "epochs", "minibatch-size", "minibatches
                 "seed", "backend", "experiment"]
 
 
-def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool, resources: StepResources) -> Container:
+def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool, resources: StepResources,
+          worker_cpu: str | None = None, worker_memory: str | None = None) -> Container:
     args = ["train", "--model-def", _param("model-def"), "--data", layout.dataset_in(), "--job-dir", layout.job_dir()]
     for name in TRAIN_INPUTS[1:]:
         args += [f"--{name}", _param(name)]
+    # Worker pod resources: fixed at render time (checked quantities), never a run's parameter.
+    for flag, value in (("--worker-cpu", worker_cpu), ("--worker-memory", worker_memory)):
+        if value is not None:
+            args += [flag, value]
     inputs = list(TRAIN_INPUTS)
     if warm_start:
         # Retraining starts from the current champion (from scratch while there is none yet); a

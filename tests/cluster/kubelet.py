@@ -165,6 +165,17 @@ class Kubelet:
         """Where a pod's volume lies on the node (what an admin on the node could read)."""
         return os.path.join(self.record(namespace, name).folder, "volumes", volume)
 
+    def container_file(self, namespace: str, name: str, container: str, path: str) -> str:
+        """Where a file of a container's own /tmp lies on the node, while it runs and after it
+        ended (what `docker cp` or `kubectl exec ... cat` reads); namespaces runtime only."""
+        if self.isolation != "namespaces" or not (path == "/tmp" or path.startswith("/tmp/")):
+            raise ValueError(f"only /tmp of a container of the namespaces runtime is on the node, not {path}")
+        record = self.record(namespace, name)
+        c = next((c for c in record.init_containers + record.containers if c.name == container), None)
+        if c is None:
+            raise FileNotFoundError(f"container {container} of {namespace}/{name} has not started")
+        return os.path.join(c.folder, "tmp", os.path.relpath(path, "/tmp"))
+
     def read_log(self, namespace: str, name: str) -> bytes:
         from .apiserver import ApiError
 

@@ -3,8 +3,9 @@
 
 - joins the pod's memory cgroup first, so everything the container allocates is charged there;
 - builds a new root (a tmpfs): the node's top-level folders bound in read-only (a container's
-  root filesystem is never the node's to write), but private, empty tmpfs for /tmp, /home,
-  /root, /run (= /var/run) and /dev/shm — so another pod's files, the master's job folder and the
+  root filesystem is never the node's to write), but a private, empty /tmp (a folder of the
+  container's on the node, which outlives it as a stopped container's writable layer does) and
+  private, empty tmpfs for /home, /root, /run (= /var/run) and /dev/shm — so another pod's files, the master's job folder and the
   test's own temporary folders are out of sight; the image's own files that live under them (an
   interpreter under /root, a layer folder) are bound back read-only;
 - binds each volume (Secret, emptyDir, the service-account token) at its mount path, which may
@@ -45,6 +46,9 @@ def main(spec_path: str) -> None:
             os.symlink(os.readlink(host), mine)
         elif not os.path.isdir(host):
             continue
+        elif entry == "tmp" and spec.get("tmp"):
+            os.makedirs(mine)  # the container's own /tmp, kept on the node (a writable layer's part)
+            mount("--bind", spec["tmp"], mine)
         elif entry in PRIVATE:
             os.makedirs(mine)
             mount("-t", "tmpfs", "-o", "mode=1777" if entry == "tmp" else "mode=0755", "tmpfs", mine)

@@ -101,7 +101,10 @@ class ProcessRuntime:
         cgroup = self._make_cgroup(cgroup_name, memory_limit)
         log_path = os.path.join(folder, "log")
         if self.isolation == "namespaces":
-            init = {"cgroup": cgroup, "binds": binds, "image_paths": image.paths, "tmpfs": tmpfs, "homes": [(image.home, uid, gid)],
+            tmp = os.path.join(folder, "tmp")  # its /tmp: private, on the node (`docker cp` can read it after exit)
+            os.makedirs(tmp)
+            os.chmod(tmp, 0o1777)
+            init = {"cgroup": cgroup, "tmp": tmp, "binds": binds, "image_paths": image.paths, "tmpfs": tmpfs, "homes": [(image.home, uid, gid)],
                     "groups": groups, "uid": uid, "gid": gid, "cwd": cwd, "argv": argv, "env": env}
             with open(os.path.join(folder, "init.json"), "w") as f:
                 json.dump(init, f)

@@ -167,10 +167,26 @@ def check_config(config) -> None:
 
 
 def check_master_reachable(config) -> None:
-    """Worker pods cannot call a master that listens on loopback outside their pod."""
+    """What worker pods must reach, checked before anything starts (no job folder, no pod, no
+    Secret): the master, which they cannot call on loopback outside their pod, and the data,
+    which they cannot read from a path of the master's own filesystem."""
     if config.host in ("127.0.0.1", "localhost", "0.0.0.0") and not os.environ.get("ELASTIC_STEP_POD_IP"):
         raise ConfigError(
             f"--backend kubernetes: worker pods cannot reach a master listening on {config.host}; run the "
             "master in a pod with ELASTIC_STEP_POD_IP set from the downward API (status.podIP), or pass "
             "--host with an address the pods can reach"
+        )
+    check_data_readable_by_pods(config.data)
+
+
+def check_data_readable_by_pods(data: str) -> None:
+    """Worker pods share no file with the master's pod: a local `--data` path (or file:// URI) is
+    a folder only the master can read, so the job would fail in every worker."""
+    from elastic_step.data.stores import is_local
+
+    if is_local(str(data)):
+        raise ConfigError(
+            f"--data {data!r} is a local path, which worker pods of --backend kubernetes cannot read; put the "
+            "prepared dataset in an object store and pass its URI (s3://bucket/prefix, gs://...; Argo: render "
+            "with --data-store)"
         )
