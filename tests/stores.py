@@ -2,7 +2,8 @@
 the whole S3 HTTP API and stands in for MinIO and AWS) and GCS (fake-gcs-server).
 
 Each runs as its own process, so the workers of a job (other processes) reach it exactly as
-they would reach a store on a cluster: through the standard environment variables only."""
+they would reach a store on a cluster: through the standard environment variables only. The
+cluster tests (tests/cluster) put their data in an S3Server too, for worker pods to read."""
 
 from __future__ import annotations
 
@@ -86,6 +87,18 @@ class S3Server:
     def create_bucket(self, name: str, **creds) -> None:
         self.client(**creds).create_bucket(Bucket=name)
 
+    def upload(self, local: str, bucket: str, prefix: str, public: bool = False) -> str:
+        """Copy a local folder (a prepared dataset) to s3://bucket/prefix, creating the bucket;
+        private unless `public` (moto refuses anonymous reads of a private object, so a reader
+        of it proves it was given credentials). Returns that URI."""
+        return upload(self.endpoint, local, bucket, prefix, public)
+
+    def __enter__(self) -> "S3Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
@@ -136,6 +149,24 @@ def fresh_filesystems() -> None:
             fsspec.get_filesystem_class(protocol).clear_instance_cache()
         except (ImportError, ValueError):
             pass
+
+
+def upload(endpoint: str, local: str, bucket: str, prefix: str, public: bool = False) -> str:
+    """`S3Server.upload` for a server known by its endpoint only."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=TEST_KEY_ID, aws_secret_access_key=TEST_SECRET,
+                      region_name=REGION)
+    try:
+        s3.create_bucket(Bucket=bucket, **({"ACL": "public-read"} if public else {}))
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    for folder, _, files in os.walk(local):
+        for name in files:
+            path = os.path.join(folder, name)
+            s3.upload_file(path, bucket, f"{prefix}/{os.path.relpath(path, local)}",
+                           ExtraArgs={"ACL": "public-read"} if public else None)
+    return f"s3://{bucket}/{prefix}"
 
 
 def upload_folder(local: str, uri: str) -> None:

@@ -23,10 +23,10 @@ import pytest
 from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules, venv_image
-from cluster.s3 import s3_server, upload
 from conftest import SLOW_MODEL
 from elastic_step.audit import audit_report
 from elastic_step.protocol import API
+from stores import S3Server, upload
 
 pytestmark = pytest.mark.e2e
 
@@ -39,8 +39,8 @@ STORE_SECRET = "training-data-store"
 
 @pytest.fixture
 def s3():
-    with s3_server() as endpoint:
-        yield endpoint
+    with S3Server() as server:
+        yield server.endpoint
 
 
 @pytest.fixture
