@@ -105,6 +105,8 @@ def test_nan_loss_stops_the_job_and_says_at_which_step(tmp_path, digits):
     assert "loss is nan at step 6" in message, done.stderr
     assert not (job_dir / "model").exists()
     assert os.listdir(job_dir / "logs"), "workers did start"
+    worker_log = (job_dir / "logs" / "w0.1.log").read_text()
+    assert "round 1: 5 steps, " in worker_log and " ms per step: data " in worker_log  # where the time went
     assert worker_processes(str(job_dir)) == []
 
 

@@ -42,6 +42,7 @@ from elastic_step.protocol import (
 from elastic_step.worker.background import Heartbeat, StepReporter
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
 from elastic_step.worker.collective import Collective, decode_int, encode_int
+from elastic_step.worker.timing import Phase, StepTimes
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -160,17 +161,12 @@ class Worker:
         return TaskStatus.TASK, task, rows
 
     def _train(self, rv: RendezvousReply) -> RoundOutcome:
-        rank, world, batch_size = rv.rank, rv.world_size, self.spec.minibatch_size
         n_grad = self.trainer.num_gradient_values
-        buffer = np.zeros(n_grad + HEADER + PER_RANK * world, dtype=np.float32)
-        grads = buffer[:n_grad]
-        task: TaskInfo | None = None
-        rows: tuple | None = None  # (features, labels) of the current task
-        offset = 0
-        master_done = False
+        buffer = np.zeros(n_grad + HEADER + PER_RANK * rv.world_size, dtype=np.float32)
         # The next task is fetched and read in the background while this one trains, so the
         # HTTP round trip and the Parquet read never stall the step (and so every other rank).
         pending: Future | None = None
+        times = StepTimes()
 
         def take_task():
             nonlocal pending
@@ -181,7 +177,20 @@ class Worker:
                 pending = self._prefetch.submit(self._fetch, rv.round_id)
             return result
 
+        try:
+            return self._steps(rv, buffer, n_grad, times, take_task)
+        finally:
+            log.info("round %d: %s", rv.round_id, times.summary())
+
+    def _steps(self, rv: RendezvousReply, buffer: np.ndarray, n_grad: int, times: StepTimes, take_task) -> RoundOutcome:
+        rank, world, batch_size = rv.rank, rv.world_size, self.spec.minibatch_size
+        grads = buffer[:n_grad]
+        task: TaskInfo | None = None
+        rows: tuple | None = None  # (features, labels) of the current task
+        offset = 0
+        master_done = False
         while True:
+            times.start()
             buffer[:] = 0.0
             regroup = self.heartbeat.latest_round > rv.round_id or self.heartbeat.stop_requested
             mine = None
@@ -191,6 +200,7 @@ class Worker:
                     offset = 0
                     regroup = status == TaskStatus.REGROUP
                     master_done = status == TaskStatus.DONE
+                times.mark(Phase.DATA)
                 if task is not None:
                     count = min(batch_size, task.count - offset)
                     features, labels = rows[0][offset:offset + count], rows[1][offset:offset + count]
@@ -200,9 +210,11 @@ class Worker:
                     slot = n_grad + HEADER + PER_RANK * rank
                     for i, value in enumerate(mine):
                         buffer[slot + 2 * i], buffer[slot + 2 * i + 1] = encode_int(value)
+                    times.mark(Phase.GRADIENTS)
             buffer[n_grad + 2] = 1.0 if regroup else 0.0
             buffer[n_grad + 3] = 1.0 if master_done else 0.0
             self.collective.allreduce_sum(buffer)
+            times.mark(Phase.ALLREDUCE)
             total = int(round(buffer[n_grad]))
             if total > 0:
                 loss_sum = float(buffer[n_grad + 1])
@@ -214,6 +226,7 @@ class Worker:
                         ))
                     return RoundOutcome.FAILED
                 self.trainer.apply_gradients(grads, total)
+                times.mark(Phase.APPLY)
                 self.step += 1
                 self.heartbeat.step = self.step
                 record = StepRecord(step=self.step, ranges=self._ranges(buffer, n_grad, world), samples=total, loss=loss_sum,
@@ -225,6 +238,8 @@ class Worker:
                     self.reporter.push(rv.round_id, record)
                 if mine is not None:
                     offset += mine[2]
+                times.mark(Phase.REPORT)
+                times.steps += 1
             if int(round(buffer[n_grad + 3])) == world:
                 return self._finish(rv)
             if buffer[n_grad + 2] > 0:
