@@ -32,6 +32,16 @@ class Route(StrEnum):
     INITIAL_STATE = "/initial-state"  # the checkpoint or model the first round's source loads
     SCALE = "/scale"  # the operator changes the number of workers
     STATUS = "/status"  # the job as people and the CLI see it
+    EVENTS = "/events"  # membership events from an index on (read-only: `get -e`, the live page)
+    HISTORY = "/history"  # loss, samples/s and world size over time (read-only: the live page)
+    STOP = "/stop"  # the operator stops the job after a final checkpoint (resumable)
+
+
+# The live status page, outside API: a page without data. Its script reads the read-only token
+# from the address's fragment (never sent to the server) and calls the read-only routes with it.
+UI_PAGE = "/ui"
+# Routes the read-only (view) token may call; every other route needs the job token.
+READ_ONLY_ROUTES = (Route.STATUS, Route.EVENTS, Route.HISTORY)
 
 # Bounds: generous for any real job, small enough that no request can make the master build a
 # huge list or hold a number it cannot store.
@@ -61,11 +71,13 @@ Message = Annotated[str, Field(max_length=4000)]
 class JobState(StrEnum):
     """A job's state, as /status reports it. RUNNING -> SUCCEEDED once rank 0 hands in the final
     model at the step that applies the last row; RUNNING -> FAILED on any unrecoverable error
-    (the failure says what to do). Both ends are final."""
+    (the failure says what to do); RUNNING -> STOPPED when the operator stopped it and its final
+    checkpoint is handed over (`train --resume` continues it). All three ends are final."""
 
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    STOPPED = "stopped"  # by the operator (`elastic-step stop`), after a final committed checkpoint
 
 
 class WorkerState(StrEnum):
@@ -241,6 +253,7 @@ class StepsRequest(Request):
 class StepsReply(BaseModel):
     acked_step: int
     epoch: int = 0  # the epoch in progress (rank 0 checkpoints when it moves on)
+    checkpoint_now: bool = False  # the job is stopping: rank 0 checkpoints its next step
 
 
 class CollectiveFailedRequest(Request):

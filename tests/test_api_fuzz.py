@@ -81,7 +81,9 @@ def test_fuzzing_a_live_job_with_its_token_breaks_nothing_and_the_audit_stays_ex
         host = url.split("//")[1].rsplit(":", 1)[0]
         listening = [c.laddr for c in psutil.Process(job.proc.pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
         assert len(listening) >= 2 and all(addr.ip == host for addr in listening), listening
-        schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=headers)
+        # /stop is left out: it does what it says (the job stops after a checkpoint, so the job
+        # could not finish); test_watch_e2e stops a live job, and the unauthenticated fuzz covers it.
+        schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=headers).exclude(path="/v1/stop")
         paused = job.status()
         assert paused["state"] == "running" and paused["rows_done"] < paused["rows_total"], paused
         started = time.monotonic()

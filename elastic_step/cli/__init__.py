@@ -11,10 +11,10 @@ import argparse
 import logging
 import sys
 
-from elastic_step.cli import argo, data, jobs, release, schedule, train
+from elastic_step.cli import argo, data, jobs, logs, observe, release, schedule, train
 from elastic_step.errors import ElasticStepError
 
-COMMAND_MODULES = (data, train, jobs, release, argo, schedule)
+COMMAND_MODULES = (data, train, jobs, observe, logs, release, argo, schedule)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,5 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ElasticStepError as exc:
-        print(f"elastic-step {args.command}: error: {exc}", file=sys.stderr)
+        # An exit code of 0 is an end that is no error (a job stopped by its operator).
+        print(f"elastic-step {args.command}: {'' if exc.exit_code == 0 else 'error: '}{exc}", file=sys.stderr)
         return exc.exit_code

@@ -14,13 +14,17 @@ from typing import Annotated
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from elastic_step.master.state import MasterState, Refused
+from elastic_step.master.ui_page import PAGE
 from elastic_step.protocol import (
     API,
     MAX_INT,
+    READ_ONLY_ROUTES,
+    UI_PAGE,
     CollectiveFailedRequest,
     Empty,
     ErrorReply,
@@ -60,19 +64,32 @@ def server_config(app: FastAPI) -> uvicorn.Config:
 
 class RequireToken:
     """A plain ASGI middleware (no response streaming, unlike @app.middleware): it answers 401
-    before the route, and so before the body is parsed or any state is touched."""
+    before the route, and so before the body is parsed or any state is touched. The read-only
+    (view) token, where the job has one, opens the read-only routes and nothing else; the live
+    page itself is open, since it holds no data (its script asks the read-only routes, with the
+    token from its address's fragment)."""
 
-    def __init__(self, app, token: str):
+    def __init__(self, app, token: str, view_token: str | None = None):
         self.app = app
         self.expected = f"Bearer {token}".encode()
+        self.viewer = f"Bearer {view_token}".encode() if view_token else None
+        self.read_only = {(API + route).encode() for route in READ_ONLY_ROUTES}
         self.denied = JSONResponse({"detail": "missing or wrong bearer token; read it from the job's token file"}, status_code=401)
 
+    def _allowed(self, scope) -> bool:
+        path = scope.get("path", "")
+        if scope.get("method") == "GET" and path == UI_PAGE:
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return True
+        return (self.viewer is not None and scope.get("method") == "GET" and path.encode() in self.read_only
+                and hmac.compare_digest(given, self.viewer))
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await self.denied(scope, receive, send)
-                return
+        if scope["type"] == "http" and not self._allowed(scope):
+            await self.denied(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -94,9 +111,9 @@ RoundParam = Annotated[RoundId, Query()]
 BINARY_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
-def create_app(state: MasterState, token: str) -> FastAPI:
+def create_app(state: MasterState, token: str, view_token: str | None = None) -> FastAPI:
     app = FastAPI(title="elastic-step master", docs_url=None, redoc_url=None)
-    app.add_middleware(RequireToken, token=token)
+    app.add_middleware(RequireToken, token=token, view_token=view_token)
 
     def openapi() -> dict:
         """The generated document, saying also that every route needs the job's bearer token."""
@@ -147,7 +164,7 @@ def create_app(state: MasterState, token: str) -> FastAPI:
     @app.post(API + Route.STEPS, response_model=StepsReply, responses=_declared(400, 403, 409))
     async def steps(body: StepsRequest):
         acked = state.report_steps(body.worker_id, body.round_id, body.steps)
-        return StepsReply(acked_step=acked, epoch=state.dispatcher.current_epoch)
+        return StepsReply(acked_step=acked, epoch=state.dispatcher.current_epoch, checkpoint_now=state.checkpoint_now)
 
     @app.post(API + Route.COLLECTIVE_FAILED, response_model=Empty, responses=_declared(400, 403))
     async def collective_failed(body: CollectiveFailedRequest):
@@ -192,5 +209,35 @@ def create_app(state: MasterState, token: str) -> FastAPI:
     @app.get(API + Route.STATUS, responses=_declared())
     async def status():
         return state.status()
+
+    # Read-only, and off the master's lock: each log has its own.
+    @app.get(API + Route.EVENTS, responses=_declared())
+    async def events(request: Request, since: Annotated[int, Query(ge=0, le=MAX_INT)] = 0):
+        unknown = set(request.query_params) - {"since"}
+        if unknown:  # strict, as the bodies are: a parameter the route does not name is an error
+            raise RequestValidationError([{"type": "extra_forbidden", "loc": ("query", sorted(unknown)[0]),
+                                           "msg": "Extra inputs are not permitted", "input": None}])
+        found, next_index = state.events.since(since)
+        return {"events": found, "next": next_index}
+
+    @app.get(API + Route.HISTORY, responses=_declared())
+    async def history():
+        return {"steps": state.step_log.history() if state.step_log is not None else []}
+
+    @app.post(API + Route.STOP, responses=_declared(409))
+    async def stop():
+        try:
+            return state.request_stop()
+        except ValueError as exc:  # the job has ended, or it takes no checkpoints
+            raise HTTPException(409, str(exc)) from exc
+
+    @app.get(UI_PAGE, response_class=HTMLResponse, include_in_schema=False)
+    async def page():
+        # No data in it; no other origin may frame it or run scripts in it.
+        return HTMLResponse(PAGE, headers={
+            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                       "connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+            "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+        })
 
     return app

@@ -36,15 +36,29 @@ class EventLog:
         with self._lock:
             return [e for e in self.events if e["event"] == event]
 
+    def since(self, index: int) -> tuple[list[dict], int]:
+        """The events from position `index` on, and the position after the last (for the next
+        call). Under this log's own lock, never the master's."""
+        with self._lock:
+            return self.events[index:], len(self.events)
+
+
+# Points the live page's history keeps: when full, every other point goes (so a long job keeps
+# its whole span at a coarser grain, and a reply stays small).
+HISTORY_POINTS = 2000
+
 
 class StepLog:
     """Per-step metrics (loss, samples, samples/s, world size, round) as JSON lines in
     JOB_DIR/metrics.jsonl: what the benchmarks read, and what tracking uploads."""
 
-    def __init__(self, path: str, listener=None):
-        self._out = open(path, "a", encoding="utf-8")
+    def __init__(self, path: str | None, listener=None):
+        self._out = open(path, "a", encoding="utf-8") if path else None
         self._last_time: float | None = None
         self.listener = listener  # called with each entry (tracking)
+        self._history: list[dict] = []
+        self._stride = 1  # every how many steps the history keeps one
+        self._lock = threading.Lock()
 
     def add(self, record, world_size: int, round_id: int) -> None:
         rate = record.samples / (record.time - self._last_time) if self._last_time and record.time > self._last_time else None
@@ -54,9 +68,26 @@ class StepLog:
             "loss": record.loss / max(record.samples, 1), "samples_per_s": rate,
             "world_size": world_size, "round": round_id,
         }
-        self._out.write(json.dumps(entry) + "\n")
+        if self._out is not None:
+            self._out.write(json.dumps(entry) + "\n")
+        self._remember(entry)
         if self.listener is not None:
             self.listener(entry)
 
+    def _remember(self, entry: dict) -> None:
+        if entry["step"] % self._stride and entry["world_size"] == (self._history[-1]["world_size"] if self._history else None):
+            return  # between kept points (a change of world size is always kept)
+        with self._lock:
+            self._history.append({k: entry[k] for k in ("step", "time", "loss", "samples_per_s", "world_size", "round")})
+            if len(self._history) > HISTORY_POINTS:
+                self._stride *= 2
+                self._history = self._history[::2]
+
+    def history(self) -> list[dict]:
+        """Loss, samples/s and world size over time (a copy), for the live page."""
+        with self._lock:
+            return list(self._history)
+
     def close(self) -> None:
-        self._out.close()
+        if self._out is not None:
+            self._out.close()

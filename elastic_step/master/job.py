@@ -24,7 +24,7 @@ from elastic_step.config import TrainConfig
 from elastic_step.data.manifest import load_manifest, validate_shards
 from elastic_step.data.reader import ShardReader
 from elastic_step.durable import fsync_path, write_atomic, write_json_atomic, write_private
-from elastic_step.errors import ConfigError, JobFailed, ModelDefinitionError
+from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefinitionError
 from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.master.api import create_app, server_config
@@ -148,6 +148,9 @@ def run_job(config: TrainConfig) -> JobResult:
             with contextlib.ExitStack() as running:
                 master = start_master(config, manifest, recorder, running)
                 supervise(master.state, recorder, config.progress)
+            write_final_status(config.job_dir, master.state)
+            if master.state.state == "stopped":
+                stop_job(config, recorder, master, started)
             if master.state.state != "succeeded":
                 raise JobFailed(f"job {config.job_name} failed: {master.state.failure}")
             return finish_job(config, manifest, recorder, trainer, master, started)
@@ -209,11 +212,17 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     token = secrets.token_urlsafe(32)
     token_file = os.path.join(config.job_dir, "token")
     write_private(token_file, token)
+    # A second token that opens only the read-only routes (status, events, history): for the live
+    # page and for people who may watch the job but not steer it.
+    view_token = secrets.token_urlsafe(32)
+    view_token_file = os.path.join(config.job_dir, "view-token")
+    write_private(view_token_file, view_token)
     # A resume from a checkpoint continues its step metrics; anything else starts them over.
-    stale = ("events.jsonl", "result.json") + (() if initial is not None and initial.kind == "checkpoint" else ("metrics.jsonl",))
+    stale = ("events.jsonl", "result.json", FINAL_STATUS) + (() if initial is not None and initial.kind == "checkpoint" else ("metrics.jsonl",))
     for name in stale:
         if os.path.exists(os.path.join(config.job_dir, name)):
             os.remove(os.path.join(config.job_dir, name))
+    running.enter_context(master_log(os.path.join(config.job_dir, "logs", "master.log")))
     events = EventLog(os.path.join(config.job_dir, "events.jsonl"), listener=recorder.on_event)
     step_log = StepLog(os.path.join(config.job_dir, "metrics.jsonl"), listener=recorder.on_step)
     running.callback(step_log.close)
@@ -233,17 +242,85 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         step_log=step_log, initial_state=initial,
         on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None,
     )
-    server = ApiServer(create_app(state, token), api_socket)
+    server = ApiServer(create_app(state, token, view_token), api_socket)
     running.callback(server.stop)  # after the workers are gone (callbacks run last-in, first-out)
     # Finished workers leave on their own; give them a moment, then end the rest.
-    running.callback(lambda: backend.shutdown(grace_s=10.0 if state.state == "succeeded" else 2.0))
+    running.callback(lambda: backend.shutdown(grace_s=10.0 if state.state in ("succeeded", "stopped") else 2.0))
     stores = [store]
     running.callback(stores.clear)  # the store lives until the workers are gone
     server.start()
     write_json_atomic(os.path.join(config.job_dir, "master.json"),
-                      {"url": url, "pid": os.getpid(), "job": config.job_name, "token_file": token_file, "backend": config.backend},
+                      {"url": url, "pid": os.getpid(), "job": config.job_name, "token_file": token_file,
+                       "view_token_file": view_token_file, "backend": config.backend, "started_at": state.started_at,
+                       "mlflow": recorder.run_info()},
                       indent=None)
     return Master(state, ledger, events, url, token_file)
+
+
+FINAL_STATUS = "status.json"  # the job's status as it ended: what `get` shows once the master is gone
+
+
+def write_final_status(job_dir: str, state: MasterState) -> None:
+    status = state.status()  # under the lock; the write is outside it
+    status["ended_at"] = time.time()
+    write_json_atomic(os.path.join(job_dir, FINAL_STATUS), status, indent=None)
+
+
+class _AtLeast(logging.Filter):
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
+
+
+@contextlib.contextmanager
+def master_log(path: str):
+    """The master's own log (its events, warnings, errors) in JOB_DIR/logs/master.log, for
+    `elastic-step logs --master`; what reaches the console stays as the command line chose."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger, root = logging.getLogger("elastic_step"), logging.getLogger()
+    previous = logger.level
+    console = _AtLeast(root.level if root.level != logging.NOTSET else logging.WARNING)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+        for h in root.handlers:
+            h.addFilter(console)
+    logger.addHandler(handler)
+    try:
+        yield path
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(previous)
+        for h in root.handlers:
+            h.removeFilter(console)
+
+
+class JobStopped(ElasticStepError):
+    """The operator stopped the job (`elastic-step stop`) after its final checkpoint: not a
+    failure, so the exit code is 0; `train --resume` continues it."""
+
+    exit_code = 0
+
+
+def stop_job(config: TrainConfig, recorder: TrainingRecorder, master: Master, started: float) -> None:
+    """A stopped job: everything queued reaches MLflow (the final checkpoint first), the run is
+    marked KILLED, and the stop is reported as what it is."""
+    recorder.finish(False, config.job_dir, killed=True)
+    checkpoints = master.events.of("checkpoint")
+    newest = checkpoints[-1]["step"] if checkpoints else None
+    write_json_atomic(os.path.join(config.job_dir, "result.json"), {
+        "state": "stopped", "run_id": recorder.run_id, "mlflow_uri": recorder.shown_uri, "job_dir": config.job_dir,
+        "checkpoint_step": newest, "steps": master.ledger.applied_step, "seconds": round(time.time() - started, 2),
+        "recoveries_s": [e["seconds"] for e in master.events.of("recovered")],
+    })
+    where = f"its checkpoint of step {newest}" if newest is not None else "the start"
+    raise JobStopped(f"job {config.job_name} stopped; `elastic-step train` with the same options and --resume "
+                     f"continues it from {where} (MLflow run {recorder.run_id}, now KILLED)")
 
 
 def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: bool) -> None:

@@ -68,6 +68,21 @@ class InitialState:
 
 
 @dataclass
+class StopRequest:
+    """The operator asked the job to stop: it does once a checkpoint of a step after `after_step`
+    is handed over (rank 0 is asked to checkpoint its next step), or, past `deadline`, with the
+    newest checkpoint it has."""
+
+    at: float
+    after_step: int
+    deadline: float
+    flagged_step: int | None = None  # the checkpoint step rank 0 took for it
+
+
+STOP_CHECKPOINT_TIMEOUT_S = 300.0
+
+
+@dataclass
 class Timeouts:
     heartbeat_s: float = 10.0  # a worker silent this long is hung: dropped and killed
     rendezvous_s: float = 60.0  # a proposed member that has not called in by then is dropped
@@ -122,6 +137,7 @@ class MasterState:
         self.failure = ""
         self.final_model: bytes | None = None
         self.throughput = Throughput()
+        self.stop_request: StopRequest | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def launch_all(self) -> None:
@@ -327,6 +343,9 @@ class MasterState:
         if record.checkpoint and self.checkpoints.enabled:
             # The ledger as of exactly this step: the other half of the checkpoint.
             self.checkpoints.ledger_at(record.step, self.dispatcher.snapshot(), self.dispatcher.current_epoch, self.ready_round_id)
+            stop = self.stop_request
+            if stop is not None and stop.flagged_step is None and record.step > stop.after_step:
+                stop.flagged_step = record.step
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
             current.first_step_at = record.time
             if current.cause_time:
@@ -403,6 +422,45 @@ class MasterState:
                         worker.state = WorkerState.RETIRING
                         self.request_regroup(f"scaled in: {worker.id} retires")
 
+    # -- stopping ---------------------------------------------------------------------------------
+    def request_stop(self) -> dict:
+        """The operator's graceful stop: rank 0 checkpoints its next step, and once that
+        checkpoint is handed over the job is STOPPED (its workers are told to stop). Asking again
+        changes nothing."""
+        with self.lock:
+            if self.over:
+                raise ValueError(f"the job has ended ({self.state}); there is nothing to stop")
+            if not self.checkpoints.enabled:
+                raise ValueError(
+                    "this job takes no checkpoints (--checkpoint-steps 0), so a stop would lose its progress; "
+                    "let it finish, or end it with SIGTERM to its master"
+                )
+            if self.stop_request is None:
+                now = time.time()
+                self.stop_request = StopRequest(now, self.ledger.applied_step, now + STOP_CHECKPOINT_TIMEOUT_S)
+                self.events.add("stop_requested", step=self.ledger.applied_step)
+            return self.status()
+
+    @property
+    def checkpoint_now(self) -> bool:
+        """Rank 0 should checkpoint its next step: a stop waits for it."""
+        stop = self.stop_request
+        return stop is not None and stop.flagged_step is None and not self.over
+
+    def _maybe_stop(self, handed: list[tuple[int, int]], now: float) -> None:
+        stop = self.stop_request
+        if stop is None or self.over:
+            return
+        done = [step for step, _ in handed if step > stop.after_step]
+        if done:
+            self.state = JobState.STOPPED
+            self.events.add("stopped", f"stopped after the checkpoint of step {done[-1]}", step=done[-1])
+        elif now > stop.deadline:
+            self.state = JobState.STOPPED
+            self.failure = (f"no checkpoint after step {stop.after_step} within {STOP_CHECKPOINT_TIMEOUT_S:.0f}s of the stop; "
+                            "a resume continues from the newest earlier checkpoint")
+            self.events.add("stopped", self.failure, step=stop.after_step)
+
     # -- supervision ------------------------------------------------------------------------------
     def request_regroup(self, cause: str) -> None:
         if self._regroup_cause is None:
@@ -467,10 +525,13 @@ class MasterState:
                 self.on_exit(exit_)
             if self.over:
                 return
-            if self.checkpoints:
-                for step, epoch in self.checkpoints.hand_over(self.ledger.final_step):
-                    self.events.add("checkpoint", step=step, epoch=epoch)
+            handed = self.checkpoints.hand_over(self.ledger.final_step) if self.checkpoints else []
+            for step, epoch in handed:
+                self.events.add("checkpoint", step=step, epoch=epoch)
             now = time.time()
+            self._maybe_stop(handed, now)
+            if self.over:
+                return
             self._forgive_silence_while_paused(now)
             for worker in self.workers.values():
                 if worker.state in (WorkerState.LIVE, WorkerState.RETIRING) and now - worker.last_seen > self.timeouts.heartbeat_s:
@@ -597,6 +658,7 @@ class MasterState:
                 "job": self.spec.job_name,
                 "state": self.state,
                 "started_at": self.started_at,
+                "stopping": self.stop_request is not None and not self.over,
                 "failure": self.failure,
                 "round": current.id if current else 0,
                 "round_ready": bool(current and current.ready),

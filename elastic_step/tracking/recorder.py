@@ -20,6 +20,8 @@ log = logging.getLogger("elastic_step.tracking")
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 FINAL_MODEL_ARTIFACTS = "elastic_step_model"  # model.bin + model.json of the finished job
+# Membership events counted as MLflow metrics (each logged as the running count).
+HISTORY_COUNTS = {"relaunched": "relaunches", "regrouped": "regroups", "died": "worker_deaths", "dropped": "workers_dropped"}
 
 
 def model_def_digest(model_def) -> str:
@@ -70,6 +72,7 @@ class TrainingRecorder:
         self.metrics_interval_s = 1.0
         self._window: list[dict] = []
         self._window_start: float | None = None
+        self._counts: dict[str, int] = {}
 
     @property
     def run_id(self) -> str:
@@ -133,10 +136,25 @@ class TrainingRecorder:
             self.tracker.log_metric(key, value, last["step"], last["time"])
 
     def on_event(self, event: dict) -> None:
-        if event["event"] == "recovered":
+        """Restart and recovery history as metrics, where people look for it: recovery seconds
+        per round, and running counts of relaunches, deaths and regroups."""
+        kind = event["event"]
+        if kind == "recovered":
             self.tracker.log_metric("recovery_s", event["seconds"], event.get("round", 0), event["time"])
-        elif event["event"] == "regrouped":
+        elif kind == "regrouped":
             self.tracker.log_metric("regroup_world_size", event["world_size"], event["round"], event["time"])
+        if kind in HISTORY_COUNTS:
+            name = HISTORY_COUNTS[kind]
+            self._counts[name] = self._counts.get(name, 0) + 1
+            self.tracker.log_metric(name, self._counts[name], self._counts[name], event["time"])
+
+    def run_info(self) -> dict:
+        """Where this job's run is, for `get` and the live page: its id, the tracking URI without
+        credentials, and a link to the run in the MLflow UI where the URI is a server's."""
+        ui = ""
+        if self.shown_uri.startswith(("http://", "https://")):
+            ui = f"{self.shown_uri.rstrip('/')}/#/experiments/{self.tracker.experiment_id}/runs/{self.run_id}"
+        return {"run_id": self.run_id, "experiment_id": self.tracker.experiment_id, "tracking_uri": self.shown_uri, "ui": ui}
 
     def on_checkpoint(self, step: int, epoch: int, state: bytes, ledger: dict) -> None:
         self.checkpoints.save(Checkpoint(step, epoch, state, ledger))
@@ -164,10 +182,11 @@ class TrainingRecorder:
             self.trainer.load_model_bytes(model)
             return evaluate(self.trainer, self.model_def, self.manifest, split)
 
-    def finish(self, ok: bool, job_dir: str, test_metrics: dict | None = None) -> str | None:
+    def finish(self, ok: bool, job_dir: str, test_metrics: dict | None = None, killed: bool = False) -> str | None:
         """Upload events, plots, metrics and (on success) the model; mark the run finished once
-        everything queued has reached MLflow. Returns the logged model's URI. Only the first
-        call counts (a job that fails while finishing is not recorded twice)."""
+        everything queued has reached MLflow (KILLED where the operator stopped the job: it can
+        be resumed). Returns the logged model's URI. Only the first call counts (a job that fails
+        while finishing is not recorded twice)."""
         if self._finished:
             return None
         self._finished = True
@@ -187,6 +206,14 @@ class TrainingRecorder:
         drained = self.tracker.uploader.drain(600)
         if ok and drained:
             model_uri = self._log_model(job_dir)
+        if killed:
+            self.tracker.flush_metrics()
+            drained = self.tracker.uploader.drain(600)
+            try:
+                self.client.set_terminated(self.run_id, "KILLED" if drained else "FAILED")
+            except Exception as exc:
+                log.error("could not mark MLflow run %s killed: %s", self.run_id, redact(str(exc)[:300]))
+            return None
         self.tracker.finish(ok and drained)
         return model_uri
 

@@ -74,7 +74,19 @@ class StepReporter(threading.Thread):
         self.client = client
         self.worker_id = worker_id
         self._queue: queue.Queue[tuple[int, StepRecord]] = queue.Queue()
-        self.epoch = 0  # the master's epoch in progress, from its replies
+        # Rank 0 checkpoints its next step whenever this moves on: the master's epoch in
+        # progress, from its replies, plus one for each time the master asked for a checkpoint
+        # now (the job is stopping; it asks until a checkpoint step reaches it).
+        self.epoch = 0
+        self._extra_checkpoints = 0
+        self._asked = False
+
+    def _take_reply(self, reply: dict) -> None:
+        asked = bool(reply.get("checkpoint_now", False))
+        if asked and not self._asked:
+            self._extra_checkpoints += 1
+        self._asked = asked
+        self.epoch = max(self.epoch, reply.get("epoch", 0) + self._extra_checkpoints)
 
     def push(self, round_id: int, record: StepRecord) -> None:
         self._queue.put((round_id, record))
@@ -96,7 +108,7 @@ class StepReporter(threading.Thread):
                 steps = [rec for r, rec in batch if r == round_id]
                 try:
                     reply = self.client.call("POST", "/steps", StepsRequest(worker_id=self.worker_id, round_id=round_id, steps=steps))
-                    self.epoch = max(self.epoch, reply.get("epoch", 0))
+                    self._take_reply(reply)
                 except Rejected as exc:
                     # The ranges stay with every rank until acknowledged, and the next regroup
                     # settles them from the state source: nothing is lost by dropping the report.

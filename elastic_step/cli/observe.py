@@ -1,0 +1,149 @@
+"""`elastic-step get | list | top | stop`: watch a job (its summary, its workers with what each
+uses, its membership history) and stop it gracefully."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def register(sub) -> None:
+    p = sub.add_parser("get", help="show a job: summary, workers (CPU, memory, GPU, relaunches) and, with -e, its events")
+    p.add_argument("job", help="the job's folder (its --job-dir), or its name under --root")
+    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT"), help="folder holding job folders (default: $ELASTIC_STEP_ROOT)")
+    p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    p.add_argument("-e", "--events", action="store_true", help="also the membership events: deaths, relaunches, regroups, scaling, checkpoints")
+    p.set_defaults(func=get)
+    p = sub.add_parser("list", help="list jobs: state, age, workers, epoch, progress, samples/s")
+    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT") or ".", help="folder holding job folders (default: $ELASTIC_STEP_ROOT, else .)")
+    p.add_argument("--backend", choices=("local", "kubernetes"), default="local")
+    p.add_argument("--namespace", help="with --backend kubernetes: the namespace (default: the current context's)")
+    p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    p.set_defaults(func=list_jobs)
+    p = sub.add_parser("top", help="the worker table of a job (or one line per job), refreshed in place")
+    p.add_argument("job", nargs="?", help="the job's folder or name; without it, every job under --root")
+    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT") or ".")
+    p.add_argument("-r", "--refresh", type=float, default=2.0, metavar="SECONDS", help="seconds between refreshes (default 2)")
+    p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (default: until Ctrl-C)")
+    p.set_defaults(func=top)
+    p = sub.add_parser("stop", help="stop a job gracefully: a final checkpoint, workers stopped; `train --resume` continues it")
+    p.add_argument("job", help="the job's folder or name")
+    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT"))
+    p.add_argument("--no-wait", dest="wait", action="store_false", help="return once the master took the request")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job to stop (default 600)")
+    p.set_defaults(func=stop)
+
+
+def dump(data, output: str) -> None:
+    if output == "json":
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        import yaml
+
+        print(yaml.safe_dump(json.loads(json.dumps(data, default=str)), sort_keys=False), end="")
+
+
+def get(args) -> int:
+    from elastic_step.cli.render import print_job
+    from elastic_step.jobview import find_job, job_view
+
+    view = job_view(find_job(args.job, args.root), with_events=args.events)
+    if args.output != "table":
+        dump(view, args.output)
+    else:
+        print_job(view)
+    return 0
+
+
+def list_jobs(args) -> int:
+    from elastic_step.cli.render import print_job_list
+
+    if args.backend == "kubernetes":
+        from elastic_step.kubejobs import list_kubernetes
+
+        rows = list_kubernetes(args.namespace)
+    else:
+        from elastic_step.jobview import list_local
+
+        rows = list_local(args.root)
+    if args.output != "table":
+        dump(rows, args.output)
+    else:
+        print_job_list(rows, kubernetes=args.backend == "kubernetes")
+    return 0
+
+
+def top(args) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from elastic_step.cli.render import job_list_table, job_tables
+    from elastic_step.errors import ElasticStepError
+    from elastic_step.jobview import find_job, job_view, list_local
+
+    job_dir = find_job(args.job, args.root) if args.job else None
+
+    def frame():
+        if job_dir is None:
+            return job_list_table(list_local(args.root))
+        try:
+            return job_tables(job_view(job_dir))
+        except ElasticStepError as exc:  # the job ended or its master went away meanwhile: say so, keep going
+            from rich.text import Text
+
+            return Text(str(exc))
+
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe gets whole lines, not 80 columns
+    count = 0
+    try:
+        with Live(frame(), console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                count += 1
+                if args.iterations and count >= args.iterations:
+                    break
+                time.sleep(max(args.refresh, 0.1))
+                live.update(frame(), refresh=True)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def stop(args) -> int:
+    from elastic_step.errors import ElasticStepError
+    from elastic_step.jobclient import JobClient
+    from elastic_step.jobview import find_job, load_job
+
+    job_dir = find_job(args.job, args.root)
+    job = load_job(job_dir, with_events=False)
+    if not job["live"]:
+        state = (job["result"] or {}).get("state") or job["status"].get("state")
+        raise ElasticStepError(f"job {job['status'].get('job')} has ended ({state}); there is nothing to stop")
+    client = JobClient(job_dir)
+    try:
+        status = client.stop()
+    finally:
+        client.close()
+    print(f"stopping job {status['job']}: the workers checkpoint their next step, then stop", file=sys.stderr)
+    if not args.wait:
+        return 0
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            job = load_job(job_dir, with_events=False)
+        except ElasticStepError:
+            job = None  # between the master's end and its final status
+        if job is not None and not job["live"]:
+            result = job["result"] or {}
+            state = result.get("state") or job["status"].get("state")
+            if state == "stopped" and not result:
+                time.sleep(0.5)  # the master still records the stop in MLflow; result.json follows
+                continue
+            if state != "stopped":
+                raise ElasticStepError(f"job {status['job']} ended {state}, not stopped: {job['status'].get('failure', '')}")
+            print(f"job {status['job']} stopped at its checkpoint of step {result.get('checkpoint_step')}; "
+                  "`elastic-step train` with the same options and --resume continues it")
+            return 0
+        time.sleep(0.5)
+    raise ElasticStepError(f"job {status['job']} did not stop within {args.timeout:.0f}s; see `elastic-step get {job_dir} -e`")

@@ -1,0 +1,1 @@
+PAGE = "<!doctype html><title>placeholder</title>"
