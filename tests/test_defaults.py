@@ -118,6 +118,17 @@ def test_component_signatures():
         assert drift(found, unlike=WARM_START_ONLY) == {}, component.name
 
 
+def test_prepare_data_defaults():
+    from elastic_step.data.prepare import parse_split, prepare_data
+
+    found = {name: p.default for name, p in inspect.signature(prepare_data).parameters.items()
+             if p.default is not inspect.Parameter.empty}
+    assert found["split"] == parse_split(defaults.SPLIT)
+    del found["split"]  # fractions here, the text of them elsewhere
+    assert {"label", "rows_per_shard", "seed"} <= set(found)
+    assert drift(found) == {}
+
+
 def test_train_step_defaults():
     from elastic_step.training_step import train_step
 

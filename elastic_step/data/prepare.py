@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic_step import defaults
 from elastic_step.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, type_name
 from elastic_step.data.pipelining import ahead
 from elastic_step.data.shuffle import DEFAULT_MEMORY_BYTES, ExternalShuffle
@@ -197,8 +198,8 @@ def _progress(enabled: bool):
         yield bar
 
 
-def prepare_data(source: str, out_dir: str, label: str = "label", features: list[str] | None = None,
-                 split=(0.8, 0.1, 0.1), rows_per_shard: int = 512, seed: int = 0,
+def prepare_data(source: str, out_dir: str, label: str = defaults.LABEL, features: list[str] | None = None,
+                 split=parse_split(defaults.SPLIT), rows_per_shard: int = defaults.ROWS_PER_SHARD, seed: int = defaults.SEED,
                  row_group_rows: int = 64, memory_bytes: int = DEFAULT_MEMORY_BYTES,
                  progress: bool = False) -> Manifest:
     """Read `source`, shuffle it with `seed`, split it and write shards + manifest.json to `out_dir`.
