@@ -12,6 +12,7 @@ BENCHMARKS = [
     ["bench_checkpoint.py"],
     ["bench_keras.py", "--workers", "2"],
     ["bench_remote_data.py"],
+    ["bench_cluster.py"],
 ]
 
 if __name__ == "__main__":
