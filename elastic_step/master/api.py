@@ -48,6 +48,7 @@ from elastic_step.protocol import (
 )
 
 LONG_POLL_S = 1.0
+PAGE_REFRESH_S = 2.0  # how often the live page asks (ui_page.py's REFRESH_MS)
 
 # uvicorn's limits for the API server: more concurrent connections than this get 503 (which
 # workers retry) instead of exhausting the master's file descriptors, a connection backlog
@@ -220,8 +221,11 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
         found, next_index = state.events.since(since)
         return {"events": found, "next": next_index}
 
+    app.state.last_page_poll = None  # when a live page last asked (only the page asks for the history)
+
     @app.get(API + Route.HISTORY, responses=_declared())
     async def history():
+        app.state.last_page_poll = time.monotonic()
         return {"steps": state.step_log.history() if state.step_log is not None else []}
 
     @app.post(API + Route.STOP, responses=_declared(409))

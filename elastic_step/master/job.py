@@ -27,7 +27,7 @@ from elastic_step.durable import fsync_path, write_atomic, write_json_atomic, wr
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefinitionError
 from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
 from elastic_step.frameworks.registry import build_trainer
-from elastic_step.master.api import create_app, server_config
+from elastic_step.master.api import PAGE_REFRESH_S, create_app, server_config
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
@@ -107,6 +107,7 @@ def check_model_definition(config: TrainConfig, manifest):
 
 class ApiServer:
     def __init__(self, app, sock: socket.socket):
+        self.app = app
         self.server = uvicorn.Server(server_config(app))  # with its connection limits
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="api")
 
@@ -117,6 +118,10 @@ class ApiServer:
             time.sleep(0.01)
 
     def stop(self) -> None:
+        # A live page that is watching gets one more refresh, so it shows how the job ended.
+        polled = getattr(self.app.state, "last_page_poll", None)
+        if polled is not None and time.monotonic() - polled < 5 * PAGE_REFRESH_S:
+            time.sleep(max(0.0, polled + PAGE_REFRESH_S + 0.5 - time.monotonic()))
         self.server.should_exit = True
         if self.thread.is_alive():
             self.thread.join(5)
