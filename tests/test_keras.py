@@ -117,16 +117,20 @@ def test_mlflow_models_load_and_predict_the_trained_outputs(digits_batch, tmp_pa
     trainer = keras_trainer()
     outputs = trainer.predict(features)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    weights = tmp_path / "weights"  # what a finished job logs beside its model: the weights file warm start reads
+    weights.mkdir()
+    (weights / "model.bin").write_bytes(trainer.model_bytes())
     with mlflow.start_run():
         model = trainer.log_mlflow_model(features[:5], infer_signature(features[:5], outputs[:5]))
         serving = trainer.log_serving_model(features[:5], infer_signature(features[:5], outputs[:5]))
+        mlflow.log_artifacts(str(weights), "elastic_step_model")
     assert "tensorflow" in model.flavors and "tensorflow" in serving.flavors
     assert serving.name == "serving-model"
     assert serving.flavors["tensorflow"]["model_type"] == "tf2-module"  # a SavedModel, no Keras needed
     for info in (model, serving):
         predicted = mlflow.pyfunc.load_model(info.model_uri).predict(features)
         np.testing.assert_allclose(np.asarray(predicted), outputs, rtol=1e-5, atol=1e-5)
-    # warm start (--init-from models:/...) reads the parameters back from the logged model
+    # warm start (--init-from models:/...) reads the parameters back from the logged model's run (its weights file, no pickle)
     other = keras_trainer(seed=5)
     other.load_model_bytes(other.model_bytes_of_logged_model(model.model_uri))
     np.testing.assert_array_equal(other.predict(features), outputs)
