@@ -15,6 +15,7 @@ import yaml
 from elastic_step.cli import main
 
 from conftest import SLOW_MODEL, cli, resume_exactly
+from test_reports import read_scalars
 
 pytestmark = pytest.mark.e2e
 
@@ -102,9 +103,24 @@ def test_watch_a_live_job_then_stop_it_and_resume_it_exactly(digits, start_job, 
     assert mlflow.get_run(run_id).data.tags["elastic_step.checkpoint"] == str(step)
     assert stop_refused_once_ended(job.job_dir)
 
+    # The restart history where people look: MLflow metrics, TensorBoard scalars, the HTML report.
+    assert [m.value for m in mlflow.get_metric_history(run_id, "relaunches")] == [1]
+    assert mlflow.get_metric_history(run_id, "regroups")[-1].value >= 2
+    assert mlflow.get_metric_history(run_id, "recovery_s")
+    artifacts = {a.path for a in mlflow.list_artifacts(run_id)} | {a.path for a in mlflow.list_artifacts(run_id, "plots")}
+    assert "tensorboard" in artifacts and "plots/report.html" in artifacts, artifacts
+    scalars = read_scalars(os.path.join(job.job_dir, "tensorboard"))
+    assert {v for _, v in scalars["train/world_size"]} == {2.0, 3.0}
+    assert scalars["membership/recovery_s"] and scalars["membership/relaunches"][-1][1] == 1.0
+    assert len(scalars["train/loss"]) >= before["step"]
+    report = open(os.path.join(job.job_dir, "plots", "report.html")).read()
+    assert "killed by SIGKILL" in report and report.count('<path class="series"') == 3
+
     second, resumed_from = resume_exactly(start_job, args, digits, epochs=EPOCHS)
     assert resumed_from == step
     assert mlflow.get_run(run_id).info.status == "FINISHED"
+    scalars = read_scalars(os.path.join(job.job_dir, "tensorboard"))
+    assert scalars["validation/accuracy"] and max(step for step, _ in scalars["train/loss"]) == second.result()["steps"]
     code, out, _ = run(capsys, "get", job.job_dir)
     assert code == 0 and "job job: succeeded" in out and "accuracy" in out and "ended" in out, out
     assert "live page" not in out  # no master to serve it

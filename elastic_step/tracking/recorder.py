@@ -14,6 +14,7 @@ import threading
 
 from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore
 from elastic_step.tracking.run import RunTracker, TrackingError, connect, default_tracking_uri
+from elastic_step.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardLog
 from elastic_step.tracking.uri import redact
 
 log = logging.getLogger("elastic_step.tracking")
@@ -73,6 +74,7 @@ class TrainingRecorder:
         self._window: list[dict] = []
         self._window_start: float | None = None
         self._counts: dict[str, int] = {}
+        self.tensorboard = TensorBoardLog(config.job_dir)
 
     @property
     def run_id(self) -> str:
@@ -111,6 +113,10 @@ class TrainingRecorder:
         MLflow metric row costs the master about a millisecond of CPU on a SQLite store, which at
         hundreds of steps per second would take a core from the workers. Every single step is in
         the run's metrics.jsonl artifact."""
+        tb = self.tensorboard
+        tb.scalar("train/loss", entry["loss"], entry["step"], entry["time"])
+        tb.scalar("train/samples_per_s", entry["samples_per_s"], entry["step"], entry["time"])
+        tb.scalar("train/world_size", entry["world_size"], entry["step"], entry["time"])
         window = self._window
         if window and entry["world_size"] != window[-1]["world_size"]:
             self._log_window()
@@ -141,12 +147,14 @@ class TrainingRecorder:
         kind = event["event"]
         if kind == "recovered":
             self.tracker.log_metric("recovery_s", event["seconds"], event.get("round", 0), event["time"])
+            self.tensorboard.scalar("membership/recovery_s", event["seconds"], event.get("round", 0), event["time"])
         elif kind == "regrouped":
             self.tracker.log_metric("regroup_world_size", event["world_size"], event["round"], event["time"])
         if kind in HISTORY_COUNTS:
             name = HISTORY_COUNTS[kind]
             self._counts[name] = self._counts.get(name, 0) + 1
             self.tracker.log_metric(name, self._counts[name], self._counts[name], event["time"])
+            self.tensorboard.scalar(f"membership/{name}", self._counts[name], self._counts[name], event["time"])
 
     def run_info(self) -> dict:
         """Where this job's run is, for `get` and the live page: its id, the tracking URI without
@@ -171,6 +179,7 @@ class TrainingRecorder:
         for name, value in metrics.items():
             if name != "rows":
                 self.tracker.client.log_metric(self.run_id, f"val_{name}", value, step=step)
+                self.tensorboard.scalar(f"validation/{name}", value, step)
 
     # -- the end ------------------------------------------------------------------------------------
     def evaluate_model(self, model: bytes, split: str = "test") -> dict:
@@ -199,6 +208,7 @@ class TrainingRecorder:
         plot = plot_training(job_dir)
         if plot:
             self.tracker.log_artifact(plot, "plots")
+        self._log_reports(job_dir)
         for name, value in (test_metrics or {}).items():
             if name != "rows":
                 self.tracker.log_metric(f"test_{name}", value, 0)
@@ -216,6 +226,20 @@ class TrainingRecorder:
             return None
         self.tracker.finish(ok and drained)
         return model_uri
+
+    def _log_reports(self, job_dir: str) -> None:
+        """The TensorBoard event files (closed, so whole) and the HTML report, as artifacts."""
+        from elastic_step.tracking.report_html import write_report
+
+        self.tracker.uploader.drain(60)  # the last epoch's validation writes its scalars first
+        self.tensorboard.close()
+        tb_dir = os.path.join(job_dir, TENSORBOARD_DIR)
+        if os.path.isdir(tb_dir) and os.listdir(tb_dir):
+            self.tracker.log_artifacts(tb_dir, TENSORBOARD_DIR)
+        try:
+            self.tracker.log_artifact(write_report(job_dir), "plots")
+        except Exception as exc:  # a report is no reason to lose the run
+            log.warning("no HTML report for %s: %s", job_dir, exc)
 
     def _log_model(self, job_dir: str) -> str:
         import mlflow
