@@ -8,8 +8,11 @@ import sys
 
 def register(sub) -> None:
     p = sub.add_parser("logs", help="print a job's master or worker log (local files)")
-    p.add_argument("job", help="the job's folder (its --job-dir), or its name under --root")
+    p.add_argument("job", help="the job's folder (its --job-dir), or its name under --root; on Kubernetes its name")
     p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT"))
+    p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
+                   help="kubernetes: a worker pod's log (pods/log, with your own credentials)")
+    p.add_argument("--namespace", help="with --backend kubernetes (default: the current context's)")
     who = p.add_mutually_exclusive_group()
     who.add_argument("--worker", "-i", metavar="ID", help="a worker: its id (w1.2) or its slot (w1: the newest attempt)")
     who.add_argument("--master", action="store_true", help="the master's log (the default)")
@@ -25,6 +28,8 @@ def logs(args) -> int:
     from elastic_step.joblogs import follow, log_path, parse_since, read_log
     from elastic_step.jobview import find_job
 
+    if args.backend == "kubernetes":
+        return kubernetes_logs(args, parse_since(args.since) if args.since else None)
     job_dir = find_job(args.job, args.root)
     since = parse_since(args.since) if args.since else None
     path = log_path(job_dir, args.worker, args.master, args.previous)
@@ -44,4 +49,24 @@ def logs(args) -> int:
                 out.flush()
         except KeyboardInterrupt:
             pass
+    return 0
+
+
+def kubernetes_logs(args, since_s: float | None, api=None) -> int:
+    from elastic_step.errors import ElasticStepError
+    from elastic_step.kubejobs import core_api, current_namespace, pod_log, worker_pod
+
+    if args.master:
+        raise ElasticStepError("the master's log is its own pod's (the pipeline step's): `kubectl logs POD`; "
+                               "`--worker ID` reads a worker's")
+    api = api or core_api()
+    namespace = args.namespace or current_namespace()
+    pod, previous_container = worker_pod(api, namespace, args.job, args.worker, args.previous)
+    try:
+        for line in pod_log(api, namespace, pod, previous=previous_container, tail=args.tail, since_s=since_s,
+                            timestamps=args.timestamps, follow=args.follow):
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass
     return 0
