@@ -1,6 +1,9 @@
 """End to end on digits with real worker processes and real signals: the job survives worker
 loss and membership changes, and the audit shows every row of every epoch exactly once."""
 
+import glob
+import os
+import re
 import signal
 import time
 
@@ -24,6 +27,17 @@ def assert_exact(job, digits, epochs):
     return report
 
 
+def state_transfers(job) -> dict[int, str]:
+    """Round -> the ranks the state source sent its state to, as the workers' logs say."""
+    found = {}
+    for path in glob.glob(os.path.join(job.job_dir, "logs", "w*.log")):
+        for line in open(path):
+            m = re.search(r"round (\d+): state of rank \d+ sent to ranks (.*) \(\d+ bytes\)", line)
+            if m:
+                found[int(m.group(1))] = m.group(2)
+    return found
+
+
 def mid_epoch(status, world=3):
     return status["world_size"] == world and 0.15 < status["rows_done"] / status["rows_total"] < 0.6
 
@@ -42,6 +56,11 @@ def test_sigkill_one_of_three_workers_mid_epoch(digits, start_job):
     assert any(e["event"] == "recovered" for e in events)
     assert any(e["event"] == "relaunched" for e in events)
     assert "test: loss" in job.output() and "accuracy" in job.output()
+    # The survivors were already identical: their regroup sent no state; the joiner alone got it.
+    transfers = state_transfers(job)
+    assert transfers[1] == "[1, 2]", transfers
+    assert "none (every member holds it)" in transfers.values(), transfers
+    assert any(re.fullmatch(r"\[\d\]", ranks) for ranks in transfers.values()), transfers
 
 
 def test_sigkill_the_rank0_worker(digits, start_job):

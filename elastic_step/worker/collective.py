@@ -20,6 +20,7 @@ from elastic_step.errors import ConfigError
 
 # Integers ride in the float32 step buffer as two exact halves (each < 2**22).
 _HALF = 1 << 22
+IDENTITY_FLOATS = 5  # per rank in gather_identities: step (two halves), lineage (three parts)
 
 # Direct exchange while the bytes each rank sends, (N-1) x the buffer, stay at most this; for two
 # ranks it sends exactly what the ring does, in one hop.
@@ -103,6 +104,37 @@ class Collective:
         np.copyto(buffer, parts[0])
         for part in parts[1:]:
             buffer += part
+
+    def gather_identities(self, step: int, lineage: int) -> list[tuple[int, int]]:
+        """Every rank's (step, lineage), in rank order: one small allreduce in which each rank
+        fills its own slot. Integers travel as exact float halves (step + 1, so -1 fits)."""
+        slots = np.zeros(self.world_size * IDENTITY_FLOATS, dtype=np.float32)
+        mine = slots[self.rank * IDENTITY_FLOATS:(self.rank + 1) * IDENTITY_FLOATS]
+        mine[0:2] = encode_int(step + 1)
+        for i in range(3):  # 3 x 22 bits hold the 64-bit lineage
+            mine[2 + i] = float((lineage >> (22 * i)) & (_HALF - 1))
+        self.allreduce_sum(slots)
+        identities = []
+        for r in range(self.world_size):
+            slot = slots[r * IDENTITY_FLOATS:(r + 1) * IDENTITY_FLOATS]
+            lineage_r = sum(int(round(slot[2 + i])) << (22 * i) for i in range(3))
+            identities.append((decode_int(slot[0], slot[1]) - 1, lineage_r))
+        return identities
+
+    def send_bytes(self, data: bytes, destinations: list[int]) -> None:
+        """Point to point from this rank to each of `destinations` (each calls recv_bytes)."""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        for peer in destinations:
+            dist.send(size, peer)
+            dist.send(payload, peer)
+
+    def recv_bytes(self, source: int) -> bytes:
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dist.recv(size, source)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(payload, source)
+        return payload.cpu().numpy().tobytes()
 
     def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)

@@ -9,6 +9,7 @@ rank stop at the same step.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -46,6 +47,17 @@ from elastic_step.worker.timing import Phase, StepTimes
 
 log = logging.getLogger("elastic_step.worker")
 
+def next_lineage(lineage: int, step: int, step_summary: np.ndarray) -> int:
+    digest = hashlib.blake2b(lineage.to_bytes(8, "little") + step.to_bytes(8, "little", signed=True), digest_size=8)
+    digest.update(step_summary.tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def initial_lineage(kind: str, step: int) -> int:
+    digest = hashlib.blake2b(f"{kind}@{step}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
 class RoundOutcome(StrEnum):
     """How a round ended for this worker."""
 
@@ -75,6 +87,9 @@ class Worker:
         self.reporter = StepReporter(client, worker_id)
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.step = -1  # -1: this worker holds no synchronised state yet
+        # A digest of every step this worker's state has applied (each step's counts, summed loss
+        # and row ranges, which every rank sees alike): equal lineage at equal step, equal state.
+        self.lineage = 0
         self.unacked: dict[int, StepRecord] = {}
         self._checkpointed_epoch = 0
         self._checkpoint_sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
@@ -121,13 +136,7 @@ class Worker:
         self.heartbeat.round_id = rv.round_id
         try:
             self.collective.join(rv.store_prefix, rv.rank, rv.world_size)
-            # The state source (highest applied step) makes every member identical again.
-            if rv.rank == rv.source_rank and rv.initial_state:
-                self._load_initial_state(rv.initial_state)
-            data = self.trainer.state_bytes() if rv.rank == rv.source_rank else None
-            data = self.collective.broadcast_bytes(data, rv.source_rank)
-            if rv.rank != rv.source_rank:
-                self.trainer.load_state_bytes(data)
+            self._share_state(rv)
             self.step = rv.start_step
             self.heartbeat.step = self.step
             self.unacked.clear()  # the master settled every step up to start_step
@@ -142,6 +151,39 @@ class Worker:
             return RoundOutcome.REGROUP
         finally:
             self.collective.leave()
+
+    def _share_state(self, rv: RendezvousReply) -> None:
+        """Make every member identical to the state source (the highest applied step). Members
+        that applied exactly the source's steps already are (the step's allreduce made them so):
+        only a joiner, or a rank behind or on another line of steps, is sent the state, so a
+        regroup after a death costs no transfer however large the model."""
+        started = time.perf_counter()
+        source = rv.rank == rv.source_rank
+        step, lineage = self.step, self.lineage
+        if source and rv.initial_state:  # nobody holds state yet: a checkpoint or a warm start
+            self._load_initial_state(rv.initial_state)
+            step, lineage = rv.start_step, initial_lineage(rv.initial_state, rv.start_step)
+        identities = self.collective.gather_identities(step, lineage)
+        source_step, source_lineage = identities[rv.source_rank]
+        behind = [r for r, (s, line) in enumerate(identities)
+                  if r != rv.source_rank and not (s >= 0 and s == source_step and line == source_lineage)]
+        size = 0
+        if behind and len(behind) == rv.world_size - 1:  # everyone but the source: one broadcast
+            data = self.collective.broadcast_bytes(self.trainer.state_bytes() if source else None, rv.source_rank)
+            size = len(data)
+            if not source:
+                self.trainer.load_state_bytes(data)
+        elif behind and source:
+            data = self.trainer.state_bytes()
+            size = len(data)
+            self.collective.send_bytes(data, behind)
+        elif rv.rank in behind:
+            data = self.collective.recv_bytes(rv.source_rank)
+            size = len(data)
+            self.trainer.load_state_bytes(data)
+        self.lineage = source_lineage
+        log.info("round %d: state of rank %d sent to ranks %s (%d bytes) in %.3f s",
+                 rv.round_id, rv.source_rank, behind or "none (every member holds it)", size, time.perf_counter() - started)
 
     # -- the inner loop: steps ----------------------------------------------------------------
     def _fetch(self, round_id: int) -> tuple[TaskStatus, TaskInfo | None, tuple | None]:
@@ -228,6 +270,7 @@ class Worker:
                 self.trainer.apply_gradients(grads, total)
                 times.mark(Phase.APPLY)
                 self.step += 1
+                self.lineage = next_lineage(self.lineage, self.step, buffer[n_grad:])
                 self.heartbeat.step = self.step
                 record = StepRecord(step=self.step, ranges=self._ranges(buffer, n_grad, world), samples=total, loss=loss_sum,
                                     time=time.time(), checkpoint=rank == 0 and self._checkpoint_due())
