@@ -50,7 +50,9 @@ def summary_lines(s: dict) -> list[str]:
         lines.append("recoveries: " + ", ".join(f"{r:.2f}s" for r in s["recoveries_s"]))
     mlflow = s.get("mlflow") or {}
     if mlflow.get("run_id"):
-        lines.append(f"mlflow: run {mlflow['run_id']} at {mlflow.get('tracking_uri', '')}" + (f"  {mlflow['ui']}" if mlflow.get("ui") else ""))
+        uri = mlflow.get("tracking_uri", "")
+        where = f"  {mlflow['ui']}" if mlflow.get("ui") else f"  (browse: mlflow ui --backend-store-uri {uri})" if uri.startswith("sqlite:") else ""
+        lines.append(f"mlflow: run {mlflow['run_id']} at {uri}{where}")
     if s.get("test_metrics"):
         lines.append("test: " + "  ".join(f"{k} {v:.4f}" for k, v in s["test_metrics"].items() if k != "rows"))
     if s.get("ui"):
