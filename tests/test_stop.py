@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_step.master import state as master_state
+from elastic_step.master import stopping
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog
 from elastic_step.master.ledger import Ledger
@@ -78,7 +78,7 @@ def test_a_job_without_checkpoints_refuses_a_stop():
 
 
 def test_without_a_checkpoint_in_time_the_job_stops_saying_so(monkeypatch):
-    monkeypatch.setattr(master_state, "STOP_CHECKPOINT_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(stopping, "STOP_CHECKPOINT_TIMEOUT_S", 0.0)
     state, _ = started()
     state.request_stop()
     state.tick()

@@ -2,7 +2,8 @@
 through one lock, so the dispatcher, the ledger and the membership always change together.
 
 Its parts, each with one job, all behind that lock: the dispatcher (tasks) and the ledger
-(applied rows), checkpoint pairing (pairing.py), throughput (throughput.py); the membership,
+(applied rows), checkpoint pairing (pairing.py), throughput (throughput.py), the operator's
+graceful stop (stopping.py); the membership,
 the rounds and their settle are still here. Who may ask for what is checked first: only live
 workers of this job change anything, and what only a round's member or its rank 0 may do is
 refused to anyone else (Refused: the API's 403 and 409)."""
@@ -20,6 +21,7 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Consumed, Ledger, StepGap, StepRejected
 from elastic_step.master.pairing import CheckpointPairing
+from elastic_step.master.stopping import StopRequest, new_stop_request
 from elastic_step.master.throughput import Throughput
 from elastic_step.master.membership import Round, Slot, WorkerInfo, order_members, worker_id_for
 from elastic_step.protocol import (
@@ -65,21 +67,6 @@ class InitialState:
     kind: str  # "checkpoint" | "model"
     data: bytes
     step: int
-
-
-@dataclass
-class StopRequest:
-    """The operator asked the job to stop: it does once a checkpoint of a step after `after_step`
-    is handed over (rank 0 is asked to checkpoint its next step), or, past `deadline`, with the
-    newest checkpoint it has."""
-
-    at: float
-    after_step: int
-    deadline: float
-    flagged_step: int | None = None  # the checkpoint step rank 0 took for it
-
-
-STOP_CHECKPOINT_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -343,9 +330,8 @@ class MasterState:
         if record.checkpoint and self.checkpoints.enabled:
             # The ledger as of exactly this step: the other half of the checkpoint.
             self.checkpoints.ledger_at(record.step, self.dispatcher.snapshot(), self.dispatcher.current_epoch, self.ready_round_id)
-            stop = self.stop_request
-            if stop is not None and stop.flagged_step is None and record.step > stop.after_step:
-                stop.flagged_step = record.step
+            if self.stop_request is not None:
+                self.stop_request.flagged(record.step)
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
             current.first_step_at = record.time
             if current.cause_time:
@@ -437,29 +423,23 @@ class MasterState:
                 )
             if self.stop_request is None:
                 now = time.time()
-                self.stop_request = StopRequest(now, self.ledger.applied_step, now + STOP_CHECKPOINT_TIMEOUT_S)
+                self.stop_request = new_stop_request(now, self.ledger.applied_step)
                 self.events.add("stop_requested", step=self.ledger.applied_step)
             return self.status()
 
     @property
     def checkpoint_now(self) -> bool:
         """Rank 0 should checkpoint its next step: a stop waits for it."""
-        stop = self.stop_request
-        return stop is not None and stop.flagged_step is None and not self.over
+        return self.stop_request is not None and self.stop_request.checkpoint_now and not self.over
 
     def _maybe_stop(self, handed: list[tuple[int, int]], now: float) -> None:
-        stop = self.stop_request
-        if stop is None or self.over:
+        if self.stop_request is None or self.over:
             return
-        done = [step for step, _ in handed if step > stop.after_step]
-        if done:
-            self.state = JobState.STOPPED
-            self.events.add("stopped", f"stopped after the checkpoint of step {done[-1]}", step=done[-1])
-        elif now > stop.deadline:
-            self.state = JobState.STOPPED
-            self.failure = (f"no checkpoint after step {stop.after_step} within {STOP_CHECKPOINT_TIMEOUT_S:.0f}s of the stop; "
-                            "a resume continues from the newest earlier checkpoint")
-            self.events.add("stopped", self.failure, step=stop.after_step)
+        outcome = self.stop_request.outcome(handed, now)
+        if outcome is not None:
+            step, problem = outcome
+            self.state, self.failure = JobState.STOPPED, problem
+            self.events.add("stopped", problem or f"stopped after the checkpoint of step {step}", step=step)
 
     # -- supervision ------------------------------------------------------------------------------
     def request_regroup(self, cause: str) -> None:
