@@ -60,6 +60,11 @@ class ExternalShuffle:
         self._writers: list[pa.ipc.RecordBatchFileWriter] = []
         self._writers_open = False
         self._bucket_bytes: list[int] = []
+        # Rows bound for each bucket wait here until a write is worth its cost (each IPC batch
+        # compresses every column separately and carries its own metadata).
+        self._pending: list[list[pa.RecordBatch]] = []
+        self._pending_bytes: list[int] = []
+        self._flush_bytes = 0
 
     @property
     def spilled(self) -> bool:
@@ -85,6 +90,8 @@ class ExternalShuffle:
         # Buckets of about half the budget: reading one back and permuting it holds two copies.
         count = max(2, math.ceil(2 * max(self.expected_bytes, 2 * self._held_bytes) / self.memory_bytes))
         self._bucket_bytes = [0] * count
+        self._pending, self._pending_bytes = [[] for _ in range(count)], [0] * count
+        self._flush_bytes = max(64 << 10, self.memory_bytes // (4 * count))  # a quarter of the budget in all
         self._dir = tempfile.mkdtemp(prefix="elastic-step-shuffle-", dir=self._spill_root)
         self._writers_open = True
         self._writers = [pa.ipc.new_file(os.path.join(self._dir, f"bucket-{b:05d}.arrow"), self.schema,
@@ -103,9 +110,18 @@ class ExternalShuffle:
         for b, end in enumerate(ends):
             if end > start:
                 part = grouped.slice(start, end - start)
-                self._writers[b].write_batch(part)
+                self._pending[b].append(part)
+                self._pending_bytes[b] += part.nbytes
                 self._bucket_bytes[b] += part.nbytes
+                if self._pending_bytes[b] >= self._flush_bytes:
+                    self._write_pending(b)
             start = int(end)
+
+    def _write_pending(self, bucket: int) -> None:
+        if self._pending[bucket]:
+            table = pa.Table.from_batches(self._pending[bucket], schema=self.schema).combine_chunks()
+            self._writers[bucket].write_table(table)
+            self._pending[bucket], self._pending_bytes[bucket] = [], 0
 
     def rows(self) -> Iterator[pa.Table]:
         """The shuffled rows, one table per bucket (one table in all while nothing was spilled)."""
@@ -146,15 +162,17 @@ class ExternalShuffle:
         finally:
             inner.close()
 
-    def _close_writers(self) -> None:
+    def _close_writers(self, flush: bool = True) -> None:
         if self._writers_open:
             self._writers_open = False
-            for writer in self._writers:
+            for bucket, writer in enumerate(self._writers):
+                if flush:
+                    self._write_pending(bucket)
                 writer.close()
 
     def close(self) -> None:
         """Remove the spill files (also after an error half-way)."""
-        self._close_writers()
+        self._close_writers(flush=False)
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
