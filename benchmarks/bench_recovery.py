@@ -5,8 +5,10 @@ checkpoint saved every 50 steps). Targets: <= 0.5 s, and <= 1/15 of torchrun's."
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -16,6 +18,33 @@ import tempfile
 import time
 
 from common import MODEL, elastic_step, machine, prepared_digits, read_steps, torchrun
+
+MODELS = {
+    "small": MODEL,
+    "wide": os.path.join(os.path.dirname(os.path.abspath(__file__)), "wide_digits.py"),  # 8.6M parameters
+}
+TRANSFER = re.compile(r"round (\d+): state of rank \d+ sent to ranks (.*) \((\d+) bytes\) in ([\d.]+) s")
+
+
+def recovery_split(job_dir: str, killed_at: float) -> dict[str, float]:
+    """Where one recovery's seconds went, from the job's events and its workers' logs:
+    detection (kill -> the regroup's round proposed), regroup (-> every member called in and the
+    ledger settled), state transfer (the slowest member's, as its log says), first step (the
+    rest, to the first applied step)."""
+    with open(os.path.join(job_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    proposed = next(e for e in events if e["event"] == "round_proposed" and e["time"] > killed_at)
+    regrouped = next(e for e in events if e["event"] == "regrouped" and e["round"] >= proposed["round"])
+    recovered = next(e for e in events if e["event"] == "recovered" and e["round"] == regrouped["round"])
+    transfer, sent_to = 0.0, "?"
+    for path in glob.glob(os.path.join(job_dir, "logs", "w*.log")):
+        for line in open(path):
+            m = TRANSFER.search(line)
+            if m and int(m.group(1)) == regrouped["round"]:
+                transfer, sent_to = max(transfer, float(m.group(4))), m.group(2)
+    first_step = recovered["step_time"] - regrouped["time"]
+    return {"detection": proposed["time"] - killed_at, "regroup": regrouped["time"] - proposed["time"],
+            "state transfer": transfer, "first step": first_step - transfer, "sent to": sent_to}
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -35,9 +64,9 @@ def first_step_after(log: str, moment: float) -> float | None:
     return min(later) if later else None
 
 
-def elastic_recovery(workers: int, data: str, root: str, kills: int) -> list[float]:
+def elastic_recovery(workers: int, data: str, root: str, kills: int, model: str = MODEL, splits: list | None = None) -> list[float]:
     job_dir = os.path.join(root, "elastic")
-    job = elastic_step("train", "--model-def", MODEL, "--data", data, "--job-dir", job_dir, "--workers", f"2:{workers}",
+    job = elastic_step("train", "--model-def", model, "--data", data, "--job-dir", job_dir, "--workers", f"2:{workers}",
                        "--epochs", "400", "--minibatch-size", "32", "--no-progress", "--max-relaunches", str(kills + 1),
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -63,6 +92,8 @@ def elastic_recovery(workers: int, data: str, root: str, kills: int) -> list[flo
             # The master records the first applied step after each regroup (rank 0's clock,
             # the same machine's as ours).
             results.append(wait_until(lambda: recovered_after(killed_at), 60, "no recovery") - killed_at)
+            if splits is not None:
+                splits.append(recovery_split(job_dir, killed_at))
     finally:
         job.send_signal(signal.SIGTERM)
         job.wait(30)
@@ -83,14 +114,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_recovery(workers: int, data: str, root: str, kills: int) -> list[float]:
+def torchrun_recovery(workers: int, data: str, root: str, kills: int, model: str = MODEL) -> list[float]:
     log, pids, ckpt = (os.path.join(root, n) for n in ("torchrun.jsonl", "pids", "ckpt"))
     os.makedirs(pids, exist_ok=True)
     os.makedirs(ckpt, exist_ok=True)
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     run = torchrun("--nnodes", "1:2", "--nproc-per-node", str(workers), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", str(kills + 1),
-                   os.path.join(os.path.dirname(__file__), "ddp_peer.py"), "--model-def", MODEL, "--data", data,
+                   os.path.join(os.path.dirname(__file__), "ddp_peer.py"), "--model-def", model, "--data", data,
                    "--epochs", "400", "--minibatch-size", "32", "--step-log", log, "--checkpoint-dir", ckpt,
                    "--checkpoint-every", "50", "--pid-dir", pids, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = []
@@ -118,14 +149,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--model", choices=sorted(MODELS), default="small",
+                        help="small: 17k parameters; wide: 8.6M (34 MB of weights, 69 MB of state with momentum)")
+    parser.add_argument("--no-peer", action="store_true", help="elastic-step only (torchrun's restarts take minutes)")
     args = parser.parse_args()
-    print(f"recovery: SIGKILL 1 of {args.workers} workers, digits MLP; {machine()}")
+    print(f"recovery: SIGKILL 1 of {args.workers} workers, {args.model} digits MLP; {machine()}")
+    splits: list[dict] = []
     with tempfile.TemporaryDirectory() as root:
         data = prepared_digits(root)
-        ours = elastic_recovery(args.workers, data, root, args.kills)
-        theirs = torchrun_recovery(args.workers, data, root, args.kills)
-    a, b = statistics.median(ours), statistics.median(theirs)
+        ours = elastic_recovery(args.workers, data, root, args.kills, MODELS[args.model], splits)
+        theirs = [] if args.no_peer else torchrun_recovery(args.workers, data, root, args.kills, MODELS[args.model])
+    a = statistics.median(ours)
     print(f"  elastic-step: median {a:.3f}s  ({', '.join(f'{x:.3f}' for x in ours)})   target <= 0.5 s")
+    for split in splits:
+        print("    " + ", ".join(f"{k} {v:.3f}s" if isinstance(v, float) else f"{k} {v}" for k, v in split.items()))
+    if not theirs:
+        return
+    b = statistics.median(theirs)
     print(f"  torchrun:     median {b:.3f}s  ({', '.join(f'{x:.3f}' for x in theirs)})")
     print(f"  ratio elastic-step / torchrun: {a / b:.3f}   (target <= {1 / 15:.3f})")
 
