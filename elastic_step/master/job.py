@@ -118,10 +118,14 @@ class ApiServer:
             time.sleep(0.01)
 
     def stop(self) -> None:
-        # A live page that is watching gets one more refresh, so it shows how the job ended.
+        # A live page that is watching gets one more refresh, so it shows how the job ended: wait
+        # for its next poll (a few refresh periods at most; a slow machine makes polls late).
+        ended = time.monotonic()
         polled = getattr(self.app.state, "last_page_poll", None)
-        if polled is not None and time.monotonic() - polled < 5 * PAGE_REFRESH_S:
-            time.sleep(max(0.0, polled + PAGE_REFRESH_S + 0.5 - time.monotonic()))
+        if polled is not None and ended - polled < 5 * PAGE_REFRESH_S:
+            while self.app.state.last_page_poll <= ended and time.monotonic() - ended < 3 * PAGE_REFRESH_S:
+                time.sleep(0.05)
+            time.sleep(0.2)  # the poll's other requests (status, events) come with it
         self.server.should_exit = True
         if self.thread.is_alive():
             self.thread.join(5)
