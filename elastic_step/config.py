@@ -53,6 +53,7 @@ class TrainConfig:
     parent_run_id: str | None = None
     checkpoint_steps: int = defaults.CHECKPOINT_STEPS
     keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
+    keep_best: str | None = None  # METRIC[:min|max]: also keep the best validated checkpoint
     resume: bool = False
     init_from: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -77,6 +78,13 @@ class TrainConfig:
         for name in ("heartbeat_timeout", "rendezvous_timeout", "collective_timeout", "master_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.keep_best is not None:
+            from elastic_step.tracking.checkpoints import parse_best_rule
+
+            try:
+                parse_best_rule(self.keep_best)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.checkpoint_steps < 0 or self.keep_checkpoints < 1:
             raise ConfigError("--checkpoint-steps must be >= 0 (0 turns checkpoints off) and --keep-checkpoints >= 1")
         if not 0 <= self.port <= 65535:

@@ -75,3 +75,46 @@ def test_best_rules_parse_with_sensible_directions_and_refuse_nonsense():
     for bad in ("", ":max", "accuracy:up"):
         with pytest.raises(ValueError, match="--keep-best .*: give a validation metric"):
             parse_best_rule(bad)
+
+
+# -- a real job --------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_a_job_keeps_its_best_validated_checkpoint_and_a_later_job_starts_from_it(digits, start_job, tmp_path):
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from conftest import MODEL
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = ["--data", digits, "--workers", "2", "--model-def", MODEL, "--minibatch-size", "16", "--mlflow-uri", uri]
+    job = start_job(*common, "--epochs", "4", "--checkpoint-steps", "1000", "--keep-checkpoints", "1",
+                    "--keep-best", "val_accuracy", name="best")
+    assert job.finish() == 0, job.output()
+    run = MlflowClient(uri).get_run(job.result()["run_id"])
+    step, metric, value = run.data.tags[BEST_TAG].split()
+    history = {m.step: m.value for m in MlflowClient(uri).get_metric_history(run.info.run_id, "val_accuracy")}
+    assert metric == "accuracy" and float(value) == max(history.values()) == history[int(step)]
+    kept = [int(s) for s in run.data.tags["elastic_step.checkpoints"].split(",")]
+    assert int(step) in kept and len(kept) <= 2  # the newest one, and the best where it is another
+
+    cold = start_job(*common, "--epochs", "1", name="cold")
+    warm = start_job(*common, "--epochs", "1", "--init-from", f"{run.info.run_id}:best", name="warm")
+    assert cold.finish() == 0 and warm.finish() == 0, warm.output()
+
+    def first_loss(j):
+        with open(os.path.join(j.job_dir, "metrics.jsonl")) as f:
+            return json.loads(f.readline())["loss"]
+
+    assert first_loss(warm) < 0.5 * first_loss(cold)
+
+
+def test_a_bad_keep_best_is_one_line_before_anything_starts(digits, tmp_path):
+    from conftest import MODEL, cli
+
+    done = cli("train", "--data", digits, "--model-def", MODEL, "--job-dir", str(tmp_path / "job"), "--keep-best", "accuracy:up",
+               "--no-progress")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ("elastic-step train: error: --keep-best 'accuracy:up': give a validation "
+                                                   "metric, optionally with :min or :max (e.g. accuracy:max)")
+    assert not (tmp_path / "job").exists()

@@ -48,8 +48,12 @@ def register(sub) -> None:
     t.add_argument("--checkpoint-steps", type=int, default=defaults.CHECKPOINT_STEPS,
                    help="checkpoint every K steps and at each epoch end (0: never; default %(default)s)")
     t.add_argument("--keep-checkpoints", type=int, default=defaults.KEEP_CHECKPOINTS, help="default %(default)s")
+    t.add_argument("--keep-best", metavar="METRIC[:min|max]",
+                   help="also keep the checkpoint with the best validation METRIC (e.g. accuracy, loss:min; without "
+                        "a direction, names ending in loss or error are minimised); --init-from RUN_ID:best names it")
     t.add_argument("--resume", action="store_true", help="continue this job's run from its newest committed checkpoint")
-    t.add_argument("--init-from", help="warm start: models:/NAME@ALIAS, a model URI, or a run id (its newest checkpoint)")
+    t.add_argument("--init-from", help="warm start: models:/NAME@ALIAS, a model URI, a run id (its newest checkpoint), "
+                                      "or RUN_ID:best (its best checkpoint, see --keep-best)")
     t.add_argument("--warm-start-alias", metavar="ALIAS",
                    help="with --registered-model: warm start from models:/NAME@ALIAS when it exists, else from scratch "
                         "(a scheduled retrain before the first champion)")
@@ -111,7 +115,7 @@ def train_config(args) -> TrainConfig:
         rendezvous_timeout=args.rendezvous_timeout, startup_grace=args.startup_grace,
         collective_timeout=args.collective_timeout, master_timeout=args.master_timeout, progress=args.progress,
         mlflow_uri=args.mlflow_uri, experiment=args.experiment, parent_run_id=args.parent_run_id,
-        checkpoint_steps=args.checkpoint_steps, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+        checkpoint_steps=args.checkpoint_steps, keep_checkpoints=args.keep_checkpoints, keep_best=args.keep_best, resume=args.resume,
         init_from=init_from, worker_env=stores.worker_env(),
         # --backend kubernetes
         namespace=args.namespace, image=args.image, worker_cpu=args.worker_cpu, worker_memory=args.worker_memory,

@@ -12,7 +12,7 @@ import os
 import re
 import threading
 
-from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore
+from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore, parse_best_rule
 from elastic_step.tracking.run import RunTracker, TrackingError, connect, default_tracking_uri
 from elastic_step.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardLog
 from elastic_step.tracking.uri import redact
@@ -67,6 +67,7 @@ class TrainingRecorder:
         # Reopening a run first checks that its data, model and task size are this job's.
         self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id, params=self.params)
         self.checkpoints = CheckpointStore(self.tracker, os.path.join(config.job_dir, "checkpoints"), config.keep_checkpoints,
+                                           keep_best=parse_best_rule(config.keep_best) if config.keep_best else None,
                                            sync_before_commit=[config.audit] if config.audit else [])
         self._evaluated_epoch = 0
         self._finished = False
@@ -90,9 +91,12 @@ class TrainingRecorder:
         return self.checkpoints.latest() if self.resumed else None
 
     def warm_start_model(self, source: str) -> bytes:
-        """Parameters from `models:/NAME@ALIAS` (or any model URI), or a run's newest checkpoint."""
+        """Parameters from `models:/NAME@ALIAS` (or any model URI), a run's newest checkpoint, or
+        with `RUN_ID:best` the best checkpoint the run kept (`--keep-best`)."""
         run_id = source[len("runs:/"):].split("/")[0] if source.startswith("runs:/") else source
         try:
+            if run_id.endswith(":best") and RUN_ID.match(run_id[:-len(":best")]):
+                return self.trainer.model_bytes_of_state(self.checkpoints.best_checkpoint(run_id[:-len(":best")]).state)
             if RUN_ID.match(run_id):
                 checkpoint = self.checkpoints.latest(run_id)
                 if checkpoint is not None:
@@ -176,6 +180,7 @@ class TrainingRecorder:
         with self.trainer_lock:
             self.trainer.load_state_bytes(state)
             metrics = evaluate(self.trainer, self.model_def, self.manifest, "val")
+        self.checkpoints.validated(step, metrics)  # the best one so far is kept (--keep-best)
         for name, value in metrics.items():
             if name != "rows":
                 self.tracker.client.log_metric(self.run_id, f"val_{name}", value, step=step)
