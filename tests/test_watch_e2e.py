@@ -97,7 +97,10 @@ def test_watch_a_live_job_then_stop_it_and_resume_it_exactly(digits, start_job, 
     assert code == 0 and "job job: stopped" in out and "stop_requested" in out, out
     from mlflow.tracking import MlflowClient
 
-    run_id = json.load(open(os.path.join(job.job_dir, "result.json")))["run_id"]
+    stopped_result = json.load(open(os.path.join(job.job_dir, "result.json")))
+    assert stopped_result["state"] == "stopped" and stopped_result["checkpoint_step"] == step
+    assert stopped_result["relaunches"] == 1 and stopped_result["regroups"] >= 2
+    run_id = stopped_result["run_id"]
     mlflow = MlflowClient(f"sqlite:///{os.path.join(job.job_dir, 'mlflow.db')}")
     assert mlflow.get_run(run_id).info.status == "KILLED"
     assert mlflow.get_run(run_id).data.tags["elastic_step.checkpoint"] == str(step)
@@ -119,6 +122,7 @@ def test_watch_a_live_job_then_stop_it_and_resume_it_exactly(digits, start_job, 
     second, resumed_from = resume_exactly(start_job, args, digits, epochs=EPOCHS)
     assert resumed_from == step
     assert mlflow.get_run(run_id).info.status == "FINISHED"
+    assert second.result()["relaunches"] == 0 and second.result()["regroups"] >= 1
     scalars = read_scalars(os.path.join(job.job_dir, "tensorboard"))
     assert scalars["validation/accuracy"] and max(step for step, _ in scalars["train/loss"]) == second.result()["steps"]
     code, out, _ = run(capsys, "get", job.job_dir)

@@ -54,6 +54,9 @@ class JobResult:
     rows_audited: int
     recoveries_s: list[float]
     seconds: float
+    # The membership history, for a pipeline's Metrics output: relaunched workers, re-formed rounds.
+    relaunches: int = 0
+    regroups: int = 0
 
     def to_json(self) -> dict:
         return self.__dict__
@@ -326,6 +329,7 @@ def stop_job(config: TrainConfig, recorder: TrainingRecorder, master: Master, st
         "state": "stopped", "run_id": recorder.run_id, "mlflow_uri": recorder.shown_uri, "job_dir": config.job_dir,
         "checkpoint_step": newest, "steps": master.ledger.applied_step, "seconds": round(time.time() - started, 2),
         "recoveries_s": [e["seconds"] for e in master.events.of("recovered")],
+        "relaunches": len(master.events.of("relaunched")), "regroups": len(master.events.of("regrouped")),
     })
     where = f"its checkpoint of step {newest}" if newest is not None else "the start"
     raise JobStopped(f"job {config.job_name} stopped; `elastic-step train` with the same options and --resume "
@@ -377,6 +381,7 @@ def finish_job(config: TrainConfig, manifest, recorder: TrainingRecorder, traine
         job_dir=config.job_dir, model_dir=model_dir, test_metrics=metrics, steps=ledger.applied_step,
         rows_audited=ledger.rows_final, recoveries_s=[e["seconds"] for e in master.events.of("recovered")],
         seconds=round(time.time() - started, 2),
+        relaunches=len(master.events.of("relaunched")), regroups=len(master.events.of("regrouped")),
     )
     if config.audit and os.path.exists(config.audit):
         fsync_path(config.audit)  # the audit is whole on disk before the result vouches for it
