@@ -22,7 +22,7 @@ import httpx
 import pytest
 from kubernetes import client as k8s
 
-from cluster import Cluster, role_rules, venv_image
+from cluster import Cluster, Image, role_rules, venv_image
 from conftest import SLOW_MODEL
 from elastic_step.audit import audit_report
 from elastic_step.protocol import API
@@ -124,6 +124,48 @@ class MasterOnNode:
 
 
 def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_killed_hung_and_oom_killed_workers(tmp_path, digits, s3, cluster):
+    train_through_failures(cluster, s3, digits)
+
+
+@pytest.fixture(scope="module")
+def docker_daemon():
+    """A Docker daemon of the test's own, with the image `make image-smoke` builds (built here
+    first, by images/smoke.sh, when its data root does not hold it yet)."""
+    from cluster.runtime import DockerDaemon
+    from cluster.rbac import REPO
+    from elastic_step.images import default_image
+
+    work = os.environ.get("IMAGE_SMOKE_DIR") or os.path.join(REPO, "build", "image-smoke")
+    daemon = DockerDaemon(work).start()
+    if not daemon.has_image(default_image()):
+        daemon.stop()
+        import subprocess
+
+        built = subprocess.run([os.path.join(REPO, "images", "smoke.sh")], capture_output=True, text=True,
+                               env={**os.environ, "IMAGE_SMOKE_DIR": work})
+        assert built.returncode == 0 and "PASSED" in built.stdout, built.stdout[-3000:] + built.stderr[-2000:]
+        daemon.start()
+    yield daemon
+    daemon.stop()
+
+
+def test_the_same_job_with_every_pod_a_docker_container_of_the_built_image(tmp_path, digits, s3, docker_daemon):
+    """The kubelet's Docker runtime: each container is `docker run --network host` of the image
+    `make image-smoke` built (the model definition bind-mounted beside it, as a derived image
+    would add it); SIGKILL is `docker kill`, a hang `docker pause`, the OOM kill Docker's."""
+    from elastic_step.images import default_image
+
+    layer = tmp_path / "image-layer"
+    layer.mkdir()
+    shutil.copy(SLOW_MODEL, layer / "slow_digits.py")
+    os.chmod(layer, 0o755)
+    image = Image(TEST_IMAGE, {"PYTHONPATH": "/image/layer0"}, layers={"/image/layer0": str(layer)}, docker=default_image())
+    with Cluster(str(tmp_path / "cluster"), images={TEST_IMAGE: image}, docker=docker_daemon) as cluster:
+        print(f"kubelet runtime: {cluster.kubelet.mode}")
+        train_through_failures(cluster, s3, digits)
+
+
+def train_through_failures(cluster, s3, digits):
     data = upload(s3, digits, BUCKET, "digits")
     epochs = 3
     args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}",

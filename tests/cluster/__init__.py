@@ -21,7 +21,7 @@ from kubernetes import client as k8s
 
 from .apiserver import ApiServer
 from .kubelet import Kubelet
-from .runtime import Image, venv_image
+from .runtime import DockerRuntime, Image, venv_image
 from .rbac import DEPLOY_RBAC, REPO, SUPERUSER, Authorizer, kustomize_namespace, read_manifests, service_account_user
 
 __all__ = ["Cluster", "Image", "venv_image", "role_rules"]
@@ -96,7 +96,9 @@ class Cluster:
     kustomization's own namespace by default); namespaces `default` and `other` exist too."""
 
     def __init__(self, root: str, namespace: str | None = None, images: dict[str, Image] | None = None,
-                 isolate: bool | None = None):
+                 isolate: bool | None = None, docker=None):
+        """`docker`: a started runtime.DockerDaemon: containers run as Docker containers of their
+        image's `docker` image (`--network host`); else the process runtime."""
         from elastic_step.images import default_image
 
         self.root = str(root)
@@ -104,6 +106,7 @@ class Cluster:
         self.project_image = default_image()
         self.images = {self.project_image: venv_image(self.project_image), **(images or {})}
         self.isolate = isolate
+        self.docker = docker
         self.authorizer = Authorizer()
         self.admin_token = self.authorizer.issue_token(SUPERUSER)
         self.server: ApiServer | None = None
@@ -137,7 +140,8 @@ class Cluster:
         self.authorizer.add_role("", "kubelet", KUBELET_RULES)
         self.authorizer.add_binding("", {"kind": "ClusterRole", "name": "kubelet"}, [{"kind": "User", "name": KUBELET_USER}])
         self.kubelet = Kubelet(self.core(self.authorizer.issue_token(KUBELET_USER)), os.path.join(self.root, "node"),
-                               self.images, "127.0.0.1", self.server.port, isolate=self.isolate)
+                               self.images, "127.0.0.1", self.server.port, isolate=self.isolate,
+                               runtime=DockerRuntime(self.docker) if self.docker is not None else None)
         self.server.log_reader = self.kubelet.read_log
         self.kubelet.start()
         return self

@@ -88,14 +88,14 @@ class PodRecord:
 
 class Kubelet:
     def __init__(self, api: k8s.CoreV1Api, root: str, images: dict[str, Image], service_host: str, service_port: int,
-                 isolate: bool | None = None):
+                 isolate: bool | None = None, runtime=None):
         self.api = api
         self.root = root
         self.images = images
         self.service_env = {"KUBERNETES_SERVICE_HOST": service_host, "KUBERNETES_SERVICE_PORT": str(service_port),
                             "KUBERNETES_PORT": f"tcp://{service_host}:{service_port}"}
-        self.runtime = ProcessRuntime(isolate)
-        self.inputs = PodInputs(api, memory_tmpfs=self.runtime.isolation == "namespaces")
+        self.runtime = runtime or ProcessRuntime(isolate)  # or a DockerRuntime
+        self.inputs = PodInputs(api, memory_tmpfs=self.runtime.isolation in ("namespaces", "docker"))
         self.pods: dict[str, PodRecord] = {}  # uid -> record
         self.past_logs: dict[tuple[str, str], bytes] = {}  # (namespace, pod) -> the log's tail, once the pod is gone
         self.lock = threading.RLock()
@@ -168,8 +168,8 @@ class Kubelet:
     def container_file(self, namespace: str, name: str, container: str, path: str) -> str:
         """Where a file of a container's own /tmp lies on the node, while it runs and after it
         ended (what `docker cp` or `kubectl exec ... cat` reads); namespaces runtime only."""
-        if self.isolation != "namespaces" or not (path == "/tmp" or path.startswith("/tmp/")):
-            raise ValueError(f"only /tmp of a container of the namespaces runtime is on the node, not {path}")
+        if self.isolation not in ("namespaces", "docker") or not (path == "/tmp" or path.startswith("/tmp/")):
+            raise ValueError(f"only /tmp of a container of the namespaces or Docker runtime is on the node, not {path}")
         record = self.record(namespace, name)
         c = next((c for c in record.init_containers + record.containers if c.name == container), None)
         if c is None:

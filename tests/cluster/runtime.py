@@ -31,6 +31,7 @@ class Image:
     home: str = "/home/elastic"
     paths: list[str] = field(default_factory=list)  # host folders the image's files live in, if under a private folder
     layers: dict[str, str] = field(default_factory=dict)  # folder in the image -> the host folder with its files
+    docker: str | None = None  # the Docker image the Docker runtime runs (its own ENV, USER, files)
 
 
 def venv_image(name: str, extra_path: list[str] | None = None) -> Image:
@@ -186,3 +187,151 @@ class ProcessRuntime:
                 self.remove_cgroup(path, tries=1)
             if self.cgroups:
                 time.sleep(0.1)
+
+
+# -- the Docker runtime ---------------------------------------------------------------------------
+class DockerDaemon:
+    """A Docker daemon of the test's own (as images/smoke.sh starts one): no bridge, no iptables,
+    so `--network host` is the only network; its data root is image-smoke's, where `make
+    image-smoke` left the built image. Stopped by its pid."""
+
+    def __init__(self, work: str):
+        self.work = work
+        self.socket = os.path.join(work, "docker.sock")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "DOCKER_HOST": f"unix://{self.socket}"}
+
+    def start(self) -> "DockerDaemon":
+        os.makedirs(self.work, exist_ok=True)
+        with open(os.path.join(self.work, "dockerd.log"), "ab") as log:
+            self.proc = subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false", "--data-root", os.path.join(self.work, "data"),
+                                          "--exec-root", os.path.join(self.work, "exec"), "--pidfile", os.path.join(self.work, "dockerd.pid"),
+                                          "-H", f"unix://{self.socket}"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if subprocess.run(["docker", "version"], env=self.env, capture_output=True).returncode == 0:
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"dockerd did not start (see {self.work}/dockerd.log)")
+
+    def __enter__(self) -> "DockerDaemon":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def has_image(self, image: str) -> bool:
+        return subprocess.run(["docker", "image", "inspect", image], env=self.env, capture_output=True).returncode == 0
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for mount in (os.path.join(self.work, "exec", "netns", "default"), os.path.join(self.work, "data")):
+            if subprocess.run(["mountpoint", "-q", mount]).returncode == 0:
+                subprocess.run(["umount", mount])
+        self.proc = None
+
+
+class DockerRuntime:
+    """Each container is `docker run --network host` of the image's Docker image (`Image.docker`):
+    its user, its memory limit (`--memory`, swap off: the kernel's OOM kill is Docker's
+    `State.OOMKilled`), the volumes bind-mounted, its /tmp a folder on the node, its env from an
+    env file (never the command line), the image's writable layer as its root. `signal`: SIGKILL is `docker kill`, SIGSTOP `docker
+    pause`, SIGCONT `docker unpause`, SIGTERM `docker kill --signal TERM`. The `docker run`
+    client process stands for the container (its exit status is the container's)."""
+
+    isolation = "docker"
+    cgroup_parent = None
+
+    def __init__(self, daemon: DockerDaemon):
+        self.daemon = daemon
+        self.names: set[str] = set()
+
+    @property
+    def mode(self) -> str:
+        return "docker (docker run --network host of the built image; memory limits by Docker's cgroup)"
+
+    def run(self, folder: str, cgroup_name: str, image: Image, argv: list[str], env: dict[str, str],
+            binds: list[tuple[str, str, bool]], tmpfs: list[str], uid: int, gid: int, groups: list[int], cwd: str,
+            memory_limit: str | None) -> Started:
+        if not image.docker:
+            raise RuntimeError(f"image {image.name} has no Docker image to run")
+        os.makedirs(folder)
+        tmp = os.path.join(folder, "tmp")
+        os.makedirs(tmp)
+        os.chmod(tmp, 0o1777)
+        name = f"{cgroup_name}-{os.urandom(3).hex()}"
+        env_file = os.path.join(folder, "env")  # mode 600: secrets never on a command line
+        with open(os.open(env_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            for key, value in env.items():
+                if key != "PATH":  # the image's own
+                    if "\n" in value:
+                        raise RuntimeError(f"env {key}: a value with a newline cannot go into a Docker env file")
+                    f.write(f"{key}={value}\n")
+        command = ["docker", "run", "--name", name, "--network", "host", "--user", f"{uid}:{gid}", "--env-file", env_file,
+                   "--workdir", cwd, "--init", "--shm-size", "2g"]
+        if not any(target.rstrip("/") == "/tmp" for _, target, _ in binds):  # else a volume is its /tmp
+            command += ["-v", f"{tmp}:/tmp"]
+        for group in groups:
+            if group != gid:
+                command += ["--group-add", str(group)]
+        for target in tmpfs:
+            if target != "/dev/shm":
+                command += ["--tmpfs", f"{target}:mode=1777"]
+        for target, host in image.layers.items():
+            command += ["-v", f"{host}:{target}:ro"]
+        for host, target, read_only in binds:
+            command += ["-v", f"{host}:{target}{':ro' if read_only else ''}"]
+        if memory_limit:
+            command += ["--memory", str(parse_memory(memory_limit)), "--memory-swap", str(parse_memory(memory_limit))]
+        command += ["--entrypoint", argv[0], image.docker, *argv[1:]]
+        log_path = os.path.join(folder, "log")
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(command, env=self.daemon.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        proc.container = name  # type: ignore[attr-defined]
+        self.names.add(name)
+        return Started(proc, name, log_path)
+
+    def _docker(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["docker", *args], env=self.daemon.env, capture_output=True, text=True)
+
+    def signal(self, proc: subprocess.Popen, sig: int) -> None:
+        if proc.poll() is not None:
+            return
+        name = proc.container  # type: ignore[attr-defined]
+        if sig == 19:  # SIGSTOP
+            self._docker("pause", name)
+        elif sig == 18:  # SIGCONT
+            self._docker("unpause", name)
+        else:
+            self._docker("kill", "--signal", str(sig), name)
+
+    def fill_memory(self, proc: subprocess.Popen, cgroup: str | None, megabytes: int) -> None:
+        """`docker exec` a writer of /dev/shm (memory-backed, charged to the container's cgroup)."""
+        subprocess.Popen(["docker", "exec", proc.container, "sh", "-c",  # type: ignore[attr-defined]
+                          f"head -c {megabytes * 2**20} /dev/zero > /dev/shm/.fill"],
+                         env=self.daemon.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def oom_killed(self, name: str | None) -> bool:
+        return bool(name) and self._docker("inspect", "-f", "{{.State.OOMKilled}}", name).stdout.strip() == "true"
+
+    def remove_cgroup(self, name: str | None, tries: int = 1) -> None:
+        if name:
+            self._docker("rm", "-f", name)
+            self.names.discard(name)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for name in list(self.names):
+            self.remove_cgroup(name)
