@@ -26,7 +26,8 @@ def read_master_info(job_dir: str) -> dict:
         raise MasterUnreachable(f"no running job in {job_dir}: cannot read {path} ({exc})") from None
 
 
-def _read_token(info: dict, job_dir: str) -> str:
+def _read_token(info: dict, job_dir: str) -> tuple[str, bool]:
+    """The job token, else the read-only one; and whether it is the read-only one."""
     problems = []
     for key in ("token_file", "view_token_file"):
         path = info.get(key)
@@ -34,7 +35,7 @@ def _read_token(info: dict, job_dir: str) -> str:
             continue
         try:
             with open(path) as f:
-                return f.read().strip()
+                return f.read().strip(), key == "view_token_file"
         except OSError as exc:
             problems.append(f"{path}: {exc.strerror}")
     raise MasterUnreachable(f"cannot read the job's token in {job_dir} ({'; '.join(problems) or 'master.json names none'}); "
@@ -46,7 +47,7 @@ class JobClient:
         self.job_dir = job_dir
         self.info = read_master_info(job_dir)
         try:
-            token = _read_token(self.info, job_dir)
+            token, self.read_only = _read_token(self.info, job_dir)
             url = self.info["url"]
         except KeyError as exc:
             raise MasterUnreachable(f"no running job in {job_dir}: master.json lacks {exc}") from None
@@ -61,6 +62,9 @@ class JobClient:
                 "it may be overloaded or paused: try again, or check its process") from None
         except httpx.HTTPError as exc:
             raise MasterUnreachable(f"the job in {self.job_dir} is not running (master {self.info['url']}: {exc})") from None
+        if reply.status_code == 401 and self.read_only and method != "GET":
+            raise WrongToken(f"only the job's read-only token is readable here, and it cannot steer the job; "
+                             f"run this as the user who can read {self.info.get('token_file')}")
         if reply.status_code == 401:
             raise WrongToken(f"the master at {self.info['url']} refused the token in {self.job_dir}: it belongs to another "
                              "run of the job; read the token files of the job folder this master wrote")

@@ -83,7 +83,7 @@ def test_the_view_token_watches_but_cannot_steer(capsys, tmp_path, master):
     assert main(["get", str(tmp_path / "j")]) == 0
     capsys.readouterr()
     err = one_line_error(capsys, "stop", str(tmp_path / "j"))
-    assert "token" in err and state.stop_request is None
+    assert "read-only token" in err and "cannot steer" in err and state.stop_request is None
 
 
 def test_a_wrong_token_says_whose_it_is(capsys, tmp_path, master):
