@@ -51,6 +51,7 @@ class TrainConfig:
     mlflow_uri: str | None = None  # default: MLFLOW_TRACKING_URI, else SQLite in the job dir
     experiment: str = defaults.EXPERIMENT
     parent_run_id: str | None = None
+    pipeline_run_id: str = ""  # the pipeline run this step is a task of (a retried task resumes its run)
     checkpoint_steps: int = defaults.CHECKPOINT_STEPS
     keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
     keep_best: str | None = None  # METRIC[:min|max]: also keep the best validated checkpoint

@@ -54,9 +54,6 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
                storage_options: dict | None = None) -> TrainStepResult:
     """`storage_options`: fsspec options for `data`'s store (e.g. the endpoint of KFP's MinIO), applied
     here and handed to the workers."""
-    if pipeline_run_id:
-        # The run tracker finds a retried task's run by this (tracking.run.pipeline_run_id).
-        os.environ["ELASTIC_STEP_PIPELINE_RUN_ID"] = pipeline_run_id
     if storage_options:
         stores.set_storage_options(data, storage_options)
     init_from = init_from or warm_start_source(registered_model, warm_start_alias, mlflow_uri or None)
@@ -67,6 +64,7 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
         workers=workers, epochs=epochs, minibatch_size=minibatch_size,
         minibatches_per_task=minibatches_per_task, checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
         mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None, progress=False,
+        pipeline_run_id=pipeline_run_id,  # a retried task finds and resumes its run by it
         worker_env=stores.worker_env(),  # the store's location and options for the workers (never credentials)
     )
     job = run_job(config)

@@ -1,11 +1,26 @@
 """Finding a job's run again: `--resume`, and a retried pipeline step by its run id tag."""
 
+import os
+
 from elastic_step.tracking.run import RunTracker, connect
 
 
-def tracker(tmp_path, job="job"):
+def tracker(tmp_path, job="job", pipeline_run=""):
     client = connect(f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path))
-    return RunTracker(client, "exp", job, str(tmp_path / "artifacts"))
+    return RunTracker(client, "exp", job, str(tmp_path / "artifacts"), pipeline_run)
+
+
+def test_a_retried_pipeline_task_finds_its_run_by_the_pipeline_run_it_is_given(tmp_path, monkeypatch):
+    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    first = tracker(tmp_path, pipeline_run="kfp-run-7")
+    assert first.start(resume=False) is False
+    assert first.client.get_run(first.run_id).data.tags["elastic_step.pipeline_run_id"] == "kfp-run-7"
+    retry = tracker(tmp_path, pipeline_run="kfp-run-7")
+    assert retry.start(resume=False) is True and retry.run_id == first.run_id
+    other = tracker(tmp_path, pipeline_run="kfp-run-8")
+    assert other.start(resume=False) is False and other.run_id != first.run_id
+    assert "ELASTIC_STEP_PIPELINE_RUN_ID" not in os.environ  # passed as a value, not through the environment
 
 
 def test_a_retried_pipeline_step_reopens_its_run_and_a_finished_one_does_not(tmp_path, monkeypatch):
@@ -23,7 +38,7 @@ def test_a_retried_pipeline_step_reopens_its_run_and_a_finished_one_does_not(tmp
 
 
 def test_resume_finds_the_jobs_run_without_a_pipeline_and_nests_under_a_parent(tmp_path, monkeypatch):
-    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME", "ELASTIC_STEP_PIPELINE_RUN_ID"):
+    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME"):
         monkeypatch.delenv(name, raising=False)
     parent = tracker(tmp_path, job="pipeline")
     parent.start(resume=False)
@@ -37,7 +52,7 @@ def test_resume_finds_the_jobs_run_without_a_pipeline_and_nests_under_a_parent(t
 
 
 def test_resume_finds_a_run_by_its_exact_job_name_whatever_characters_it_holds(tmp_path, monkeypatch):
-    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME", "ELASTIC_STEP_PIPELINE_RUN_ID"):
+    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME"):
         monkeypatch.delenv(name, raising=False)
     names = ["it's", 'say "hi"', "both ' and \"", "x' or tags.`elastic_step.job` != '", "job", "job "]
     runs = {}
@@ -57,7 +72,7 @@ def test_resume_refuses_a_run_of_other_data_model_or_task_size_and_leaves_it_as_
 
     from elastic_step.errors import ConfigError
 
-    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME", "ELASTIC_STEP_PIPELINE_RUN_ID"):
+    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME"):
         monkeypatch.delenv(name, raising=False)
     params = {"data_content_hash": "aaa", "model_def": "m.py", "model_def_sha256": "111", "rows_per_task": 32, "epochs": 3}
     first = tracker(tmp_path)

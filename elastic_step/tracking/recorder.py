@@ -62,7 +62,7 @@ class TrainingRecorder:
         artifacts = None
         if self.uri.startswith("sqlite:///"):
             artifacts = os.path.join(os.path.dirname(os.path.abspath(self.uri[len("sqlite:///"):])), "mlartifacts")
-        self.tracker = RunTracker(self.client, config.experiment, config.job_name, artifacts)
+        self.tracker = RunTracker(self.client, config.experiment, config.job_name, artifacts, config.pipeline_run_id)
         self.params = job_params(config, manifest, model_def)
         # Reopening a run first checks that its data, model and task size are this job's.
         self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id, params=self.params)

@@ -54,9 +54,10 @@ def default_tracking_uri(job_dir: str) -> str:
     return f"sqlite:///{os.path.join(os.path.abspath(job_dir), 'mlflow.db')}"
 
 
-def pipeline_run_id() -> str:
-    """The pipeline run this step belongs to, when a pipeline runs it (KFP or Argo)."""
-    return os.environ.get("KFP_RUN_ID") or os.environ.get("ARGO_WORKFLOW_NAME") or os.environ.get("ELASTIC_STEP_PIPELINE_RUN_ID", "")
+def pipeline_run_id(given: str = "") -> str:
+    """The pipeline run this step belongs to, when a pipeline runs it: as the pipeline passed
+    it (KFP's PIPELINE_JOB_ID placeholder), else from the runner's environment (KFP, Argo)."""
+    return given or os.environ.get("KFP_RUN_ID") or os.environ.get("ARGO_WORKFLOW_NAME") or ""
 
 
 def connect(uri: str, job_dir: str):
@@ -105,9 +106,11 @@ def resume_mismatch(run_id: str, job_name: str, recorded: dict, current: dict) -
 
 
 class RunTracker:
-    def __init__(self, client, experiment: str, job_name: str, artifact_root: str | None = None):
+    def __init__(self, client, experiment: str, job_name: str, artifact_root: str | None = None, pipeline_run: str = ""):
         self.client = client
         self.job_name = job_name
+        # A retried pipeline task finds its earlier run by its job and this pipeline run.
+        self.pipeline_run = pipeline_run_id(pipeline_run)
         self.uploader = Uploader()
         found = client.get_experiment_by_name(experiment)
         if found is None:
@@ -122,7 +125,7 @@ class RunTracker:
     def find_run(self) -> str | None:
         """The newest unfinished run of this job (and of this pipeline run, when there is one):
         a finished run has nothing left to resume. Found by a digest tag, then matched exactly."""
-        pipeline_run = pipeline_run_id()
+        pipeline_run = self.pipeline_run
         query = f"tags.`{JOB_KEY_TAG}` = '{job_key(self.job_name, pipeline_run)}' and attributes.status != 'FINISHED'"
         runs = self.client.search_runs([self.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=50)
         for run in runs:
@@ -135,7 +138,7 @@ class RunTracker:
         """Start (or, resuming, reopen) the job's run. True when an earlier run was reopened.
         Reopening compares `params` with the run's own first: a mismatch in what a resume depends
         on is a ConfigError, and the run is left as it was."""
-        existing = self.find_run() if (resume or pipeline_run_id()) else None
+        existing = self.find_run() if (resume or self.pipeline_run) else None
         if existing:
             if params is not None:
                 mismatch = resume_mismatch(existing, self.job_name, self.client.get_run(existing).data.params, params)
@@ -145,9 +148,9 @@ class RunTracker:
             self.client.update_run(existing, status="RUNNING")
             return True
         tags = {JOB_TAG: self.job_name, "mlflow.runName": self.job_name,
-                JOB_KEY_TAG: job_key(self.job_name, pipeline_run_id())}
-        if pipeline_run_id():
-            tags[PIPELINE_RUN_TAG] = pipeline_run_id()
+                JOB_KEY_TAG: job_key(self.job_name, self.pipeline_run)}
+        if self.pipeline_run:
+            tags[PIPELINE_RUN_TAG] = self.pipeline_run
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
         self.run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
