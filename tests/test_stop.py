@@ -88,10 +88,13 @@ def test_without_a_checkpoint_in_time_the_job_stops_saying_so(monkeypatch):
 def test_the_reporter_turns_one_request_into_one_checkpoint():
     reporter = StepReporter(client=None, worker_id="w0.1")
     reporter._take_reply({"acked_step": 1, "epoch": 0})
-    assert reporter.epoch == 0
+    assert not reporter.checkpoint_requested
     reporter._take_reply({"acked_step": 2, "epoch": 0, "checkpoint_now": True})
-    assert reporter.epoch == 1  # the worker checkpoints its next step
+    assert reporter.checkpoint_requested  # the worker checkpoints its next step
+    reporter.checkpoint_requested = False  # (what the worker does when it takes it)
     reporter._take_reply({"acked_step": 3, "epoch": 0, "checkpoint_now": True})  # the same request, still open
-    assert reporter.epoch == 1
+    assert not reporter.checkpoint_requested
     reporter._take_reply({"acked_step": 4, "epoch": 1})  # an epoch's end still makes its own checkpoint
-    assert reporter.epoch == 2
+    assert reporter.epoch == 1 and not reporter.checkpoint_requested
+    reporter._take_reply({"acked_step": 5, "epoch": 1, "checkpoint_now": True})  # a new request
+    assert reporter.checkpoint_requested

@@ -74,19 +74,19 @@ class StepReporter(threading.Thread):
         self.client = client
         self.worker_id = worker_id
         self._queue: queue.Queue[tuple[int, StepRecord]] = queue.Queue()
-        # Rank 0 checkpoints its next step whenever this moves on: the master's epoch in
-        # progress, from its replies, plus one for each time the master asked for a checkpoint
-        # now (the job is stopping; it asks until a checkpoint step reaches it).
+        # Rank 0 checkpoints its next step whenever the master's epoch in progress (from its
+        # replies) moves on, and when the master asks for a checkpoint now (the job is stopping:
+        # it asks until a checkpoint step reaches it; one request, one checkpoint).
         self.epoch = 0
-        self._extra_checkpoints = 0
+        self.checkpoint_requested = False
         self._asked = False
 
     def _take_reply(self, reply: dict) -> None:
         asked = bool(reply.get("checkpoint_now", False))
         if asked and not self._asked:
-            self._extra_checkpoints += 1
+            self.checkpoint_requested = True
         self._asked = asked
-        self.epoch = max(self.epoch, reply.get("epoch", 0) + self._extra_checkpoints)
+        self.epoch = max(self.epoch, reply.get("epoch", 0))
 
     def push(self, round_id: int, record: StepRecord) -> None:
         self._queue.put((round_id, record))

@@ -304,8 +304,9 @@ class Worker:
         every = self.spec.checkpoint_steps
         if not every:
             return False
-        if self.step % every == 0 or self.reporter.epoch > self._checkpointed_epoch:
+        if self.step % every == 0 or self.reporter.epoch > self._checkpointed_epoch or self.reporter.checkpoint_requested:
             self._checkpointed_epoch = self.reporter.epoch
+            self.reporter.checkpoint_requested = False
             return True
         return False
 
