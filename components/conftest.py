@@ -4,7 +4,7 @@ KFP artifacts in a temporary folder and a real MLflow store (SQLite)."""
 from __future__ import annotations
 
 import pytest
-from kfp.dsl import Dataset, Markdown, Metrics, Model
+from kfp.dsl import HTML, Dataset, Markdown, Metrics, Model
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +36,9 @@ def trained(tmp_path_factory, dataset, mlflow_uri) -> Model:
     folder = tmp_path_factory.mktemp("trained")
     model = Model(uri=str(folder / "model"))
     metrics = Metrics(uri=str(folder / "metrics"))
-    train_elastic.python_func(dataset=dataset, model=model, metrics=metrics, workers="2", epochs=4,
+    report = HTML(uri=str(folder / "report.html"))
+    train_elastic.python_func(dataset=dataset, model=model, metrics=metrics, report=report, workers="2", epochs=4,
                               minibatch_size=16, checkpoint_steps=0, mlflow_uri=mlflow_uri, job_dir=str(folder / "job"))
     model.test_metrics = dict(metrics.metadata)
+    model.report_path = report.path
     return model

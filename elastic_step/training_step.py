@@ -27,6 +27,21 @@ class TrainStepResult:
     def test_metrics(self) -> dict:
         return {k: float(v) for k, v in self.job.test_metrics.items() if k != "rows"}
 
+    @property
+    def history_metrics(self) -> dict:
+        """The job's restart and recovery history, for a pipeline's Metrics output beside the
+        test metrics: what a person compares across runs of a schedule."""
+        recoveries = self.job.recoveries_s
+        return {"relaunches": float(self.job.relaunches), "regroups": float(self.job.regroups),
+                "recoveries": float(len(recoveries)), "recovery_s_max": float(max(recoveries, default=0.0))}
+
+    def report_html(self) -> str:
+        """The job's report (loss, samples/s, world size over time, worker timeline, recoveries)
+        as one self-contained HTML page: the KFP UI renders an HTML artifact, not TensorBoard."""
+        from elastic_step.tracking.report_html import render_report
+
+        return render_report(self.job.job_dir)
+
     def model_metadata(self) -> dict:
         return {"mlflow_run_id": self.job.run_id, "model_uri": self.job.model_uri, "mlflow_uri": self.job.mlflow_uri,
                 "framework": self.framework, "steps": self.job.steps, "init_from": self.init_from}

@@ -1,5 +1,5 @@
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Metrics, Model, Output
+from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
 
 from elastic_step.images import default_image
 
@@ -11,6 +11,7 @@ def train_elastic(
     dataset: Input[Dataset],
     model: Output[Model],
     metrics: Output[Metrics],
+    report: Output[HTML],
     model_def: str = "elastic_step.model_zoo.digits_torch",
     workers: str = "2:3",
     epochs: int = 5,
@@ -48,7 +49,10 @@ def train_elastic(
     Args:
         dataset: Prepared data from prepare_data (its URI is what worker pods open).
         model: The trained model; metadata: MLflow run id, model URI, framework.
-        metrics: Test-split metrics of the trained model.
+        metrics: Test-split metrics of the trained model, and the job's history: relaunches,
+            regroups (rounds formed, the first included), recoveries and the longest in seconds.
+        report: The job's report as a page (loss, samples/s and world size over time, each
+            worker slot's attempts with their exit causes, recoveries), shown by the KFP UI.
         model_def: The model definition: a module name or a .py file.
         workers: N, or MIN:MAX for an elastic group.
         epochs: Passes over the train split.
@@ -77,5 +81,7 @@ def train_elastic(
         pipeline_run_id=pipeline_run_id, job_dir=job_dir,
     )
     model.metadata.update(result.model_metadata())
-    for name, value in result.test_metrics.items():
+    for name, value in {**result.test_metrics, **result.history_metrics}.items():
         metrics.log_metric(name, value)
+    with open(report.path, "w") as f:
+        f.write(result.report_html())
