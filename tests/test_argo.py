@@ -383,6 +383,55 @@ def test_render_puts_checked_resources_and_the_service_account_in_the_pod_spec(t
     assert templates["evaluate"]["container"]["resources"]["limits"] == {"memory": "1Gi"}
 
 
+@pytest.mark.parametrize("flags,expected", [
+    (["--worker-cpu", "500m:2", "--worker-memory", "4Gi"], {"--worker-cpu": "500m:2", "--worker-memory": "4Gi"}),
+    (["--worker-memory", "1.5Gi"], {"--worker-memory": "1.5Gi"}),
+    ([], {}),
+])
+def test_render_fixes_the_worker_pods_resources_in_the_train_step(tmp_path, flags, expected):
+    assert main(["argo", "render", "--pipeline", "all", "--out", str(tmp_path)] + flags) == 0
+    for pipeline in ("training", "retraining"):
+        doc = yaml.safe_load((tmp_path / f"{pipeline}-workflowtemplate.yaml").read_text())
+        args = templates_of(doc)["train"]["container"]["args"]
+        found = {flag: args[args.index(flag) + 1] for flag in ("--worker-cpu", "--worker-memory") if flag in args}
+        assert found == expected
+        workflow_params = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
+        task_args = {p["name"]: p["value"] for p in task(doc, "train")["arguments"]["parameters"]}
+        parsed = build_parser().parse_args([_resolve(a, task_args, workflow_params) for a in args])
+        assert (parsed.worker_cpu, parsed.worker_memory) == (expected.get("--worker-cpu"), expected.get("--worker-memory"))
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--worker-cpu", MALICIOUS_CPU),
+    ("--worker-cpu", "{{workflow.parameters.worker-cpu}}"),
+    ("--worker-cpu", "2:500m"),
+    ("--worker-cpu", "0"),
+    ("--worker-memory", "4Gi:"),
+    ("--worker-memory", "lots"),
+    ("--worker-memory", "4Gi --image evil"),
+])
+def test_render_refuses_worker_resources_that_are_not_quantities(tmp_path, capsys, flag, value):
+    out = tmp_path / "argo"
+    assert main(["argo", "render", "--pipeline", "all", "--out", str(out), f"{flag}={value}"]) == 2
+    error = capsys.readouterr().err
+    assert flag in error and len(error.strip().splitlines()) == 1, error
+    assert not out.exists()
+
+
+def test_evaluate_and_export_load_the_weights_into_the_workflows_model_definition():
+    # The gate and export take the network from the workflow's model-def parameter, the one the
+    # train step trained; never from the training run's own model_def parameter in MLflow.
+    for variant in VARIANTS:
+        for pipeline in ("training", "retraining"):
+            doc = documents(variant)[f"{pipeline}-workflowtemplate.yaml"]
+            templates = templates_of(doc)
+            for name in ("train", "evaluate", "export"):
+                args = templates[name]["container"]["args"]
+                assert args[args.index("--model-def") + 1] == "{{inputs.parameters.model-def}}", (variant, name)
+                given = {p["name"]: p["value"] for p in task(doc, name)["arguments"]["parameters"]}
+                assert given["model-def"] == "{{workflow.parameters.model-def}}", (variant, name)
+
+
 # ---- the argo-workflows package's typed models (no ../shared needed) ---------------------------
 
 def typed(doc: dict):

@@ -86,7 +86,8 @@ def test_a_worse_candidate_is_not_blessed_and_the_reason_names_the_metric(pipeli
     before = champion_and_previous(client)
     weak = pipeline_run["weak"].job
     data = json.load(open(os.path.join(pipeline_run["job_dir"], "model", "model.json")))["data"]
-    done = cli("evaluate", "--run-id", weak.run_id, "--data", data, "--registered-model", NAME, "--floor", "accuracy=0.1",
+    done = cli("evaluate", "--run-id", weak.run_id, "--data", data, "--registered-model", NAME,
+               "--model-def", "elastic_step.model_zoo.digits_torch", "--floor", "accuracy=0.1",
                "--min-gain", "accuracy=0", "--mlflow-uri", pipeline_run["uri"], "--outputs", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "blessed").read_text() == "false"

@@ -94,8 +94,14 @@ class RenderOptions:
                             ("--step-cpu", self.step_cpu), ("--step-memory", self.step_memory)):
             check_quantity(flag, value)
         for flag, value in (("--worker-cpu", self.worker_cpu), ("--worker-memory", self.worker_memory)):
-            if value is not None:
-                check_quantity(flag, value)
+            if value is not None:  # REQUEST or REQUEST:LIMIT, as train's flags take them
+                request, colon, limit = str(value).partition(":")
+                for part in (request, limit) if colon else (request,):
+                    if not QUANTITY.match(part) or float(parse_quantity(part)) <= 0:
+                        raise ConfigError(f"{flag} {value!r} is not a positive Kubernetes quantity, or REQUEST:LIMIT of "
+                                          "two (e.g. 500m, 2 or 500m:2 for CPU; 512Mi, 4Gi or 2Gi:4Gi for memory)")
+                if colon and parse_quantity(request) > parse_quantity(limit):
+                    raise ConfigError(f"{flag} {value!r}: the request {request} is larger than the limit {limit}")
         if self.data_store is not None:
             if not DATA_STORE.match(self.data_store) or self.data_store.startswith("file:"):
                 raise ConfigError(f"--data-store {self.data_store!r} is not an object-store URI; give one like "
@@ -188,12 +194,12 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
                  arguments=[Parameter(name=k, value=v) for k, v in train_args.items()] + _dataset(layout))
             evaluate_args = {"run-id": "{{tasks.train.outputs.parameters.run_id}}",
                              "model-uri": "{{tasks.train.outputs.parameters.model_uri}}"}
-            evaluate_args |= _from_workflow("registered-model", "floor", "min-gain")
+            evaluate_args |= _from_workflow("registered-model", "model-def", "floor", "min-gain")
             Task(name="evaluate", template=evaluate_c, depends="train",
                  arguments=[Parameter(name=k, value=v) for k, v in evaluate_args.items()] + _dataset(layout))
             export_args = {"run-id": "{{tasks.train.outputs.parameters.run_id}}",
                            "model-uri": "{{tasks.train.outputs.parameters.model_uri}}"}
-            export_args |= _from_workflow("registered-model")
+            export_args |= _from_workflow("registered-model", "model-def")
             Task(name="export", template=export_c, depends="evaluate", when=blessed,
                  arguments=[Parameter(name=k, value=v) for k, v in export_args.items()] + _dataset(layout))
             promote_args = {"version": "{{tasks.export.outputs.parameters.model_version}}"}

@@ -191,10 +191,12 @@ def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool
 
 
 def evaluate(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
+    # --model-def: the workflow's model-def parameter, the network the weights are loaded into;
+    # never the training run's own model_def parameter (a writer to MLflow can change that).
     args = ["evaluate", "--run-id", _param("run-id"), "--model-uri", _param("model-uri"), "--data", layout.dataset_in(),
-            "--registered-model", _param("registered-model"), "--floor", _param("floor"),
+            "--registered-model", _param("registered-model"), "--model-def", _param("model-def"), "--floor", _param("floor"),
             "--min-gain", _param("min-gain"), "--outputs", layout.outputs("evaluate")]
-    inputs = _inputs(layout, ["run-id", "model-uri", "registered-model", "floor", "min-gain"], True)
+    inputs = _inputs(layout, ["run-id", "model-uri", "registered-model", "model-def", "floor", "min-gain"], True)
     return _container("evaluate", settings, layout, args, inputs,
                       _outputs(layout, "evaluate", ["blessed", "reason"], {"metrics": "metrics.json", "report": "report.md"}),
                       resources)
@@ -202,9 +204,10 @@ def evaluate(settings: StepSettings, layout: Layout, resources: StepResources) -
 
 def export(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
     args = ["export", "--run-id", _param("run-id"), "--model-uri", _param("model-uri"), "--data", layout.dataset_in(),
-            "--registered-model", _param("registered-model"), "--outputs", layout.outputs("export")]
+            "--registered-model", _param("registered-model"), "--model-def", _param("model-def"),
+            "--outputs", layout.outputs("export")]
     return _container("export", settings, layout, args,
-                      _inputs(layout, ["run-id", "model-uri", "registered-model"], True),
+                      _inputs(layout, ["run-id", "model-uri", "registered-model", "model-def"], True),
                       _outputs(layout, "export", ["model_version", "registered_model_uri"], {}), resources)
 
 

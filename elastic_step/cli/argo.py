@@ -40,6 +40,12 @@ def register(sub) -> None:
     r.add_argument("--train-gpus", type=int, default=0, help="nvidia.com/gpu of the train step (default 0)")
     r.add_argument("--step-cpu", default="1", help="CPU request of every other step (default 1)")
     r.add_argument("--step-memory", default="2Gi", help="memory request and limit of every other step (default 2Gi)")
+    r.add_argument("--worker-cpu", metavar="REQUEST[:LIMIT]",
+                   help="CPU of each worker pod the train step creates, fixed in the template (e.g. 2 or 500m:2; "
+                        "default: none)")
+    r.add_argument("--worker-memory", metavar="REQUEST[:LIMIT]",
+                   help="memory of each worker pod, fixed in the template (e.g. 4Gi or 2Gi:4Gi; default: none, so "
+                        "no limit)")
     r.set_defaults(func=run_render)
 
 
@@ -53,7 +59,8 @@ def run_render(args) -> int:
                             cron=args.cron, timezone=args.timezone, starting_deadline_seconds=args.starting_deadline,
                             history_limit=args.history_limit, service_account=args.service_account,
                             train_cpu=args.train_cpu, train_memory=args.train_memory, train_gpus=args.train_gpus,
-                            step_cpu=args.step_cpu, step_memory=args.step_memory, **extra)
+                            step_cpu=args.step_cpu, step_memory=args.step_memory,
+                            worker_cpu=args.worker_cpu, worker_memory=args.worker_memory, **extra)
     pipelines = list(PIPELINES) if args.pipeline == "all" else [args.pipeline]
     for path in render(pipelines, args.out, options):
         print(f"wrote {path}")

@@ -4,6 +4,7 @@ a shell). Same engine functions as the KFP components; outputs as files under --
 from __future__ import annotations
 
 from elastic_step.cli.outputs import write_json, write_parameter, write_text
+from elastic_step.errors import ConfigError
 
 
 def _common(p, outputs_help: str) -> None:
@@ -16,6 +17,17 @@ def _candidate(p) -> None:
     p.add_argument("--model-uri", default="", help="the trained model (default: the run's logged model)")
     p.add_argument("--data", required=True, help="prepared data: manifest.json or its folder (its test split is used)")
     p.add_argument("--registered-model", required=True, help="name of the model in the MLflow registry")
+    p.add_argument("--model-def", required=True, metavar="MODULE|FILE.py",
+                   help="the model definition the run was trained with (the pipeline's model-def parameter): the "
+                        "run's weights are loaded into its network. Required: the run's own model_def parameter is "
+                        "not used, since anyone who can write to MLflow can change it")
+
+
+def _model_def(args) -> str:
+    if not args.model_def.strip():
+        raise ConfigError("--model-def is empty; give the module or .py file the run was trained with "
+                          "(e.g. elastic_step.model_zoo.digits_torch)")
+    return args.model_def
 
 
 def register(sub) -> None:
@@ -47,7 +59,7 @@ def evaluate(args) -> int:
 
     result = evaluate_candidate(run_id=args.run_id, model_uri=args.model_uri, data=args.data,
                                 registered_model=args.registered_model, floors=args.floor, min_gains=args.min_gain,
-                                mlflow_uri=args.mlflow_uri)
+                                mlflow_uri=args.mlflow_uri, model_def=_model_def(args))
     if args.outputs:
         write_parameter(args.outputs, "blessed", result.blessed)
         write_parameter(args.outputs, "reason", result.reason)
@@ -61,7 +73,7 @@ def export(args) -> int:
     from elastic_step.release.export import export_model
 
     result = export_model(run_id=args.run_id, model_uri=args.model_uri, data=args.data,
-                          registered_model=args.registered_model, mlflow_uri=args.mlflow_uri)
+                          registered_model=args.registered_model, mlflow_uri=args.mlflow_uri, model_def=_model_def(args))
     if args.outputs:
         write_parameter(args.outputs, "model_version", result.version)
         write_parameter(args.outputs, "registered_model_uri", result.registered_model_uri)

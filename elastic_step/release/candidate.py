@@ -11,7 +11,7 @@ import numpy as np
 
 from elastic_step.data.manifest import load_manifest, validate_shards
 from elastic_step.data.reader import ShardReader
-from elastic_step.errors import DataError
+from elastic_step.errors import ConfigError, DataError
 from elastic_step.frameworks.model_def import ModelDefinition, batch_arrays, load_model_definition
 from elastic_step.tracking.run import TrackingError
 from elastic_step.tracking.uri import redact
@@ -28,8 +28,9 @@ class Candidate:
 
 
 def load_candidate(client, run_id: str, model_uri: str, model_def: str | None = None) -> Candidate:
-    """`model_def`: the pipeline's model definition parameter. Without it the run's `model_def`
-    parameter is used, which whoever can write to MLflow can change: callers should pass it."""
+    """`model_def`: the pipeline's model definition parameter. Without it (None) the run's
+    `model_def` parameter is used, which whoever can write to MLflow can change: the CLI steps,
+    the components and the pipelines always pass it; an empty one is an error, never a fallback."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -37,7 +38,11 @@ def load_candidate(client, run_id: str, model_uri: str, model_def: str | None = 
     except MlflowException:
         raise TrackingError(f"training run {run_id!r} does not exist on {redact(client.tracking_uri)}; "
                             "pass the run id the training step wrote") from None
-    model_def = model_def or run.data.params.get("model_def")
+    if model_def is not None and not model_def.strip():
+        # An empty pipeline parameter must not fall back to what the run says.
+        raise ConfigError("the model definition is empty; give the module or .py file the run was trained with "
+                          "(the pipeline's model-def parameter)")
+    model_def = model_def if model_def is not None else run.data.params.get("model_def")
     if not model_def:
         raise TrackingError(f"run {run_id} has no model_def parameter: it was not made by elastic-step train")
     return Candidate(run_id, model_uri or run.data.tags.get("elastic_step.model_uri", ""), model_def,
