@@ -19,18 +19,30 @@ class EventLog:
         self._lock = threading.Lock()
 
     def add(self, event: str, message: str = "", **fields) -> dict:
+        """Record an event and write it now."""
+        record = self.record(event, message, **fields)
+        self.write(record)
+        return record
+
+    def record(self, event: str, message: str = "", **fields) -> dict:
+        """Keep an event in memory (for /status and /events) without writing it; `write` does
+        that, where the master's lock is not held."""
         record = {"time": time.time(), "event": event, **fields}
         if message:
             record["message"] = message
         with self._lock:
             self.events.append(record)
-            if self.path:
-                with open(self.path, "a", encoding="utf-8") as out:
-                    out.write(json.dumps(record) + "\n")
-        log.info("%s %s", event, message or json.dumps(fields))
+        return record
+
+    def write(self, record: dict) -> None:
+        """Append a recorded event to events.jsonl, log it, and tell the listener."""
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as out:
+                out.write(json.dumps(record) + "\n")
+        fields = {k: v for k, v in record.items() if k not in ("time", "event", "message")}
+        log.info("%s %s", record["event"], record.get("message") or json.dumps(fields))
         if self.listener is not None:
             self.listener(record)
-        return record
 
     def of(self, event: str) -> list[dict]:
         with self._lock:

@@ -13,6 +13,7 @@ file, which therefore lists every row of every epoch exactly once.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from typing import IO
 
@@ -45,6 +46,12 @@ class Ledger:
         self.rows_final = 0
         self._tentative: dict[int, list[Consumed]] = {}
         self._audit: IO[str] | None = open(audit_path, "a", encoding="utf-8") if audit_path else None
+        # Audit lines of finalized steps not yet written. The master's state sets `defer_audit`
+        # and writes them (`write_audit`) once its lock is released; anyone else gets them
+        # written at once.
+        self.defer_audit = False
+        self._unwritten: list[str] = []
+        self._audit_lock = threading.Lock()
 
     def ingest(self, step: int, consumed: list[Consumed], holders: list[str] | None = None) -> bool:
         """Record an applied step; False when it was already known (a repeated report).
@@ -71,9 +78,8 @@ class Ledger:
         """Continue after a checkpoint of `step`: audit entries written earlier with a later
         step are void, which the audit file says for anyone reading it."""
         self.applied_step = self.final_step = step
-        if self._audit is not None:
-            self._audit.write(json.dumps({"resume_from_step": step}) + "\n")
-            self._audit.flush()
+        self._append_audit([json.dumps({"resume_from_step": step})])
+        self.write_audit()
 
     def finalize_through(self, step: int) -> None:
         lines = []
@@ -93,9 +99,22 @@ class Ledger:
                     )
                 )
             self.final_step = s
+        self._append_audit(lines)
+        if not self.defer_audit:
+            self.write_audit()
+
+    def _append_audit(self, lines: list[str]) -> None:
         if self._audit is not None and lines:
-            self._audit.write("\n".join(lines) + "\n")
-            self._audit.flush()
+            with self._audit_lock:
+                self._unwritten.extend(lines)
+
+    def write_audit(self) -> None:
+        """Append the finalized steps' lines to the audit file, whole lines, in step order."""
+        with self._audit_lock:
+            if self._audit is not None and self._unwritten:
+                self._audit.write("\n".join(self._unwritten) + "\n")
+                self._audit.flush()
+            self._unwritten = []
 
     def tentative(self) -> dict[int, list[Consumed]]:
         """The steps reported but not yet final, with their ranges (a copy)."""
@@ -112,6 +131,8 @@ class Ledger:
         return rows
 
     def close(self) -> None:
-        if self._audit is not None:
-            self._audit.close()
-            self._audit = None
+        self.write_audit()
+        with self._audit_lock:
+            if self._audit is not None:
+                self._audit.close()
+                self._audit = None

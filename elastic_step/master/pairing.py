@@ -7,7 +7,8 @@ over only once both belong to the same step of the same lineage.
 
 A pair is handed over once s is final (it can no longer be voided). A state sent by a rank 0 of
 another round than the one whose report gave the ledger is no half of that checkpoint; a voided
-step's halves are dropped. This runs under the master's one lock, like everything it pairs.
+step's halves are dropped. This runs under the master's one lock, like everything it pairs;
+the handed-over pairs are written (`on_checkpoint`) by the master once that lock is released.
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ from typing import Callable
 
 # A flagged step whose state never came (rank 0 died first) is given up this many steps later.
 GIVE_UP_AFTER_STEPS = 1000
+
+
+@dataclass(frozen=True)
+class HandedCheckpoint:
+    """A complete pair, of a final step: what `on_checkpoint` is given."""
+
+    step: int
+    epoch: int
+    state: bytes
+    ledger: dict
 
 
 @dataclass
@@ -54,8 +65,9 @@ class CheckpointPairing:
         for voided in [s for s in self._pending if s > step]:
             del self._pending[voided]
 
-    def hand_over(self, final_step: int) -> list[tuple[int, int]]:
-        """Hand over every complete pair up to `final_step`; returns their (step, epoch)."""
+    def hand_over(self, final_step: int) -> list[HandedCheckpoint]:
+        """Every complete pair up to `final_step`, oldest first, taken out of pairing; the
+        caller writes them (`on_checkpoint`), off the master's lock."""
         handed = []
         for step in sorted(self._pending):
             pending = self._pending[step]
@@ -63,8 +75,7 @@ class CheckpointPairing:
                 break
             if pending.ledger is not None and pending.state is not None:
                 del self._pending[step]
-                self.on_checkpoint(step, pending.epoch, pending.state, pending.ledger)
-                handed.append((step, pending.epoch))
+                handed.append(HandedCheckpoint(step, pending.epoch, pending.state, pending.ledger))
             elif pending.ledger is None or step < final_step - GIVE_UP_AFTER_STEPS:
                 # A state for a step nobody flagged (voided), or a flagged step whose state
                 # never came (rank 0 died first): no consistent cut, drop it.

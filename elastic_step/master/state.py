@@ -10,7 +10,6 @@ refused to anyone else (Refused: the API's 403 and 409)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +22,7 @@ from elastic_step.master.ledger import Consumed, Ledger, StepGap, StepRejected
 from elastic_step.master.pairing import CheckpointPairing
 from elastic_step.master.stopping import StopRequest, new_stop_request
 from elastic_step.master.throughput import Throughput
+from elastic_step.master.writes import MasterLock
 from elastic_step.master.membership import Round, Slot, WorkerInfo, order_members, worker_id_for
 from elastic_step.protocol import (
     HeartbeatReply,
@@ -97,10 +97,11 @@ class MasterState:
         initial_state: InitialState | None = None,
         on_checkpoint: Callable[[int, int, bytes, dict], None] | None = None,
     ):
-        self.lock = threading.RLock()
+        self.lock = MasterLock()  # disk writes queued under it run once it is released
         self.spec = spec
         self.dispatcher = dispatcher
         self.ledger = ledger
+        self.ledger.defer_audit = True  # its audit lines are written off the lock, in order
         self.backend = backend
         self.events = events
         self.step_log = step_log
@@ -138,14 +139,14 @@ class MasterState:
         slot.worker_id = worker_id
         self.workers[worker_id] = WorkerInfo(worker_id, slot.index, launched_at=time.time())
         self.backend.launch(slot.index, worker_id)
-        self.events.add("launched", worker=worker_id, slot=slot.index, attempt=slot.attempts)
+        self._event("launched", worker=worker_id, slot=slot.index, attempt=slot.attempts)
 
     def fail(self, reason: str) -> None:
         with self.lock:
             if self.state == JobState.RUNNING:
                 self.state = JobState.FAILED
                 self.failure = reason
-                self.events.add("job_failed", reason)
+                self._event("job_failed", reason)
 
     @property
     def over(self) -> bool:
@@ -154,6 +155,16 @@ class MasterState:
     @property
     def ready_round_id(self) -> int:
         return self.ready_round.id if self.ready_round else 0
+
+    # -- writes, off the lock ---------------------------------------------------------------------
+    def _event(self, event: str, message: str = "", **fields) -> None:
+        """An event: kept now, written (events.jsonl, the log, tracking) once the lock is released."""
+        record = self.events.record(event, message, **fields)
+        self.lock.writes.put(f"write event {event}", lambda: self.events.write(record))
+
+    def _audit_written(self) -> None:
+        """The ledger's newly final steps reach the audit file once the lock is released."""
+        self.lock.writes.put("append to the audit file", self.ledger.write_audit)
 
     # -- who may ask ------------------------------------------------------------------------------
     def _live_worker(self, worker_id: str) -> WorkerInfo:
@@ -188,7 +199,7 @@ class MasterState:
             worker.state = WorkerState.LIVE if worker.state == WorkerState.LAUNCHED else worker.state
             worker.registered_at = worker.last_seen = time.time()
             worker.pid, worker.host = pid, host
-            self.events.add("joined", worker=worker_id, pid=pid)
+            self._event("joined", worker=worker_id, pid=pid)
             return self.spec
 
     def _seen(self, worker_id: str) -> WorkerInfo | None:
@@ -224,7 +235,7 @@ class MasterState:
                 return RendezvousReply(status=Rendezvous.STOP)
             if not worker.ready:
                 worker.ready = True
-                self.events.add("ready", worker=worker_id)
+                self._event("ready", worker=worker_id)
             current = self.round
             if current is not None and current.ready and current.id <= left_round:
                 # The worker left the current round (its collective failed or it saw a regroup
@@ -275,7 +286,7 @@ class MasterState:
             task = self.dispatcher.tasks.get(task_id)
             if task is None or self.dispatcher.holder.get(task_id) != worker_id:
                 return  # it was taken back at a regroup while the worker read it: nothing to charge
-            self.events.add("task_failed", f"{task.describe(self.dispatcher.shard_names)}: {error}", worker=worker_id)
+            self._event("task_failed", f"{task.describe(self.dispatcher.shard_names)}: {error}", worker=worker_id)
             try:
                 self.dispatcher.return_task(task_id, failed=True, reason=error)
             except JobFailed as exc:
@@ -325,8 +336,10 @@ class MasterState:
             self.workers[member].rows_applied += consumed.count
         self.throughput.add(record.time, record.samples, record.loss)
         current = self.round
+        self._audit_written()
         if self.step_log is not None:
-            self.step_log.add(record, world_size=len(record.ranges), round_id=self.ready_round_id)
+            step_log, round_id = self.step_log, self.ready_round_id
+            self.lock.writes.put(f"log step {record.step}", lambda: step_log.add(record, world_size=len(record.ranges), round_id=round_id))
         if record.checkpoint and self.checkpoints.enabled:
             # The ledger as of exactly this step: the other half of the checkpoint.
             self.checkpoints.ledger_at(record.step, self.dispatcher.snapshot(), self.dispatcher.current_epoch, self.ready_round_id)
@@ -335,7 +348,7 @@ class MasterState:
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
             current.first_step_at = record.time
             if current.cause_time:
-                self.events.add(
+                self._event(
                     "recovered",
                     round=current.id,
                     seconds=round(record.time - current.cause_time, 4),
@@ -363,7 +376,7 @@ class MasterState:
             if self.round is not None and self.round.ready and self.round.id == round_id:
                 if worker_id not in self.round.members:
                     raise NotAMember(f"{worker_id} is not a member of round {round_id}")
-                self.events.add("collective_failed", error[:300], worker=worker_id, round=round_id)
+                self._event("collective_failed", error[:300], worker=worker_id, round=round_id)
                 self.request_regroup(f"collective failed on {worker_id}")
 
     def fail_by_worker(self, worker_id: str, reason: str) -> None:
@@ -378,10 +391,11 @@ class MasterState:
             if not self.dispatcher.finished or step != self.ledger.applied_step:
                 return False
             self.ledger.finalize_through(step)
+            self._audit_written()
             self.final_model = data
             if self.state == JobState.RUNNING:
                 self.state = JobState.SUCCEEDED
-                self.events.add("job_succeeded", worker=worker_id, step=step)
+                self._event("job_succeeded", worker=worker_id, step=step)
             return True
 
     # -- scaling ----------------------------------------------------------------------------------
@@ -394,7 +408,7 @@ class MasterState:
                     f"--workers {target} is outside this job's range {self.min_workers}:{self.max_workers}"
                 )
             self.target = target
-            self.events.add("scaled", target=target)
+            self._event("scaled", target=target)
             for slot in self.slots:
                 want = slot.index < target
                 if want and not slot.active:
@@ -424,7 +438,7 @@ class MasterState:
             if self.stop_request is None:
                 now = time.time()
                 self.stop_request = new_stop_request(now, self.ledger.applied_step)
-                self.events.add("stop_requested", step=self.ledger.applied_step)
+                self._event("stop_requested", step=self.ledger.applied_step)
             return self.status()
 
     @property
@@ -439,7 +453,7 @@ class MasterState:
         if outcome is not None:
             step, problem = outcome
             self.state, self.failure = JobState.STOPPED, problem
-            self.events.add("stopped", problem or f"stopped after the checkpoint of step {step}", step=step)
+            self._event("stopped", problem or f"stopped after the checkpoint of step {step}", step=step)
 
     # -- supervision ------------------------------------------------------------------------------
     def request_regroup(self, cause: str) -> None:
@@ -461,27 +475,27 @@ class MasterState:
         if self.over:
             return
         if retiring:
-            self.events.add("left", worker=worker.id, reason=exit_.reason)
+            self._event("left", worker=worker.id, reason=exit_.reason)
         else:
-            self.events.add("died", worker=worker.id, reason=exit_.reason, returncode=exit_.returncode)
+            self._event("died", worker=worker.id, reason=exit_.reason, returncode=exit_.returncode)
         if was_member:
             self.request_regroup(f"{worker.id} {exit_.reason}")
         slot = self.slots[worker.slot]
         if retiring or not slot.active or slot.worker_id != worker.id:
             return
         if exit_.relaunch == "never":
-            self.events.add("not_relaunched", f"{worker.id} {exit_.reason}", worker=worker.id)
+            self._event("not_relaunched", f"{worker.id} {exit_.reason}", worker=worker.id)
         elif exit_.relaunch == "free" or slot.counted_relaunches < self.max_relaunches:
             slot.counted_relaunches += exit_.relaunch == "count"
-            self.events.add("relaunched", worker=worker.id, slot=slot.index)
+            self._event("relaunched", worker=worker.id, slot=slot.index)
             self._launch(slot)
         else:
-            self.events.add("slot_exhausted", f"slot {slot.index} used its {self.max_relaunches} relaunches")
+            self._event("slot_exhausted", f"slot {slot.index} used its {self.max_relaunches} relaunches")
 
     def _drop(self, worker: WorkerInfo, reason: str) -> None:
         """A worker that is alive but useless (hung, or missing at rendezvous): kill it; its exit
         then counts as a death."""
-        self.events.add("dropped", reason, worker=worker.id)
+        self._event("dropped", reason, worker=worker.id)
         self.backend.stop(worker.id)
 
     def _forgive_silence_while_paused(self, now: float) -> None:
@@ -492,7 +506,7 @@ class MasterState:
         every worker looked hung and the job failed.)"""
         gap, self._last_tick = now - self._last_tick, now
         if gap > self.timeouts.heartbeat_s / 2:
-            self.events.add("master_paused", seconds=round(gap, 3))
+            self._event("master_paused", seconds=round(gap, 3))
             # Every silence clock restarts; a truly hung or absent worker is dropped a timeout later.
             for worker in self.workers.values():
                 worker.last_seen = now
@@ -501,15 +515,20 @@ class MasterState:
 
     def tick(self) -> None:
         with self.lock:
+            if self.lock.writes.error:
+                self.fail(self.lock.writes.error)
             for exit_ in self.backend.poll():
                 self.on_exit(exit_)
             if self.over:
                 return
             handed = self.checkpoints.hand_over(self.ledger.final_step) if self.checkpoints else []
-            for step, epoch in handed:
-                self.events.add("checkpoint", step=step, epoch=epoch)
+            for pair in handed:
+                # Written in order after the audit lines of the steps it covers (queued earlier).
+                self.lock.writes.put(f"write the checkpoint of step {pair.step}",
+                                     lambda pair=pair: self.checkpoints.on_checkpoint(pair.step, pair.epoch, pair.state, pair.ledger))
+                self._event("checkpoint", step=pair.step, epoch=pair.epoch)
             now = time.time()
-            self._maybe_stop(handed, now)
+            self._maybe_stop([(pair.step, pair.epoch) for pair in handed], now)
             if self.over:
                 return
             self._forgive_silence_while_paused(now)
@@ -565,7 +584,7 @@ class MasterState:
         self._round_counter += 1
         self.round = Round(self._round_counter, members, proposed_at=now, cause=cause[0], cause_time=cause[1])
         self._regroup_cause = None
-        self.events.add("round_proposed", round=self.round.id, members=members, cause=cause[0])
+        self._event("round_proposed", round=self.round.id, members=members, cause=cause[0])
 
     def _settle(self, current: Round) -> None:
         """Every member has called in: pick the state source, settle the ledger, go."""
@@ -618,7 +637,7 @@ class MasterState:
         self.ready_round = current
         for member in current.members:
             self.workers[member].unacked = []
-        self.events.add(
+        self._event(
             "regrouped",
             round=current.id,
             world_size=len(current.members),
