@@ -7,12 +7,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = [
     ["bench_throughput.py", "--workers", "2", "3"],
+    ["bench_throughput.py", "--workers", "2", "3", "--model", "wide", "--copies", "4", "--epochs", "2"],
     ["bench_recovery.py", "--workers", "3", "--kills", "3"],
+    ["bench_recovery.py", "--workers", "3", "--kills", "3", "--model", "wide", "--no-peer"],
     ["bench_dispatcher.py"],
     ["bench_checkpoint.py"],
     ["bench_keras.py", "--workers", "2"],
     ["bench_remote_data.py"],
     ["bench_cluster.py"],
+    ["bench_prepare.py", "--size-gb", "5", "--rows-per-shard", "500000"],
 ]
 
 if __name__ == "__main__":
