@@ -1,4 +1,6 @@
-"""The task graph both pipelines share: prepare → train → evaluate → if blessed: export → promote."""
+"""The task graph both pipelines share: prepare → train → evaluate → if blessed: export → promote.
+The gate and export load the trained weights into the network of the pipeline's own `model_def`
+parameter, the one train_elastic trained; never the training run's model_def in MLflow."""
 
 from kfp import dsl, kubernetes
 from kfp.dsl import Dataset, Input, Model
@@ -58,11 +60,11 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         as_elastic_master(trained)
         judged = evaluate_model(
             candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"], registered_model=registered_model,
-            floors=floors, min_gains=min_gains, mlflow_uri=mlflow_uri,
+            model_def=model_def, floors=floors, min_gains=min_gains, mlflow_uri=mlflow_uri,
         )
         released = (release_if_blessed if caching else release_if_blessed_uncached)(
             blessed=judged.outputs["blessed"], candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"],
-            registered_model=registered_model, mlflow_uri=mlflow_uri,
+            registered_model=registered_model, model_def=model_def, mlflow_uri=mlflow_uri,
         )
         for task in (prepared, trained, judged):
             kubernetes.add_pod_label(task, *PART_OF)
@@ -78,10 +80,12 @@ def _release_if_blessed(caching: bool):
     condition on a named output of a sibling task, and the graph is the same on a cluster."""
 
     @dsl.pipeline(name="release-if-blessed" if caching else "release-if-blessed-uncached")
-    def release(blessed: bool, candidate: Input[Model], dataset: Input[Dataset], registered_model: str, mlflow_uri: str):
+    def release(blessed: bool, candidate: Input[Model], dataset: Input[Dataset], registered_model: str, model_def: str,
+                mlflow_uri: str):
         with dsl.If(blessed == True, name="blessed"):  # noqa: E712 (a KFP condition, not Python)
             exported = export_model(candidate=candidate, dataset=dataset, registered_model=registered_model,
-                                    mlflow_uri=mlflow_uri, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+                                    model_def=model_def, mlflow_uri=mlflow_uri,
+                                    pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
             promoted = promote_model(registered_model=registered_model, version=exported.outputs["model_version"],
                                      mlflow_uri=mlflow_uri)
             for task in (exported, promoted):

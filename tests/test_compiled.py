@@ -66,7 +66,7 @@ def test_a_users_own_pipeline_from_our_components_compiles(tmp_path):
         trained = train_elastic(dataset=prepared.outputs["dataset"], model_def="my_team.models.ctr", workers="4:16",
                                 backend="kubernetes", mlflow_uri=mlflow_uri)
         evaluate_model(candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"], registered_model="ctr",
-                       floors={"f1": 0.7}, mlflow_uri=mlflow_uri)
+                       model_def="my_team.models.ctr", floors={"f1": 0.7}, mlflow_uri=mlflow_uri)
 
     path = tmp_path / "mine.yaml"
     compiler.Compiler().compile(my_pipeline, str(path))

@@ -118,6 +118,21 @@ def test_component_signatures():
         assert drift(found, unlike=WARM_START_ONLY) == {}, component.name
 
 
+def test_release_component_signatures():
+    """The gate's and export's defaults are the one place's too; their model definition has no
+    default at all: a pipeline passes its own (a default could silently name another network, and
+    the training run's model_def parameter is not to be trusted)."""
+    from elastic_step.components import evaluate_model, export_model
+
+    for component, expected in ((evaluate_model, {"floors", "min_gains"}), (export_model, set())):
+        signature = inspect.signature(component.python_func).parameters
+        assert signature["model_def"].default is inspect.Parameter.empty, component.name
+        assert component.component_spec.inputs["model_def"].optional is False, component.name
+        found = {name: p.default for name, p in signature.items() if p.default is not inspect.Parameter.empty}
+        assert expected <= set(found)
+        assert drift(found) == {}, component.name
+
+
 def test_prepare_data_defaults():
     from elastic_step.data.prepare import parse_split, prepare_data
 

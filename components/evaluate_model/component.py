@@ -11,6 +11,7 @@ def evaluate_model(
     candidate: Input[Model],
     dataset: Input[Dataset],
     registered_model: str,
+    model_def: str,
     metrics: Output[Metrics],
     classification: Output[ClassificationMetrics],
     report: Output[Markdown],
@@ -28,6 +29,7 @@ def evaluate_model(
         candidate: The trained model from train_elastic.
         dataset: The prepared data; its test split is used.
         registered_model: The registered model whose @champion the candidate must beat.
+        model_def: The model definition the candidate was trained with (the pipeline's model_def), whose network the weights are loaded into; the training run's own model_def parameter is never used.
         metrics: The candidate's metrics.
         classification: The candidate's confusion matrix (classifiers).
         report: Every metric, its threshold and the champion's value, as Markdown.
@@ -46,6 +48,7 @@ def evaluate_model(
     result = evaluate_candidate(
         run_id=candidate.metadata["mlflow_run_id"], model_uri=candidate.metadata.get("model_uri", ""), data=dataset.path,
         registered_model=registered_model, floors=floors, min_gains=min_gains, mlflow_uri=mlflow_uri or None,
+        model_def=model_def,
     )
     for name, value in result.candidate_metrics.items():
         metrics.log_metric(name, value)

@@ -5,12 +5,14 @@ from mlflow.tracking import MlflowClient
 from elastic_step.components import evaluate_model
 from elastic_step.errors import ConfigError
 
+MODEL_DEF = "elastic_step.model_zoo.digits_torch"
+
 
 def run_gate(tmp_path, trained, dataset, mlflow_uri, **thresholds):
     outputs = dict(metrics=Metrics(uri=str(tmp_path / "m")), classification=ClassificationMetrics(uri=str(tmp_path / "c")),
                    report=Markdown(uri=str(tmp_path / "report.md")))
     result = evaluate_model.python_func(candidate=trained, dataset=dataset, registered_model="gate-test",
-                                        mlflow_uri=mlflow_uri, **outputs, **thresholds)
+                                        model_def=MODEL_DEF, mlflow_uri=mlflow_uri, **outputs, **thresholds)
     return result, outputs
 
 
@@ -69,5 +71,6 @@ def test_the_gate_and_export_never_read_a_whole_split_at_once(tmp_path, trained,
     assert abs(out["metrics"].metadata["accuracy_score"] - trained.test_metrics["accuracy"]) < 1e-9
     assert sum(count for split, _, _, count in reads if split == "test") == 180  # every test row, once
     reads.clear()
-    export_model.python_func(candidate=trained, dataset=dataset, registered_model="reads-test", mlflow_uri=mlflow_uri)
+    export_model.python_func(candidate=trained, dataset=dataset, registered_model="reads-test", model_def=MODEL_DEF,
+                             mlflow_uri=mlflow_uri)
     assert reads == [("test", 0, 0, 5)]

@@ -11,6 +11,7 @@ def export_model(
     candidate: Input[Model],
     dataset: Input[Dataset],
     registered_model: str,
+    model_def: str,
     mlflow_uri: str = "",
     pipeline_run_id: str = "",
 ) -> NamedTuple("ExportOutputs", [("model_version", str), ("registered_model_uri", str)]):
@@ -25,6 +26,7 @@ def export_model(
         candidate: The trained (and blessed) model from train_elastic.
         dataset: The prepared data (the input example comes from its test split).
         registered_model: Name of the model in the MLflow registry.
+        model_def: The model definition the candidate was trained with (the pipeline's model_def), whose network the weights are loaded into; the training run's own model_def parameter is never used.
         mlflow_uri: Tracking URI (default: MLFLOW_TRACKING_URI).
         pipeline_run_id: The pipeline run, recorded on the version (default: KFP_RUN_ID / ARGO_WORKFLOW_NAME).
 
@@ -38,5 +40,5 @@ def export_model(
 
     result = export(run_id=candidate.metadata["mlflow_run_id"], model_uri=candidate.metadata.get("model_uri", ""),
                     data=dataset.path, registered_model=registered_model, mlflow_uri=mlflow_uri or None,
-                    pipeline_run=pipeline_run_id)
+                    pipeline_run=pipeline_run_id, model_def=model_def)
     return namedtuple("ExportOutputs", ["model_version", "registered_model_uri"])(result.version, result.registered_model_uri)

@@ -4,6 +4,8 @@ from mlflow.tracking import MlflowClient
 
 from elastic_step.components import export_model
 
+MODEL_DEF = "elastic_step.model_zoo.digits_torch"
+
 
 def predict(model_uri: str, features: np.ndarray) -> np.ndarray:
     """What a serving stack does with a registered model: load it through its pyfunc flavour."""
@@ -11,7 +13,8 @@ def predict(model_uri: str, features: np.ndarray) -> np.ndarray:
 
 
 def test_export_registers_torchscript_with_signature_tags_and_is_idempotent(trained, dataset, mlflow_uri):
-    first = export_model.python_func(candidate=trained, dataset=dataset, registered_model="export-test", mlflow_uri=mlflow_uri)
+    first = export_model.python_func(candidate=trained, dataset=dataset, registered_model="export-test",
+                                     model_def=MODEL_DEF, mlflow_uri=mlflow_uri)
     assert first.registered_model_uri == f"models:/export-test/{first.model_version}"
     mlflow.set_tracking_uri(mlflow_uri)
     scripted = mlflow.pytorch.load_model(first.registered_model_uri)
@@ -27,6 +30,7 @@ def test_export_registers_torchscript_with_signature_tags_and_is_idempotent(trai
     np.testing.assert_allclose(predict(first.registered_model_uri, example), predict(trained.metadata["model_uri"], example),
                                rtol=1e-5, atol=1e-5)
     # a retried export step finds its version instead of registering a second one
-    again = export_model.python_func(candidate=trained, dataset=dataset, registered_model="export-test", mlflow_uri=mlflow_uri)
+    again = export_model.python_func(candidate=trained, dataset=dataset, registered_model="export-test",
+                                     model_def=MODEL_DEF, mlflow_uri=mlflow_uri)
     assert again.model_version == first.model_version
     assert len(MlflowClient(mlflow_uri).search_model_versions("name = 'export-test'")) == 1
