@@ -42,6 +42,9 @@ def register(sub) -> None:
 
     p = sub.add_parser("export", help="log the model in its serving format and register a new version")
     _candidate(p)
+    p.add_argument("--checkpoint", choices=["final", "best"], default="final",
+                   help="which weights of the run: final (the finished job's model, default) or best (the best "
+                        "validated checkpoint the run kept with train --keep-best)")
     _common(p, "write model_version and registered_model_uri here")
     p.set_defaults(func=export)
 
@@ -73,7 +76,8 @@ def export(args) -> int:
     from elastic_step.release.export import export_model
 
     result = export_model(run_id=args.run_id, model_uri=args.model_uri, data=args.data,
-                          registered_model=args.registered_model, mlflow_uri=args.mlflow_uri, model_def=_model_def(args))
+                          registered_model=args.registered_model, mlflow_uri=args.mlflow_uri, model_def=_model_def(args),
+                          checkpoint=args.checkpoint)
     if args.outputs:
         write_parameter(args.outputs, "model_version", result.version)
         write_parameter(args.outputs, "registered_model_uri", result.registered_model_uri)

@@ -12,13 +12,17 @@ from dataclasses import dataclass
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.release.candidate import load_candidate, split_head
+from elastic_step.errors import ConfigError
 from elastic_step.release.registry import registry_client
+from elastic_step.tracking.checkpoints import BEST_TAG, CheckpointStore, checkpoint_name
 from elastic_step.tracking.recorder import FINAL_MODEL_ARTIFACTS
 from elastic_step.tracking.run import TrackingError, pipeline_run_id
 
 log = logging.getLogger("elastic_step.release")
 
 SOURCE_RUN_TAG = "elastic_step.source_run_id"
+CHECKPOINT_TAG = "elastic_step.source_checkpoint"  # "final", or "best step-SSSSSS" (a version from before: final)
+CHECKPOINTS = ("final", "best")
 
 
 @dataclass
@@ -31,29 +35,46 @@ class Export:
 
 
 def export_model(*, run_id: str, model_uri: str, data: str, registered_model: str, mlflow_uri: str | None = None,
-                 pipeline_run: str = "", model_def: str | None = None) -> Export:
+                 pipeline_run: str = "", model_def: str | None = None, checkpoint: str = "final") -> Export:
     """`model_def`: the pipeline's model definition, whose network the run's weights file is
-    loaded into (no MLflow model is unpickled)."""
+    loaded into (no MLflow model is unpickled). `checkpoint`: `final` (the finished job's model)
+    or `best` (the best validated checkpoint the run kept with `train --keep-best`)."""
     import mlflow
     from mlflow.models import infer_signature
 
+    if checkpoint not in CHECKPOINTS:
+        raise ConfigError(f"--checkpoint {checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
     client = registry_client(mlflow_uri)
     candidate = load_candidate(client, run_id, model_uri, model_def)
-    existing = _version_of_run(client, registered_model, run_id)
-    if existing is not None:  # a retried step: never register the same training run twice
-        return Export(registered_model, str(existing.version), f"models:/{registered_model}/{existing.version}", existing.source, True)
-
     model_def = load_model_definition(candidate.model_def_source)
     trainer = build_trainer(model_def)
-    with tempfile.TemporaryDirectory() as tmp:
+    best = None
+    if checkpoint == "best":  # read first: its step is part of what was exported
+        best = _best_checkpoint(client, run_id)
+        source = f"best {checkpoint_name(best.step)}"
+    else:
+        source = "final"
+    existing = _version_of_run(client, registered_model, run_id, source)
+    if existing is not None:  # a retried step: never register the same weights of a run twice
+        return Export(registered_model, str(existing.version), f"models:/{registered_model}/{existing.version}", existing.source, True)
+
+    if best is not None:
         try:
-            folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=FINAL_MODEL_ARTIFACTS, dst_path=tmp,
-                                                         tracking_uri=client.tracking_uri)
+            trainer.load_model_bytes(trainer.model_bytes_of_state(best.state))  # weights_only: nothing unpickled
         except Exception as exc:
-            raise TrackingError(f"run {run_id} has no final model under {FINAL_MODEL_ARTIFACTS}/ "
-                                f"({type(exc).__name__}); export a run that `elastic-step train` finished") from None
-        with open(os.path.join(folder, "model.bin"), "rb") as f:
-            trainer.load_model_bytes(f.read())
+            raise TrackingError(f"the best checkpoint ({source}) of run {run_id} does not fit the network of "
+                                f"{candidate.model_def_source!r}: {type(exc).__name__}: {str(exc)[:300]}; give the model "
+                                "definition the run was trained with") from None
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=FINAL_MODEL_ARTIFACTS, dst_path=tmp,
+                                                             tracking_uri=client.tracking_uri)
+            except Exception as exc:
+                raise TrackingError(f"run {run_id} has no final model under {FINAL_MODEL_ARTIFACTS}/ "
+                                    f"({type(exc).__name__}); export a run that `elastic-step train` finished") from None
+            with open(os.path.join(folder, "model.bin"), "rb") as f:
+                trainer.load_model_bytes(f.read())
     example = split_head(data, model_def, rows=5)
     signature = infer_signature(example, trainer.predict(example))
     mlflow.set_tracking_uri(client.tracking_uri)
@@ -61,18 +82,33 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
         info = trainer.log_serving_model(example, signature)
     tags = {SOURCE_RUN_TAG: run_id, "framework": trainer.framework,
             "data_content_hash": candidate.params.get("data_content_hash", ""),
-            "pipeline_run_id": pipeline_run or pipeline_run_id(), "model_def": candidate.model_def_source}
-    tags.update({name: f"{value:.6g}" for name, value in candidate.metrics.items() if name.startswith("test_")})
+            "pipeline_run_id": pipeline_run or pipeline_run_id(), "model_def": candidate.model_def_source,
+            CHECKPOINT_TAG: source}
+    if best is None:  # the run's test metrics are the final model's
+        tags.update({name: f"{value:.6g}" for name, value in candidate.metrics.items() if name.startswith("test_")})
+    else:  # "STEP METRIC VALUE": the validation metric it was chosen by
+        tags[BEST_TAG] = client.get_run(run_id).data.tags.get(BEST_TAG, "")
     version = mlflow.register_model(info.model_uri, registered_model, tags=tags, await_registration_for=60)
     log.info("registered %s version %s from run %s", registered_model, version.version, run_id)
     return Export(registered_model, str(version.version), f"models:/{registered_model}/{version.version}", info.model_uri, False)
 
 
-def _version_of_run(client, name: str, run_id: str):
+def _best_checkpoint(client, run_id: str):
+    """The best checkpoint a run kept (its state file is parsed with weights_only by the trainer)."""
+    from types import SimpleNamespace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return CheckpointStore(SimpleNamespace(client=client, run_id=run_id), tmp).best_checkpoint(run_id)
+
+
+def _version_of_run(client, name: str, run_id: str, source: str = "final"):
+    """The version already registered from these weights of the run (`source`: final, or the best
+    checkpoint's step), if any."""
     from mlflow.exceptions import MlflowException
 
     try:
         versions = client.search_model_versions(f"name = '{name}' and tags.`{SOURCE_RUN_TAG}` = '{run_id}'")
     except MlflowException:
         return None
+    versions = [v for v in versions if v.tags.get(CHECKPOINT_TAG, "final") == source]
     return versions[0] if versions else None
