@@ -43,5 +43,5 @@ images:
 	docker build -f images/Dockerfile --build-arg EXTRAS=torch,tensorflow -t $(IMAGE_REGISTRY)/elastic-step-tensorflow:$(VERSION) .
 
 # Builds the torch image with its own Docker daemon and trains in it; says SKIPPED where it cannot.
-image-smoke:
+image-smoke: $(STAMP)
 	images/smoke.sh

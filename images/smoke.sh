@@ -74,3 +74,9 @@ docker run --rm --network host -v "$PWD/images/smoke_job.py:/smoke_job.py:ro" --
   >"$WORK/run.log" 2>&1 || { tail -30 "$WORK/run.log"; echo "image-smoke: FAILED: the training run in the image"; exit 1; }
 grep '^smoke:' "$WORK/run.log"
 echo "image-smoke: PASSED: trained in the image in $(( $(date +%s) - t ))s"
+
+# The compiled training pipeline under KFP's own DockerRunner, each component in the image.
+t=$(date +%s)
+.venv/bin/python images/kfp_docker_run.py >"$WORK/kfp-docker.log" 2>&1 \
+  || { tail -40 "$WORK/kfp-docker.log"; echo "image-smoke: FAILED: the compiled pipeline under kfp.local.DockerRunner (log: $WORK/kfp-docker.log)"; exit 1; }
+grep '^kfp-docker:' "$WORK/kfp-docker.log"
