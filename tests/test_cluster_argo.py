@@ -17,18 +17,17 @@ import os
 import shutil
 import time
 
-import httpx
 import pytest
 import yaml
 from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules, venv_image
 from cluster.argo import ARGOEXEC_IMAGE, argoexec_image, step_pod
+from cluster.masterpod import MasterPodOnNode
 from conftest import SLOW_MODEL
 from elastic_step.argo import RenderOptions
 from elastic_step.argo.render import render_texts
 from elastic_step.audit import audit_report
-from elastic_step.protocol import API
 from stores import S3Server, upload
 
 pytestmark = pytest.mark.e2e
@@ -67,43 +66,14 @@ def s3():
         yield server
 
 
-class StepOnNode:
+class StepOnNode(MasterPodOnNode):
     """The train step pod's main container as the node has it: its /tmp (`docker cp`) and status."""
 
     def __init__(self, cluster: Cluster, name: str):
-        self.cluster, self.name = cluster, name
+        super().__init__(cluster, name, JOB_DIR, what="step pod")
 
     def path(self, pod_path: str) -> str:
         return self.cluster.kubelet.container_file(self.cluster.namespace, self.name, "main", pod_path)
-
-    def status(self) -> dict | None:
-        try:
-            with open(self.path(f"{JOB_DIR}/master.json")) as f:
-                info = json.load(f)
-            with open(self.path(info["token_file"])) as f:
-                token = f.read().strip()
-            reply = httpx.get(info["url"] + API + "/status", headers={"Authorization": f"Bearer {token}"}, timeout=5)
-            return reply.json() if reply.status_code == 200 else None
-        except (OSError, ValueError, KeyError, httpx.HTTPError):
-            return None
-
-    def phase(self) -> str:
-        return self.cluster.core().read_namespaced_pod(self.name, self.cluster.namespace).status.phase
-
-    def log(self) -> str:
-        return self.cluster.core().read_namespaced_pod_log(self.name, self.cluster.namespace)
-
-    def wait(self, predicate, timeout=120.0) -> dict:
-        deadline = time.monotonic() + timeout
-        status = None
-        while time.monotonic() < deadline:
-            if self.phase() in ("Succeeded", "Failed"):
-                raise AssertionError(f"the step pod ended ({self.phase()}) before the condition; last status {status}\n{self.log()}")
-            status = self.status()
-            if status is not None and predicate(status):
-                return status
-            time.sleep(0.1)
-        raise AssertionError(f"condition not reached in {timeout}s; last status {status}\n{self.log()}")
 
     def wait_ended(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout

@@ -18,14 +18,13 @@ import os
 import shutil
 import time
 
-import httpx
 import pytest
 from kubernetes import client as k8s
 
 from cluster import Cluster, Image, role_rules, venv_image
+from cluster.masterpod import MasterPodOnNode
 from conftest import SLOW_MODEL
 from elastic_step.audit import audit_report
-from elastic_step.protocol import API
 from stores import S3Server, upload
 
 pytestmark = pytest.mark.e2e
@@ -83,44 +82,15 @@ def master_pod(cluster: Cluster, name: str, args: list[str]) -> k8s.V1Pod:
     )
 
 
-class MasterOnNode:
+class MasterOnNode(MasterPodOnNode):
     """The master's job folder as the node has it (the pod's scratch volume)."""
 
     def __init__(self, cluster: Cluster, name: str):
-        self.cluster, self.name = cluster, name
+        super().__init__(cluster, name, JOB_DIR)
 
     def path(self, pod_path: str) -> str:
         scratch = self.cluster.kubelet.volume_path(self.cluster.namespace, self.name, "scratch")
         return os.path.join(scratch, os.path.relpath(pod_path, SCRATCH))
-
-    def status(self) -> dict | None:
-        try:
-            with open(self.path(f"{JOB_DIR}/master.json")) as f:
-                info = json.load(f)
-            with open(self.path(info["token_file"])) as f:
-                token = f.read().strip()
-            reply = httpx.get(info["url"] + API + "/status", headers={"Authorization": f"Bearer {token}"}, timeout=5)
-            return reply.json() if reply.status_code == 200 else None
-        except (OSError, ValueError, KeyError, httpx.HTTPError):
-            return None
-
-    def phase(self) -> str:
-        return self.cluster.core().read_namespaced_pod(self.name, self.cluster.namespace).status.phase
-
-    def wait(self, predicate, timeout=120.0) -> dict:
-        deadline = time.monotonic() + timeout
-        status = None
-        while time.monotonic() < deadline:
-            if self.phase() in ("Succeeded", "Failed"):
-                raise AssertionError(f"the master pod ended ({self.phase()}) before the condition; last status {status}\n{self.log()}")
-            status = self.status()
-            if status is not None and predicate(status):
-                return status
-            time.sleep(0.1)
-        raise AssertionError(f"condition not reached in {timeout}s; last status {status}\n{self.log()}")
-
-    def log(self) -> str:
-        return self.cluster.core().read_namespaced_pod_log(self.name, self.cluster.namespace)
 
 
 def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_killed_hung_and_oom_killed_workers(tmp_path, digits, s3, cluster):
