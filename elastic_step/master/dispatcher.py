@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elastic_step import defaults
 from elastic_step.errors import JobFailed
 
 
@@ -60,7 +61,7 @@ class Dispatcher:
         epochs: int,
         shuffle: bool = True,
         seed: int = 0,
-        max_task_failures: int = 3,
+        max_task_failures: int = defaults.MAX_TASK_FAILURES,
     ):
         if rows_per_task < 1:
             raise ValueError("rows_per_task must be at least 1")

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from elastic_step import defaults
 from elastic_step.backends.api import Backend, WorkerExit
 from elastic_step.errors import JobFailed
 from elastic_step.master.dispatcher import Dispatcher
@@ -71,9 +72,9 @@ class InitialState:
 
 @dataclass
 class Timeouts:
-    heartbeat_s: float = 10.0  # a worker silent this long is hung: dropped and killed
-    rendezvous_s: float = 60.0  # a proposed member that has not called in by then is dropped
-    startup_grace_s: float = 30.0  # first round: wait this long for all MAX workers, then go with MIN
+    heartbeat_s: float = defaults.HEARTBEAT_TIMEOUT_S  # a worker silent this long is hung: dropped and killed
+    rendezvous_s: float = defaults.RENDEZVOUS_TIMEOUT_S  # a proposed member that has not called in by then is dropped
+    startup_grace_s: float = defaults.STARTUP_GRACE_S  # first round: wait this long for all MAX workers, then go with MIN
 
 
 # A checkpoint's state may reach the master before the step's report (both are sent in the
@@ -91,7 +92,7 @@ class MasterState:
         events: EventLog,
         min_workers: int,
         max_workers: int,
-        max_relaunches: int = 3,
+        max_relaunches: int = defaults.MAX_RELAUNCHES,
         timeouts: Timeouts | None = None,
         step_log: StepLog | None = None,
         initial_state: InitialState | None = None,
@@ -197,7 +198,7 @@ class MasterState:
             if worker is None or not worker.alive:
                 return None
             worker.state = WorkerState.LIVE if worker.state == WorkerState.LAUNCHED else worker.state
-            worker.registered_at = worker.last_seen = time.time()
+            worker.last_seen = time.time()
             worker.pid, worker.host = pid, host
             self._event("joined", worker=worker_id, pid=pid)
             return self.spec

@@ -14,6 +14,7 @@ import time
 
 import httpx
 
+from elastic_step import defaults
 from elastic_step.protocol import API
 
 log = logging.getLogger("elastic_step.worker")
@@ -46,7 +47,7 @@ def refused(exc: BaseException) -> bool:
 
 
 class MasterClient:
-    def __init__(self, url: str, token: str, master_timeout_s: float = 30.0, refused_grace_s: float = 2.0):
+    def __init__(self, url: str, token: str, master_timeout_s: float = defaults.MASTER_TIMEOUT_S, refused_grace_s: float = 2.0):
         self.url = url.rstrip("/")
         self.master_timeout_s = master_timeout_s
         self.refused_grace_s = refused_grace_s
