@@ -20,7 +20,6 @@ class WorkerInfo:
     slot: int
     launched_at: float
     state: WorkerState = WorkerState.LAUNCHED
-    registered_at: float | None = None
     last_seen: float = 0.0
     pid: int = 0
     host: str = ""

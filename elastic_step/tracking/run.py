@@ -199,6 +199,3 @@ class RunTracker:
 
     def log_artifacts(self, folder: str, artifact_path: str) -> None:
         self.uploader.submit(f"artifacts {folder}", lambda: self.client.log_artifacts(self.run_id, folder, artifact_path))
-
-    def log_dict(self, data: dict, name: str) -> None:
-        self.uploader.submit(f"dict {name}", lambda: self.client.log_text(self.run_id, json.dumps(data, indent=2), name))

@@ -69,8 +69,3 @@ def load_core_api():
 
     return client.CoreV1Api(_api_client_class()(load_configuration()))
 
-
-def load_networking_api():
-    from kubernetes import client
-
-    return client.NetworkingV1Api(_api_client_class()(load_configuration()))

@@ -30,7 +30,6 @@ class PodWatcher:
         self.retry_s = retry_s
         self.events: queue.Queue[tuple[str, k8s.V1Pod]] = queue.Queue()
         self.resource_version: str | None = None
-        self.relists = 0
         self._known: dict[str, k8s.V1Pod] = {}
         self._stop = threading.Event()
         self._watch: watch.Watch | None = None
@@ -64,7 +63,6 @@ class PodWatcher:
             if name not in names:
                 self._emit("DELETED", pod)
         self.resource_version = listed.metadata.resource_version
-        self.relists += 1
 
     def _run(self) -> None:
         while not self._stop.is_set():
