@@ -1,0 +1,218 @@
+"""Rounds: who trains together, from which step, and when that changes.
+
+The master proposes a round (an ordered list of members, position = rank) when the first
+workers are there, when a member is gone, when a joiner waits and the round is below target, or
+when something asked for a regroup (a death, a drop, a scale-in, a failed collective, a lost step
+report). Members call in to rendezvous; once every member has, the round *settles*: the member
+with the newest step is the state source, the ledger takes its unacknowledged steps and voids any
+later ones, every task in flight returns to todo, and the round is ready from that step on.
+
+`Rounds` keeps the newest round and the newest ready one behind the master's one lock. It reads
+the membership (membership.py) and changes the ledger, the checkpoint pairing and the dispatcher
+only at a settle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from elastic_step.errors import JobFailed
+from elastic_step.master.dispatcher import Dispatcher
+from elastic_step.master.ledger import Ledger, StepGap, StepRejected
+from elastic_step.master.membership import Membership, Round, WorkerInfo, order_members
+from elastic_step.master.pairing import CheckpointPairing
+from elastic_step.master.refusals import Conflict, NotAMember
+from elastic_step.protocol import Rendezvous, RendezvousReply, StepRecord, WorkerState
+
+
+@dataclass
+class InitialState:
+    """Where the first round's state comes from when no worker holds one: a checkpoint
+    (resume) or a model's parameters (warm start)."""
+
+    kind: str  # "checkpoint" | "model"
+    data: bytes
+    step: int
+
+
+def inexact(reporter: str, round_id: int, exc: Exception) -> str:
+    """Why the job fails when a step cannot be applied exactly once."""
+    return (
+        f"the step report from {reporter} (round {round_id}) cannot be applied exactly once: {exc}. "
+        "The ledger would no longer be exact, so the job stops here; rerun it with --resume to "
+        "continue from its newest checkpoint"
+    )
+
+
+class Rounds:
+    """The newest round and the newest ready one. `ingest(record, members)` takes a step into
+    the ledger (the master's, which also counts it everywhere else); `fail(reason)` fails the job;
+    `event(kind, message="", **fields)` records what happened."""
+
+    def __init__(self, membership: Membership, dispatcher: Dispatcher, ledger: Ledger, checkpoints: CheckpointPairing,
+                 initial_state: InitialState | None, event: Callable[..., None],
+                 ingest: Callable[[StepRecord, list[str]], None], fail: Callable[[str], None]):
+        self.membership = membership
+        self.dispatcher = dispatcher
+        self.ledger = ledger
+        self.checkpoints = checkpoints
+        self.initial_state = initial_state
+        self.round: Round | None = None  # the newest round, ready or still gathering
+        self.ready_round: Round | None = None  # the newest round that became ready
+        self._counter = 0
+        self._regroup_cause: tuple[str, float] | None = None
+        self._event = event
+        self._ingest = ingest
+        self._fail = fail
+
+    @property
+    def ready_round_id(self) -> int:
+        return self.ready_round.id if self.ready_round else 0
+
+    def member_of_ready_round(self, worker_id: str, round_id: int | None = None, rank0: bool = False) -> Round:
+        """The newest ready round, if the caller is a member of it (its rank 0 where `rank0`)."""
+        self.membership.live_worker(worker_id)
+        ready = self.ready_round
+        if ready is None or worker_id not in ready.members:
+            raise NotAMember(f"{worker_id} is not a member of the current round; rendezvous first")
+        if round_id is not None and round_id != ready.id:
+            raise Conflict(f"round {round_id} is over (the current round is {ready.id}); rendezvous again")
+        if rank0 and ready.members[0] != worker_id:
+            raise NotAMember(f"only rank 0 of round {ready.id} ({ready.members[0]}) may send this, not {worker_id}")
+        return ready
+
+    def request_regroup(self, cause: str) -> None:
+        if self._regroup_cause is None:
+            self._regroup_cause = (cause, time.time())
+
+    # -- a worker calls in ----------------------------------------------------------------------
+    def rendezvous(self, worker: WorkerInfo, step: int, unacked: list[StepRecord], left_round: int) -> RendezvousReply:
+        """One look for a live worker of a running job: its round, once ready, or WAIT."""
+        current = self.round
+        if current is not None and current.ready and current.id <= left_round:
+            # The worker left the current round (its collective failed or it saw a regroup
+            # flag): that round is over for everyone.
+            self.request_regroup(f"{worker.id} left round {current.id}")
+            current = None
+        if current is None or worker.id not in current.members:
+            worker.step, worker.unacked = step, unacked
+            return RendezvousReply(status=Rendezvous.WAIT)
+        if worker.joined_round != current.id:
+            worker.joined_round = current.id
+            worker.step, worker.unacked = step, unacked
+        workers = self.membership.workers
+        if not current.ready and all(workers[m].joined_round == current.id for m in current.members):
+            self._settle(current)
+        if not current.ready:
+            return RendezvousReply(status=Rendezvous.WAIT)
+        return RendezvousReply(
+            status=Rendezvous.READY,
+            round_id=current.id,
+            rank=current.members.index(worker.id),
+            world_size=len(current.members),
+            store_prefix=current.store_prefix,
+            source_rank=current.source_rank,
+            start_step=current.start_step,
+            acked_step=self.ledger.final_step,
+            initial_state=current.initial_state,
+        )
+
+    def collective_failed(self, worker_id: str, round_id: int, error: str) -> None:
+        if self.round is not None and self.round.ready and self.round.id == round_id:
+            if worker_id not in self.round.members:
+                raise NotAMember(f"{worker_id} is not a member of round {round_id}")
+            self._event("collective_failed", error[:300], worker=worker_id, round=round_id)
+            self.request_regroup(f"collective failed on {worker_id}")
+
+    # -- the master's tick ------------------------------------------------------------------------
+    def propose(self, now: float, startup_over: bool) -> None:
+        """A new round, when one is due and enough workers are there for it."""
+        membership = self.membership
+        current = self.round
+        live = membership.candidates(current)
+        cause = self._regroup_cause
+        if cause is None:
+            if current is None:
+                if len(live) >= membership.target or (startup_over and len(live) >= membership.min_workers):
+                    cause = ("first round", 0.0)
+            else:
+                gone = [m for m in current.members if membership.workers[m].state != WorkerState.LIVE]
+                joiners = [w for w in live if w.id not in current.members]
+                if gone:
+                    cause = (f"{', '.join(gone)} gone", now)
+                elif joiners and len(current.members) < membership.target:
+                    cause = (f"{', '.join(w.id for w in joiners)} joined", 0.0)
+        if cause is None or len(live) < membership.min_workers:
+            return
+        members = order_members(current.members if current else [], live, membership.target)
+        self._counter += 1
+        self.round = Round(self._counter, members, proposed_at=now, cause=cause[0], cause_time=cause[1])
+        self._regroup_cause = None
+        self._event("round_proposed", round=self.round.id, members=members, cause=cause[0])
+
+    # -- settle -----------------------------------------------------------------------------------
+    def _settle(self, current: Round) -> None:
+        """Every member has called in: pick the state source, settle the ledger, go."""
+        workers = self.membership.workers
+        steps = [workers[m].step for m in current.members]
+        newest = max(steps)
+        initial = ""
+        if newest < 0 and self.initial_state is not None and self.initial_state.step >= self.ledger.final_step:
+            # Nobody holds state yet: rank 0 loads the checkpoint (resume) or model (warm start).
+            initial, newest, steps[0] = self.initial_state.kind, self.initial_state.step, self.initial_state.step
+        if self.ledger.final_step > 0 and newest < self.ledger.final_step:
+            self._fail(
+                f"every worker that held the model state of step {self.ledger.final_step} is gone "
+                f"(newest survivor is at step {max(newest, 0)}); rerun the job with --resume to continue "
+                "from its newest checkpoint"
+            )
+            return
+        source_rank = steps.index(newest)
+        start_step = max(newest, 0)
+        source = current.members[source_rank]
+        # The source's unacknowledged steps were applied in the round it last trained in, the
+        # newest ready one (a worker that missed a ready round holds no newer step than it).
+        previous = self.ready_round.members if self.ready_round else []
+        for record in sorted(workers[source].unacked, key=lambda r: r.step):
+            if self.ledger.applied_step < record.step <= start_step:
+                try:
+                    self._ingest(record, previous)
+                except (StepGap, StepRejected) as exc:
+                    self._fail(inexact(source, current.id, exc))
+                    return
+        if self.ledger.applied_step < start_step:
+            # The source applied steps the master never received and it no longer holds: their
+            # rows would go back to todo and be applied to the model a second time.
+            self._fail(inexact(source, current.id, StepGap(
+                f"the state source is at step {start_step} but holds no record of steps "
+                f"{self.ledger.applied_step + 1}..{start_step}")))
+            return
+        voided_rows = self.ledger.void_after(start_step)
+        self.checkpoints.void_after(start_step)
+        # start_step stays tentative here: until the source has broadcast it, only the source
+        # holds it. If the source dies first, the next settle must void it and go on from the
+        # survivors' step. It becomes final with the round's first reported step (every rank
+        # applied start_step to enter that step's collective).
+        try:
+            returned = self.dispatcher.return_all(self.membership.died_since_settle)
+        except JobFailed as exc:
+            self._fail(str(exc))
+            return
+        self.membership.died_since_settle = set()
+        current.ready, current.ready_at = True, time.time()
+        current.source_rank, current.start_step, current.initial_state = source_rank, start_step, initial
+        self.ready_round = current
+        for member in current.members:
+            workers[member].unacked = []
+        self._event(
+            "regrouped",
+            round=current.id,
+            world_size=len(current.members),
+            members=current.members,
+            start_step=start_step,
+            source=source,
+            tasks_returned=returned,
+            rows_voided=voided_rows,
+        )
