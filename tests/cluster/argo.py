@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from .runtime import Image
+from .runtime import Image, python_paths
 
 ARGOEXEC_IMAGE = "quay.io/argoproj/argoexec:v3.6.5"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,9 +32,8 @@ def argoexec_image(folder: str) -> Image:
     with open(path, "w") as f:
         f.write(f"#!{sys.executable}\n{body}")
     os.chmod(path, 0o755)
-    paths = [sys.base_prefix] if sys.base_prefix.startswith(("/root/", "/home/", "/tmp/")) else []
     return Image(ARGOEXEC_IMAGE, {"PATH": "/image/bin:/usr/bin:/bin", "HOME": "/root"}, uid=0, gid=0, workdir="/", home="/root",
-                 paths=paths, layers={"/image/bin": folder})
+                 paths=python_paths(), layers={"/image/bin": folder})
 
 
 def substitute(value, variables: dict[str, str]):

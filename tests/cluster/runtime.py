@@ -43,8 +43,15 @@ def venv_image(name: str, extra_path: list[str] | None = None) -> Image:
     layers = {f"/image/layer{i}": path for i, path in enumerate(extra_path or [])}
     if layers:
         env["PYTHONPATH"] = ":".join(layers)
-    return Image(name, env, paths=[sys.base_prefix] if sys.base_prefix.startswith(("/root/", "/home/", "/tmp/")) else [],
-                 layers=layers)
+    return Image(name, env, paths=python_paths(), layers=layers)
+
+
+def python_paths() -> list[str]:
+    """The interpreter, the venv and the project's sources (an editable install): an image's
+    files where it runs this machine's Python. Those that lie under a folder a pod gets its own
+    of (/root, /home, /tmp) are mounted back into the pod."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [p for p in dict.fromkeys([sys.base_prefix, sys.prefix, repo]) if p.startswith(("/root/", "/home/", "/tmp/"))]
 
 
 def parse_memory(text: str) -> int:
