@@ -37,6 +37,8 @@ class WriteQueue:
         that took the master's lock) leaves the rest to its outer call."""
         if self._writer == threading.get_ident():
             return
+        if not self._queue and self._writer is None:
+            return  # nothing queued and nobody writing (most calls): no lock to take
         with self._writing:
             self._writer = threading.get_ident()
             try:
