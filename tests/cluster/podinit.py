@@ -70,10 +70,6 @@ def main(spec_path: str) -> None:
             os.makedirs(path)
         return path
 
-    for path in spec.get("image_paths", []):
-        mine = place(path)
-        mount("--bind", path, mine)
-        mount("-o", "remount,bind,ro", mine)
     for path, uid, gid in spec.get("homes", []):
         os.makedirs(root + path, exist_ok=True)
         os.chown(root + path, uid, gid)
@@ -84,6 +80,12 @@ def main(spec_path: str) -> None:
         mount("--bind", source, mine)
         if read_only:
             mount("-o", "remount,bind,ro", mine)
+    # The image's own files last: where this machine keeps them under /tmp (a checkout there),
+    # a volume mounted at /tmp must not hide them, as it never hides a real image's /opt/venv.
+    for path in spec.get("image_paths", []):
+        mine = place(path)
+        mount("--bind", path, mine)
+        mount("-o", "remount,bind,ro", mine)
     for entry in node_folders:
         subprocess.run(["mount", "-o", "remount,bind,ro", f"{root}/{entry}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.chroot(root)
