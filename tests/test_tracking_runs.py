@@ -90,3 +90,14 @@ def test_resume_refuses_a_run_of_other_data_model_or_task_size_and_leaves_it_as_
         assert first.client.get_run(first.run_id).info.status == "FAILED"
     same = tracker(tmp_path)
     assert same.start(resume=True, params={**params, "epochs": 4}) is True and same.run_id == first.run_id
+
+
+def test_connecting_points_this_process_at_the_store_but_not_the_processes_it_starts(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    connect(uri, str(tmp_path))
+    assert mlflow.get_tracking_uri() == uri
+    # a job's workers, a pipeline's next step, a later job: none inherits this store (or its password)
+    assert "MLFLOW_TRACKING_URI" not in os.environ

@@ -17,6 +17,7 @@ from elastic_step.release.registry import registry_client
 from elastic_step.tracking.checkpoints import BEST_TAG, CheckpointStore, checkpoint_name
 from elastic_step.tracking.recorder import FINAL_MODEL_ARTIFACTS
 from elastic_step.tracking.run import TrackingError, pipeline_run_id
+from elastic_step.tracking.uri import use_tracking_uri
 
 log = logging.getLogger("elastic_step.release")
 
@@ -77,7 +78,7 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
                 trainer.load_model_bytes(f.read())
     example = split_head(data, model_def, rows=5)
     signature = infer_signature(example, trainer.predict(example))
-    mlflow.set_tracking_uri(client.tracking_uri)
+    use_tracking_uri(client.tracking_uri)
     with mlflow.start_run(run_id=run_id):
         info = trainer.log_serving_model(example, signature)
     tags = {SOURCE_RUN_TAG: run_id, "framework": trainer.framework,

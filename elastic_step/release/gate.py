@@ -16,6 +16,7 @@ from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.release.candidate import Candidate, load_candidate, predict_split
 from elastic_step.release.registry import CHAMPION, registry_client, version_by_alias
 from elastic_step.release.thresholds import Threshold, build_thresholds, parse_pairs, to_mlflow
+from elastic_step.tracking.uri import use_tracking_uri
 
 log = logging.getLogger("elastic_step.release")
 
@@ -90,7 +91,7 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
     predictions = as_predictions(outputs, model_type)
     champion_predictions = None if champion is None else as_predictions(champion_outputs, model_type)
 
-    mlflow.set_tracking_uri(client.tracking_uri)
+    use_tracking_uri(client.tracking_uri)
     with mlflow.start_run(experiment_id=candidate.experiment_id, run_name=f"evaluate {registered_model}",
                           tags={"mlflow.parentRunId": run_id, GATE_TAG: "evaluation"}) as run:
         candidate_result = _evaluate(predictions, labels, model_type, label_list)

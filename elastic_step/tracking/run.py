@@ -12,7 +12,7 @@ import time
 
 from elastic_step.errors import ConfigError, ElasticStepError
 from elastic_step.tracking.uploader import Uploader
-from elastic_step.tracking.uri import redact
+from elastic_step.tracking.uri import redact, use_tracking_uri
 
 log = logging.getLogger("elastic_step.tracking")
 
@@ -62,7 +62,6 @@ def pipeline_run_id(given: str = "") -> str:
 
 def connect(uri: str, job_dir: str):
     """An MlflowClient for `uri`, checked to answer before anything else starts."""
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:///"):
@@ -74,7 +73,7 @@ def connect(uri: str, job_dir: str):
     if redact(uri) != uri:
         # MLflow prints links to runs built from the tracking URI, password and all.
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    mlflow.set_tracking_uri(uri)
+    use_tracking_uri(uri)
     client = MlflowClient(uri)
     try:
         client.search_experiments(max_results=1)

@@ -3,6 +3,7 @@ but the password belongs in no parameter, log line, error message, result file o
 
 from __future__ import annotations
 
+import os
 import re
 
 # scheme://userinfo@ — userinfo is everything up to the last '@' before the host part ends
@@ -20,3 +21,18 @@ def redact(text: str | None) -> str:
         return f"{m['scheme']}{m['user']}:***@" if m["password"] is not None and m["user"] else f"{m['scheme']}***@"
 
     return _USERINFO.sub(hide, str(text))
+
+
+def use_tracking_uri(uri: str) -> None:
+    """Point this process's MLflow calls at `uri`, and only this process's: mlflow's own
+    set_tracking_uri also exports MLFLOW_TRACKING_URI, so every process started afterwards (a
+    job's workers, a pipeline's next step, a test's next job) would log there too, and would hold
+    the URI's password in its environment."""
+    import mlflow
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
