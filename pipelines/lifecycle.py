@@ -14,6 +14,12 @@ TRAIN_RETRIES = 2  # a retried training task resumes its MLflow run from the new
 # listens there, not on loopback).
 MASTER_ENV = {"ELASTIC_STEP_POD_NAME": "metadata.name", "ELASTIC_STEP_POD_UID": "metadata.uid",
               "ELASTIC_STEP_POD_NAMESPACE": "metadata.namespace", "ELASTIC_STEP_POD_IP": "status.podIP"}
+# The data store's keys, from KFP's own MinIO Secret (in every KFP namespace; keys accesskey /
+# secretkey) when it exists: the master reads the dataset with them, and its worker pods get them
+# by reference to the same Secret (never in a pod spec). Optional, so a cluster whose store needs
+# no keys (workload identity, a public bucket) runs the pipeline as it is.
+STORE_SECRET = "mlpipeline-minio-artifact"
+STORE_SECRET_KEYS = {"accesskey": "AWS_ACCESS_KEY_ID", "secretkey": "AWS_SECRET_ACCESS_KEY"}
 # Every task's pod carries it: deploy/mlflow's NetworkPolicy admits these pods.
 PART_OF = ("app.kubernetes.io/part-of", "elastic-step")
 
@@ -21,6 +27,7 @@ PART_OF = ("app.kubernetes.io/part-of", "elastic-step")
 def as_elastic_master(task):
     for env_name, field_path in MASTER_ENV.items():
         kubernetes.use_field_path_as_env(task, env_name=env_name, field_path=field_path)
+    kubernetes.use_secret_as_env(task, secret_name=STORE_SECRET, secret_key_to_env=STORE_SECRET_KEYS, optional=True)
     return task
 
 

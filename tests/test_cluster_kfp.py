@@ -2,12 +2,11 @@
 from the COMPILED `pipelines/compiled/training_pipeline.yaml` with `backend=kubernetes`
 (tests/cluster/kfp.py): the executor's image, command and args from its deploymentSpec, the
 `kfp-kubernetes` config from the platform spec (the downward-API env the master needs, the pod
-labels), and the executor input KFP's launcher hands the component, in which the `dataset` is the
-`s3://` URI of prepare-data's output in an S3 artifact store (moto, a private bucket) and the
-outputs are the SDK's local paths under the pod's /s3 scratch volume. What a platform engineer
-adds to the task, as the component's docstring says: the store endpoint as env
-(`set_env_variable`) and its credentials from KFP's `mlpipeline-minio-artifact` Secret
-(`use_secret_as_env`). The master in it trains on worker pods it creates through the API with
+labels, the store's keys from KFP's own `mlpipeline-minio-artifact` Secret), and the executor
+input KFP's launcher hands the component, in which the `dataset` is the `s3://` URI of
+prepare-data's output in an S3 artifact store (moto, a private bucket) and the outputs are the
+SDK's local paths under the pod's /s3 scratch volume. What a platform engineer adds to the task,
+as the component's docstring says: the store endpoint as env (`set_env_variable`). The master in it trains on worker pods it creates through the API with
 the pod's own service account (deploy/'s Role); the workers read the data from the store.
 
 Not modelled: KFP's driver and launcher binaries (the executor input is made here as the driver
@@ -39,9 +38,6 @@ DATASET_KEY = f"v2/artifacts/elastic-step-training/{RUN_ID}/prepare-data/dataset
 STORE_SECRET = "mlpipeline-minio-artifact"  # KFP's own, keys accesskey / secretkey
 PARAMETERS = {"backend": "kubernetes", "workers": "2:3", "epochs": 2, "minibatch_size": 16, "minibatches_per_task": 2,
               "checkpoint_steps": 0, "mlflow_uri": "sqlite:////tmp/mlflow.db", "job_dir": JOB_DIR}
-# What `kubernetes.use_secret_as_env(task, STORE_SECRET, {...})` compiles to in the platform spec.
-SECRET_AS_ENV = {"secretAsEnv": [{"secretName": STORE_SECRET, "keyToEnv": [
-    {"secretKey": "accesskey", "envVar": "AWS_ACCESS_KEY_ID"}, {"secretKey": "secretkey", "envVar": "AWS_SECRET_ACCESS_KEY"}]}]}
 
 
 @pytest.fixture
@@ -69,14 +65,15 @@ def test_the_compiled_kfp_train_task_trains_on_worker_pods_that_read_the_dataset
     api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "accesskey": "AKIDKFPTEST", "secretkey": "not-a-real-secret"}))
     pod, executor = task_pod("train-elastic", RUN_ID, PARAMETERS, {"dataset": dataset_uri}, ARTIFACTS,
-                             cluster.service_account, env={"AWS_ENDPOINT_URL": s3.endpoint, "AWS_REGION": REGION},
-                             platform_additions=SECRET_AS_ENV)
+                             cluster.service_account, env={"AWS_ENDPOINT_URL": s3.endpoint, "AWS_REGION": REGION})
     main = pod["spec"]["containers"][-1]
     assert [c["name"] for c in pod["spec"]["containers"]] == ["wait", "main"]
     assert main["image"] == cluster.project_image and "kfp.dsl.executor_main" in main["command"][-2]
     assert main["args"][-4:] == ["--executor_input", json.dumps(executor), "--function_to_execute", "train_elastic"]
     env = {e["name"]: e for e in main["env"]}
     assert env["ELASTIC_STEP_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"  # from the platform spec
+    # the store's keys too: the compiled pipeline takes them from KFP's own MinIO Secret
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "accesskey", "optional": True}
     assert executor["inputs"]["parameterValues"]["pipeline_run_id"] == RUN_ID
     assert pod["metadata"]["labels"]["app.kubernetes.io/part-of"] == "elastic-step"
     api.create_namespaced_pod(ns, pod)
@@ -106,8 +103,8 @@ def test_the_compiled_kfp_train_task_trains_on_worker_pods_that_read_the_dataset
         wenv = {e["name"]: e for e in container["env"]}
         # The store by its endpoint; its keys by reference to the Secret the task takes them from.
         assert wenv["AWS_ENDPOINT_URL"]["value"] == s3.endpoint
-        assert wenv["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "accesskey"}
-        assert wenv["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "secretkey"}
+        assert wenv["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "accesskey", "optional": True}
+        assert wenv["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "secretkey", "optional": True}
     with open(task.path(f"{JOB_DIR}/events.jsonl")) as f:
         events = [json.loads(line) for line in f]
     assert [e for e in events if e["event"] == "died"] == []

@@ -208,7 +208,7 @@ def test_the_kfp_example_sets_the_masters_downward_api_env(tmp_path):
 
 
 @pytest.mark.parametrize("pipeline", ["training_pipeline", "retraining_pipeline"])
-def test_the_compiled_kfp_train_task_sets_the_masters_downward_api_env(pipeline):
+def test_the_compiled_kfp_train_task_sets_the_masters_downward_api_env_and_store_keys(pipeline):
     with open(os.path.join(ROOT, "pipelines", "compiled", f"{pipeline}.yaml")) as f:
         documents = [d for d in yaml.safe_load_all(f) if d]
     executors = next(d for d in documents if "platforms" in d)["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
@@ -216,6 +216,11 @@ def test_the_compiled_kfp_train_task_sets_the_masters_downward_api_env(pipeline)
     assert fields == {"ELASTIC_STEP_POD_NAME": "metadata.name", "ELASTIC_STEP_POD_UID": "metadata.uid",
                       "ELASTIC_STEP_POD_NAMESPACE": "metadata.namespace", "ELASTIC_STEP_POD_IP": "status.podIP"}
     assert all(e["podMetadata"]["labels"]["app.kubernetes.io/part-of"] == "elastic-step" for e in executors.values())
+    # The store's keys from KFP's own MinIO Secret, by reference, where it exists (optional)
+    (secret,) = executors["exec-train-elastic"]["secretAsEnv"]
+    assert secret["secretName"] == "mlpipeline-minio-artifact" and secret["optional"] is True
+    assert {k["secretKey"]: k["envVar"] for k in secret["keyToEnv"]} == {"accesskey": "AWS_ACCESS_KEY_ID",
+                                                                         "secretkey": "AWS_SECRET_ACCESS_KEY"}
 
 
 def test_a_master_with_a_pod_ip_listens_there_and_not_on_loopback(tmp_path, monkeypatch):

@@ -90,7 +90,8 @@ def platform_env(config: dict) -> list[dict]:
     """The env a `kfp-kubernetes` executor config gives the container."""
     env = [{"name": e["name"], "valueFrom": {"fieldRef": {"fieldPath": e["fieldPath"]}}} for e in config.get("fieldPathAsEnv") or []]
     for secret in config.get("secretAsEnv") or []:
-        env += [{"name": k["envVar"], "valueFrom": {"secretKeyRef": {"name": secret["secretName"], "key": k["secretKey"]}}}
+        optional = {"optional": True} if secret.get("optional") else {}
+        env += [{"name": k["envVar"], "valueFrom": {"secretKeyRef": {"name": secret["secretName"], "key": k["secretKey"], **optional}}}
                 for k in secret["keyToEnv"]]
     return env
 
