@@ -10,7 +10,6 @@ import os
 import re
 from pathlib import Path
 
-import mlflow
 import pytest
 import yaml
 from kfp.dsl import ClassificationMetrics, Markdown, Metrics, Model
@@ -28,15 +27,12 @@ MODEL_DEF = defaults.MODEL_DEF  # what both pipelines pass when nothing is set
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory, monkeypatch_module):
+def planted(tmp_path_factory):
     """A finished training run with real weights of MODEL_DEF's network, whose `model_def`
     parameter an attacker changed to a file of their own."""
     folder = tmp_path_factory.mktemp("planted-model-def")
     uri = f"sqlite:///{folder}/mlflow.db"
     connect(uri, str(folder))
-    monkeypatch_module.setenv("MLFLOW_TRACKING_URI", uri)
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
     marker = folder / "attacker-code-ran"
     attacker = folder / "attacker_model.py"
     attacker.write_text(f"import os\nos.mkdir({str(marker)!r})\n")
@@ -50,13 +46,6 @@ def planted(tmp_path_factory, monkeypatch_module):
     client.set_terminated(run_id)
     yield {"uri": uri, "run_id": run_id, "model_uri": f"runs:/{run_id}/model", "marker": marker, "attacker": attacker,
            "client": client}
-    mlflow.set_tracking_uri(previous)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 def test_the_planted_model_definition_does_run_code_when_imported(planted):
@@ -137,9 +126,12 @@ def test_an_empty_model_def_is_refused_not_taken_from_the_run(planted, dataset):
 REF = re.compile(r"\{\{\s*([a-zA-Z0-9_.\-]+)\s*\}\}")
 
 
-def _argo_command(step: str, planted, data: str, outputs: Path, parameters: dict) -> list[str]:
+def _argo_command(step: str, planted, data: str, outputs: Path, parameters: dict,
+                  monkeypatch: pytest.MonkeyPatch | None = None) -> list[str]:
     """The step's command line as the rendered WorkflowTemplate has Argo run it, for a run of the
-    workflow with `parameters` and the train step's outputs naming the planted run."""
+    workflow with `parameters` and the train step's outputs naming the planted run; with
+    `monkeypatch`, the container's plain env values are set too (the pod's MLFLOW_TRACKING_URI
+    comes from the workflow's `mlflow-uri` parameter)."""
     from elastic_step.argo import RenderOptions
     from elastic_step.argo.render import render_texts
 
@@ -163,21 +155,26 @@ def _argo_command(step: str, planted, data: str, outputs: Path, parameters: dict
         return REF.sub(one, text)
 
     argv = [resolve(a) for a in template["container"]["args"]]
+    if monkeypatch is not None:
+        for env in template["container"].get("env", []):
+            if "value" in env:
+                monkeypatch.setenv(env["name"], resolve(env["value"]))
     argv[argv.index("--data") + 1] = data  # where the artifact would be downloaded to
     argv[argv.index("--outputs") + 1] = str(outputs)
     return argv
 
 
-def test_the_argo_gate_and_export_steps_use_the_workflows_model_def(planted, dataset, tmp_path, capsys):
+def test_the_argo_gate_and_export_steps_use_the_workflows_model_def(planted, dataset, tmp_path, capsys, monkeypatch):
     from elastic_step.cli import main
 
-    parameters = {"registered-model": "planted-argo", "floor": "accuracy=0.0"}
-    argv = _argo_command("evaluate", planted, dataset.path, tmp_path / "evaluate", parameters)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # only what the step's pod is given
+    parameters = {"registered-model": "planted-argo", "floor": "accuracy=0.0", "mlflow-uri": planted["uri"]}
+    argv = _argo_command("evaluate", planted, dataset.path, tmp_path / "evaluate", parameters, monkeypatch)
     assert argv[argv.index("--model-def") + 1] == MODEL_DEF
     assert main(argv) == 0, capsys.readouterr().err
     assert (tmp_path / "evaluate" / "blessed").read_text() == "true"
     assert not planted["marker"].exists()
-    argv = _argo_command("export", planted, dataset.path, tmp_path / "export", parameters)
+    argv = _argo_command("export", planted, dataset.path, tmp_path / "export", parameters, monkeypatch)
     assert main(argv) == 0, capsys.readouterr().err
     assert not planted["marker"].exists()
     version = planted["client"].get_model_version("planted-argo", (tmp_path / "export" / "model_version").read_text())
