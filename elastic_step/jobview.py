@@ -123,6 +123,17 @@ def worker_rows(status: dict, now: float) -> list[dict]:
     return rows
 
 
+def tensorboard_command(job: dict, job_dir: str) -> str:
+    """How to look at the job's TensorBoard scalars: its folder's, or, for a master in a pod
+    (whose folder nobody outside it reads), the copy in its MLflow run."""
+    if not job.get("remote"):
+        return f"tensorboard --logdir {os.path.join(job_dir, 'tensorboard')}"
+    run_id = (job["info"].get("mlflow") or {}).get("run_id")
+    if not run_id:
+        return "in the job's MLflow run (artifacts/tensorboard) once it has one"
+    return f"mlflow artifacts download -r {run_id} -a tensorboard -d tb && tensorboard --logdir tb"
+
+
 def summary(job: dict, job_dir: str, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     status, info, result = job["status"], job["info"], job["result"] or {}
@@ -156,7 +167,7 @@ def summary(job: dict, job_dir: str, now: float | None = None) -> dict:
         "checkpoints": checkpoints,
         "recoveries_s": [e["seconds"] for e in events if e["event"] == "recovered"],
         "mlflow": mlflow,
-        "tensorboard": f"tensorboard --logdir {os.path.join(job_dir, 'tensorboard')}",
+        "tensorboard": tensorboard_command(job, job_dir),
     }
     if info.get("url") and job["live"]:
         out["ui"] = live_page_url(info)
@@ -183,15 +194,19 @@ def membership_events(events: list[dict]) -> list[dict]:
 
 
 def job_view(job_dir: str, with_events: bool = False, now: float | None = None) -> dict:
+    return view_of(load_job(job_dir, with_events=True), job_dir, with_events, now)
+
+
+def view_of(job: dict, where: str, with_events: bool = False, now: float | None = None) -> dict:
+    """What `get` and `top` show of a loaded job; `where`: its folder, or its master's pod."""
     now = time.time() if now is None else now
-    job = load_job(job_dir, with_events=True)
     rows = worker_rows(job["status"], now)
     if not job["live"]:
         for r in rows:  # as the master last saw them; it is gone, and so are they
             r["heartbeat_age_s"] = None
             if r["state"] != "gone":
                 r["state"] = "ended"
-    view = {"summary": summary(job, job_dir, now), "workers": rows}
+    view = {"summary": summary(job, where, now), "workers": rows}
     if with_events:
         view["events"] = membership_events(job["events"])
     return view

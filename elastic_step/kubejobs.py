@@ -1,14 +1,21 @@
-"""Jobs on Kubernetes as `elastic-step list --backend kubernetes` shows them: found by the labels
-every worker pod carries (app.kubernetes.io/managed-by=elastic-step, elastic-step/job), with the
-caller's own credentials (kubeconfig or in-cluster), never the master's."""
+"""Jobs on Kubernetes as `elastic-step list|get|top|logs|stop --backend kubernetes` show them:
+found by the labels every object of a job carries (app.kubernetes.io/managed-by=elastic-step,
+elastic-step/job), read with the caller's own credentials (kubeconfig or in-cluster), never the
+master's: the worker pods and their logs, and the status ConfigMap the master keeps current
+(deploy/operator's Role grants exactly this)."""
 
 from __future__ import annotations
 
 import datetime
+import json
+import time
 
+from elastic_step.backends.kubernetes.manifests import STATUS_KEY, STOP_ANNOTATION, dns_label
 from elastic_step.errors import ElasticStepError
 
 SELECTOR = "app.kubernetes.io/managed-by=elastic-step"
+STATUS_SELECTOR = SELECTOR + ",app.kubernetes.io/component=status"
+ENDED = ("succeeded", "failed", "stopped")
 
 
 def core_api():
@@ -48,6 +55,7 @@ def list_kubernetes(namespace: str | None, api=None) -> list[dict]:
         labels = pod.metadata.labels or {}
         jobs.setdefault(labels.get("app.kubernetes.io/instance", "?"), []).append(pod)
     now = datetime.datetime.now(datetime.timezone.utc)
+    published = _published(api, namespace)
     rows = []
     for instance, members in sorted(jobs.items()):
         phases = [(p.status.phase if p.status else None) or "Pending" for p in members]
@@ -60,7 +68,139 @@ def list_kubernetes(namespace: str | None, api=None) -> list[dict]:
             "pods": {p.metadata.name: ph for p, ph in zip(members, phases)},
             "duration_s": (now - min(created)).total_seconds() if created else None,
         })
+        status = published.get(instance)
+        if status is not None:  # what the master says: the job's own state and progress
+            epoch = status.get("epoch")
+            rows[-1].update(state=status.get("state", state), target_workers=status.get("target_workers"),
+                            epoch=epoch + 1 if epoch is not None else None, epochs=status.get("epochs"),
+                            rows_done=status.get("rows_done"), rows_total=status.get("rows_total"),
+                            samples_per_s=status.get("samples_per_s"))
     return rows
+
+
+def _published(api, namespace: str) -> dict[str, dict]:
+    """instance -> the status its master published; empty where the caller may not read them."""
+    try:
+        maps = api.list_namespaced_config_map(namespace, label_selector=STATUS_SELECTOR).items
+    except Exception:
+        return {}
+    out = {}
+    for m in maps:
+        try:
+            out[(m.metadata.labels or {}).get("app.kubernetes.io/instance")] = json.loads(m.data[STATUS_KEY])["status"]
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def status_map(api, namespace: str, job: str):
+    """The status ConfigMap of job `job` (its name or one instance of it), the newest where a
+    retried step made several; None when the job has none (it ended, or never started)."""
+    try:
+        maps = api.list_namespaced_config_map(namespace, label_selector=STATUS_SELECTOR).items
+    except Exception as exc:
+        raise ElasticStepError(f"cannot read the jobs' status in namespace {namespace}: {getattr(exc, 'reason', None) or exc}; "
+                               "check --namespace, and that you have deploy/operator's Role there (configmaps get, list, patch)") from None
+    wanted = {job, dns_label(job)}
+    mine = [m for m in maps if wanted & {(m.metadata.labels or {}).get("elastic-step/job"),
+                                         (m.metadata.labels or {}).get("app.kubernetes.io/instance")}]
+    return max(mine, key=_created) if mine else None
+
+
+def master_pod_of(config_map) -> str | None:
+    owners = [o.name for o in config_map.metadata.owner_references or [] if o.kind == "Pod"]
+    return owners[0] if owners else None
+
+
+def published_job(config_map, namespace: str) -> dict:
+    """The job as its master last published it, in the shape `jobview.view_of` shows."""
+    try:
+        document = json.loads(config_map.data[STATUS_KEY])
+        status, info = document["status"], document["info"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ElasticStepError(f"ConfigMap {config_map.metadata.name} in {namespace} holds no readable job status ({exc}); "
+                               "it was changed by hand: its master rewrites it within seconds, try again") from None
+    info = {**info, "namespace": namespace, "master_pod": master_pod_of(config_map), "status_map": config_map.metadata.name}
+    return {"live": status.get("state") not in ENDED, "remote": True, "status": status, "events": document.get("events", []),
+            "info": info, "result": None, "stop_refused": document.get("stop_refused", "")}
+
+
+def where_of(info: dict) -> str:
+    pod = info.get("master_pod")
+    return f"pod {info['namespace']}/{pod}" if pod else f"ConfigMap {info['namespace']}/{info['status_map']}"
+
+
+def kubernetes_view(job: str, namespace: str | None, with_events: bool = False, mlflow_uri: str | None = None, api=None) -> dict:
+    """`get`/`top` of a job on Kubernetes: its published status while it runs; once it has
+    ended (its master deleted the status with the rest of the job), its MLflow run."""
+    from elastic_step.jobview import view_of
+
+    api = api or core_api()
+    namespace = namespace or current_namespace()
+    found = status_map(api, namespace, job)
+    if found is not None:
+        loaded = published_job(found, namespace)
+        return view_of(loaded, where_of(loaded["info"]), with_events)
+    if mlflow_uri:
+        from elastic_step.jobrecord import job_from_mlflow
+
+        recorded = job_from_mlflow(job, mlflow_uri)
+        if recorded is not None:
+            return view_of(recorded, "MLflow (the job has ended)", with_events)
+    raise ElasticStepError(f"no running job {job!r} in namespace {namespace}" + ("" if mlflow_uri else
+                           "; for one that ended, pass --mlflow-uri (or set MLFLOW_TRACKING_URI) to read its MLflow run")
+                           + "; see `elastic-step list --backend kubernetes`")
+
+
+def stop_kubernetes(job: str, namespace: str | None, timeout_s: float, wait: bool = True, api=None) -> str:
+    """Ask job `job`'s master to stop (an annotation on its status ConfigMap, which it reads
+    within seconds), then wait for its pod to end; what happened, for people."""
+    api = api or core_api()
+    namespace = namespace or current_namespace()
+    found = status_map(api, namespace, job)
+    if found is None:
+        raise ElasticStepError(f"no running job {job!r} in namespace {namespace}; there is nothing to stop "
+                               "(`elastic-step get --backend kubernetes JOB --mlflow-uri URI` shows how one ended)")
+    loaded = published_job(found, namespace)
+    if not loaded["live"]:
+        raise ElasticStepError(f"job {job} has ended ({loaded['status'].get('state')}); there is nothing to stop")
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    try:
+        api.patch_namespaced_config_map(found.metadata.name, namespace, {"metadata": {"annotations": {STOP_ANNOTATION: stamp}}})
+    except Exception as exc:
+        raise ElasticStepError(f"cannot ask job {job} to stop: {getattr(exc, 'reason', None) or exc} on ConfigMap "
+                               f"{found.metadata.name}; you need deploy/operator's Role in {namespace} (configmaps patch)") from None
+    if not wait:
+        return f"asked job {job} to stop; its master takes the request within seconds"
+    pod = loaded["info"].get("master_pod")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        current = status_map(api, namespace, job)
+        if current is not None and current.metadata.name == found.metadata.name:
+            published = published_job(current, namespace)
+            if published["stop_refused"]:
+                raise ElasticStepError(f"job {job} cannot stop: {published['stop_refused']}")
+        elif pod is None:
+            return f"job {job} ended (its status is gone); see its MLflow run"
+        phase = _phase(api, namespace, pod) if pod else None
+        if phase == "Succeeded":
+            return (f"job {job} stopped at a checkpoint (its master pod {pod} ended Succeeded); `elastic-step train` "
+                    "with the same options and --resume continues it")
+        if phase == "gone":
+            return f"job {job} ended; its master pod {pod} was deleted meanwhile, so how it ended is in its MLflow run"
+        if phase == "Failed":
+            raise ElasticStepError(f"job {job} ended Failed, not stopped; see `elastic-step logs --backend kubernetes` "
+                                   f"and `kubectl logs -n {namespace} {pod}`")
+        time.sleep(1.0)
+    raise ElasticStepError(f"job {job} did not stop within {timeout_s:.0f}s; see `elastic-step get --backend kubernetes {job} -e`")
+
+
+def _phase(api, namespace: str, pod: str) -> str | None:
+    """The pod's phase; "gone" once deleted; None while the API does not answer (asked again)."""
+    try:
+        return api.read_namespaced_pod(pod, namespace).status.phase
+    except Exception as exc:
+        return "gone" if getattr(exc, "status", None) == 404 else None
 
 
 WORKER_SELECTOR = SELECTOR + ",app.kubernetes.io/component=worker"

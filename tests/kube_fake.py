@@ -71,6 +71,7 @@ class FakeCoreV1Api:
         self.pods: dict[str, FakePod] = {}
         self.secrets: dict[str, k8s.V1Secret] = {}
         self.network_policies: dict[str, k8s.V1NetworkPolicy] = {}
+        self.config_maps: dict[str, k8s.V1ConfigMap] = {}
         self.created_network_policies: list[k8s.V1NetworkPolicy] = []  # as received
         self.calls: list[tuple[str, str]] = []
         self.request_timeouts: list[tuple[str, object]] = []  # (call, its _request_timeout)
@@ -143,6 +144,41 @@ class FakeCoreV1Api:
         with self.cond:
             self.calls.append(("delete_network_policy", name))
             if self.network_policies.pop(name, None) is None:
+                raise api_error(404, "NotFound")
+
+    # -- ConfigMaps (the job's published status) -------------------------------------------------
+    def create_namespaced_config_map(self, namespace, body, **kwargs):
+        self._timed("create_config_map", kwargs)
+        with self.cond:
+            self.calls.append(("create_config_map", body.metadata.name))
+            if body.metadata.name in self.config_maps:
+                raise api_error(409, "AlreadyExists")
+            self.config_maps[body.metadata.name] = copy.deepcopy(body)
+            return copy.deepcopy(body)
+
+    def patch_namespaced_config_map(self, name, namespace, body, **kwargs):
+        self._timed("patch_config_map", kwargs)
+        with self.cond:
+            self.calls.append(("patch_config_map", name))
+            found = self.config_maps.get(name)
+            if found is None:
+                raise api_error(404, "NotFound")
+            found.data = {**(found.data or {}), **body.get("data", {})}
+            annotations = body.get("metadata", {}).get("annotations")
+            if annotations:
+                found.metadata.annotations = {**(found.metadata.annotations or {}), **annotations}
+            return copy.deepcopy(found)
+
+    def list_namespaced_config_map(self, namespace, label_selector=None, **kwargs):
+        with self.cond:
+            return k8s.V1ConfigMapList(items=[copy.deepcopy(m) for m in self.config_maps.values()
+                                              if matches(m.metadata.labels, label_selector)])
+
+    def delete_namespaced_config_map(self, name, namespace, **kwargs):
+        self._timed("delete_config_map", kwargs)
+        with self.cond:
+            self.calls.append(("delete_config_map", name))
+            if self.config_maps.pop(name, None) is None:
                 raise api_error(404, "NotFound")
 
     # -- Pods -----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
 from elastic_step.backends.kubernetes.manifests import to_dict
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
-from elastic_step.errors import ConfigError
+from elastic_step.errors import ConfigError, ElasticStepError
 
 from kube_fake import FakeCoreV1Api
 
@@ -240,3 +240,68 @@ def test_workers_take_the_store_credentials_from_the_masters_secrets_by_referenc
     elsewhere.launch(0, "w0.1")
     elsewhere.shutdown(grace_s=0)
     assert "AWS_ACCESS_KEY_ID" not in {e.name for e in fake.created[-1].spec.containers[0].env}  # a Secret stays in its namespace
+
+
+# ---- the status others read: a ConfigMap the master keeps, and the stop request on it --------------
+
+def test_the_status_configmap_is_created_then_updated_carries_a_stop_request_and_goes_with_the_job(tmp_path, fake):
+    import json
+
+    from elastic_step.backends.kubernetes.manifests import STATUS_KEY, STOP_ANNOTATION
+
+    master = MasterPod("train-step-1", "uid-m", "127.0.0.1", "ml")
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"), master=master, request_timeout_s=1.0)
+    name = backend.names.status_map
+    assert backend.publish({"status": {"state": "running", "step": 1}}) == set()
+    made = fake.config_maps[name]
+    assert made.metadata.labels["app.kubernetes.io/component"] == "status"
+    assert made.metadata.labels["app.kubernetes.io/instance"] == backend.names.instance
+    assert [(o.kind, o.name, o.uid) for o in made.metadata.owner_references] == [("Pod", "train-step-1", "uid-m")]
+    assert backend.publish({"status": {"state": "running", "step": 2}}) == set()
+    assert json.loads(fake.config_maps[name].data[STATUS_KEY])["status"]["step"] == 2
+    assert [c for c in fake.calls if c[1] == name] == [("create_config_map", name), ("patch_config_map", name)]
+    # `elastic-step stop --backend kubernetes` leaves an annotation; the next publish finds it.
+    fake.patch_namespaced_config_map(name, "ml", {"metadata": {"annotations": {STOP_ANNOTATION: "now"}}})
+    assert backend.publish({"status": {"state": "running", "step": 3}}) == {"stop"}
+    # A stalled API server costs stale status, not the job: publish returns at its timeout.
+    fake.stall_s = 30.0
+    fake.patch_namespaced_config_map = lambda *a, **kw: fake._timed("patch_config_map", kw, stalls=True)
+    started = time.monotonic()
+    assert backend.publish({"status": {"state": "running", "step": 4}}) == set()
+    assert time.monotonic() - started < 5
+    fake.stall_s = 0
+    backend.shutdown(grace_s=0)
+    assert name not in fake.config_maps
+    assert backend.publish({"status": {"state": "succeeded"}}) == set() and name not in fake.config_maps  # nothing outlives the job
+
+
+def test_the_cli_reads_a_published_job_and_asks_it_to_stop(tmp_path, fake):
+    from elastic_step.backends.kubernetes.manifests import STOP_ANNOTATION
+    from elastic_step.kubejobs import kubernetes_view, status_map
+
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"),
+                           master=MasterPod("train-step-1", "uid-m", "127.0.0.1", "ml"))
+    status = {"job": "unit", "state": "running", "round": 2, "world_size": 2, "target_workers": 2, "workers_range": [1, 2],
+              "epoch": 0, "epochs": 3, "rows_done": 50, "rows_total": 300, "step": 7, "loss": 0.5, "samples_per_s": 120.0,
+              "workers": [{"id": "w0.1", "slot": 0, "rank": 0, "state": "live", "pod": "p0", "step": 7, "last_seen": time.time()},
+                          {"id": "w1.1", "slot": 1, "state": "gone", "exit": "killed by SIGKILL"},
+                          {"id": "w1.2", "slot": 1, "rank": 1, "state": "live", "pod": "p1", "step": 7, "last_seen": time.time()}]}
+    events = [{"time": 1.0, "event": "died", "worker": "w1.1", "reason": "killed by SIGKILL"},
+              {"time": 2.0, "event": "relaunched", "worker": "w1.2"}, {"time": 3.0, "event": "checkpoint", "step": 5}]
+    backend.publish({"info": {"job": "unit", "backend": "kubernetes", "mlflow": {"run_id": "r1"}}, "status": status, "events": events})
+    view = kubernetes_view("unit", "ml", with_events=True, api=fake)
+    summary = view["summary"]
+    assert (summary["state"], summary["epoch"], summary["rows_done"], summary["checkpoints"]) == ("running", 1, 50, [5])
+    assert summary["job_dir"] == "pod ml/train-step-1"
+    assert "mlflow artifacts download -r r1 -a tensorboard" in summary["tensorboard"]
+    assert [(w["id"], w["relaunches"], w["relaunch_causes"]) for w in view["workers"]] == [
+        ("w0.1", 0, []), ("w1.2", 1, ["killed by SIGKILL"])]
+    assert [e["event"] for e in view["events"]] == ["died", "relaunched", "checkpoint"]
+    with pytest.raises(ElasticStepError, match="no running job 'nope' in namespace ml.*--mlflow-uri"):
+        kubernetes_view("nope", "ml", api=fake)
+    # stop: the annotation lands on the job's ConfigMap (the master's publish takes it from there).
+    from elastic_step.kubejobs import stop_kubernetes
+
+    assert "asked job unit to stop" in stop_kubernetes("unit", "ml", 5, wait=False, api=fake)
+    assert STOP_ANNOTATION in status_map(fake, "ml", "unit").metadata.annotations
+    backend.shutdown(grace_s=0)

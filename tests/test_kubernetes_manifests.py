@@ -154,11 +154,13 @@ def test_every_file_under_deploy_validates():
 
 def test_the_role_is_namespaced_and_grants_only_what_the_master_does():
     # What the backend calls: read its own pod; create, list, watch, delete worker pods; create and
-    # delete the token Secret and the NetworkPolicies. No reads of Secrets or logs.
+    # delete the token Secret and the NetworkPolicies; create, update and delete the job's status
+    # ConfigMap. No reads of Secrets, ConfigMaps or logs.
     role = next(o for _, o in deploy_objects() if o["kind"] == "Role" and o["metadata"]["name"] == "elastic-step-master")
     grants = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]}
     assert grants == {(("",), ("pods",), ("create", "delete", "get", "list", "watch")),
                       (("",), ("secrets",), ("create", "delete")),
+                      (("",), ("configmaps",), ("create", "delete", "patch")),
                       (("networking.k8s.io",), ("networkpolicies",), ("create", "delete"))}
     assert not [o for _, o in deploy_objects() if o["kind"].startswith("Cluster")]
     # Argo's executor gets only what it reports outputs with, in a Role of its own.

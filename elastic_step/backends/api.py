@@ -57,3 +57,13 @@ class Backend(abc.ABC):
     def describe(self, worker_id: str) -> dict:
         """Backend details shown by `elastic-step status` (pid, pod name, ...)."""
         return {}
+
+    # Whether `publish` shows the job's status anywhere: locally the job folder and the master's
+    # own API serve `get`, `top` and `stop`, and nothing needs publishing.
+    publishes_status = False
+
+    def publish(self, document: dict) -> set[str]:
+        """Show the job's status (`document`: its info, status and membership events) where this
+        backend's users read it; returns the operator's requests left there ({"stop"}). Called
+        from the master's publishing thread, never under its lock; it may wait for the network."""
+        return set()

@@ -15,6 +15,9 @@ def register(sub) -> None:
     p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT"), help="folder holding job folders (default: $ELASTIC_STEP_ROOT)")
     p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
     p.add_argument("-e", "--events", action="store_true", help="also the membership events: deaths, relaunches, regroups, scaling, checkpoints")
+    add_backend(p, "JOB is the job's name (--job-name); its master's published status, with your own credentials")
+    p.add_argument("--mlflow-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                   help="with --backend kubernetes: where to find a job that has ended (default: $MLFLOW_TRACKING_URI)")
     p.set_defaults(func=get)
     p = sub.add_parser("list", help="list jobs: state, age, workers, epoch, progress, samples/s")
     p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT") or ".", help="folder holding job folders (default: $ELASTIC_STEP_ROOT, else .)")
@@ -27,13 +30,20 @@ def register(sub) -> None:
     p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT") or ".")
     p.add_argument("-r", "--refresh", type=float, default=2.0, metavar="SECONDS", help="seconds between refreshes (default 2)")
     p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (default: until Ctrl-C)")
+    add_backend(p, "JOB is the job's name; without it, every job of the namespace")
     p.set_defaults(func=top)
     p = sub.add_parser("stop", help="stop a job gracefully: a final checkpoint, workers stopped; `train --resume` continues it")
     p.add_argument("job", help="the job's folder or name")
     p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT"))
     p.add_argument("--no-wait", dest="wait", action="store_false", help="return once the master took the request")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job to stop (default 600)")
+    add_backend(p, "JOB is the job's name; the request goes on its status ConfigMap, which its master reads")
     p.set_defaults(func=stop)
+
+
+def add_backend(p, kubernetes_help: str) -> None:
+    p.add_argument("--backend", choices=("local", "kubernetes"), default="local", help=f"kubernetes: {kubernetes_help}")
+    p.add_argument("--namespace", help="with --backend kubernetes: the job's namespace (default: the current context's)")
 
 
 def dump(data, output: str) -> None:
@@ -47,14 +57,23 @@ def dump(data, output: str) -> None:
 
 def get(args) -> int:
     from elastic_step.cli.render import print_job
-    from elastic_step.jobview import find_job, job_view
 
-    view = job_view(find_job(args.job, args.root), with_events=args.events)
+    view = load_view(args, args.events)
     if args.output != "table":
         dump(view, args.output)
     else:
         print_job(view)
     return 0
+
+
+def load_view(args, with_events: bool) -> dict:
+    if args.backend == "kubernetes":
+        from elastic_step.kubejobs import kubernetes_view
+
+        return kubernetes_view(args.job, args.namespace, with_events, mlflow_uri=getattr(args, "mlflow_uri", None))
+    from elastic_step.jobview import find_job, job_view
+
+    return job_view(find_job(args.job, args.root), with_events=with_events)
 
 
 def list_jobs(args) -> int:
@@ -81,15 +100,21 @@ def top(args) -> int:
 
     from elastic_step.cli.render import job_list_table, job_tables
     from elastic_step.errors import ElasticStepError
-    from elastic_step.jobview import find_job, job_view, list_local
+    from elastic_step.jobview import find_job, list_local
 
-    job_dir = find_job(args.job, args.root) if args.job else None
+    kubernetes = args.backend == "kubernetes"
+    if args.job and not kubernetes:
+        args.job = find_job(args.job, args.root)  # an unknown job is an error at once, not a frame
 
     def frame():
-        if job_dir is None:
+        if not args.job:
+            if kubernetes:
+                from elastic_step.kubejobs import list_kubernetes
+
+                return job_list_table(list_kubernetes(args.namespace), kubernetes=True)
             return job_list_table(list_local(args.root))
         try:
-            return job_tables(job_view(job_dir))
+            return job_tables(load_view(args, with_events=False))
         except ElasticStepError as exc:  # the job ended or its master went away meanwhile: say so, keep going
             from rich.text import Text
 
@@ -115,6 +140,11 @@ def stop(args) -> int:
     from elastic_step.jobclient import JobClient
     from elastic_step.jobview import find_job, load_job
 
+    if args.backend == "kubernetes":
+        from elastic_step.kubejobs import stop_kubernetes
+
+        print(stop_kubernetes(args.job, args.namespace, args.timeout, wait=args.wait))
+        return 0
     job_dir = find_job(args.job, args.root)
     job = load_job(job_dir, with_events=False)
     if not job["live"]:

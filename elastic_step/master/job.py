@@ -32,6 +32,7 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.progress import ProgressDisplay
+from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.master.store import RendezvousStore
 from elastic_step.protocol import JobSpec
@@ -266,6 +267,9 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
                        "view_token_file": view_token_file, "backend": config.backend, "started_at": state.started_at,
                        "mlflow": recorder.run_info()},
                       indent=None)
+    if backend.publishes_status:  # stopped before the backend shuts down (callbacks run last-in, first-out)
+        info = {"job": config.job_name, "backend": config.backend, "started_at": state.started_at, "mlflow": recorder.run_info()}
+        running.callback(StatusPublisher(state, backend, events, info).start().close)
     return Master(state, ledger, events, url, token_file)
 
 

@@ -80,6 +80,9 @@ class KubernetesBackend(Backend):
         self._pending_failures: list[WorkerExit] = []  # pods the API refused to create
         self.rules_matched: list[tuple[str, str]] = []  # (pod, table row): what the table decided, for status and tests
         self.network_policies: list[str] = []
+        self.status_published = False  # the status ConfigMap exists (created by this master)
+        self._publish_failing = False
+        self._shut_down = False  # after shutdown nothing is published (it would outlive the job)
         self._check_reachable()
         own_pod = self._read_own_pod()
         self.image = self._worker_image(own_pod)
@@ -274,6 +277,7 @@ class KubernetesBackend(Backend):
         """Wait up to `grace_s` for workers to finish, then delete every pod of this job, its
         Secret and its NetworkPolicies (here, not only through owner references: the master
         may not own them, and a finished master pod is kept by Argo and KFP)."""
+        self._shut_down = True
         deadline = time.monotonic() + grace_s
         while self.pods and time.monotonic() < deadline:
             self.poll()
@@ -294,9 +298,50 @@ class KubernetesBackend(Backend):
         self._delete_made()
         self.watcher.stop()
 
+    # -- the status others read ---------------------------------------------------------------------
+    publishes_status = True
+
+    def publish(self, document: dict) -> set[str]:
+        """Create, then update, the job's status ConfigMap (`elastic-step get|top|stop --backend
+        kubernetes` read it with their own credentials); a stop request is its annotation. A
+        failing API costs a warning (once per outage) and stale status, never the job."""
+        import json
+
+        ns, text = self.settings.namespace, json.dumps(document, default=str)
+        if self._shut_down:
+            return set()
+        try:
+            if self.status_published:
+                reply = self.api.patch_namespaced_config_map(self.names.status_map, ns, {"data": {manifests.STATUS_KEY: text}},
+                                                             _request_timeout=self.timeout_s)
+            else:
+                reply = self.api.create_namespaced_config_map(ns, manifests.status_map(self.names, self.master, ns, text),
+                                                              _request_timeout=self.timeout_s)
+                self.status_published = True
+        except Exception as exc:
+            if getattr(exc, "status", None) == 409:  # made by an earlier call whose reply was lost: update it next time
+                self.status_published = True
+            if not self._publish_failing:
+                log.warning("cannot update the job's status ConfigMap %s in %s (%s): `elastic-step get --backend "
+                            "kubernetes` shows older status until it works again", self.names.status_map, ns,
+                            getattr(exc, "reason", None) or exc)
+            self._publish_failing = True
+            return set()
+        self._publish_failing = False
+        annotations = (reply.metadata.annotations or {}) if reply.metadata else {}
+        return {"stop"} if manifests.STOP_ANNOTATION in annotations else set()
+
     def _delete_made(self) -> None:
-        """The job's Secret and NetworkPolicies."""
+        """The job's Secret, NetworkPolicies and status ConfigMap."""
         self._delete_secret()
+        if self.status_published:
+            try:
+                self.api.delete_namespaced_config_map(self.names.status_map, self.settings.namespace,
+                                                      _request_timeout=self.timeout_s)
+            except Exception as exc:
+                if getattr(exc, "status", None) != 404:
+                    log.warning("deleting ConfigMap %s failed: %s", self.names.status_map, exc)
+            self.status_published = False
         for name in self.network_policies:
             try:
                 self.networking.delete_namespaced_network_policy(name, self.settings.namespace,

@@ -57,6 +57,10 @@ class JobNames:
     def network_policy(self, role: str) -> str:
         return f"{self.instance}-{role}"
 
+    @property
+    def status_map(self) -> str:
+        return f"{self.instance}-status"
+
     def labels(self, component: str) -> dict[str, str]:
         return {
             "app.kubernetes.io/name": "elastic-step",
@@ -203,6 +207,22 @@ def store_credentials_of(container: k8s.V1Container | None) -> list[k8s.V1EnvVar
         if var.name in STORE_CREDENTIAL_ENV and source is not None and source.secret_key_ref is not None:
             found.append(k8s.V1EnvVar(name=var.name, value_from=k8s.V1EnvVarSource(secret_key_ref=source.secret_key_ref)))
     return found
+
+
+# The job's status as `elastic-step get|top --backend kubernetes` reads it through the API: a
+# ConfigMap the master keeps current (the master's own port admits only its workers, so no
+# request from outside the job reaches it), and where `stop` leaves its request.
+STATUS_KEY = "status.json"
+STOP_ANNOTATION = "elastic-step/stop-requested"
+
+
+def status_map(names: JobNames, master: MasterPod | None, namespace: str, document: str) -> k8s.V1ConfigMap:
+    return k8s.V1ConfigMap(
+        api_version="v1", kind="ConfigMap",
+        metadata=k8s.V1ObjectMeta(name=names.status_map, labels=names.labels("status"),
+                                  owner_references=owner_references(master, namespace)),
+        data={STATUS_KEY: document},
+    )
 
 
 # Labels that change during a pod's life: never part of a selector of it.

@@ -1,0 +1,64 @@
+"""The job's status, pushed every few seconds to where the backend's users read it, and the
+operator's requests found there taken in.
+
+On Kubernetes that is a ConfigMap read with the operator's own credentials: the master's port
+admits only the job's worker pods (its NetworkPolicy), so `get`, `top` and `stop` from outside
+the job cannot call the master. The publishing runs on its own thread: an API server that stalls
+delays what others see, never the master's loop or its lock."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from elastic_step.backends.api import Backend
+from elastic_step.master.events import EventLog
+
+log = logging.getLogger("elastic_step.master")
+
+PUBLISH_INTERVAL_S = 2.0
+PUBLISHED_EVENTS = 300  # the newest events only: a ConfigMap holds at most 1 MiB
+
+
+class StatusPublisher:
+    def __init__(self, state, backend: Backend, events: EventLog, info: dict, interval_s: float = PUBLISH_INTERVAL_S):
+        self.state = state  # MasterState: status() and request_stop() take its lock themselves
+        self.backend = backend
+        self.events = events
+        self.info = info  # what does not change: job, backend, start time, MLflow run
+        self.interval_s = interval_s
+        self.stop_taken = False
+        self.stop_refused = ""  # why a requested stop cannot be done, for the operator's `stop`
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="status-publisher", daemon=True)
+
+    def start(self) -> "StatusPublisher":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.publish_once()
+            except Exception:  # a bug here must not end the job; it is logged where people look
+                log.exception("publishing the job's status failed")
+            self._stopping.wait(self.interval_s)
+
+    def publish_once(self) -> None:
+        events, _ = self.events.since(0)
+        document = {"info": self.info, "status": self.state.status(), "events": events[-PUBLISHED_EVENTS:]}
+        if self.stop_refused:
+            document["stop_refused"] = self.stop_refused
+        requests = self.backend.publish(document)
+        if "stop" in requests and not self.stop_taken:
+            self.stop_taken = True  # the annotation stays; one request is enough
+            try:
+                self.state.request_stop()
+                log.info("stop requested by the operator (the job's status ConfigMap)")
+            except ValueError as exc:  # the job has ended, or it takes no checkpoints
+                self.stop_refused = str(exc)
+                log.warning("the operator asked for a stop, which cannot be done: %s", exc)
