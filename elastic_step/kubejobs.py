@@ -100,7 +100,7 @@ def status_map(api, namespace: str, job: str):
         maps = api.list_namespaced_config_map(namespace, label_selector=STATUS_SELECTOR).items
     except Exception as exc:
         raise ElasticStepError(f"cannot read the jobs' status in namespace {namespace}: {getattr(exc, 'reason', None) or exc}; "
-                               "check --namespace, and that you have deploy/operator's Role there (configmaps get, list, patch)") from None
+                               "check --namespace, and that you have deploy/operator's Role there (configmaps list, patch)") from None
     wanted = {job, dns_label(job)}
     mine = [m for m in maps if wanted & {(m.metadata.labels or {}).get("elastic-step/job"),
                                          (m.metadata.labels or {}).get("app.kubernetes.io/instance")}]

@@ -368,7 +368,12 @@ class _Handler(BaseHTTPRequestHandler):
             if sub == "log":
                 if api.log_reader is None:
                     raise ApiError(400, "BadRequest", f'pod "{req.name}" has no node to read logs from')
-                return 200, api.log_reader(req.namespace, req.name)
+                text = api.log_reader(req.namespace, req.name)
+                if query.get("tailLines") is not None:  # the newest lines only, as the kubelet does
+                    tail = int(query["tailLines"])
+                    lines = text.splitlines(keepends=True)
+                    text = b"".join(lines[-tail:]) if tail > 0 else b""
+                return 200, text
             if sub == "eviction":
                 # The Eviction API (`kubectl drain`): the pod is marked as disrupted, then deleted gracefully.
                 grace = (self._body().get("deleteOptions") or {}).get("gracePeriodSeconds")

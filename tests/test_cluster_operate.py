@@ -1,0 +1,163 @@
+"""Operating a job on Kubernetes as a person does: `elastic-step list|get|top|logs|stop --backend
+kubernetes` run as separate processes with a kubeconfig of their own user, who holds only the
+Role in deploy/operator, against the cluster stand-in (tests/cluster) where the master is a pod
+and its workers are pods it made. Nothing reaches the master's port or its folder: what the
+commands show comes through the API server (the status ConfigMap the master keeps, pods, pod
+logs), and once the job has ended, from its MLflow run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+from cluster import Cluster, role_rules
+from cluster.masterpod import MasterPodOnNode
+from cluster.rbac import REPO, kustomize_namespace, read_manifests
+from stores import upload
+from test_cluster_e2e import BUCKET, SCRATCH, STORE_SECRET, cluster, master_pod, s3  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.e2e
+
+JOB = "digits-op"
+JOB_DIR = f"{SCRATCH}/{JOB}"  # the job's name is its folder's
+OPERATOR_RBAC = os.path.join(REPO, "deploy", "operator")
+
+
+class Master(MasterPodOnNode):
+    def __init__(self, cluster: Cluster, name: str):
+        super().__init__(cluster, name, JOB_DIR)
+
+    def path(self, pod_path: str) -> str:
+        scratch = self.cluster.kubelet.volume_path(self.cluster.namespace, self.name, "scratch")
+        return os.path.join(scratch, os.path.relpath(pod_path, SCRATCH))
+
+
+def kubeconfig(cluster: Cluster, folder, user: str, roles: bool) -> str:
+    """A kubeconfig of `user` (bound to deploy/operator's Role in the job's namespace when `roles`)."""
+    if roles:
+        for obj in kustomize_namespace(read_manifests(OPERATOR_RBAC), cluster.namespace):
+            cluster.authorizer.apply(obj)
+        cluster.authorizer.add_binding(cluster.namespace, {"kind": "Role", "name": "elastic-step-operator"},
+                                       [{"kind": "User", "name": user}])
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": user,
+        "clusters": [{"name": "stand-in", "cluster": {"server": cluster.server.url, "certificate-authority": cluster.ca}}],
+        "users": [{"name": user, "user": {"token": cluster.authorizer.issue_token(user)}}],
+        "contexts": [{"name": user, "context": {"cluster": "stand-in", "user": user, "namespace": cluster.namespace}}],
+    }
+    path = os.path.join(str(folder), f"{user}.kubeconfig")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    os.chmod(path, 0o600)
+    return path
+
+
+def as_user(config: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "MLFLOW_"))}
+    return subprocess.run([sys.executable, "-m", "elastic_step.cli", *args], capture_output=True, text=True,
+                          env={**env, "KUBECONFIG": config}, timeout=timeout)
+
+
+def get(config: str, *extra: str) -> dict | None:
+    done = as_user(config, "get", JOB, "--backend", "kubernetes", "-o", "json", *extra)
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def wait_for(config: str, predicate, what: str, master: Master, timeout: float = 150) -> dict:
+    deadline, view = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        view = get(config, "-e")
+        if view is not None and predicate(view):
+            return view
+        if master.phase() in ("Succeeded", "Failed"):
+            break
+        time.sleep(1.0)
+    raise AssertionError(f"{what}: not seen within {timeout}s; last view {view}\n{master.log()[-4000:]}")
+
+
+def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_through_the_api_alone(tmp_path, digits, s3, cluster):
+    data = upload(s3, digits, BUCKET, "digits")
+    ns = cluster.namespace
+    api = cluster.core()
+    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET),
+                                                  string_data={"access-key": "AKIDTEST", "secret-key": "not-a-real-secret"}))
+    args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--model-def", "slow_digits",
+            "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "40", "--minibatch-size", "16", "--minibatches-per-task", "2",
+            "--heartbeat-timeout", "4", "--checkpoint-steps", "50", "--worker-cpu", "1", "--worker-memory", "1Gi", "--no-progress"]
+    api.create_namespaced_pod(ns, master_pod(cluster, "train-step-op", args))
+    master = Master(cluster, "train-step-op")
+    alice = kubeconfig(cluster, tmp_path, "alice", roles=True)
+
+    # get: the job as its master published it, with its workers' pods and what they use.
+    view = wait_for(alice, lambda v: v["summary"]["state"] == "running" and v["summary"]["world_size"] == 2
+                    and (v["summary"]["step"] or 0) > 0 and all(w["rss_bytes"] for w in v["workers"]), "two workers training", master)
+    summary = view["summary"]
+    assert summary["job"] == JOB and summary["job_dir"] == f"pod {ns}/train-step-op", summary
+    assert summary["mlflow"]["run_id"] and "mlflow artifacts download -r" in summary["tensorboard"]
+    pods = {w["id"]: w["pod"] for w in view["workers"]}
+    assert all(p and p.startswith(f"{JOB}-") for p in pods.values()), view["workers"]
+
+    # A worker's container is SIGKILLed: get -e shows the death, the relaunch, and the slot's history.
+    victim = next(w for w in view["workers"] if w["rank"] == 1)
+    cluster.kubelet.kill(ns, victim["pod"])
+    view = wait_for(alice, lambda v: any(w["slot"] == victim["slot"] and w["relaunches"] == 1 and w["state"] == "live"
+                                         for w in v["workers"]), "the killed worker relaunched", master)
+    died = [e for e in view["events"] if e["event"] == "died"]
+    assert [e["worker"] for e in died] == [victim["id"]] and ("137" in died[0]["reason"] or "SIGKILL" in died[0]["reason"])
+    assert any(e["event"] == "relaunched" for e in view["events"])
+    row = next(w for w in view["workers"] if w["slot"] == victim["slot"])
+    assert row["relaunch_causes"] == [died[0]["reason"]]
+
+    # list: the job with its published progress; top: the worker table; logs: a worker's pod log.
+    listed = as_user(alice, "list", "--backend", "kubernetes", "-o", "json")
+    assert listed.returncode == 0, listed.stderr
+    job = next(r for r in json.loads(listed.stdout) if r["job"] == JOB)
+    assert job["state"] == "running" and job["epochs"] == 40 and job["rows_total"] > 0 and job["workers_live"] == 2, job
+    top = as_user(alice, "top", JOB, "--backend", "kubernetes", "-r", "0.5", "--iterations", "2")
+    assert top.returncode == 0 and row["id"] in top.stdout and "train-step-op" in top.stdout, top.stdout + top.stderr
+    logs = as_user(alice, "logs", JOB, "--backend", "kubernetes", "--worker", "w0", "--tail", "5")
+    assert logs.returncode == 0 and 0 < len(logs.stdout.strip().splitlines()) <= 5, logs.stdout + logs.stderr
+
+    # stop: a request on the job's status; the master checkpoints, stops its workers and exits 0.
+    stopped = as_user(alice, "stop", JOB, "--backend", "kubernetes", "--timeout", "120", timeout=180)
+    assert stopped.returncode == 0 and "stopped at a checkpoint" in stopped.stdout, stopped.stdout + stopped.stderr
+    assert master.phase() == "Succeeded", master.log()[-3000:]
+    with open(master.path(f"{JOB_DIR}/result.json")) as f:
+        result = json.load(f)
+    assert result["state"] == "stopped" and result["checkpoint_step"], result
+    with open(master.path(f"{JOB_DIR}/logs/master.log")) as f:
+        assert "stop requested by the operator (the job's status ConfigMap)" in f.read()
+
+    # Once ended, nothing of the job is left in the cluster; get reads its MLflow run.
+    assert not [m for m in cluster.objects("configmaps") if m["metadata"]["name"].startswith(JOB)]
+    gone = as_user(alice, "get", JOB, "--backend", "kubernetes")
+    assert gone.returncode == 2 and "--mlflow-uri" in gone.stderr and len(gone.stderr.strip().splitlines()) == 1, gone.stderr
+    ended = get(alice, "--mlflow-uri", f"sqlite:///{master.path(SCRATCH + '/mlflow.db')}")
+    assert ended is not None and ended["summary"]["state"] == "stopped", ended
+    assert ended["summary"]["mlflow"]["run_id"] == result["run_id"] == summary["mlflow"]["run_id"]
+
+    # What alice asked of the API is exactly the operator Role; the master's calls exactly its own.
+    alice_used = {(verb, resource) for verb, resource, _ in cluster.used("alice")}
+    assert cluster.refused("alice") == set() and alice_used == role_rules(OPERATOR_RBAC), alice_used
+    assert {(verb, resource) for verb, resource, _ in cluster.used()} == role_rules()
+
+
+def test_commands_without_the_operator_role_or_for_an_unknown_job_fail_in_one_line(tmp_path, cluster):
+    bob = kubeconfig(cluster, tmp_path, "bob", roles=False)
+    for command in (["get", JOB], ["stop", JOB], ["top", JOB, "--iterations", "1"]):
+        done = as_user(bob, *command, "--backend", "kubernetes")
+        error = done.stderr.strip()
+        if command[0] == "top":  # top keeps refreshing through errors: it prints them in its frame
+            assert done.returncode == 0 and "deploy/operator" in done.stdout, done.stdout
+            continue
+        assert done.returncode == 2 and "deploy/operator" in error and len(error.splitlines()) == 1, error
+    alice = kubeconfig(cluster, tmp_path, "alice", roles=True)
+    done = as_user(alice, "get", "nope", "--backend", "kubernetes")
+    assert done.returncode == 2 and "no running job 'nope'" in done.stderr and len(done.stderr.strip().splitlines()) == 1
