@@ -112,14 +112,21 @@ def master_pod_of(config_map) -> str | None:
     return owners[0] if owners else None
 
 
-def published_job(config_map, namespace: str) -> dict:
-    """The job as its master last published it, in the shape `jobview.view_of` shows."""
+def published_document(config_map, namespace: str) -> dict:
+    """What the master published: {info, status, events, events_next, history[, stop_refused]}."""
     try:
         document = json.loads(config_map.data[STATUS_KEY])
-        status, info = document["status"], document["info"]
+        document["status"], document["info"]  # noqa: B018  (both must be there)
+        return document
     except (KeyError, TypeError, ValueError) as exc:
         raise ElasticStepError(f"ConfigMap {config_map.metadata.name} in {namespace} holds no readable job status ({exc}); "
                                "it was changed by hand: its master rewrites it within seconds, try again") from None
+
+
+def published_job(config_map, namespace: str) -> dict:
+    """The job as its master last published it, in the shape `jobview.view_of` shows."""
+    document = published_document(config_map, namespace)
+    status, info = document["status"], document["info"]
     info = {**info, "namespace": namespace, "master_pod": master_pod_of(config_map), "status_map": config_map.metadata.name}
     return {"live": status.get("state") not in ENDED, "remote": True, "status": status, "events": document.get("events", []),
             "info": info, "result": None, "stop_refused": document.get("stop_refused", "")}
@@ -244,10 +251,25 @@ def worker_pod(api, namespace: str, job: str, worker: str | None, previous: bool
     return chosen.metadata.name, False
 
 
+def master_pod(api, namespace: str, job: str) -> tuple[str, str]:
+    """The pod of a running job's master (its status ConfigMap's owner) and the master's
+    container in it: `main` (Argo's and KFP's step container), else the pod's only one."""
+    found = status_map(api, namespace, job)
+    pod = master_pod_of(found) if found is not None else None
+    if pod is None:
+        raise ElasticStepError(f"no running job {job!r} with a master pod in namespace {namespace}; an ended step's log "
+                               "is its pipeline's (`argo logs`, the KFP UI, or `kubectl logs POD -c main`)")
+    try:
+        containers = [c.name for c in api.read_namespaced_pod(pod, namespace).spec.containers]
+    except Exception as exc:
+        raise ElasticStepError(f"cannot read the master's pod {pod} in {namespace}: {getattr(exc, 'reason', None) or exc}") from None
+    return pod, "main" if "main" in containers else containers[0]
+
+
 def pod_log(api, namespace: str, pod: str, previous: bool = False, tail: int | None = None, since_s: float | None = None,
-            timestamps: bool = False, follow: bool = False):
+            timestamps: bool = False, follow: bool = False, container: str = WORKER_CONTAINER):
     """A pod's log (pods/log, with the caller's credentials): its lines, streamed when following."""
-    kwargs = {"container": WORKER_CONTAINER, "previous": previous, "timestamps": timestamps}
+    kwargs = {"container": container, "previous": previous, "timestamps": timestamps}
     if tail is not None:
         kwargs["tail_lines"] = tail
     if since_s is not None:

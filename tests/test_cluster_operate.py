@@ -22,6 +22,7 @@ from cluster.masterpod import MasterPodOnNode
 from cluster.rbac import REPO, kustomize_namespace, read_manifests
 from stores import upload
 from test_cluster_e2e import BUCKET, SCRATCH, STORE_SECRET, cluster, master_pod, s3  # noqa: F401  (fixtures)
+from test_live_page import browser  # noqa: F401  (a fixture: Debian's chromium, headless)
 
 pytestmark = pytest.mark.e2e
 
@@ -82,7 +83,8 @@ def wait_for(config: str, predicate, what: str, master: Master, timeout: float =
     raise AssertionError(f"{what}: not seen within {timeout}s; last view {view}\n{master.log()[-4000:]}")
 
 
-def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_through_the_api_alone(tmp_path, digits, s3, cluster):
+def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_through_the_api_alone(tmp_path, digits, s3, cluster,
+                                                                                                       browser):
     data = upload(s3, digits, BUCKET, "digits")
     ns = cluster.namespace
     api = cluster.core()
@@ -124,6 +126,11 @@ def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_t
     assert top.returncode == 0 and row["id"] in top.stdout and "train-step-op" in top.stdout, top.stdout + top.stderr
     logs = as_user(alice, "logs", JOB, "--backend", "kubernetes", "--worker", "w0", "--tail", "5")
     assert logs.returncode == 0 and 0 < len(logs.stdout.strip().splitlines()) <= 5, logs.stdout + logs.stderr
+    logs = as_user(alice, "logs", JOB, "--backend", "kubernetes", "--master")  # the step pod's main container
+    assert logs.returncode == 0 and logs.stdout.strip() and logs.stdout.strip() in master.log(), logs.stdout + logs.stderr
+
+    # ui: the live page, served on this machine's loopback from the published status, in a browser.
+    live_page(alice, browser, tmp_path, victim["id"])
 
     # stop: a request on the job's status; the master checkpoints, stops its workers and exits 0.
     stopped = as_user(alice, "stop", JOB, "--backend", "kubernetes", "--timeout", "120", timeout=180)
@@ -147,6 +154,42 @@ def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_t
     alice_used = {(verb, resource) for verb, resource, _ in cluster.used("alice")}
     assert cluster.refused("alice") == set() and alice_used == role_rules(OPERATOR_RBAC), alice_used
     assert {(verb, resource) for verb, resource, _ in cluster.used()} == role_rules()
+
+
+def until(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not seen within {timeout}s"
+        time.sleep(0.5)
+
+
+def live_page(config: str, browser, tmp_path, killed: str) -> None:
+    import httpx
+
+    server = subprocess.Popen([sys.executable, "-m", "elastic_step.cli", "ui", JOB], stdout=subprocess.PIPE, text=True,
+                              env={**{k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}, "KUBECONFIG": config})
+    try:
+        line = server.stdout.readline()
+        assert f"live page of job {JOB} (pod " in line, line
+        url = line.split(": ", 1)[1].strip()
+        assert url.startswith("http://127.0.0.1:") and "/ui#token=" in url, url
+        address = url.split("/ui#")[0]
+        assert httpx.get(f"{address}/v1/status").status_code == 401  # the page's data needs the address's token
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.goto(url)
+        page.wait_for_function("document.getElementById('state').textContent === 'running'", timeout=30_000)
+        assert page.locator("#job").inner_text() == JOB and page.locator("#world").inner_text() == "2 / 2"
+        page.wait_for_selector("#loss-chart path.series", state="attached", timeout=30_000)
+        attempts = page.locator("#timeline g.attempt")
+        assert killed in [attempts.nth(i).get_attribute("data-worker") for i in range(attempts.count())]
+        # Polled from here: the page's CSP forbids the eval a polling wait_for_function needs.
+        until(lambda: "relaunched" in page.locator("#events tbody").inner_text(), "the relaunch in the page's events")
+        step = int(page.locator("#step").inner_text())
+        until(lambda: int(page.locator("#step").inner_text()) > step, "the page following the job")
+        page.screenshot(path=str(tmp_path / "live-page-kubernetes.png"), full_page=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def test_commands_without_the_operator_role_or_for_an_unknown_job_fail_in_one_line(tmp_path, cluster):

@@ -38,6 +38,9 @@ class PodsApi:
         wanted = dict(part.split("=") for part in (label_selector or "").split(",") if part)
         return k8s.V1PodList(items=[p for p in self.pods if all(p.metadata.labels.get(k) == v for k, v in wanted.items())])
 
+    def list_namespaced_config_map(self, namespace, label_selector=None, **kwargs):
+        return k8s.V1ConfigMapList(items=[])  # no job publishes its status here: none is running
+
     def read_namespaced_pod_log(self, name, namespace, container=None, previous=False, **kwargs):
         self.calls.append({"name": name, "container": container, "previous": previous, **kwargs})
         if (name, previous) not in self.logs:
@@ -86,5 +89,5 @@ def test_logs_reads_pods_log_with_tail_since_and_timestamps(api, capsys):
                              "tail_lines": 2, "since_seconds": 300}
     with pytest.raises(ElasticStepError, match="no earlier container"):
         kubernetes_logs(args(worker="w0", previous=True), since_s=None, api=api)
-    with pytest.raises(ElasticStepError, match="kubectl logs"):
+    with pytest.raises(ElasticStepError, match="no running job 'digits' with a master pod.*kubectl logs"):
         kubernetes_logs(args(master=True, worker=None), since_s=None, api=api)

@@ -54,17 +54,19 @@ def logs(args) -> int:
 
 def kubernetes_logs(args, since_s: float | None, api=None) -> int:
     from elastic_step.errors import ElasticStepError
-    from elastic_step.kubejobs import core_api, current_namespace, pod_log, worker_pod
+    from elastic_step.kubejobs import WORKER_CONTAINER, core_api, current_namespace, master_pod, pod_log, worker_pod
 
-    if args.master:
-        raise ElasticStepError("the master's log is its own pod's (the pipeline step's): `kubectl logs POD`; "
-                               "`--worker ID` reads a worker's")
     api = api or core_api()
     namespace = args.namespace or current_namespace()
-    pod, previous_container = worker_pod(api, namespace, args.job, args.worker, args.previous)
+    if args.master:
+        pod, container = master_pod(api, namespace, args.job)
+        previous_container = args.previous
+    else:
+        pod, previous_container = worker_pod(api, namespace, args.job, args.worker, args.previous)
+        container = WORKER_CONTAINER
     try:
         for line in pod_log(api, namespace, pod, previous=previous_container, tail=args.tail, since_s=since_s,
-                            timestamps=args.timestamps, follow=args.follow):
+                            timestamps=args.timestamps, follow=args.follow, container=container):
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
     except KeyboardInterrupt:

@@ -39,6 +39,11 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job to stop (default 600)")
     add_backend(p, "JOB is the job's name; the request goes on its status ConfigMap, which its master reads")
     p.set_defaults(func=stop)
+    p = sub.add_parser("ui", help="the live page of a job on Kubernetes, served on this machine's loopback from its published status")
+    p.add_argument("job", help="the job's name (--job-name)")
+    p.add_argument("--namespace", help="the job's namespace (default: the current context's)")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free one)")
+    p.set_defaults(func=ui)
 
 
 def add_backend(p, kubernetes_help: str) -> None:
@@ -177,3 +182,30 @@ def stop(args) -> int:
             return 0
         time.sleep(0.5)
     raise ElasticStepError(f"job {status['job']} did not stop within {args.timeout:.0f}s; see `elastic-step get {job_dir} -e`")
+
+
+def ui(args) -> int:
+    from elastic_step.errors import ElasticStepError
+    from elastic_step.kubejobs import core_api, current_namespace, published_document, published_job, status_map, where_of
+    from elastic_step.pageserver import PageServer, PublishedStatus
+
+    api, namespace = core_api(), args.namespace or current_namespace()
+    found = status_map(api, namespace, args.job)
+    if found is None:
+        raise ElasticStepError(f"no running job {args.job!r} in namespace {namespace}; see `elastic-step list --backend kubernetes`")
+
+    def read() -> dict | None:
+        current = status_map(api, namespace, args.job)
+        return published_document(current, namespace) if current is not None else None
+
+    job = published_job(found, namespace)
+    server = PageServer(PublishedStatus(read), args.port)
+    print(f"live page of job {job['info'].get('job', args.job)} ({where_of(job['info'])}): {server.url}", flush=True)
+    print("Ctrl-C to stop", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0

@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from elastic_step.master.state import MasterState, Refused
-from elastic_step.master.ui_page import PAGE
+from elastic_step.master.ui_page import PAGE, PAGE_HEADERS
 from elastic_step.protocol import (
     API,
     MAX_INT,
@@ -237,11 +237,6 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
 
     @app.get(UI_PAGE, response_class=HTMLResponse, include_in_schema=False)
     async def page():
-        # No data in it; no other origin may frame it or run scripts in it.
-        return HTMLResponse(PAGE, headers={
-            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                                       "connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
-            "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
-        })
+        return HTMLResponse(PAGE, headers=PAGE_HEADERS)
 
     return app

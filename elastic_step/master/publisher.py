@@ -18,6 +18,7 @@ log = logging.getLogger("elastic_step.master")
 
 PUBLISH_INTERVAL_S = 2.0
 PUBLISHED_EVENTS = 300  # the newest events only: a ConfigMap holds at most 1 MiB
+PUBLISHED_HISTORY = 300  # points of loss, samples/s and world size over time, evenly thinned
 
 
 class StatusPublisher:
@@ -49,8 +50,11 @@ class StatusPublisher:
             self._stopping.wait(self.interval_s)
 
     def publish_once(self) -> None:
-        events, _ = self.events.since(0)
-        document = {"info": self.info, "status": self.state.status(), "events": events[-PUBLISHED_EVENTS:]}
+        events, count = self.events.since(0)
+        history = self.state.step_log.history() if self.state.step_log is not None else []
+        stride = -(-len(history) // PUBLISHED_HISTORY) or 1
+        document = {"info": self.info, "status": self.state.status(), "events": events[-PUBLISHED_EVENTS:],
+                    "events_next": count, "history": history[::-stride][::-1]}  # the newest point always
         if self.stop_refused:
             document["stop_refused"] = self.stop_refused
         requests = self.backend.publish(document)

@@ -3,6 +3,14 @@ style and SVG; nothing fetched from elsewhere, since clusters are often air-gapp
 job data: its script reads the read-only token from the address's fragment (#token=..., which a
 browser never sends to a server) and asks the read-only routes with it, every two seconds."""
 
+# What every answer carrying the page says: it holds no data; no other origin may frame it or run
+# scripts in it; it may call only the server it came from.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+}
+
 PAGE = r"""<!doctype html>
 <html lang="en">
 <head>
