@@ -124,6 +124,9 @@ def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_t
     assert job["state"] == "running" and job["epochs"] == 40 and job["rows_total"] > 0 and job["workers_live"] == 2, job
     top = as_user(alice, "top", JOB, "--backend", "kubernetes", "-r", "0.5", "--iterations", "2")
     assert top.returncode == 0 and row["id"] in top.stdout and "train-step-op" in top.stdout, top.stdout + top.stderr
+    top = as_user(alice, "top", "--backend", "kubernetes", "--iterations", "1")  # one line per job
+    line = next(text for text in top.stdout.splitlines() if text.startswith(JOB))
+    assert "running" in line and "2/2" in line and "/40" in line and ns in line, top.stdout
     logs = as_user(alice, "logs", JOB, "--backend", "kubernetes", "--worker", "w0", "--tail", "5")
     assert logs.returncode == 0 and 0 < len(logs.stdout.strip().splitlines()) <= 5, logs.stdout + logs.stderr
     logs = as_user(alice, "logs", JOB, "--backend", "kubernetes", "--master")  # the step pod's main container
