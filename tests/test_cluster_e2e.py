@@ -85,8 +85,8 @@ def master_pod(cluster: Cluster, name: str, args: list[str]) -> k8s.V1Pod:
 class MasterOnNode(MasterPodOnNode):
     """The master's job folder as the node has it (the pod's scratch volume)."""
 
-    def __init__(self, cluster: Cluster, name: str):
-        super().__init__(cluster, name, JOB_DIR)
+    def __init__(self, cluster: Cluster, name: str, job_dir: str = JOB_DIR):
+        super().__init__(cluster, name, job_dir)
 
     def path(self, pod_path: str) -> str:
         scratch = self.cluster.kubelet.volume_path(self.cluster.namespace, self.name, "scratch")

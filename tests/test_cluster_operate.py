@@ -18,10 +18,9 @@ import yaml
 from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules
-from cluster.masterpod import MasterPodOnNode
 from cluster.rbac import REPO, kustomize_namespace, read_manifests
 from stores import upload
-from test_cluster_e2e import BUCKET, SCRATCH, STORE_SECRET, cluster, master_pod, s3  # noqa: F401  (fixtures)
+from test_cluster_e2e import BUCKET, SCRATCH, STORE_SECRET, MasterOnNode, cluster, master_pod, s3  # noqa: F401  (fixtures)
 from test_live_page import browser  # noqa: F401  (a fixture: Debian's chromium, headless)
 
 pytestmark = pytest.mark.e2e
@@ -29,15 +28,6 @@ pytestmark = pytest.mark.e2e
 JOB = "digits-op"
 JOB_DIR = f"{SCRATCH}/{JOB}"  # the job's name is its folder's
 OPERATOR_RBAC = os.path.join(REPO, "deploy", "operator")
-
-
-class Master(MasterPodOnNode):
-    def __init__(self, cluster: Cluster, name: str):
-        super().__init__(cluster, name, JOB_DIR)
-
-    def path(self, pod_path: str) -> str:
-        scratch = self.cluster.kubelet.volume_path(self.cluster.namespace, self.name, "scratch")
-        return os.path.join(scratch, os.path.relpath(pod_path, SCRATCH))
 
 
 def kubeconfig(cluster: Cluster, folder, user: str, roles: bool) -> str:
@@ -71,7 +61,7 @@ def get(config: str, *extra: str) -> dict | None:
     return json.loads(done.stdout) if done.returncode == 0 else None
 
 
-def wait_for(config: str, predicate, what: str, master: Master, timeout: float = 150) -> dict:
+def wait_for(config: str, predicate, what: str, master: MasterOnNode, timeout: float = 150) -> dict:
     deadline, view = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         view = get(config, "-e")
@@ -94,7 +84,7 @@ def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_t
             "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "40", "--minibatch-size", "16", "--minibatches-per-task", "2",
             "--heartbeat-timeout", "4", "--checkpoint-steps", "50", "--worker-cpu", "1", "--worker-memory", "1Gi", "--no-progress"]
     api.create_namespaced_pod(ns, master_pod(cluster, "train-step-op", args))
-    master = Master(cluster, "train-step-op")
+    master = MasterOnNode(cluster, "train-step-op", JOB_DIR)
     alice = kubeconfig(cluster, tmp_path, "alice", roles=True)
 
     # get: the job as its master published it, with its workers' pods and what they use.
