@@ -27,6 +27,7 @@ class Route(StrEnum):
     STEPS = "/steps"  # rank 0 reports applied steps
     COLLECTIVE_FAILED = "/collective-failed"  # a round's collective failed on this worker
     FAIL = "/fail"  # a member fails the job (a non-finite loss)
+    PREFLIGHT_FAILED = "/preflight-failed"  # a launched worker cannot import the model or read the data
     MODEL = "/model"  # rank 0 hands in the final model (PUT, bytes)
     CHECKPOINT = "/checkpoint"  # rank 0's state for a checkpoint step (PUT, bytes)
     INITIAL_STATE = "/initial-state"  # the checkpoint or model the first round's source loads

@@ -246,3 +246,31 @@ def test_a_master_whose_service_account_has_no_role_fails_saying_so_and_creates_
     assert cluster.refused(default_user), cluster.server.audit
     assert [p["metadata"]["name"] for p in cluster.pods()] == ["train-step-norole"]
     assert [s["metadata"]["name"] for s in cluster.objects("secrets")] == [STORE_SECRET]  # no job token Secret
+
+
+def test_worker_pods_that_cannot_read_the_data_fail_the_job_at_once_saying_what_to_fix(tmp_path, digits, s3, cluster):
+    """The master's container holds the store's keys as literal values, which are never copied
+    into another pod: the master reads the data, its workers cannot. Each worker's pre-flight
+    says so to the master, which fails the job at once with that line, relaunching nothing."""
+    data = upload(s3, digits, BUCKET, "digits")
+    ns = cluster.namespace
+    api = cluster.core()
+    args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--model-def", "slow_digits",
+            "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "1", "--no-progress"]
+    pod = master_pod(cluster, "train-step-literal", args)
+    for var in pod.spec.containers[0].env:
+        if var.name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            var.value, var.value_from = {"AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}[var.name], None
+    api.create_namespaced_pod(ns, pod)
+    master = MasterOnNode(cluster, "train-step-literal")
+    deadline = time.monotonic() + 150
+    while master.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = master.log()
+    assert master.phase() == "Failed", log
+    failure = [line for line in log.splitlines() if "pre-flight" in line]
+    assert failure and "cannot read the dataset's manifest s3://" in failure[0] and "secretKeyRef" in failure[0], log
+    with open(master.path(f"{JOB_DIR}/events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert not [e for e in events if e["event"] == "relaunched"], events
+    assert [o["metadata"]["name"] for o in cluster.pods()] == ["train-step-literal"]  # its worker pods are gone

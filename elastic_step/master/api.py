@@ -177,6 +177,11 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
         state.fail_by_worker(body.worker_id, body.reason)
         return Empty()
 
+    @app.post(API + Route.PREFLIGHT_FAILED, response_model=Empty, responses=_declared(400, 403))
+    async def preflight_failed(body: FailJobRequest):
+        state.preflight_failed(body.worker_id, body.reason)
+        return Empty()
+
     @app.put(API + Route.MODEL, response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
     async def upload_model(request: Request, worker_id: WorkerParam, step: StepParam):
         data = await request.body()

@@ -299,6 +299,15 @@ class MasterState:
             self.rounds.member_of_ready_round(worker_id)
             self.fail(f"{worker_id}: {reason}")
 
+    def preflight_failed(self, worker_id: str, reason: str) -> None:
+        """A live worker of this job (launched by it, not yet in a round) cannot do what every
+        worker must: the job fails now with its reason, rather than after a relaunch of every slot
+        (each of which would fail the same way)."""
+        with self.lock:
+            self.membership.live_worker(worker_id)
+            if not self.over:
+                self.fail(f"worker {worker_id} failed its pre-flight check: {reason}")
+
     def upload_model(self, worker_id: str, step: int, data: bytes) -> bool:
         with self.lock:
             self.rounds.member_of_ready_round(worker_id, rank0=True)

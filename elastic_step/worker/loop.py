@@ -20,9 +20,8 @@ from enum import StrEnum
 
 import numpy as np
 
-from elastic_step.data.manifest import load_manifest
-from elastic_step.data.reader import ShardReader
-from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
+from elastic_step.errors import ElasticStepError
+from elastic_step.frameworks.model_def import batch_arrays
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.protocol import (
     CollectiveFailedRequest,
@@ -43,6 +42,7 @@ from elastic_step.protocol import (
 from elastic_step.worker.background import Heartbeat, StepReporter
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
 from elastic_step.worker.collective import Collective, decode_int, encode_int
+from elastic_step.worker.preflight import PreflightFailed, check_worker
 from elastic_step.worker.timing import Phase, StepTimes
 
 log = logging.getLogger("elastic_step.worker")
@@ -79,9 +79,12 @@ class Worker:
         # (TensorFlow takes seconds, more on a busy node) must not look like a hung worker.
         self.heartbeat = Heartbeat(client, worker_id, spec.heartbeat_interval_s)
         self.heartbeat.start()
-        self.model_def = load_model_definition(spec.model_def)
+        try:
+            self.model_def, self.reader = check_worker(spec.model_def, spec.manifest)
+        except PreflightFailed:
+            self.heartbeat.halt()
+            raise
         self.trainer = build_trainer(self.model_def, seed=spec.seed)
-        self.reader = ShardReader(load_manifest(spec.manifest))
         self._warm_up()
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
         self.reporter = StepReporter(client, worker_id)
@@ -350,4 +353,13 @@ def run_worker() -> int:
     client = MasterClient(url, token)
     spec = JobSpec(**client.call("POST", "/register", RegisterRequest(worker_id=worker_id, pid=os.getpid(), host=socket.gethostname())))
     client.master_timeout_s = spec.master_timeout_s
-    return Worker(client, worker_id, spec).run()
+    try:
+        worker = Worker(client, worker_id, spec)
+    except PreflightFailed as exc:
+        # The master fails the job with this reason (a relaunch would fail the same way).
+        try:
+            client.call("POST", "/preflight-failed", FailJobRequest(worker_id=worker_id, reason=str(exc)[:4000]))
+        except Exception as call_error:  # the master is gone or refuses: the exit says it all the same
+            log.warning("could not report the pre-flight failure: %s", call_error)
+        raise ElasticStepError(f"pre-flight: {exc}") from None
+    return worker.run()
