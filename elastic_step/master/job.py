@@ -178,7 +178,7 @@ def run_job(config: TrainConfig) -> JobResult:
 def check_inputs(config: TrainConfig):
     """The data and the model definition, checked before anything starts."""
     manifest = load_manifest(config.data)
-    validate_shards(manifest, [s for s in ("train", "test") if manifest.splits.get(s)])
+    validate_shards(manifest, [s for s in ("train", "val", "test") if manifest.splits.get(s)])
     model_def, trainer = check_model_definition(config, manifest)
     os.makedirs(config.job_dir, exist_ok=True)
     return manifest, model_def, trainer
