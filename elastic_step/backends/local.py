@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
@@ -39,6 +41,10 @@ def last_words(log_path: str, limit: int = 300) -> str:
 
 
 class LocalBackend(Backend):
+    """The master calls launch, stop, poll and describe holding its lock, which its API waits
+    on: starting a process (a fork, an exec, its log file opened) happens on this backend's own
+    thread, so the lock is never held for it."""
+
     name = "local"
 
     def __init__(self, spec: LaunchSpec, python: str = sys.executable):
@@ -47,8 +53,39 @@ class LocalBackend(Backend):
         self.procs: dict[str, subprocess.Popen] = {}
         self.log_dir = os.path.join(spec.job_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
+        self._lock = threading.Lock()
+        self._starting: set[str] = set()  # launched, not yet a process
+        self._stopped_early: set[str] = set()  # stopped before its process existed: killed on start
+        self._failed: list[WorkerExit] = []  # could not be started at all
+        self._launches: queue.Queue = queue.Queue()
+        self._launcher = threading.Thread(target=self._launch_loop, name="worker-launches", daemon=True)
+        self._launcher.start()
 
     def launch(self, slot: int, worker_id: str) -> None:
+        with self._lock:
+            self._starting.add(worker_id)
+        self._launches.put(worker_id)
+
+    def _launch_loop(self) -> None:
+        while True:
+            worker_id = self._launches.get()
+            if worker_id is None:
+                return
+            try:
+                proc = self._start(worker_id)
+            except OSError as exc:
+                with self._lock:
+                    self._starting.discard(worker_id)
+                    self._failed.append(WorkerExit(worker_id, f"could not be started: {exc}", None, "count"))
+                continue
+            with self._lock:
+                self._starting.discard(worker_id)
+                self.procs[worker_id] = proc
+                if worker_id in self._stopped_early:
+                    self._stopped_early.discard(worker_id)
+                    proc.kill()
+
+    def _start(self, worker_id: str) -> subprocess.Popen:
         env = dict(os.environ)
         env.update(self.spec.env)
         env.update(
@@ -62,43 +99,53 @@ class LocalBackend(Backend):
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             }
         )
-        log = open(os.path.join(self.log_dir, f"{worker_id}.log"), "ab")
-        self.procs[worker_id] = subprocess.Popen(
-            [self.python, "-m", "elastic_step.cli", "worker"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        log.close()
+        with open(os.path.join(self.log_dir, f"{worker_id}.log"), "ab") as log:
+            return subprocess.Popen(
+                [self.python, "-m", "elastic_step.cli", "worker"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     def poll(self) -> list[WorkerExit]:
-        exits = []
-        for worker_id, proc in list(self.procs.items()):
-            code = proc.poll()
-            if code is not None:
-                del self.procs[worker_id]
-                reason = describe_returncode(code)
-                if code > 0:  # it said why before it exited: the last line of its log
-                    reason += last_words(os.path.join(self.log_dir, f"{worker_id}.log"))
-                exits.append(WorkerExit(worker_id, reason, code, "count"))
+        with self._lock:
+            exits, self._failed = self._failed, []
+            for worker_id, proc in list(self.procs.items()):
+                code = proc.poll()
+                if code is not None:
+                    del self.procs[worker_id]
+                    reason = describe_returncode(code)
+                    if code > 0:  # it said why before it exited: the last line of its log
+                        reason += last_words(os.path.join(self.log_dir, f"{worker_id}.log"))
+                    exits.append(WorkerExit(worker_id, reason, code, "count"))
         return exits
 
     def stop(self, worker_id: str) -> None:
-        proc = self.procs.get(worker_id)
+        with self._lock:
+            if worker_id in self._starting:
+                self._stopped_early.add(worker_id)
+                return
+            proc = self.procs.get(worker_id)
         if proc is not None and proc.poll() is None:
             proc.kill()  # SIGKILL also ends a SIGSTOPped process
 
     def shutdown(self, grace_s: float) -> None:
+        self._launches.put(None)  # launches queued before this still start, and are waited for below
+        self._launcher.join()
         deadline = time.monotonic() + grace_s
-        for proc in list(self.procs.values()):
+        with self._lock:
+            procs = list(self.procs.values())
+        for proc in procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.procs.clear()
+        with self._lock:
+            self.procs.clear()
 
     def describe(self, worker_id: str) -> dict:
-        proc = self.procs.get(worker_id)
+        with self._lock:
+            proc = self.procs.get(worker_id)
         return {"pid": proc.pid} if proc is not None else {}
