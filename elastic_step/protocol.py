@@ -96,6 +96,53 @@ class WorkerState(StrEnum):
     GONE = "gone"  # exited, or dropped and killed
 
 
+class RoundState(StrEnum):
+    """A round as the master sees it:
+
+        GATHERING --every member called in to rendezvous, the settle chose its start--> READY
+
+    A READY round stays ready until a newer round replaces it (a death, a join, a leave, a
+    scale); a GATHERING round that a member misses is replaced too."""
+
+    GATHERING = "gathering"  # proposed: its members are asked to rendezvous
+    READY = "ready"  # settled: members have their ranks, start step and state source
+
+
+class EventKind(StrEnum):
+    """Every kind of event the master records (events.jsonl, /events, MLflow, `get -e`)."""
+
+    LAUNCHED = "launched"  # a slot's worker was started (attempt 1, or a relaunch)
+    JOINED = "joined"  # a worker registered
+    READY = "ready"  # a round was settled
+    ROUND_PROPOSED = "round_proposed"
+    REGROUPED = "regrouped"  # a new round replaced a ready one
+    RECOVERED = "recovered"  # the first step after a regroup: its seconds since the cause
+    DIED = "died"  # a worker's process or pod ended
+    DROPPED = "dropped"  # a live but useless worker (hung, absent at rendezvous) was killed
+    RELAUNCHED = "relaunched"
+    NOT_RELAUNCHED = "not_relaunched"  # its exit says a relaunch would fail again
+    SLOT_EXHAUSTED = "slot_exhausted"  # a slot used its --max-relaunches
+    LEFT = "left"  # a worker retired by scaling in
+    SCALED = "scaled"
+    TASK_FAILED = "task_failed"  # a task's rows could not be read
+    COLLECTIVE_FAILED = "collective_failed"
+    CHECKPOINT = "checkpoint"  # a checkpoint was handed over
+    MASTER_PAUSED = "master_paused"  # the master itself did not tick for a while: silence forgiven
+    STOP_REQUESTED = "stop_requested"
+    STOPPED = "stopped"
+    JOB_SUCCEEDED = "job_succeeded"
+    JOB_FAILED = "job_failed"
+
+
+class WorkerEnv(StrEnum):
+    """The environment every worker is launched with (a process's, or a pod's spec)."""
+
+    MASTER_URL = "ELASTIC_STEP_MASTER_URL"  # where the master's API is
+    TOKEN_FILE = "ELASTIC_STEP_TOKEN_FILE"  # the file holding the job token (never the token itself)
+    WORKER_ID = "ELASTIC_STEP_WORKER_ID"  # its id, w<slot>.<attempt>
+    COLLECTIVE_BACKEND = "ELASTIC_STEP_COLLECTIVE_BACKEND"  # nccl on GPU pods; gloo otherwise
+
+
 class Rendezvous(StrEnum):
     """The rendezvous reply's status."""
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
+from elastic_step.protocol import WorkerEnv
 
 
 def describe_returncode(code: int) -> str:
@@ -90,9 +91,9 @@ class LocalBackend(Backend):
         env.update(self.spec.env)
         env.update(
             {
-                "ELASTIC_STEP_MASTER_URL": self.spec.master_url,
-                "ELASTIC_STEP_TOKEN_FILE": self.spec.token_file,
-                "ELASTIC_STEP_WORKER_ID": worker_id,
+                WorkerEnv.MASTER_URL.value: self.spec.master_url,
+                WorkerEnv.TOKEN_FILE.value: self.spec.token_file,
+                WorkerEnv.WORKER_ID.value: worker_id,
                 # gloo must talk over loopback: the machine's hostname may resolve elsewhere.
                 "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
                 # One thread per worker: N workers on a few cores must not oversubscribe them.

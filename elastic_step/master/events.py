@@ -8,6 +8,8 @@ import logging
 import threading
 import time
 
+from elastic_step.protocol import EventKind
+
 log = logging.getLogger("elastic_step.master")
 
 
@@ -18,16 +20,18 @@ class EventLog:
         self.events: list[dict] = []
         self._lock = threading.Lock()
 
-    def add(self, event: str, message: str = "", **fields) -> dict:
+    def add(self, event: EventKind, message: str = "", **fields) -> dict:
         """Record an event and write it now."""
         record = self.record(event, message, **fields)
         self.write(record)
         return record
 
-    def record(self, event: str, message: str = "", **fields) -> dict:
+    def record(self, event: EventKind, message: str = "", **fields) -> dict:
         """Keep an event in memory (for /status and /events) without writing it; `write` does
         that, where the master's lock is not held."""
-        record = {"time": time.time(), "event": event, **fields}
+        # Every kind is one protocol.EventKind names (an undeclared one is a bug: ValueError),
+        # kept in the record as its plain name.
+        record = {"time": time.time(), "event": EventKind(event).value, **fields}
         if message:
             record["message"] = message
         with self._lock:

@@ -35,7 +35,7 @@ from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.master.store import RendezvousStore
-from elastic_step.protocol import JobSpec
+from elastic_step.protocol import EventKind, JobSpec
 from elastic_step.tracking.recorder import TrainingRecorder
 from elastic_step.tracking.run import tracking_errors
 from elastic_step.tracking.uri import redact
@@ -327,13 +327,13 @@ def stop_job(config: TrainConfig, recorder: TrainingRecorder, master: Master, st
     """A stopped job: everything queued reaches MLflow (the final checkpoint first), the run is
     marked KILLED, and the stop is reported as what it is."""
     recorder.finish(False, config.job_dir, killed=True)
-    checkpoints = master.events.of("checkpoint")
+    checkpoints = master.events.of(EventKind.CHECKPOINT)
     newest = checkpoints[-1]["step"] if checkpoints else None
     write_json_atomic(os.path.join(config.job_dir, "result.json"), {
         "state": "stopped", "run_id": recorder.run_id, "mlflow_uri": recorder.shown_uri, "job_dir": config.job_dir,
         "checkpoint_step": newest, "steps": master.ledger.applied_step, "seconds": round(time.time() - started, 2),
-        "recoveries_s": [e["seconds"] for e in master.events.of("recovered")],
-        "relaunches": len(master.events.of("relaunched")), "regroups": len(master.events.of("regrouped")),
+        "recoveries_s": [e["seconds"] for e in master.events.of(EventKind.RECOVERED)],
+        "relaunches": len(master.events.of(EventKind.RELAUNCHED)), "regroups": len(master.events.of(EventKind.REGROUPED)),
     })
     where = f"its checkpoint of step {newest}" if newest is not None else "the start"
     raise JobStopped(f"job {config.job_name} stopped; `elastic-step train` with the same options and --resume "
@@ -383,9 +383,9 @@ def finish_job(config: TrainConfig, manifest, recorder: TrainingRecorder, traine
     result = JobResult(
         mlflow_uri=recorder.shown_uri, run_id=recorder.run_id, model_uri=model_uri or "",
         job_dir=config.job_dir, model_dir=model_dir, test_metrics=metrics, steps=ledger.applied_step,
-        rows_audited=ledger.rows_final, recoveries_s=[e["seconds"] for e in master.events.of("recovered")],
+        rows_audited=ledger.rows_final, recoveries_s=[e["seconds"] for e in master.events.of(EventKind.RECOVERED)],
         seconds=round(time.time() - started, 2),
-        relaunches=len(master.events.of("relaunched")), regroups=len(master.events.of("regrouped")),
+        relaunches=len(master.events.of(EventKind.RELAUNCHED)), regroups=len(master.events.of(EventKind.REGROUPED)),
     )
     if config.audit and os.path.exists(config.audit):
         fsync_path(config.audit)  # the audit is whole on disk before the result vouches for it

@@ -20,7 +20,7 @@ from typing import Callable
 
 from elastic_step.backends.api import Backend, WorkerExit
 from elastic_step.master.refusals import NotAMember
-from elastic_step.protocol import ResourceSample, StepRecord, WorkerState
+from elastic_step.protocol import EventKind, ResourceSample, RoundState, StepRecord, WorkerState
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Round:
     proposed_at: float
     cause: str
     cause_time: float
-    ready: bool = False
+    state: RoundState = RoundState.GATHERING
     ready_at: float | None = None
     start_step: int = 0
     source_rank: int = 0
@@ -75,6 +75,10 @@ class Round:
     # job's token) to the round's members. Anyone else who reaches the store cannot find the
     # round's keys, so cannot join its process group and feed it gradients or row ranges.
     store_prefix: str = field(default_factory=lambda: f"round-{secrets.token_hex(16)}/", repr=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == RoundState.READY
 
 
 def worker_id_for(slot: int, attempt: int) -> str:
@@ -121,7 +125,7 @@ class Membership:
         slot.worker_id = worker_id
         self.workers[worker_id] = WorkerInfo(worker_id, slot.index, launched_at=time.time())
         self.backend.launch(slot.index, worker_id)
-        self._event("launched", worker=worker_id, slot=slot.index, attempt=slot.attempts)
+        self._event(EventKind.LAUNCHED, worker=worker_id, slot=slot.index, attempt=slot.attempts)
 
     # -- who is calling -------------------------------------------------------------------------
     def live_worker(self, worker_id: str) -> WorkerInfo:
@@ -149,7 +153,7 @@ class Membership:
         worker.state = WorkerState.LIVE if worker.state == WorkerState.LAUNCHED else worker.state
         worker.last_seen = time.time()
         worker.pid, worker.host = pid, host
-        self._event("joined", worker=worker_id, pid=pid)
+        self._event(EventKind.JOINED, worker=worker_id, pid=pid)
         return True
 
     def heartbeat(self, worker_id: str, step: int, resources: ResourceSample | None, job_over: bool) -> bool:
@@ -180,27 +184,27 @@ class Membership:
         if job_over:
             return
         if retiring:
-            self._event("left", worker=worker.id, reason=exit_.reason)
+            self._event(EventKind.LEFT, worker=worker.id, reason=exit_.reason)
         else:
-            self._event("died", worker=worker.id, reason=exit_.reason, returncode=exit_.returncode)
+            self._event(EventKind.DIED, worker=worker.id, reason=exit_.reason, returncode=exit_.returncode)
         if was_member:
             self._regroup(f"{worker.id} {exit_.reason}")
         slot = self.slots[worker.slot]
         if retiring or not slot.active or slot.worker_id != worker.id:
             return
         if exit_.relaunch == "never":
-            self._event("not_relaunched", f"{worker.id} {exit_.reason}", worker=worker.id)
+            self._event(EventKind.NOT_RELAUNCHED, f"{worker.id} {exit_.reason}", worker=worker.id)
         elif exit_.relaunch == "free" or slot.counted_relaunches < self.max_relaunches:
             slot.counted_relaunches += exit_.relaunch == "count"
-            self._event("relaunched", worker=worker.id, slot=slot.index)
+            self._event(EventKind.RELAUNCHED, worker=worker.id, slot=slot.index)
             self.launch(slot)
         else:
-            self._event("slot_exhausted", f"slot {slot.index} used its {self.max_relaunches} relaunches")
+            self._event(EventKind.SLOT_EXHAUSTED, f"slot {slot.index} used its {self.max_relaunches} relaunches")
 
     def drop(self, worker: WorkerInfo, reason: str) -> None:
         """A worker that is alive but useless (hung, or missing at rendezvous): kill it; its exit
         then counts as a death."""
-        self._event("dropped", reason, worker=worker.id)
+        self._event(EventKind.DROPPED, reason, worker=worker.id)
         self.backend.stop(worker.id)
 
     # -- silence clocks -------------------------------------------------------------------------
@@ -227,7 +231,7 @@ class Membership:
         every worker looked hung and the job failed.)"""
         gap, self._last_tick = now - self._last_tick, now
         if gap > self.timeouts.heartbeat_s / 2:
-            self._event("master_paused", seconds=round(gap, 3))
+            self._event(EventKind.MASTER_PAUSED, seconds=round(gap, 3))
             # Every silence clock restarts; a truly hung or absent worker is dropped a timeout later.
             for worker in self.workers.values():
                 worker.last_seen = now
@@ -239,7 +243,7 @@ class Membership:
         if not self.min_workers <= target <= self.max_workers:
             raise ValueError(f"--workers {target} is outside this job's range {self.min_workers}:{self.max_workers}")
         self.target = target
-        self._event("scaled", target=target)
+        self._event(EventKind.SCALED, target=target)
         for slot in self.slots:
             want = slot.index < target
             if want and not slot.active:

@@ -24,7 +24,7 @@ from elastic_step.master.ledger import Ledger, StepGap, StepRejected
 from elastic_step.master.membership import Membership, Round, WorkerInfo, order_members
 from elastic_step.master.pairing import CheckpointPairing
 from elastic_step.master.refusals import Conflict, NotAMember
-from elastic_step.protocol import Rendezvous, RendezvousReply, StepRecord, WorkerState
+from elastic_step.protocol import EventKind, Rendezvous, RendezvousReply, RoundState, StepRecord, WorkerState
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Rounds:
         if self.round is not None and self.round.ready and self.round.id == round_id:
             if worker_id not in self.round.members:
                 raise NotAMember(f"{worker_id} is not a member of round {round_id}")
-            self._event("collective_failed", error[:300], worker=worker_id, round=round_id)
+            self._event(EventKind.COLLECTIVE_FAILED, error[:300], worker=worker_id, round=round_id)
             self.request_regroup(f"collective failed on {worker_id}")
 
     # -- the master's tick ------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class Rounds:
         self._counter += 1
         self.round = Round(self._counter, members, proposed_at=now, cause=cause[0], cause_time=cause[1])
         self._regroup_cause = None
-        self._event("round_proposed", round=self.round.id, members=members, cause=cause[0])
+        self._event(EventKind.ROUND_PROPOSED, round=self.round.id, members=members, cause=cause[0])
 
     # -- settle -----------------------------------------------------------------------------------
     def _settle(self, current: Round) -> None:
@@ -201,13 +201,13 @@ class Rounds:
             self._fail(str(exc))
             return
         self.membership.died_since_settle = set()
-        current.ready, current.ready_at = True, time.time()
+        current.state, current.ready_at = RoundState.READY, time.time()
         current.source_rank, current.start_step, current.initial_state = source_rank, start_step, initial
         self.ready_round = current
         for member in current.members:
             workers[member].unacked = []
         self._event(
-            "regrouped",
+            EventKind.REGROUPED,
             round=current.id,
             world_size=len(current.members),
             members=current.members,

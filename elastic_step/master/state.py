@@ -36,6 +36,7 @@ from elastic_step.master.stopping import StopRequest, new_stop_request
 from elastic_step.master.throughput import Throughput
 from elastic_step.master.writes import MasterLock
 from elastic_step.protocol import (
+    EventKind,
     HeartbeatReply,
     JobSpec,
     JobState,
@@ -148,10 +149,10 @@ class MasterState:
             if self.state == JobState.RUNNING:
                 self.state = JobState.FAILED
                 self.failure = reason
-                self._event("job_failed", reason)
+                self._event(EventKind.JOB_FAILED, reason)
 
     # -- writes, off the lock ---------------------------------------------------------------------
-    def _event(self, event: str, message: str = "", **fields) -> None:
+    def _event(self, event: EventKind, message: str = "", **fields) -> None:
         """An event: kept now, written (events.jsonl, the log, tracking) once the lock is released."""
         record = self.events.record(event, message, **fields)
         self.lock.writes.put(f"write event {event}", lambda: self.events.write(record))
@@ -186,7 +187,7 @@ class MasterState:
                 return RendezvousReply(status=Rendezvous.STOP)
             if not worker.ready:
                 worker.ready = True
-                self._event("ready", worker=worker_id)
+                self._event(EventKind.READY, worker=worker_id)
             return self.rounds.rendezvous(worker, step, unacked, left_round)
 
     def next_task(self, worker_id: str, round_id: int) -> TaskReply:
@@ -211,7 +212,7 @@ class MasterState:
             task = self.dispatcher.tasks.get(task_id)
             if task is None or self.dispatcher.holder.get(task_id) != worker_id:
                 return  # it was taken back at a regroup while the worker read it: nothing to charge
-            self._event("task_failed", f"{task.describe(self.dispatcher.shard_names)}: {error}", worker=worker_id)
+            self._event(EventKind.TASK_FAILED, f"{task.describe(self.dispatcher.shard_names)}: {error}", worker=worker_id)
             try:
                 self.dispatcher.return_task(task_id, failed=True, reason=error)
             except JobFailed as exc:
@@ -267,7 +268,7 @@ class MasterState:
             current.first_step_at = record.time
             if current.cause_time:
                 self._event(
-                    "recovered",
+                    EventKind.RECOVERED,
                     round=current.id,
                     seconds=round(record.time - current.cause_time, 4),
                     step_time=record.time,
@@ -318,7 +319,7 @@ class MasterState:
             self.final_model = data
             if self.state == JobState.RUNNING:
                 self.state = JobState.SUCCEEDED
-                self._event("job_succeeded", worker=worker_id, step=step)
+                self._event(EventKind.JOB_SUCCEEDED, worker=worker_id, step=step)
             return True
 
     # -- the operator -------------------------------------------------------------------------------
@@ -343,7 +344,7 @@ class MasterState:
             if self.stop_request is None:
                 now = time.time()
                 self.stop_request = new_stop_request(now, self.ledger.applied_step)
-                self._event("stop_requested", step=self.ledger.applied_step)
+                self._event(EventKind.STOP_REQUESTED, step=self.ledger.applied_step)
             return self.status()
 
     @property
@@ -358,7 +359,7 @@ class MasterState:
         if outcome is not None:
             step, problem = outcome
             self.state, self.failure = JobState.STOPPED, problem
-            self._event("stopped", problem or f"stopped after the checkpoint of step {step}", step=step)
+            self._event(EventKind.STOPPED, problem or f"stopped after the checkpoint of step {step}", step=step)
 
     # -- supervision ------------------------------------------------------------------------------
     def request_regroup(self, cause: str) -> None:
@@ -380,7 +381,7 @@ class MasterState:
                 # Written in order after the audit lines of the steps it covers (queued earlier).
                 self.lock.writes.put(f"write the checkpoint of step {pair.step}",
                                      lambda pair=pair: self.checkpoints.on_checkpoint(pair.step, pair.epoch, pair.state, pair.ledger))
-                self._event("checkpoint", step=pair.step, epoch=pair.epoch)
+                self._event(EventKind.CHECKPOINT, step=pair.step, epoch=pair.epoch)
             now = time.time()
             self._maybe_stop([(pair.step, pair.epoch) for pair in handed], now)
             if self.over:

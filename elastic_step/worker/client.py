@@ -15,7 +15,7 @@ import time
 import httpx
 
 from elastic_step import defaults
-from elastic_step.protocol import API
+from elastic_step.protocol import API, WorkerEnv
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -116,9 +116,9 @@ def read_token(path: str) -> str:
 def worker_identity() -> tuple[str, str, str]:
     """(master URL, token, worker id) from the environment the backend set."""
     try:
-        url = os.environ["ELASTIC_STEP_MASTER_URL"]
-        worker_id = os.environ["ELASTIC_STEP_WORKER_ID"]
-        token_file = os.environ["ELASTIC_STEP_TOKEN_FILE"]
+        url = os.environ[WorkerEnv.MASTER_URL]
+        worker_id = os.environ[WorkerEnv.WORKER_ID]
+        token_file = os.environ[WorkerEnv.TOKEN_FILE]
     except KeyError as exc:
         raise SystemExit(
             f"elastic-step worker: {exc.args[0]} is not set; workers are started by `elastic-step train`"

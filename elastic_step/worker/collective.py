@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_step.errors import ConfigError
+from elastic_step.protocol import WorkerEnv
 
 # Integers ride in the float32 step buffer as two exact halves (each < 2**22).
 _HALF = 1 << 22
@@ -27,7 +28,7 @@ IDENTITY_FLOATS = 5  # per rank in gather_identities: step (two halves), lineage
 DIRECT_EXCHANGE_MAX_BYTES = 16 << 20
 
 # The Kubernetes backend sets this to nccl on worker pods that request GPUs; unset means gloo.
-BACKEND_ENV = "ELASTIC_STEP_COLLECTIVE_BACKEND"
+BACKEND_ENV = WorkerEnv.COLLECTIVE_BACKEND.value
 BACKENDS = ("gloo", "nccl")
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from kubernetes import client as k8s
 
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+from elastic_step.protocol import WorkerEnv
 
 TOKEN_MOUNT = "/var/run/elastic-step/token"
 TOKEN_KEY = "token"
@@ -130,16 +131,16 @@ def worker_pod(
     """`secret_env`: variables that come from Secrets (store credentials), by reference only."""
     env = {
         **(extra_env or {}),
-        "ELASTIC_STEP_MASTER_URL": master_url,
-        "ELASTIC_STEP_TOKEN_FILE": f"{TOKEN_MOUNT}/{TOKEN_KEY}",
-        "ELASTIC_STEP_WORKER_ID": worker_id,
+        WorkerEnv.MASTER_URL.value: master_url,
+        WorkerEnv.TOKEN_FILE.value: f"{TOKEN_MOUNT}/{TOKEN_KEY}",
+        WorkerEnv.WORKER_ID.value: worker_id,
         "OMP_NUM_THREADS": (extra_env or {}).get("OMP_NUM_THREADS", threads_for(settings)),
         # The root filesystem is read-only: caches go to the scratch volume.
         "HOME": "/tmp",
         "MPLCONFIGDIR": "/tmp/matplotlib",
     }
     if settings.gpus:
-        env["ELASTIC_STEP_COLLECTIVE_BACKEND"] = "nccl"
+        env[WorkerEnv.COLLECTIVE_BACKEND.value] = "nccl"
     labels = {**names.labels("worker"), "elastic-step/replica-index": str(slot), "elastic-step/worker-id": dns_label(worker_id.replace(".", "-"))}
     container = k8s.V1Container(
         name="worker",
