@@ -82,6 +82,12 @@ def master_pod(cluster: Cluster, name: str, args: list[str]) -> k8s.V1Pod:
     )
 
 
+def store_secret(api: k8s.CoreV1Api, namespace: str) -> None:
+    """The Secret the master pod takes the store's keys from (by reference)."""
+    api.create_namespaced_secret(namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET),
+                                                         string_data={"access-key": "AKIDTEST", "secret-key": "not-a-real-secret"}))
+
+
 class MasterOnNode(MasterPodOnNode):
     """The master's job folder as the node has it (the pod's scratch volume)."""
 
@@ -144,8 +150,7 @@ def train_through_failures(cluster, s3, digits):
             "--checkpoint-steps", "0", "--worker-cpu", "1", "--worker-memory", "1Gi", "--max-relaunches", "1", "--no-progress"]
     ns = cluster.namespace
     api = cluster.core()
-    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET),
-                                                  string_data={"access-key": "AKIDTEST", "secret-key": "not-a-real-secret"}))
+    store_secret(api, ns)
     api.create_namespaced_pod(ns, master_pod(cluster, "train-step-7f9c", args))
     master = MasterOnNode(cluster, "train-step-7f9c")
 
@@ -227,8 +232,7 @@ def test_a_master_whose_service_account_has_no_role_fails_saying_so_and_creates_
     data = upload(s3, digits, BUCKET, "digits")
     ns = cluster.namespace
     api = cluster.core()
-    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET),
-                                                  string_data={"access-key": "AKIDTEST", "secret-key": "not-a-real-secret"}))
+    store_secret(api, ns)
     args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--model-def", "slow_digits",
             "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "1", "--no-progress",
             # --image: without it the refused read of its own pod ends the job first, with advice about the image

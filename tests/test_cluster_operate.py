@@ -15,12 +15,11 @@ import time
 
 import pytest
 import yaml
-from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules
 from cluster.rbac import REPO, kustomize_namespace, read_manifests
 from stores import upload
-from test_cluster_e2e import BUCKET, SCRATCH, STORE_SECRET, MasterOnNode, cluster, master_pod, s3  # noqa: F401  (fixtures)
+from test_cluster_e2e import BUCKET, SCRATCH, MasterOnNode, cluster, master_pod, s3, store_secret  # noqa: F401  (fixtures)
 from test_live_page import browser  # noqa: F401  (a fixture: Debian's chromium, headless)
 
 pytestmark = pytest.mark.e2e
@@ -78,8 +77,7 @@ def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_t
     data = upload(s3, digits, BUCKET, "digits")
     ns = cluster.namespace
     api = cluster.core()
-    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET),
-                                                  string_data={"access-key": "AKIDTEST", "secret-key": "not-a-real-secret"}))
+    store_secret(api, ns)
     args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--model-def", "slow_digits",
             "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "40", "--minibatch-size", "16", "--minibatches-per-task", "2",
             "--heartbeat-timeout", "4", "--checkpoint-steps", "50", "--worker-cpu", "1", "--worker-memory", "1Gi", "--no-progress"]

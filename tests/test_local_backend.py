@@ -8,14 +8,7 @@ import time
 
 from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.local import LocalBackend
-
-
-def exits_until(backend, count, timeout=30.0):
-    exits, deadline = [], time.monotonic() + timeout
-    while len(exits) < count and time.monotonic() < deadline:
-        exits += backend.poll()
-        time.sleep(0.05)
-    return {e.worker_id: e for e in exits}
+from test_kubernetes_backend import exits_until
 
 
 def backend_for(tmp_path, **options) -> LocalBackend:
