@@ -26,22 +26,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from common import MODEL, machine, prepared_digits  # noqa: E402
+from common import MODEL, machine, prepared_digits, wait_until  # noqa: E402
 
 SCRATCH = "/tmp"
 JOB_DIR = "/tmp/job"
 SECRET = "bench-data-store"
 HEARTBEAT_TIMEOUT = 4.0
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(what)
 
 
 def master_pod(cluster, name: str, args: list[str]):

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from common import MODEL, elastic_step, machine, prepared_digits, read_steps, torchrun
+from common import MODEL, elastic_step, machine, prepared_digits, read_steps, torchrun, wait_until
 
 MODELS = {
     "small": MODEL,
@@ -45,16 +45,6 @@ def recovery_split(job_dir: str, killed_at: float) -> dict[str, float]:
     first_step = recovered["step_time"] - regrouped["time"]
     return {"detection": proposed["time"] - killed_at, "regroup": regrouped["time"] - proposed["time"],
             "state transfer": transfer, "first step": first_step - transfer, "sent to": sent_to}
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(what)
 
 
 def first_step_after(log: str, moment: float) -> float | None:

@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 MODEL = "elastic_step.model_zoo.digits_torch"
 
@@ -64,3 +65,14 @@ def elastic_step(*args: str, **kwargs) -> subprocess.Popen:
 
 def torchrun(*args: str, env=None, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env, **kwargs)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    """The predicate's first true value, polled every 50 ms; TimeoutError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(what)
