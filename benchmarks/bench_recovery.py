@@ -54,9 +54,13 @@ def first_step_after(log: str, moment: float) -> float | None:
     return min(later) if later else None
 
 
-def elastic_recovery(workers: int, data: str, root: str, kills: int, model: str = MODEL, splits: list | None = None) -> list[float]:
-    job_dir = os.path.join(root, "elastic")
-    job = elastic_step("train", "--model-def", model, "--data", data, "--job-dir", job_dir, "--workers", f"2:{workers}",
+def elastic_recovery(workers: int, data: str, root: str, kills: int, model: str = MODEL, splits: list | None = None,
+                     spares: int | None = None) -> list[float]:
+    """An elastic group (2:N) by default; with `spares`, a fixed group of N with that many warm
+    spares (0: a fixed group that waits for the relaunch of whoever died)."""
+    job_dir = os.path.join(root, "elastic" if spares is None else f"fixed-spares-{spares}")
+    group = [f"2:{workers}"] if spares is None else [str(workers), "--spares", str(spares)]
+    job = elastic_step("train", "--model-def", model, "--data", data, "--job-dir", job_dir, "--workers", *group,
                        "--epochs", "400", "--minibatch-size", "32", "--no-progress", "--max-relaunches", str(kills + 1),
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -73,8 +77,9 @@ def elastic_recovery(workers: int, data: str, root: str, kills: int, model: str 
     results = []
     try:
         for _ in range(kills):
-            s = wait_until(lambda: (st := status()) and st["world_size"] == workers and st["samples_per_s"] > 0 and st,
-                           120, "elastic-step did not reach full size")
+            s = wait_until(lambda: (st := status()) and st["world_size"] == workers and st["samples_per_s"] > 0
+                           and sum(bool(w.get("spare")) for w in st["workers"]) >= (spares or 0) and st,
+                           120, "elastic-step did not reach full size (and its spares)")
             time.sleep(2.0)  # steady state
             victim = next(w for w in s["workers"] if w["rank"] == 1)
             killed_at = time.time()
@@ -142,11 +147,25 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="small",
                         help="small: 17k parameters; wide: 8.6M (34 MB of weights, 69 MB of state with momentum)")
     parser.add_argument("--no-peer", action="store_true", help="elastic-step only (torchrun's restarts take minutes)")
+    parser.add_argument("--spares", type=int, default=None, metavar="K",
+                        help="a fixed group of --workers with K warm spares, beside the same fixed group without "
+                             "spares (which waits for a relaunch), instead of the elastic group beside torchrun")
     args = parser.parse_args()
     print(f"recovery: SIGKILL 1 of {args.workers} workers, {args.model} digits MLP; {machine()}")
     splits: list[dict] = []
     with tempfile.TemporaryDirectory() as root:
         data = prepared_digits(root)
+        if args.spares is not None:
+            spared = elastic_recovery(args.workers, data, root, args.kills, MODELS[args.model], splits, spares=args.spares)
+            bare = elastic_recovery(args.workers, data, root, args.kills, MODELS[args.model], spares=0)
+            a, b = statistics.median(spared), statistics.median(bare)
+            print(f"  --workers {args.workers} --spares {args.spares}: median {a:.3f}s  "
+                  f"({', '.join(f'{x:.3f}' for x in spared)})   target <= 0.5 s")
+            for split in splits:
+                print("    " + ", ".join(f"{k} {v:.3f}s" if isinstance(v, float) else f"{k} {v}" for k, v in split.items()))
+            print(f"  --workers {args.workers} (no spare, waits for the relaunch): median {b:.3f}s  "
+                  f"({', '.join(f'{x:.3f}' for x in bare)})")
+            return
         ours = elastic_recovery(args.workers, data, root, args.kills, MODELS[args.model], splits)
         theirs = [] if args.no_peer else torchrun_recovery(args.workers, data, root, args.kills, MODELS[args.model])
     a = statistics.median(ours)

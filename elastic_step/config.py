@@ -29,9 +29,11 @@ class TrainConfig:
     data: str
     job_dir: str
     workers: str = defaults.WORKERS
+    spares: int = defaults.SPARES  # warm workers beyond MAX that take a lost member's place at once
     epochs: int = defaults.EPOCHS
     minibatch_size: int = defaults.MINIBATCH_SIZE
     minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK
+    global_batch_size: int = defaults.GLOBAL_BATCH_SIZE  # rows per optimizer step whatever the group; 0: off
     seed: int = defaults.SEED
     shuffle: bool = True
     audit: str | None = None
@@ -76,6 +78,11 @@ class TrainConfig:
         for name in ("epochs", "minibatch_size", "minibatches_per_task"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.spares < 0:
+            raise ConfigError(f"--spares must be >= 0, got {self.spares}")
+        if self.global_batch_size < 0:
+            raise ConfigError(f"--global-batch-size must be >= 0 (0: each worker applies --minibatch-size rows per step), "
+                              f"got {self.global_batch_size}")
         for name in ("heartbeat_timeout", "rendezvous_timeout", "collective_timeout", "master_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

@@ -16,6 +16,10 @@ WORKERS = "2:3"  # MIN:MAX: start MAX workers, train while at least MIN are live
 EPOCHS = 5
 MINIBATCH_SIZE = 32  # rows per minibatch per worker
 MINIBATCHES_PER_TASK = 4  # a task the master hands out is this many minibatches
+# Off by default: with a fixed group it changes nothing, and with an elastic group the per-worker
+# batch is what torchrun and DDP users expect. Set it when results must not depend on failures.
+GLOBAL_BATCH_SIZE = 0
+SPARES = 0  # warm spare workers beyond the group's MAX
 SEED = 0  # the model's initialisation and the per-epoch shuffle (and prepare-data's split)
 BACKEND = "local"  # local processes; "kubernetes": pods
 HOST = "127.0.0.1"  # where the master's API listens

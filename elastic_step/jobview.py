@@ -110,7 +110,7 @@ def worker_rows(status: dict, now: float) -> list[dict]:
         resources = w.get("resources") or {}
         gpus = resources.get("gpus") or []
         rows.append({
-            "id": w["id"], "slot": slot, "rank": w.get("rank"), "state": w["state"],
+            "id": w["id"], "slot": slot, "rank": w.get("rank"), "spare": bool(w.get("spare")), "state": w["state"],
             "pid": w.get("pid"), "pod": w.get("pod"), "node": w.get("node") or w.get("host") or "",
             "cpu_percent": resources.get("cpu_percent"), "rss_bytes": resources.get("rss_bytes"),
             "gpus": [{"index": g["index"], "utilization_percent": g["utilization_percent"],

@@ -187,6 +187,7 @@ class JobSpec(BaseModel):
     manifest: str
     minibatch_size: int
     seed: int
+    global_batch_size: int = 0  # rows every step applies, whatever the group's size; 0: minibatch_size per rank
     store_host: str
     store_port: int
     collective_timeout_s: float
@@ -240,9 +241,15 @@ class RangeRecord(Request):
     count: Int = Field(gt=0, le=MAX_INT)
 
 
+MAX_RANGES_PER_RANK = 1024  # tasks one rank may touch in one step
+RankRanges = Annotated[list[RangeRecord], Field(min_length=1, max_length=MAX_RANGES_PER_RANK)]
+
+
 class StepRecord(Request):
     step: Int = Field(ge=1, le=MAX_INT)
-    ranges: list[RangeRecord | None] = Field(min_length=1, max_length=MAX_WORLD)  # by rank; None: no data
+    # By rank: None (no data), its one range, or (with a fixed global batch, a rank that finished
+    # a task within the step) its ranges in the order it consumed them.
+    ranges: list[RangeRecord | RankRanges | None] = Field(min_length=1, max_length=MAX_WORLD)
     samples: Count
     loss: float = Field(allow_inf_nan=False)
     time: float = Field(ge=0, allow_inf_nan=False)

@@ -24,6 +24,8 @@ SETTINGS = {
     "epochs": defaults.EPOCHS,
     "minibatch_size": defaults.MINIBATCH_SIZE,
     "minibatches_per_task": defaults.MINIBATCHES_PER_TASK,
+    "global_batch_size": defaults.GLOBAL_BATCH_SIZE,
+    "spares": defaults.SPARES,
     "checkpoint_steps": defaults.CHECKPOINT_STEPS,
     "seed": defaults.SEED,
     "backend": defaults.BACKEND,

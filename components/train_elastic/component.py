@@ -14,9 +14,11 @@ def train_elastic(
     report: Output[HTML],
     model_def: str = "elastic_step.model_zoo.digits_torch",
     workers: str = "2:3",
+    spares: int = 0,
     epochs: int = 5,
     minibatch_size: int = 32,
     minibatches_per_task: int = 4,
+    global_batch_size: int = 0,
     checkpoint_steps: int = 100,
     seed: int = 0,
     backend: str = "local",
@@ -55,9 +57,13 @@ def train_elastic(
             worker slot's attempts with their exit causes, recoveries), shown by the KFP UI.
         model_def: The model definition: a module name or a .py file.
         workers: N, or MIN:MAX for an elastic group.
+        spares: Warm workers beyond MAX that wait and take a lost member's rank at once.
         epochs: Passes over the train split.
         minibatch_size: Rows per minibatch per worker.
         minibatches_per_task: Minibatches in each task the master hands out.
+        global_batch_size: Rows in every optimizer step whatever the number of live workers
+            (each computes its share in minibatches of at most minibatch_size), so results do not
+            depend on failures; 0 (the default): minibatch_size rows per worker per step.
         checkpoint_steps: Checkpoint every K steps and at each epoch end (0: never).
         seed: Seed of the model's initialisation and of the per-epoch shuffle.
         backend: Where workers run: `local` or `kubernetes`.
@@ -75,9 +81,9 @@ def train_elastic(
     data, storage_options = artifact_data_uri(dataset.uri, dataset.path, workers_share_filesystem=backend == "local")
     result = train_step(
         data=data, storage_options=storage_options, model_dir=model.path, model_def=model_def, workers=workers,
-        epochs=epochs, minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
-        checkpoint_steps=checkpoint_steps, seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment,
-        init_from=init_from, registered_model=registered_model, warm_start_alias=warm_start_alias,
+        spares=spares, epochs=epochs, minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
+        global_batch_size=global_batch_size, checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
+        mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from, registered_model=registered_model, warm_start_alias=warm_start_alias,
         pipeline_run_id=pipeline_run_id, job_dir=job_dir,
     )
     model.metadata.update(result.model_metadata())

@@ -157,8 +157,8 @@ def prepare_data(settings: StepSettings, layout: Layout, resources: StepResource
                       resources)
 
 
-TRAIN_INPUTS = ["model-def", "workers", "epochs", "minibatch-size", "minibatches-per-task", "checkpoint-steps",
-                "seed", "backend", "experiment"]
+TRAIN_INPUTS = ["model-def", "workers", "spares", "epochs", "minibatch-size", "minibatches-per-task", "global-batch-size",
+                "checkpoint-steps", "seed", "backend", "experiment"]
 
 
 def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool, resources: StepResources,

@@ -27,9 +27,9 @@ def status(args) -> int:
         return 0
     print(f"job {status['job']}: {status['state']}  round {status['round']}  world size {status['world_size']}  "
           f"epoch {status['epoch'] + 1}/{status['epochs']}  rows {status['rows_done']}/{status['rows_total']}  "
-          f"{status['samples_per_s']:.0f} samples/s")
+          f"{status['samples_per_s']:.0f} samples/s" + (f"  spares {status['spares']}" if status.get("spares") else ""))
     for w in status["workers"]:
-        rank = "-" if w["rank"] is None else w["rank"]
+        rank = ("spare" if w.get("spare") else "-") if w["rank"] is None else w["rank"]
         print(f"  {w['id']:<8} {w['state']:<9} rank {rank:<3} step {w['step']:<6} pid {w.get('pid', '-'):<8} "
               f"rows {w['rows_applied']:<7} {w['exit']}")
     return 0

@@ -74,7 +74,7 @@ def worker_table(rows: list[dict]) -> Table:
         relaunches = str(r["relaunches"]) + (f" ({'; '.join(r['relaunch_causes'])})" if r["relaunch_causes"] else "")
         state = r["state"] + (f": {r['exit']}" if r["state"] == "gone" and r["exit"] else "")
         row(
-            table, r["id"], "-" if r["rank"] is None else str(r["rank"]), state, r["pod"] or (str(r["pid"]) if r["pid"] else "-"),
+            table, r["id"], ("spare" if r.get("spare") else "-") if r["rank"] is None else str(r["rank"]), state, r["pod"] or (str(r["pid"]) if r["pid"] else "-"),
             r["node"] or "-", "-" if r["cpu_percent"] is None else f"{r['cpu_percent']:.0f}%", size(r["rss_bytes"]), gpus(r),
             str(r["steps"]), "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f}s ago", relaunches,
         )

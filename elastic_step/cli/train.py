@@ -19,8 +19,17 @@ def register(sub) -> None:
     p.add_argument("--job-dir", required=True, help="folder for the job's state, logs and model")
     p.add_argument("--workers", default=defaults.WORKERS,
                    help="N, or MIN:MAX for an elastic group: start MAX, train while MIN are live (default %(default)s)")
+    p.add_argument("--spares", type=int, default=defaults.SPARES, metavar="K",
+                   help="K more workers that start, warm up and wait; when a member is lost one takes its rank in the "
+                        "next round at once, so a fixed-size group recovers without waiting for a relaunch "
+                        "(default %(default)s)")
     p.add_argument("--epochs", type=int, default=defaults.EPOCHS, help="default %(default)s")
     p.add_argument("--minibatch-size", type=int, default=defaults.MINIBATCH_SIZE, help="rows per worker (default %(default)s)")
+    p.add_argument("--global-batch-size", type=int, default=defaults.GLOBAL_BATCH_SIZE, metavar="G",
+                   help="rows in every optimizer step whatever the number of live workers: each worker computes "
+                        "its share in minibatches of at most --minibatch-size and the step applies their sum, so a "
+                        "run's results do not depend on failures (default %(default)s: off, each worker applies "
+                        "--minibatch-size rows per step as with DDP)")
     p.add_argument("--minibatches-per-task", type=int, default=defaults.MINIBATCHES_PER_TASK, help="default %(default)s")
     p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")
@@ -108,9 +117,10 @@ def train_config(args) -> TrainConfig:
             raise ConfigError("--warm-start-alias needs --registered-model NAME (the model whose alias to start from)")
         init_from = warm_start_source(args.registered_model, args.warm_start_alias, args.mlflow_uri) or None
     return TrainConfig(
-        model_def=args.model_def, data=args.data, job_dir=args.job_dir, workers=args.workers, epochs=args.epochs,
+        model_def=args.model_def, data=args.data, job_dir=args.job_dir, workers=args.workers, spares=args.spares,
+        epochs=args.epochs,
         minibatch_size=args.minibatch_size, minibatches_per_task=args.minibatches_per_task, seed=args.seed,
-        shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
+        global_batch_size=args.global_batch_size, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
         max_relaunches=args.max_relaunches, heartbeat_timeout=args.heartbeat_timeout,
         rendezvous_timeout=args.rendezvous_timeout, startup_grace=args.startup_grace,
         collective_timeout=args.collective_timeout, master_timeout=args.master_timeout, progress=args.progress,

@@ -245,6 +245,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
         heartbeat_interval_s=config.heartbeat_interval, master_timeout_s=config.master_timeout,
         features=manifest.features, label=manifest.label, checkpoint_steps=config.checkpoint_steps,
+        global_batch_size=config.global_batch_size,
     )
     launch = LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env),
                         master_ports=[api_socket.getsockname()[1], store.port])  # what workers call: the job's NetworkPolicy
@@ -253,7 +254,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
         step_log=step_log, initial_state=initial,
-        on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None,
+        on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None, spares=config.spares,
     )
     server = ApiServer(create_app(state, token, view_token), api_socket)
     running.callback(server.stop)  # after the workers are gone (callbacks run last-in, first-out)

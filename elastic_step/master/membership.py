@@ -99,14 +99,19 @@ class Membership:
     `regroup(cause)` asks for a new round."""
 
     def __init__(self, backend: Backend, min_workers: int, max_workers: int, max_relaunches: int, timeouts,
-                 event: Callable[..., None], regroup: Callable[[str], None]):
+                 event: Callable[..., None], regroup: Callable[[str], None], spares: int = 0):
         self.backend = backend
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.max_relaunches = max_relaunches
         self.timeouts = timeouts
         self.target = max_workers
-        self.slots = [Slot(i) for i in range(max_workers)]
+        # Warm spares: slots beyond the target whose workers start, import, warm up and wait at
+        # the rendezvous. A round never takes more than `target` members, so they hold no task;
+        # when a member is gone, the next round takes a ready spare in its place (a joiner that
+        # needs no start-up), and the dead member's slot is relaunched as the next spare.
+        self.spares = spares
+        self.slots = [Slot(i) for i in range(max_workers + spares)]
         self.workers: dict[str, WorkerInfo] = {}
         # Workers that died since the last settle: the tasks they held count a failure then.
         self.died_since_settle: set[str] = set()
@@ -245,7 +250,7 @@ class Membership:
         self.target = target
         self._event(EventKind.SCALED, target=target)
         for slot in self.slots:
-            want = slot.index < target
+            want = slot.index < target + self.spares
             if want and not slot.active:
                 slot.active = True
                 slot.counted_relaunches = 0
@@ -265,6 +270,11 @@ class Membership:
         reasons = "; ".join(f"{w.id} {w.exit_reason}" for w in self.workers.values() if w.exit_reason)
         return (f"only {len(alive)} workers left and fewer than --workers minimum {self.min_workers}, "
                 f"no relaunches left (--max-relaunches {self.max_relaunches}): {reasons}")
+
+    def is_spare(self, worker: WorkerInfo, current: Round | None) -> bool:
+        """A live worker, ready to train, that the full current round leaves waiting."""
+        return (worker.state == WorkerState.LIVE and worker.ready and current is not None
+                and worker.id not in current.members and len(current.members) >= self.target)
 
     def candidates(self, current: Round | None) -> list[WorkerInfo]:
         """The live workers a new round may take. Once training runs, a worker takes part only

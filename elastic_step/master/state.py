@@ -80,6 +80,7 @@ class MasterState:
         step_log: StepLog | None = None,
         initial_state: InitialState | None = None,
         on_checkpoint: Callable[[int, int, bytes, dict], None] | None = None,
+        spares: int = 0,
     ):
         self.lock = MasterLock()  # disk writes queued under it run once it is released
         self.spec = spec
@@ -92,7 +93,7 @@ class MasterState:
         self.checkpoints = CheckpointPairing(on_checkpoint)
         self.timeouts = timeouts or Timeouts()
         self.membership = Membership(backend, min_workers, max_workers, max_relaunches, self.timeouts,
-                                     event=self._event, regroup=self.request_regroup)
+                                     event=self._event, regroup=self.request_regroup, spares=spares)
         self.rounds = Rounds(self.membership, dispatcher, ledger, self.checkpoints, initial_state,
                              event=self._event, ingest=self._ingest, fail=self.fail)
         self.started_at = time.time()
@@ -248,7 +249,9 @@ class MasterState:
             raise StepRejected(
                 f"step {record.step} has ranges for {len(record.ranges)} ranks; its round has {len(members)} members"
             )
-        held = [(Consumed(r.task_id, r.offset, r.count), member) for member, r in zip(members, record.ranges) if r is not None]
+        held = [(Consumed(r.task_id, r.offset, r.count), member)
+                for member, entry in zip(members, record.ranges) if entry is not None
+                for r in (entry if isinstance(entry, list) else [entry])]
         if not self.ledger.ingest(record.step, [c for c, _ in held], [m for _, m in held]):
             return
         for consumed, member in held:

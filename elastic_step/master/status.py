@@ -28,17 +28,20 @@ def job_status(master) -> dict:
         "step": master.ledger.applied_step,
         "loss": master.throughput.loss,
         "samples_per_s": round(master.throughput.samples_per_second(), 1),
-        "workers": [_worker(w, current, master.backend) for w in membership.workers.values() if w.alive or w.exit_reason],
+        "spares": membership.spares,
+        "workers": [_worker(w, current, master.backend, membership.is_spare(w, current))
+                    for w in membership.workers.values() if w.alive or w.exit_reason],
     }
 
 
-def _worker(w, current, backend) -> dict:
+def _worker(w, current, backend, spare: bool) -> dict:
     described = backend.describe(w.id)
     return {
         "id": w.id,
         "slot": w.slot,
         "state": w.state,
         "rank": current.members.index(w.id) if current and w.id in current.members else None,
+        "spare": spare,  # warmed up and waiting to take a member's place
         "step": w.step,
         "rows_applied": w.rows_applied,
         "exit": w.exit_reason,

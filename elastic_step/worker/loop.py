@@ -43,6 +43,7 @@ from elastic_step.worker.background import Heartbeat, StepReporter
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
 from elastic_step.worker.collective import Collective, decode_int, encode_int
 from elastic_step.worker.preflight import PreflightFailed, check_worker
+from elastic_step.worker.rows import Piece, TaskRows, merged, shares
 from elastic_step.worker.timing import Phase, StepTimes
 
 log = logging.getLogger("elastic_step.worker")
@@ -51,6 +52,11 @@ def next_lineage(lineage: int, step: int, step_summary: np.ndarray) -> int:
     digest = hashlib.blake2b(lineage.to_bytes(8, "little") + step.to_bytes(8, "little", signed=True), digest_size=8)
     digest.update(step_summary.tobytes())
     return int.from_bytes(digest.digest(), "little")
+
+
+def _rank_entry(ranges: list[RangeRecord]) -> RangeRecord | list[RangeRecord] | None:
+    """A rank's part of a step record: nothing, its one range, or its ranges in order."""
+    return None if not ranges else ranges[0] if len(ranges) == 1 else ranges
 
 
 def initial_lineage(kind: str, step: int) -> int:
@@ -67,7 +73,8 @@ class RoundOutcome(StrEnum):
 
 
 HEADER = 4  # samples, loss, regroup, done
-PER_RANK = 6  # task, offset, count: two float halves each
+MAX_PIECES = 4  # ranges one rank reports per micro-round (a rank with more reports the rest in the next)
+PER_RANK = 1 + 6 * MAX_PIECES  # "may have more rows", then (task, offset, count) per piece: two float halves each
 
 
 class Worker:
@@ -89,6 +96,7 @@ class Worker:
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
         self.reporter = StepReporter(client, worker_id)
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._scratch: np.ndarray | None = None  # a second gradient buffer, for ranks that accumulate
         self.step = -1  # -1: this worker holds no synchronised state yet
         # A digest of every step this worker's state has applied (each step's counts, summed loss
         # and row ranges, which every rank sees alike): equal lineage at equal step, equal state.
@@ -190,20 +198,24 @@ class Worker:
 
     # -- the inner loop: steps ----------------------------------------------------------------
     def _fetch(self, round_id: int) -> tuple[TaskStatus, TaskInfo | None, tuple | None]:
-        reply = TaskReply(**self.client.call("POST", "/task", TaskRequest(worker_id=self.worker_id, round_id=round_id)))
-        if reply.status != TaskStatus.TASK or reply.task is None:
-            return reply.status, None, None
-        task = reply.task
-        try:
-            rows = self.reader.read("train", task.shard, task.start, task.count)
-            # feed() is row-wise: apply it to the whole task here, off the training thread,
-            # and let each step take a slice.
-            rows = batch_arrays(self.model_def, rows, self.spec.features, self.spec.label)
-        except Exception as exc:
-            log.error("task %d: %s", task.id, exc)
-            self.client.call("POST", "/task-failed", TaskFailedRequest(worker_id=self.worker_id, task_id=task.id, error=f"{type(exc).__name__}: {exc}"))
-            return TaskStatus.WAIT, None, None
-        return TaskStatus.TASK, task, rows
+        """The next task and its rows. A task that cannot be read is handed back and the next one
+        asked for at once, so WAIT always means the master has nothing to give now (it fails the
+        job once a task has failed too often)."""
+        while True:
+            reply = TaskReply(**self.client.call("POST", "/task", TaskRequest(worker_id=self.worker_id, round_id=round_id)))
+            if reply.status != TaskStatus.TASK or reply.task is None:
+                return reply.status, None, None
+            task = reply.task
+            try:
+                rows = self.reader.read("train", task.shard, task.start, task.count)
+                # feed() is row-wise: apply it to the whole task here, off the training thread,
+                # and let each step take a slice.
+                rows = batch_arrays(self.model_def, rows, self.spec.features, self.spec.label)
+            except Exception as exc:
+                log.error("task %d: %s", task.id, exc)
+                self.client.call("POST", "/task-failed", TaskFailedRequest(worker_id=self.worker_id, task_id=task.id, error=f"{type(exc).__name__}: {exc}"))
+                continue
+            return TaskStatus.TASK, task, rows
 
     def _train(self, rv: RendezvousReply) -> RoundOutcome:
         n_grad = self.trainer.num_gradient_values
@@ -228,39 +240,52 @@ class Worker:
             log.info("round %d: %s", rv.round_id, times.summary())
 
     def _steps(self, rv: RendezvousReply, buffer: np.ndarray, n_grad: int, times: StepTimes, take_task) -> RoundOutcome:
-        rank, world, batch_size = rv.rank, rv.world_size, self.spec.minibatch_size
-        grads = buffer[:n_grad]
-        task: TaskInfo | None = None
-        rows: tuple | None = None  # (features, labels) of the current task
-        offset = 0
+        rank, world = rv.rank, rv.world_size
+        fixed = self.spec.global_batch_size  # 0: each rank takes minibatch_size rows per step
+        rows = TaskRows(take_task)
         master_done = False
         while True:
             times.start()
-            buffer[:] = 0.0
-            regroup = self.heartbeat.latest_round > rv.round_id or self.heartbeat.stop_requested
-            mine = None
-            if not regroup and not master_done:
-                if task is None or offset >= task.count:
-                    status, task, rows = take_task()
-                    offset = 0
-                    regroup = status == TaskStatus.REGROUP
-                    master_done = status == TaskStatus.DONE
-                times.mark(Phase.DATA)
-                if task is not None:
-                    count = min(batch_size, task.count - offset)
-                    features, labels = rows[0][offset:offset + count], rows[1][offset:offset + count]
-                    buffer[n_grad + 1] = self.trainer.compute_gradients(features, labels, grads)
-                    buffer[n_grad] = count
-                    mine = (task.id, offset, count)
-                    slot = n_grad + HEADER + PER_RANK * rank
-                    for i, value in enumerate(mine):
-                        buffer[slot + 2 * i], buffer[slot + 2 * i + 1] = encode_int(value)
-                    times.mark(Phase.GRADIENTS)
-            buffer[n_grad + 2] = 1.0 if regroup else 0.0
-            buffer[n_grad + 3] = 1.0 if master_done else 0.0
-            self.collective.allreduce_sum(buffer)
-            times.mark(Phase.ALLREDUCE)
-            total = int(round(buffer[n_grad]))
+            # One step is one or more micro-rounds, each one collective of the buffer. With a
+            # fixed global batch, ranks that got fewer rows than their share (their tasks ran
+            # out) are made up for in further micro-rounds by ranks that still have rows, until
+            # the step holds exactly G rows or nobody has any (the job's end).
+            need = shares(fixed, [True] * world)[rank] if fixed else self.spec.minibatch_size
+            accumulated: np.ndarray | None = None
+            summaries: list[np.ndarray] = []
+            ranges: list[list[RangeRecord]] = [[] for _ in range(world)]
+            while True:
+                buffer[:] = 0.0
+                regroup = self.heartbeat.latest_round > rv.round_id or self.heartbeat.stop_requested
+                if not regroup and not master_done and need > 0:
+                    pieces = rows.take(need, MAX_PIECES if fixed else 1)
+                    regroup = rows.status == TaskStatus.REGROUP
+                    master_done = rows.status == TaskStatus.DONE
+                    times.mark(Phase.DATA)
+                    if pieces:
+                        self._gradients(pieces, buffer, n_grad, rank)
+                        times.mark(Phase.GRADIENTS)
+                if not rows.ran_out and not master_done and not regroup:
+                    buffer[n_grad + HEADER + PER_RANK * rank] = 1.0  # this rank may have more rows
+                buffer[n_grad + 2] = 1.0 if regroup else 0.0
+                buffer[n_grad + 3] = 1.0 if master_done else 0.0
+                self.collective.allreduce_sum(buffer)
+                times.mark(Phase.ALLREDUCE)
+                if accumulated is not None:
+                    buffer[:n_grad + 2] += accumulated
+                summaries.append(buffer[n_grad:].copy())
+                more = []
+                for r in range(world):
+                    ranges[r] += self._decode_ranges(buffer, n_grad, r)
+                    more.append(buffer[n_grad + HEADER + PER_RANK * r] > 0)
+                total = int(round(buffer[n_grad]))
+                short = fixed - total
+                if not fixed or short <= 0 or buffer[n_grad + 2] > 0 or buffer[n_grad + 3] > 0 or not any(more):
+                    break
+                accumulated = buffer[:n_grad + 2].copy()
+                need = shares(short, more)[rank]
+            if fixed and buffer[n_grad + 2] > 0:
+                return RoundOutcome.REGROUP  # a partial step is dropped: every step holds G rows
             if total > 0:
                 loss_sum = float(buffer[n_grad + 1])
                 if not math.isfinite(loss_sum):
@@ -270,36 +295,63 @@ class Worker:
                             reason=f"loss is {loss_sum} at step {self.step + 1}; lower the learning rate or check the data",
                         ))
                     return RoundOutcome.FAILED
-                self.trainer.apply_gradients(grads, total)
+                self.trainer.apply_gradients(buffer[:n_grad], total)
                 times.mark(Phase.APPLY)
                 self.step += 1
-                self.lineage = next_lineage(self.lineage, self.step, buffer[n_grad:])
+                summary = summaries[0] if len(summaries) == 1 else np.concatenate(summaries)
+                self.lineage = next_lineage(self.lineage, self.step, summary)
                 self.heartbeat.step = self.step
-                record = StepRecord(step=self.step, ranges=self._ranges(buffer, n_grad, world), samples=total, loss=loss_sum,
-                                    time=time.time(), checkpoint=rank == 0 and self._checkpoint_due())
+                record = StepRecord(step=self.step, ranges=[_rank_entry(merged(r)) for r in ranges], samples=total,
+                                    loss=loss_sum, time=time.time(), checkpoint=rank == 0 and self._checkpoint_due())
                 self.unacked[self.step] = record
                 if rank == 0:
                     if record.checkpoint:
                         self._send_checkpoint(rv.round_id)
                     self.reporter.push(rv.round_id, record)
-                if mine is not None:
-                    offset += mine[2]
                 times.mark(Phase.REPORT)
                 times.steps += 1
-            if int(round(buffer[n_grad + 3])) == world:
+            if buffer[n_grad + 3] > 0 and total == 0:
+                # The master said "done" to a rank: every epoch is applied, so no rank holds rows.
+                # Not every rank need have asked (with a fixed global batch a rank whose share is
+                # 0 asks for nothing), so one rank's word ends the round for all.
                 return self._finish(rv)
             if buffer[n_grad + 2] > 0:
                 return RoundOutcome.REGROUP
             if total == 0:
                 time.sleep(0.01)  # nobody had data (the epoch's last tasks are in flight)
 
+    def _gradients(self, pieces: list[Piece], buffer: np.ndarray, n_grad: int, rank: int) -> None:
+        """This rank's summed gradients, loss and row ranges in its part of the buffer. Pieces
+        larger than minibatch_size are cut: that is the most rows one forward pass holds."""
+        grads, limit = buffer[:n_grad], self.spec.minibatch_size
+        slot = n_grad + HEADER + PER_RANK * rank + 1
+        first = True
+        for p, piece in enumerate(pieces):
+            for start in range(0, piece.count, limit):
+                end = min(start + limit, piece.count)
+                features, labels = piece.features[start:end], piece.labels[start:end]
+                if first:  # straight into the buffer: the common case costs no copy
+                    buffer[n_grad + 1] += self.trainer.compute_gradients(features, labels, grads)
+                    first = False
+                else:
+                    if self._scratch is None or self._scratch.size != n_grad:
+                        self._scratch = np.zeros(n_grad, dtype=np.float32)
+                    buffer[n_grad + 1] += self.trainer.compute_gradients(features, labels, self._scratch)
+                    grads += self._scratch
+            buffer[n_grad] += piece.count
+            for i, value in enumerate((piece.task_id, piece.offset, piece.count)):
+                buffer[slot + 6 * p + 2 * i], buffer[slot + 6 * p + 2 * i + 1] = encode_int(value)
+
     @staticmethod
-    def _ranges(buffer: np.ndarray, n_grad: int, world: int) -> list[RangeRecord | None]:
-        ranges: list[RangeRecord | None] = []
-        for r in range(world):
-            slot = n_grad + HEADER + PER_RANK * r
-            task_id, offset, count = (decode_int(buffer[slot + 2 * i], buffer[slot + 2 * i + 1]) for i in range(3))
-            ranges.append(RangeRecord(task_id=task_id, offset=offset, count=count) if count > 0 else None)
+    def _decode_ranges(buffer: np.ndarray, n_grad: int, rank: int) -> list[RangeRecord]:
+        slot = n_grad + HEADER + PER_RANK * rank + 1
+        ranges = []
+        for p in range(MAX_PIECES):
+            task_id, offset, count = (decode_int(buffer[slot + 6 * p + 2 * i], buffer[slot + 6 * p + 2 * i + 1])
+                                      for i in range(3))
+            if count == 0:
+                break  # a rank's pieces fill its slots in order
+            ranges.append(RangeRecord(task_id=task_id, offset=offset, count=count))
         return ranges
 
     # -- checkpoints --------------------------------------------------------------------------

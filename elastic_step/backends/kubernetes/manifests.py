@@ -277,6 +277,6 @@ def dry_run_manifests(config, settings: PodSettings, master: MasterPod | None, i
     url = f"http://{config.host}:{config.port or '<port chosen at start>'}"
     objects = [token_secret(names, master, "<generated when the job starts>", settings.namespace)]
     objects += network_policies(names, master, settings.namespace, None)
-    for slot in range(config.max_workers):
+    for slot in range(config.max_workers + config.spares):
         objects.append(worker_pod(settings, names, master, image, f"w{slot}.1", slot, url, dict(config.worker_env)))
     return to_yaml(objects)
