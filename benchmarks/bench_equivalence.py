@@ -98,7 +98,7 @@ def main() -> None:
     inside = [low - 1e-9 <= r["loss"] <= high + 1e-9 for r in disturbed]
     print(f"disturbed runs: the clean run's steps, row for row: {'yes' if same_steps else 'NO'}; "
           f"test loss within the clean spread: {sum(inside)} of {len(disturbed)} "
-          f"({', '.join(f'{r['loss']:.4f}' for r in disturbed)})")
+          f"({', '.join(format(r['loss'], '.4f') for r in disturbed)})")
 
 
 if __name__ == "__main__":

@@ -74,3 +74,14 @@ def test_killed_and_relaunched_workers_change_nothing_in_the_steps(digits, start
     assert {2, 3} <= {s["world_size"] for s in applied}  # steps were applied by groups of both sizes
     assert any(e["event"] == "died" for e in job.events())
     assert job.result()["test_metrics"]["accuracy"] >= 0.8  # it learns (about 60 steps of 50 rows)
+
+
+def test_a_global_batch_larger_than_an_epoch_still_fills_every_step(digits, start_job):
+    """Each step spans epochs, so a step waits on the master to open the next epoch, which it
+    does once it has taken the step that finished the previous one (reported in the background):
+    the step must wait for that, not be applied short."""
+    job = start_job("--model-def", MODEL, "--data", digits, "--workers", "2", "--epochs", "3", "--global-batch-size", "1000",
+                    "--minibatch-size", "50", "--minibatches-per-task", "2")
+    assert job.finish() == 0, job.output()
+    total = exact(job, digits, epochs=3)
+    assert [s["samples"] for s in steps(job)] == fixed_batches(total, 1000)

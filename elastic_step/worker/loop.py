@@ -252,6 +252,7 @@ class Worker:
             # the step holds exactly G rows or nobody has any (the job's end).
             need = shares(fixed, [True] * world)[rank] if fixed else self.spec.minibatch_size
             accumulated: np.ndarray | None = None
+            reported = False  # rank 0 sent every applied step before this step's last ask
             summaries: list[np.ndarray] = []
             ranges: list[list[RangeRecord]] = [[] for _ in range(world)]
             while True:
@@ -280,10 +281,25 @@ class Worker:
                     more.append(buffer[n_grad + HEADER + PER_RANK * r] > 0)
                 total = int(round(buffer[n_grad]))
                 short = fixed - total
-                if not fixed or short <= 0 or buffer[n_grad + 2] > 0 or buffer[n_grad + 3] > 0 or not any(more):
+                if not fixed or short <= 0 or buffer[n_grad + 2] > 0 or buffer[n_grad + 3] > 0:
+                    break
+                if any(more):
+                    need = shares(short, more)[rank]
+                elif not reported:
+                    # Nobody has rows now, but the master may only be behind: it opens the next
+                    # epoch once it has taken the steps that finish the current one, and rank 0
+                    # reports steps in the background. So rank 0 sends every step it applied and
+                    # asks once more, alone. A task means the step goes on; none means every row
+                    # left is in this step (the job's end, or an epoch that cannot open before
+                    # this step's rows are applied): the step is applied short. Either way the
+                    # outcome depends on the rows applied, not on timing.
+                    reported = True
+                    if rank == 0:
+                        self.reporter.flush()
+                    need = short if rank == 0 else 0
+                else:
                     break
                 accumulated = buffer[:n_grad + 2].copy()
-                need = shares(short, more)[rank]
             if fixed and buffer[n_grad + 2] > 0:
                 return RoundOutcome.REGROUP  # a partial step is dropped: every step holds G rows
             if total > 0:
