@@ -256,16 +256,22 @@ class Worker:
             summaries: list[np.ndarray] = []
             ranges: list[list[RangeRecord]] = [[] for _ in range(world)]
             while True:
-                buffer[:] = 0.0
+                # The gradients' part is written whole by compute_gradients, or zeroed below when
+                # this rank has no rows: zeroing it every step too cost a 34 MB memset per step
+                # on an 8.6M-parameter model.
+                buffer[n_grad:] = 0.0
+                pieces: list[Piece] = []
                 regroup = self.heartbeat.latest_round > rv.round_id or self.heartbeat.stop_requested
                 if not regroup and not master_done and need > 0:
                     pieces = rows.take(need, MAX_PIECES if fixed else 1)
                     regroup = rows.status == TaskStatus.REGROUP
                     master_done = rows.status == TaskStatus.DONE
                     times.mark(Phase.DATA)
-                    if pieces:
-                        self._gradients(pieces, buffer, n_grad, rank)
-                        times.mark(Phase.GRADIENTS)
+                if pieces:
+                    self._gradients(pieces, buffer, n_grad, rank)
+                    times.mark(Phase.GRADIENTS)
+                else:
+                    buffer[:n_grad] = 0.0
                 if not rows.ran_out and not master_done and not regroup:
                     buffer[n_grad + HEADER + PER_RANK * rank] = 1.0  # this rank may have more rows
                 buffer[n_grad + 2] = 1.0 if regroup else 0.0
