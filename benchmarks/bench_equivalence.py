@@ -94,6 +94,10 @@ def main() -> None:
     low, high = min(losses), max(losses)
     print(f"clean runs over {len(clean)} seeds: test loss {low:.4f} .. {high:.4f} (spread {high - low:.4f}, "
           f"median {statistics.median(losses):.4f})")
+    rows = sum(clean[0]["samples"])
+    fixed = [args.global_batch_size] * (rows // args.global_batch_size) + ([rows % args.global_batch_size] if rows % args.global_batch_size else [])
+    print(f"every run took {len(fixed)} steps of {args.global_batch_size} rows, the last {fixed[-1]}: "
+          f"{'yes' if all(r['samples'] == fixed for _, r in runs) else 'NO'}")
     same_steps = all(r["samples"] == clean[0]["samples"] for r in disturbed)
     inside = [low - 1e-9 <= r["loss"] <= high + 1e-9 for r in disturbed]
     print(f"disturbed runs: the clean run's steps, row for row: {'yes' if same_steps else 'NO'}; "
