@@ -10,6 +10,8 @@ BENCHMARKS = [
     ["bench_throughput.py", "--workers", "2", "3", "--model", "wide", "--copies", "4", "--epochs", "2"],
     ["bench_recovery.py", "--workers", "3", "--kills", "3"],
     ["bench_recovery.py", "--workers", "3", "--kills", "3", "--model", "wide", "--no-peer"],
+    ["bench_recovery.py", "--workers", "3", "--kills", "3", "--spares", "1"],
+    ["bench_equivalence.py", "--seeds", "0", "1", "2", "3", "4", "5", "--disturbed", "4"],
     ["bench_dispatcher.py"],
     ["bench_checkpoint.py"],
     ["bench_keras.py", "--workers", "2"],
