@@ -16,17 +16,20 @@ import subprocess
 import sys
 import tempfile
 
+from bench_throughput import step_breakdown
 from common import MODEL, elastic_step, machine, prepared_digits, read_steps, steady_rate
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from stores import S3Server, upload_folder  # noqa: E402  (the tests' server, started the same way)
 
 
-def train_once(data: str, workers: int, epochs: int, batch: int, per_task: int, job_dir: str, env: dict) -> float:
+def train_once(data: str, workers: int, epochs: int, batch: int, per_task: int, job_dir: str, env: dict,
+               breakdowns: list) -> float:
     job = elastic_step("train", "--model-def", MODEL, "--data", data, "--job-dir", job_dir, "--workers", str(workers),
                        "--epochs", str(epochs), "--minibatch-size", str(batch), "--minibatches-per-task", str(per_task),
                        "--checkpoint-steps", "0", "--no-progress", stdout=subprocess.DEVNULL, env=env)
     assert job.wait() == 0, f"training failed; see {job_dir}/logs"
+    breakdowns.append(step_breakdown(job_dir))
     return steady_rate(read_steps(os.path.join(job_dir, "metrics.jsonl")))
 
 
@@ -52,15 +55,21 @@ def main() -> None:
             os.environ.update(server.env())
             upload_folder(local, remote)
             rates = {"local": [], "s3": []}
+            phases = {"local": [], "s3": []}
             for i in range(args.repeats):
                 for name, data, env in (("local", local, dict(os.environ)), ("s3", remote, s3_env)):
                     rates[name].append(train_once(data, args.workers, args.epochs, args.minibatch_size,
-                                                  args.minibatches_per_task, os.path.join(root, f"{name}-{i}"), env))
+                                                  args.minibatches_per_task, os.path.join(root, f"{name}-{i}"), env, phases[name]))
             here, there = statistics.median(rates["local"]), statistics.median(rates["s3"])
             runs = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
             print(f"  shards in S3 {there:8.0f} samples/s (runs {runs(rates['s3'])})   "
                   f"local disk {here:8.0f} samples/s (runs {runs(rates['local'])})   "
                   f"ratio {there / here:.3f} (target >= 0.9)")
+            for name in ("s3", "local"):
+                found = [b for b in phases[name] if b]
+                if found:
+                    parts = ", ".join(f"{p} {statistics.median(b.get(p, 0.0) for b in found):.2f}" for p in found[0])
+                    print(f"    {name:5} per step, median of runs (ms): {parts}")
     finally:
         server.stop()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -20,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from elastic_step.data.stores import Failure, classify, resolve, store_error
 from elastic_step.errors import DataError
 
-__all__ = ["Manifest", "ShardInfo", "load_manifest", "open_parquet", "resolve", "type_name", "validate_shards"]
+__all__ = ["Manifest", "ShardInfo", "fetch_parquet", "load_manifest", "open_parquet", "resolve", "type_name", "validate_shards"]
 
 MANIFEST_NAME = "manifest.json"
 # Training needs rows; evaluation splits may be switched off with a fraction of 0.
@@ -32,6 +33,7 @@ OPTIONAL_SPLITS = ("val", "test")
 class ShardInfo:
     path: str  # relative to the manifest's folder, posix ("train/part-00000.parquet")
     rows: int
+    bytes: int = 0  # the file's size; 0: not recorded (manifests written before it was)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class Manifest:
             "label": self.label,
             "features": list(self.features),
             "schema": dict(self.schema),
-            "splits": {name: [{"path": s.path, "rows": s.rows} for s in shards]
+            "splits": {name: [{"path": s.path, "rows": s.rows, **({"bytes": s.bytes} if s.bytes else {})} for s in shards]
                        for name, shards in self.splits.items()},
             "content_hash": self.content_hash,
         }
@@ -87,14 +89,37 @@ def type_name(t: pa.DataType) -> str:
 def open_parquet(uri: str) -> pq.ParquetFile:
     """A ParquetFile for a shard URI; only the footer is read until row groups are asked for."""
     fs, path, _ = resolve(uri)
-    try:
+    with _shard_errors(uri):
         if isinstance(fs, LocalFileSystem):
             return pq.ParquetFile(path)
         # From a store, fetch exactly the byte ranges pyarrow asks for, coalesced into one request per
         # read (pre_buffer), not fsspec's default read-ahead blocks (50 MiB for S3 on every seek).
         return pq.ParquetFile(fs.open(path, "rb", cache_type="none"), pre_buffer=True)
+
+
+def fetch_parquet(uri: str, size: int) -> pq.ParquetFile:
+    """A (small) shard in a store, `size` bytes as the manifest says, read whole in one request
+    as a ParquetFile over its bytes in memory. Opening it with open_parquet costs three requests
+    (the object's size, its footer, its row groups), each a round trip and CPU in the client.
+    The range is given because without one a client may ask for the object's size first."""
+    fs, path, _ = resolve(uri)
+    with _shard_errors(uri):
+        data = fs.cat_file(path, start=0, end=size)
+        if len(data) != size:
+            raise DataError(f"shard {uri} has changed since the manifest was written (its size is not "
+                            f"{size} bytes) — re-run `elastic-step prepare-data`")
+        return pq.ParquetFile(pa.BufferReader(data))
+
+
+@contextmanager
+def _shard_errors(uri: str):
+    """What opening a shard can raise, as one line naming the shard and what to do."""
+    try:
+        yield
     except pa.ArrowInvalid as e:
         raise DataError(f"shard {uri} is not a readable Parquet file ({e}) — re-run `elastic-step prepare-data`") from None
+    except DataError:
+        raise
     except Exception as e:  # what a store client raises: OSError subclasses, botocore and aiohttp errors
         kind = classify(e)
         if kind == Failure.NOT_FOUND:
@@ -187,7 +212,10 @@ def _shard(entry, split: str, bad) -> ShardInfo:
         raise bad(f"shard path {path!r} of split {split!r} is not relative to the manifest's folder")
     if entry["rows"] < 1:
         raise bad(f"shard {path!r} of split {split!r} has {entry['rows']} rows")
-    return ShardInfo(path=path, rows=entry["rows"])
+    size = entry.get("bytes", 0)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise bad(f"shard {path!r} of split {split!r} has {size!r} bytes")
+    return ShardInfo(path=path, rows=entry["rows"], bytes=size)
 
 
 def validate_shards(manifest: Manifest, splits=("train",)) -> None:

@@ -114,9 +114,11 @@ class _HashingFile:
 
     def __init__(self, target, digest):
         self.target, self.digest, self.closed = target, digest, False
+        self.written = 0
 
     def write(self, data) -> int:
         self.digest.update(data)
+        self.written += len(data)
         return self.target.write(data)
 
     def flush(self) -> None:
@@ -181,10 +183,11 @@ class ShardWriter:
         with _atomic_open(self.fs, posixpath.join(self.root_path, rel)) as f:
             # Parquet's encoder writes in pieces of a few bytes; buffered in Arrow, each Python
             # call (hash, file) takes megabytes instead (millions of calls per GB otherwise).
-            sink = pa.BufferedOutputStream(pa.PythonFile(_HashingFile(f, self.digest), mode="w"), WRITE_BUFFER_BYTES)
+            hashing = _HashingFile(f, self.digest)
+            sink = pa.BufferedOutputStream(pa.PythonFile(hashing, mode="w"), WRITE_BUFFER_BYTES)
             pq.write_table(pa.concat_tables(self._pending), sink, row_group_size=self.row_group_rows)
             sink.close()
-        self.splits[name].append(ShardInfo(path=rel, rows=self._pending_rows))
+        self.splits[name].append(ShardInfo(path=rel, rows=self._pending_rows, bytes=hashing.written))
         self.rows_written += self._pending_rows
         self._pending, self._pending_rows = [], 0
 

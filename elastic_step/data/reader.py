@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elastic_step.data.manifest import Manifest, open_parquet
+from elastic_step.data.manifest import Manifest, fetch_parquet, open_parquet
 from elastic_step.data.stores import is_local
 from elastic_step.errors import DataError
 
@@ -33,11 +33,24 @@ class ShardReader:
         # shard is read whole on its first miss, in one request, and its row groups cached, so
         # the shard's later tasks cost no request at all. Bounded by the cache like any read.
         self.whole_shard_bytes = 0 if is_local(manifest.root) else min(8 << 20, cache_bytes // 8)
+        # Such a shard is fetched in one request and kept in memory as it came (its decoded row
+        # groups go to the cache): the newest ones, up to a quarter of the cache; an older one is
+        # fetched again if it is needed again.
+        self._in_memory: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
 
     def _open(self, split: str, index: int) -> tuple[pq.ParquetFile, np.ndarray]:
         key = (split, index)
         if key not in self._files:
-            pf = open_parquet(self.manifest.shard_uri(split, index))
+            uri = self.manifest.shard_uri(split, index)
+            size = self.manifest._shards(split)[index].bytes  # 0: unknown
+            if 0 < size <= self.whole_shard_bytes:
+                pf = fetch_parquet(uri, size)
+                self._in_memory[key] = size
+                while sum(self._in_memory.values()) > self.cache_bytes // 4 and len(self._in_memory) > 1:
+                    old, _ = self._in_memory.popitem(last=False)
+                    self._files.pop(old, None)
+            else:
+                pf = open_parquet(uri)
             sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
             starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # row group g: [starts[g], starts[g+1])
             self._files[key] = (pf, starts)
