@@ -92,7 +92,9 @@ class ShardReader:
                 self._cache.move_to_end(key)
                 tables[group] = self._cache[key]
         missing = [g for g in groups if g not in tables]
-        if missing and self.whole_shard_bytes:
+        # A shard fetched whole is in memory already: decode only what is asked for. (Decoding
+        # all of it would repeat, on every worker, the work of the others' tasks.)
+        if missing and self.whole_shard_bytes and (split, shard) not in self._in_memory:
             meta = pf.metadata
             if sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)) <= self.whole_shard_bytes:
                 missing = [g for g in range(meta.num_row_groups)
