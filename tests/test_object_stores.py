@@ -374,19 +374,25 @@ def test_job_with_data_checkpoints_and_model_in_s3_survives_a_sigkilled_worker(s
         server.stop()
 
 
-def test_a_small_remote_shard_costs_one_read_for_all_its_tasks(s3_digits, digits, monkeypatch):
+def test_a_shard_fetched_whole_decodes_only_the_row_groups_its_tasks_ask_for(s3_digits, digits, monkeypatch):
+    """The shard's bytes came in one request (test above); decoding them is CPU the training
+    shares, so a worker decodes the row groups of its own tasks, once each, exactly as it does
+    from local disk, not the whole shard (the other workers' tasks) at its first task."""
     import pyarrow.parquet as pq
 
-    calls = []
+    calls: dict[int, list] = {}
     original = pq.ParquetFile.read_row_groups
 
     def spy(self, row_groups, *args, **kwargs):
-        calls.append(list(row_groups))
+        calls.setdefault(id(self), []).append(list(row_groups))
         return original(self, row_groups, *args, **kwargs)
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
     remote, local = ShardReader(load_manifest(s3_digits)), ShardReader(load_manifest(digits))
-    groups = remote._open("train", 0)[0].metadata.num_row_groups
-    for start in (0, 100, 200):
+    remote_file, local_file = remote._open("train", 0)[0], local._open("train", 0)[0]
+    groups = remote_file.metadata.num_row_groups
+    for start in (0, 100, 200, 0):
         np.testing.assert_array_equal(remote.read("train", 0, start, 50)["label"], local.read("train", 0, start, 50)["label"])
-    assert calls[0] == list(range(groups)) and len([c for c in calls if len(c) == groups]) == 1
+    decoded = calls[id(remote_file)]
+    assert decoded == calls[id(local_file)], decoded
+    assert all(len(c) < groups for c in decoded) and len(decoded) == 3, decoded  # the repeated range: cached

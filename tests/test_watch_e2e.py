@@ -77,15 +77,20 @@ def test_watch_a_live_job_then_stop_it_and_resume_it_exactly(digits, start_job, 
     assert code == 0 and len(lines) == 3 and all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}", line) for line in lines), lines
 
     # Following the master's log goes on until the job ends, and ends by itself then.
-    follower = subprocess.Popen([sys.executable, "-m", "elastic_step.cli", "logs", job.job_dir, "--master", "-f", "--tail", "0"],
+    follower = subprocess.Popen([sys.executable, "-m", "elastic_step.cli", "logs", job.job_dir, "--master", "-f", "--tail", "1"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # Its newest line comes first, once it has read the log: from then on it follows. Only
+        # then is the stop asked for, so its lines cannot come before the follower starts.
+        newest = follower.stdout.readline()
+        assert newest, follower.stderr.read()
         before = job.status()
         stopped = cli("stop", job.job_dir, timeout=600)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         step = int(re.search(r"stopped at its checkpoint of step (\d+)", stopped.stdout).group(1))
         assert step > before["step"]  # a checkpoint taken for the stop, not an older one
         followed, _ = follower.communicate(timeout=60)
+        followed = newest + followed
     finally:
         follower.kill()
     assert "stop_requested" in followed and "stopped" in followed
