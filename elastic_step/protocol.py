@@ -8,6 +8,10 @@ master serves is generated from these models, so it is the contract as the maste
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
+import json
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -173,10 +177,23 @@ class ErrorReply(BaseModel):
     detail: str
 
 
+class EngineVersion(Request):
+    """Which elastic-step a process runs: its release and a digest of this protocol. A worker
+    whose engine differs from its master's would follow other rules in the same rounds (a
+    field it does not know, a step it fills differently) and hang or corrupt them."""
+
+    release: str = Field(max_length=64)
+    protocol: str = Field(max_length=64)
+
+    def __str__(self) -> str:
+        return f"elastic-step {self.release} (protocol {self.protocol})"
+
+
 class RegisterRequest(Request):
     worker_id: WorkerId
     pid: Int = Field(default=0, ge=0, le=2**31)
     host: str = Field(default="", max_length=253)
+    engine: EngineVersion | None = None  # None: a release from before workers said which they run
 
 
 class JobSpec(BaseModel):
@@ -328,3 +345,25 @@ class ScaleRequest(Request):
 
 class Empty(BaseModel):
     """The reply of a call that only reports something."""
+
+
+def _protocol_digest() -> str:
+    """A digest of every route and every message's schema: equal in two processes exactly when
+    they speak the same protocol, whatever release number they carry."""
+    messages = {name: obj.model_json_schema() for name, obj in sorted(globals().items())
+                if isinstance(obj, type) and issubclass(obj, BaseModel) and obj.__module__ == __name__}
+    words = {name: sorted(obj) for name, obj in sorted(globals().items())
+             if isinstance(obj, type) and issubclass(obj, StrEnum) and obj.__module__ == __name__}
+    text = json.dumps({"api": API, "messages": messages, "words": words}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def this_engine() -> EngineVersion:
+    """The engine this process runs. The release is the installed distribution's (an image
+    built from another release says so even where the sources look alike)."""
+    try:
+        release = importlib.metadata.version("elastic-step")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        from elastic_step import __version__ as release
+    return EngineVersion(release=release, protocol=_protocol_digest())

@@ -4,6 +4,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from elastic_step.master.api import create_app
+from elastic_step.protocol import this_engine
 
 from test_master_state import make_state
 
@@ -62,6 +63,34 @@ def test_unknown_worker_cannot_register(app_state):
     client, _ = app_state
     response = client.post("/v1/register", headers=AUTH, json={"worker_id": "intruder"})
     assert response.status_code == 409
+
+
+def test_a_worker_of_another_engine_is_refused_and_fails_the_job_naming_both(app_state):
+    client, state = app_state
+    other = this_engine().model_copy(update={"release": "0.0.9"})
+    response = client.post("/v1/register", headers=AUTH, json={"worker_id": "w0.1", "engine": other.model_dump()})
+    assert response.status_code == 409, response.text
+    detail = response.json()["detail"]
+    assert f"worker w0.1 runs elastic-step 0.0.9 (protocol {other.protocol}), its master runs {this_engine()}" in detail
+    assert "--image" in detail and len(detail.splitlines()) == 1
+    assert state.state == "failed" and state.failure == detail  # every slot would meet the same image
+
+
+def test_a_worker_that_does_not_say_its_engine_is_refused(app_state):
+    client, state = app_state
+    response = client.post("/v1/register", headers=AUTH, json={"worker_id": "w0.1"})
+    assert response.status_code == 409 and "does not say which" in response.text, response.text
+    assert state.state == "failed"
+
+
+def test_only_a_worker_the_master_launched_can_fail_the_job_by_its_engine(app_state):
+    client, state = app_state
+    other = this_engine().model_copy(update={"protocol": "0" * 12})
+    response = client.post("/v1/register", headers=AUTH, json={"worker_id": "intruder", "engine": other.model_dump()})
+    assert response.status_code == 409 and "not launched by this master" in response.text
+    assert state.state == "running"
+    same = client.post("/v1/register", headers=AUTH, json={"worker_id": "w0.1", "engine": this_engine().model_dump()})
+    assert same.status_code == 200 and same.json()["job_name"]
 
 
 def test_status_with_the_token(app_state):

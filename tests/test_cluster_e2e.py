@@ -30,6 +30,7 @@ from stores import S3Server, upload
 pytestmark = pytest.mark.e2e
 
 TEST_IMAGE = "registry.example/ml/elastic-step-torch-test:0.1.0"  # the project's image plus slow_digits.py
+OLD_RELEASE_IMAGE = "registry.example/ml/elastic-step-torch-test:0.0.9"
 BUCKET = "training-data"
 SCRATCH = "/tmp"  # the master pod's emptyDir
 JOB_DIR = "/tmp/job"
@@ -48,7 +49,13 @@ def cluster(tmp_path):
     layer.mkdir()
     shutil.copy(SLOW_MODEL, layer / "slow_digits.py")
     image = venv_image(TEST_IMAGE, extra_path=[str(layer)])
-    with Cluster(str(tmp_path / "cluster"), images={TEST_IMAGE: image}) as c:
+    # The same derived image built on an earlier release: its installed distribution says 0.0.9.
+    old_release = tmp_path / "old-release-layer"
+    shutil.copytree(layer, old_release)
+    (old_release / "elastic_step-0.0.9.dist-info").mkdir()
+    (old_release / "elastic_step-0.0.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: elastic-step\nVersion: 0.0.9\n")
+    images = {TEST_IMAGE: image, OLD_RELEASE_IMAGE: venv_image(OLD_RELEASE_IMAGE, extra_path=[str(old_release)])}
+    with Cluster(str(tmp_path / "cluster"), images=images) as c:
         print(f"kubelet runtime: {c.kubelet.mode}")
         yield c
 
@@ -278,3 +285,28 @@ def test_worker_pods_that_cannot_read_the_data_fail_the_job_at_once_saying_what_
         events = [json.loads(line) for line in f]
     assert not [e for e in events if e["event"] == "relaunched"], events
     assert [o["metadata"]["name"] for o in cluster.pods()] == ["train-step-literal"]  # its worker pods are gone
+
+
+def test_worker_pods_of_another_release_fail_the_job_at_registration_naming_both_releases(tmp_path, digits, s3, cluster):
+    """`--image` names a worker image built on an earlier release than the master's: its
+    workers would follow other rules in the same rounds. The first to register is refused, and
+    the job fails at once with one line naming both engines; no slot is relaunched."""
+    data = upload(s3, digits, BUCKET, "digits")
+    ns = cluster.namespace
+    store_secret(cluster.core(), ns)
+    args = ["--backend", "kubernetes", "--image", OLD_RELEASE_IMAGE, "--data", data, "--storage-option", f"endpoint_url={s3}",
+            "--model-def", "slow_digits", "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "1", "--no-progress"]
+    cluster.core().create_namespaced_pod(ns, master_pod(cluster, "train-step-mixed", args))
+    master = MasterOnNode(cluster, "train-step-mixed")
+    deadline = time.monotonic() + 150
+    while master.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = master.log()
+    assert master.phase() == "Failed", log
+    failure = log.strip().splitlines()[-1]
+    assert "runs elastic-step 0.0.9 (protocol " in failure and "its master runs elastic-step 0.1.0 (protocol " in failure, log
+    assert "--image" in failure, failure
+    with open(master.path(f"{JOB_DIR}/events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert not [e for e in events if e["event"] in ("relaunched", "ready")], events
+    assert [o["metadata"]["name"] for o in cluster.pods()] == ["train-step-mixed"]  # its worker pods are gone

@@ -6,6 +6,7 @@ state machine is driven directly here; test_keras runs it with real processes.""
 from test_master_state import join_all, make_state
 
 from elastic_step.backends.api import WorkerExit
+from elastic_step.protocol import this_engine
 
 
 def lose_rank_1(state, backend):
@@ -15,7 +16,7 @@ def lose_rank_1(state, backend):
     join_all(state, steps={"w0.1": 0, "w2.1": 0}, left=state.round.id - 1)
     assert state.round.ready and "w1.1" not in state.round.members
     assert "w1.2" in backend.launched
-    state.register("w1.2", pid=2, host="h")
+    state.register("w1.2", pid=2, host="h", engine=this_engine())
 
 
 def test_a_registered_joiner_enters_a_round_only_once_it_calls_in():

@@ -7,7 +7,7 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.state import MasterState, Timeouts
-from elastic_step.protocol import JobSpec
+from elastic_step.protocol import JobSpec, this_engine
 
 SPEC = JobSpec(job_name="t", model_def="m", manifest="d", minibatch_size=2, seed=0, store_host="127.0.0.1",
                store_port=1, collective_timeout_s=5, heartbeat_interval_s=0.1, master_timeout_s=5, features=[], label="y")
@@ -41,7 +41,7 @@ def settle(state, cluster, registered: set) -> None:
         for worker_id in cluster.launched:
             if worker_id not in registered:
                 registered.add(worker_id)
-                state.register(worker_id, pid=1, host="h")
+                state.register(worker_id, pid=1, host="h", engine=this_engine())
         state.tick()
         if state.over:
             return

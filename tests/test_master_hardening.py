@@ -18,7 +18,7 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.state import MasterState, Timeouts
-from elastic_step.protocol import RangeRecord, StepRecord
+from elastic_step.protocol import RangeRecord, StepRecord, this_engine
 
 from test_master_state import SPEC, RecordingBackend, join_all
 
@@ -40,7 +40,7 @@ class Job:
         )
         self.state.launch_all()
         for worker_id in self.backend.launched:
-            self.state.register(worker_id, pid=1, host="h")
+            self.state.register(worker_id, pid=1, host="h", engine=this_engine())
         self.state.tick()
         join_all(self.state)
         self.api = TestClient(create_app(self.state, TOKEN))
@@ -102,7 +102,7 @@ def test_a_live_worker_outside_the_round_cannot_fail_the_job_or_report_steps():
     job = Job()
     t0, t1, t2 = job.tasks()
     job.kill("w2.1")
-    job.state.register("w2.2", pid=1, host="h")  # the relaunched worker is live, not yet a member
+    job.state.register("w2.2", pid=1, host="h", engine=this_engine())  # the relaunched worker is live, not yet a member
     assert job.post("fail", {"worker_id": "w2.2", "reason": "x"}).status_code == 403
     # rank 1 is a member, but only rank 0 reports steps
     response = job.post("steps", {"worker_id": "w1.1", "round_id": job.state.ready_round_id,
@@ -219,7 +219,7 @@ def test_a_late_checkpoint_upload_from_an_earlier_round_is_refused_and_never_pai
     t0, t1, t2 = job.tasks()
     first = job.round_id
     job.kill("w0.1")  # rank 0 of round 1 is partitioned away and dropped
-    job.state.register("w0.2", pid=1, host="h")
+    job.state.register("w0.2", pid=1, host="h", engine=this_engine())
     for _ in range(2):
         job.state.tick()
     join_all(job.state, left=first)
@@ -257,7 +257,7 @@ def test_the_start_step_stays_voidable_until_its_source_has_broadcast_it():
     # the source dies before its broadcast reached anyone: nobody else holds step 2
     job.kill("w0.1")
     for joiner in ("w0.2", "w2.2"):  # relaunched, and ready to train
-        job.state.register(joiner, pid=1, host="h")
+        job.state.register(joiner, pid=1, host="h", engine=this_engine())
         job.state.rendezvous(joiner, -1, [], 0)
     job.state.tick()
     join_all(job.state, steps={"w1.1": 1}, left=second.id)
@@ -273,7 +273,7 @@ def test_round_store_prefixes_are_secret_and_only_in_the_members_rendezvous_repl
     job = Job()
     first = job.state.round
     job.kill("w2.1")
-    job.state.register("w2.2", pid=1, host="h")
+    job.state.register("w2.2", pid=1, host="h", engine=this_engine())
     for _ in range(2):
         job.state.tick()
     replies = join_all(job.state, left=first.id)

@@ -9,7 +9,7 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.state import MasterState, Timeouts
-from elastic_step.protocol import JobSpec, RangeRecord, StepRecord
+from elastic_step.protocol import JobSpec, RangeRecord, StepRecord, this_engine
 
 
 class RecordingBackend(Backend):
@@ -44,7 +44,7 @@ def make_state(workers=3, minimum=2, heartbeat_s=10.0, rendezvous_s=30.0):
                         timeouts=Timeouts(heartbeat_s=heartbeat_s, rendezvous_s=rendezvous_s, startup_grace_s=30))
     state.launch_all()
     for worker_id in backend.launched:
-        state.register(worker_id, pid=1, host="h")
+        state.register(worker_id, pid=1, host="h", engine=this_engine())
     state.tick()
     return state, backend
 

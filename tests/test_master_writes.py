@@ -12,7 +12,7 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.state import MasterState, Timeouts
-from elastic_step.protocol import JobState, RangeRecord, StepRecord
+from elastic_step.protocol import JobState, RangeRecord, StepRecord, this_engine
 from elastic_step.tracking.checkpoints import Checkpoint, write_local
 
 from test_master_state import SPEC, RecordingBackend, join_all
@@ -82,7 +82,7 @@ def test_no_disk_write_happens_while_the_master_holds_its_lock(tmp_path):
     try:
         state.launch_all()
         for worker_id in backend.launched:
-            state.register(worker_id, pid=1, host="h")
+            state.register(worker_id, pid=1, host="h", engine=this_engine())
         state.tick()
         join_all(state)
         for step in range(1, 5):
@@ -129,7 +129,7 @@ def test_a_write_that_fails_fails_the_job_at_the_next_tick(tmp_path):
                         timeouts=Timeouts(startup_grace_s=30), on_checkpoint=on_checkpoint)
     state.launch_all()
     for worker_id in backend.launched:
-        state.register(worker_id, pid=1, host="h")
+        state.register(worker_id, pid=1, host="h", engine=this_engine())
     state.tick()
     join_all(state)
     for step in (1, 2):

@@ -11,7 +11,7 @@ from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.state import MasterState, Timeouts
-from elastic_step.protocol import JobState, RangeRecord, StepRecord
+from elastic_step.protocol import JobState, RangeRecord, StepRecord, this_engine
 from elastic_step.worker.background import StepReporter
 
 from test_master_state import SPEC, RecordingBackend, join_all
@@ -26,7 +26,7 @@ def started(checkpoints: bool = True):
                         on_checkpoint=(lambda step, epoch, data, ledger: handed.append(step)) if checkpoints else None)
     state.launch_all()
     for worker_id in backend.launched:
-        state.register(worker_id, pid=1, host="h")
+        state.register(worker_id, pid=1, host="h", engine=this_engine())
     state.tick()
     join_all(state)
     assert state.ready_round is not None

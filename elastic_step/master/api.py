@@ -133,10 +133,7 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
 
     @app.post(API + Route.REGISTER, response_model=JobSpec, responses=_declared(400, 409))
     async def register(body: RegisterRequest):
-        spec = state.register(body.worker_id, body.pid, body.host)
-        if spec is None:
-            raise HTTPException(409, f"worker {body.worker_id!r} was not launched by this master or is gone")
-        return spec
+        return state.register(body.worker_id, body.pid, body.host, body.engine)
 
     # Heartbeat and rendezvous answer a stale or unknown worker 200 with "stop": that is how it
     # learns to leave, and it changes nothing.

@@ -36,6 +36,7 @@ from elastic_step.master.stopping import StopRequest, new_stop_request
 from elastic_step.master.throughput import Throughput
 from elastic_step.master.writes import MasterLock
 from elastic_step.protocol import (
+    EngineVersion,
     EventKind,
     HeartbeatReply,
     JobSpec,
@@ -48,6 +49,7 @@ from elastic_step.protocol import (
     TaskReply,
     TaskStatus,
     WorkerState,
+    this_engine,
 )
 
 __all__ = ["Conflict", "InitialState", "MasterState", "NotAMember", "Refused", "Timeouts"]
@@ -163,9 +165,17 @@ class MasterState:
         self.lock.writes.put("append to the audit file", self.ledger.write_audit)
 
     # -- worker calls ------------------------------------------------------------------------------
-    def register(self, worker_id: str, pid: int, host: str) -> JobSpec | None:
+    def register(self, worker_id: str, pid: int, host: str, engine: EngineVersion | None = None) -> JobSpec:
         with self.lock:
-            return self.spec if self.membership.register(worker_id, pid, host) else None
+            if not self.membership.register(worker_id, pid, host):
+                raise Conflict(f"worker {worker_id!r} was not launched by this master or is gone")
+            mismatch = engine_mismatch(worker_id, engine)
+            if mismatch:
+                # Every slot runs the same image: a relaunch would meet the same engine.
+                if not self.over:
+                    self.fail(mismatch)
+                raise Conflict(mismatch)
+            return self.spec
 
     def heartbeat(self, worker_id: str, step: int, resources: ResourceSample | None = None) -> HeartbeatReply:
         with self.lock:
@@ -399,3 +409,13 @@ class MasterState:
     def status(self) -> dict:
         with self.lock:
             return job_status(self)
+
+
+def engine_mismatch(worker_id: str, engine: EngineVersion | None) -> str | None:
+    """Why a worker running `engine` cannot join this master's rounds, or None when it can."""
+    ours = this_engine()
+    if engine == ours:
+        return None
+    theirs = str(engine) if engine else "an elastic-step release that does not say which"
+    return (f"worker {worker_id} runs {theirs}, its master runs {ours}: give the workers the master's image "
+            "(--image or ELASTIC_STEP_IMAGE; by default they get the master pod's own) or run the master from theirs")

@@ -8,6 +8,7 @@ so that a dead master leaves no workers, when
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import time
@@ -27,9 +28,13 @@ class MasterGone(Exception):
 class Rejected(Exception):
     """The master answered, and said no (4xx)."""
 
-    def __init__(self, status: int, detail: str):
-        super().__init__(f"{status}: {detail}")
+    def __init__(self, status: int, body: str):
+        super().__init__(f"{status}: {body}")
         self.status = status
+        try:  # the master's refusals are {"detail": "..."}
+            self.detail = str(json.loads(body)["detail"])
+        except (ValueError, KeyError, TypeError):
+            self.detail = body
 
 
 REQUEST_TIMEOUT_S = 10.0

@@ -38,6 +38,7 @@ from elastic_step.protocol import (
     TaskReply,
     TaskRequest,
     TaskStatus,
+    this_engine,
 )
 from elastic_step.worker.background import Heartbeat, StepReporter
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
@@ -420,12 +421,25 @@ class Worker:
         return RoundOutcome.DONE
 
 
+def register(client: MasterClient, worker_id: str) -> JobSpec:
+    """The job's spec, or the one line that says why this worker may not join."""
+    engine = this_engine()
+    request = RegisterRequest(worker_id=worker_id, pid=os.getpid(), host=socket.gethostname(), engine=engine)
+    try:
+        return JobSpec(**client.call("POST", "/register", request))
+    except Rejected as exc:
+        if exc.status == 422:  # a master from before workers said which engine they run
+            raise ElasticStepError(f"the master at {client.url} cannot read this worker's registration: it runs another "
+                                   f"release than this worker's {engine}; give the workers the master's image") from None
+        raise ElasticStepError(exc.detail) from None
+
+
 def run_worker() -> int:
     logging.getLogger().setLevel(logging.INFO)  # worker logs go to JOB_DIR/logs/, read when things go wrong
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     url, token, worker_id = worker_identity()
     client = MasterClient(url, token)
-    spec = JobSpec(**client.call("POST", "/register", RegisterRequest(worker_id=worker_id, pid=os.getpid(), host=socket.gethostname())))
+    spec = register(client, worker_id)
     client.master_timeout_s = spec.master_timeout_s
     try:
         worker = Worker(client, worker_id, spec)
