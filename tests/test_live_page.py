@@ -81,6 +81,28 @@ def test_the_live_page_shows_the_job_and_follows_it_while_it_runs(digits, start_
     assert len(list(shots.iterdir())) == 3
 
 
+def test_the_page_shows_a_warm_spare_as_a_spare_not_as_a_member(digits, start_job, browser, tmp_path):
+    job = start_job("--data", digits, "--workers", "2", "--spares", "1", "--epochs", "2", "--model-def", SLOW_MODEL,
+                    "--minibatch-size", "16", "--minibatches-per-task", "2")
+    status = job.wait_for(lambda s: s["world_size"] == 2 and [w for w in s["workers"] if w["spare"]] and s["step"] > 2, timeout=300)
+    spare = next(w for w in status["workers"] if w["spare"])
+    with open(os.path.join(job.job_dir, "master.json")) as f:
+        url = json.load(f)["url"]
+    with open(os.path.join(job.job_dir, "view-token")) as f:
+        view_token = f.read().strip()
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(f"{url}/ui#token={view_token}")
+    page.wait_for_function("document.getElementById('state').textContent === 'running'", timeout=30_000)
+    assert page.locator("#world").inner_text() == "2 / 2 + 1 spare"
+    bar = page.locator(f"#timeline g.attempt[data-worker='{spare['id']}']")
+    assert bar.locator("title").text_content() == f"{spare['id']} spare"
+    members = [w["id"] for w in status["workers"] if w["rank"] is not None]
+    member_fill = page.locator(f"#timeline g.attempt[data-worker='{members[0]}'] rect").get_attribute("fill")
+    assert bar.locator("rect").get_attribute("fill") not in (member_fill, None)  # told apart at a glance
+    page.screenshot(path=str(tmp_path / "spare.png"), full_page=True)
+    assert job.finish() == 0, job.output()
+
+
 def test_the_page_shows_no_data_without_the_right_token(browser, tmp_path):
     import socket
     import threading

@@ -137,7 +137,11 @@ function smooth(points) {
   });
 }
 
-const COLORS = {live: "#2f7d32", launched: "#9aa3b5", retiring: "#8a6d00", gone: "#b3261e"};
+const COLORS = {live: "#2f7d32", spare: "#3a6fb0", launched: "#9aa3b5", retiring: "#8a6d00", gone: "#b3261e"};
+function shownState(w) {
+  // a spare is live but holds no rank: it waits, warmed up, to take a member's place
+  return w.spare && w.state === "live" ? "spare" : w.state;
+}
 function timeline(status, now) {
   const svg = document.getElementById("timeline");
   svg.replaceChildren();
@@ -155,8 +159,8 @@ function timeline(status, now) {
       const start = x(w.launched_at || t0), end = x(w.exited_at || (w.state === "gone" ? w.last_seen || now : now));
       const g = svgElement("g", {class: "attempt", "data-worker": w.id});
       g.appendChild(svgElement("rect", {x: start, y: top, width: Math.max(end - start, 2), height: 24, rx: 3,
-                                        fill: COLORS[w.state] || "#9aa3b5", opacity: w.state === "gone" ? 0.75 : 1}));
-      const label = w.id + (w.state === "gone" ? " \u2014 " + (w.exit || "exited") : w.rank !== null && w.rank !== undefined ? ` rank ${w.rank}` : ` ${w.state}`);
+                                        fill: COLORS[shownState(w)] || "#9aa3b5", opacity: w.state === "gone" ? 0.75 : 1}));
+      const label = w.id + (w.state === "gone" ? " \u2014 " + (w.exit || "exited") : w.rank !== null && w.rank !== undefined ? ` rank ${w.rank}` : ` ${shownState(w)}`);
       g.appendChild(svgElement("text", {x: start + 4, y: top + 16, fill: "#fff", "font-size": 12}, label));
       g.appendChild(svgElement("title", {}, label));
       svg.appendChild(g);
@@ -195,7 +199,7 @@ function show(status, history) {
   text("step", status.step);
   text("loss", fmt(status.loss, 4));
   text("sps", fmt(status.samples_per_s, 0));
-  text("world", `${status.world_size} / ${status.target_workers}`);
+  text("world", `${status.world_size} / ${status.target_workers}` + (status.spares ? ` + ${status.spares} spare${status.spares > 1 ? "s" : ""}` : ""));
   text("round", status.round);
   const done = status.epochs ? (status.epoch + (status.rows_total ? status.rows_done / status.rows_total : 0)) / status.epochs : 0;
   document.getElementById("progress").style.width = `${Math.min(100, 100 * (status.state === "succeeded" ? 1 : done)).toFixed(1)}%`;
