@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from elastic_step import defaults
 from elastic_step.errors import ConfigError
+from elastic_step.protocol import LrScaling
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -34,6 +35,7 @@ class TrainConfig:
     minibatch_size: int = defaults.MINIBATCH_SIZE
     minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK
     global_batch_size: int = defaults.GLOBAL_BATCH_SIZE  # rows per optimizer step whatever the group; 0: off
+    lr_scaling: str = defaults.LR_SCALING  # none|linear|sqrt: the learning rate follows the step's rows
     seed: int = defaults.SEED
     shuffle: bool = True
     audit: str | None = None
@@ -83,6 +85,11 @@ class TrainConfig:
         if self.global_batch_size < 0:
             raise ConfigError(f"--global-batch-size must be >= 0 (0: each worker applies --minibatch-size rows per step), "
                               f"got {self.global_batch_size}")
+        if self.lr_scaling not in {s.value for s in LrScaling}:
+            raise ConfigError(f"--lr-scaling {self.lr_scaling!r} is not one of {', '.join(s.value for s in LrScaling)}")
+        if self.lr_scaling != LrScaling.NONE and self.global_batch_size:
+            raise ConfigError(f"--lr-scaling {self.lr_scaling} has nothing to scale with --global-batch-size "
+                              f"{self.global_batch_size}: every step applies the same rows; drop one of the two")
         for name in ("heartbeat_timeout", "rendezvous_timeout", "collective_timeout", "master_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

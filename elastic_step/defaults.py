@@ -19,6 +19,7 @@ MINIBATCHES_PER_TASK = 4  # a task the master hands out is this many minibatches
 # Off by default: with a fixed group it changes nothing, and with an elastic group the per-worker
 # batch is what torchrun and DDP users expect. Set it when results must not depend on failures.
 GLOBAL_BATCH_SIZE = 0
+LR_SCALING = "none"  # the model definition's learning rate, whatever the group's size
 SPARES = 0  # warm spare workers beyond the group's MAX
 SEED = 0  # the model's initialisation and the per-epoch shuffle (and prepare-data's split)
 BACKEND = "local"  # local processes; "kubernetes": pods

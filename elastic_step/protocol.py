@@ -165,6 +165,20 @@ class TaskStatus(StrEnum):
     REGROUP = "regroup"  # the asker's round is over: rendezvous again
 
 
+class LrScaling(StrEnum):
+    """How workers scale the model definition's learning rate by the rows a step applies, for
+    jobs that keep the per-worker batch (no --global-batch-size): the rate stays fitted to the
+    batch it was chosen for, the full group's (--minibatch-size x MAX workers)."""
+
+    NONE = "none"  # the model definition's rate, whatever the group's size
+    LINEAR = "linear"  # rate x B / B_full (Goyal et al. 2017): plain SGD and momentum
+    SQRT = "sqrt"  # rate x sqrt(B / B_full): adaptive optimizers (Adam and kin)
+
+    def factor(self, samples: int, full_batch: int) -> float:
+        ratio = samples / full_batch
+        return {LrScaling.NONE: 1.0, LrScaling.LINEAR: ratio, LrScaling.SQRT: ratio ** 0.5}[self]
+
+
 class Request(BaseModel):
     """What a client sends: strict types, no unknown fields."""
 
@@ -205,6 +219,8 @@ class JobSpec(BaseModel):
     minibatch_size: int
     seed: int
     global_batch_size: int = 0  # rows every step applies, whatever the group's size; 0: minibatch_size per rank
+    lr_scaling: LrScaling = LrScaling.NONE
+    full_batch: int = 0  # rows of a step of the full group (minibatch_size x MAX workers): lr_scaling's reference
     store_host: str
     store_port: int
     collective_timeout_s: float

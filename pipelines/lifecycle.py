@@ -47,6 +47,7 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         minibatch_size: int = defaults.MINIBATCH_SIZE,
         minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK,
         global_batch_size: int = defaults.GLOBAL_BATCH_SIZE,
+        lr_scaling: str = defaults.LR_SCALING,
         checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
         backend: str = defaults.BACKEND,
         mlflow_uri: str = "",
@@ -62,7 +63,7 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         trained = train_elastic(
             dataset=prepared.outputs["dataset"], model_def=model_def, workers=workers, spares=spares, epochs=epochs,
             minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
-            global_batch_size=global_batch_size, checkpoint_steps=checkpoint_steps,
+            global_batch_size=global_batch_size, lr_scaling=lr_scaling, checkpoint_steps=checkpoint_steps,
             seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, registered_model=registered_model,
             warm_start_alias=warm_start_alias, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, job_dir=job_dir,
         )

@@ -37,8 +37,8 @@ STORE_SECRET = "training-data-store"  # keys AWS_ACCESS_KEY_ID and AWS_SECRET_AC
 DATA_STORE = "s3://ml-data/elastic-step"
 JOB_DIR = "/tmp/job"  # the train template's job folder (steps.Layout.job_dir): main's own /tmp
 INPUTS = {"model-def": "slow_digits", "workers": "2:4", "spares": "0", "epochs": "3", "minibatch-size": "16",
-          "minibatches-per-task": "2", "global-batch-size": "0", "checkpoint-steps": "0", "seed": "0",
-          "backend": "kubernetes", "experiment": "elastic-step"}
+          "minibatches-per-task": "2", "global-batch-size": "0", "lr-scaling": "none", "checkpoint-steps": "0",
+          "seed": "0", "backend": "kubernetes", "experiment": "elastic-step"}
 
 
 def rendered(**options) -> dict:

@@ -25,6 +25,7 @@ SETTINGS = {
     "minibatch_size": defaults.MINIBATCH_SIZE,
     "minibatches_per_task": defaults.MINIBATCHES_PER_TASK,
     "global_batch_size": defaults.GLOBAL_BATCH_SIZE,
+    "lr_scaling": defaults.LR_SCALING,
     "spares": defaults.SPARES,
     "checkpoint_steps": defaults.CHECKPOINT_STEPS,
     "seed": defaults.SEED,

@@ -65,12 +65,28 @@ def test_sigkill_one_of_three_workers_mid_epoch(digits, start_job):
     assert all(ranks == "none (every member holds it)" or re.fullmatch(r"\[\d\]", ranks) for ranks in later), transfers
 
 
+def learning_rates(job) -> dict[int, str]:
+    """Round -> the learning rate factor its workers applied, as their logs say."""
+    found = {}
+    for path in glob.glob(os.path.join(job.job_dir, "logs", "w*.log")):
+        for line in open(path):
+            m = re.search(r"round (\d+): learning rate x (\S+) \(linear: (\d+) of 48 rows", line)
+            if m:
+                found[int(m.group(1))] = (m.group(2), int(m.group(3)))
+    return found
+
+
 def test_sigkill_the_rank0_worker(digits, start_job):
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", *SLOW)
+    # --lr-scaling linear: the survivors' rounds of two train at 2/3 of the full group's rate.
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", "--lr-scaling", "linear", *SLOW)
     status = job.wait_for(mid_epoch)
     job.kill_worker(status, rank=0)
     assert job.finish() == 0, job.output()
     assert_exact(job, digits, epochs=2)
+    rates = learning_rates(job)
+    assert rates[1] == ("1", 48), rates
+    assert ("0.6667", 32) in rates.values(), rates
+    assert set(rates.values()) <= {("1", 48), ("0.6667", 32)}, rates
 
 
 def test_scale_out_from_two_to_three_the_joiner_gets_state_and_contributes(digits, start_job):

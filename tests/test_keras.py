@@ -95,6 +95,30 @@ def test_state_round_trip_carries_weights_and_optimizer_variables(digits_batch):
         fresh.load_state_bytes(b"torch checkpoint bytes")
 
 
+def test_lr_scaling_sets_the_rate_from_the_model_definitions_and_refuses_a_schedule(digits_batch, monkeypatch):
+    import keras
+
+    from elastic_step.errors import ModelDefinitionError
+    from elastic_step.frameworks.model_def import load_model_definition
+    from elastic_step.frameworks.registry import build_trainer
+
+    trainer = keras_trainer()
+    base = float(trainer.optimizer.learning_rate)
+    trainer.scale_learning_rate(0.25)
+    trainer.scale_learning_rate(0.25)  # never compounding
+    assert float(trainer.optimizer.learning_rate) == pytest.approx(base * 0.25)
+    other = keras_trainer(seed=1)
+    other.load_state_bytes(trainer.state_bytes())
+    other.scale_learning_rate(1.0)
+    assert float(other.optimizer.learning_rate) == pytest.approx(base)
+
+    model_def = load_model_definition(KERAS_MODEL)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=100, decay_rate=0.9)
+    monkeypatch.setattr(model_def.module, "optimizer", lambda model: keras.optimizers.Adam(learning_rate=schedule))
+    with pytest.raises(ModelDefinitionError, match="--lr-scaling needs a constant learning rate.*ExponentialDecay"):
+        build_trainer(model_def).scale_learning_rate(1.0)
+
+
 def test_warm_up_changes_no_state_and_the_next_step_is_a_cold_trainers_step(digits_batch):
     features, labels = digits_batch
     warm, cold = keras_trainer(), keras_trainer()

@@ -54,3 +54,37 @@ def test_three_steps_match_plain_pytorch(dtype):
         for ours, theirs in zip(trainer.net.parameters(), reference.parameters()):
             assert ours.dtype == dtype
             np.testing.assert_allclose(ours.detach().numpy(), theirs.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_linear_lr_scaling_makes_a_short_step_weigh_as_a_share_of_the_full_groups_batch():
+    # With SGD, the linear rule is exact: a step of B rows at rate x B/B_full moves the weights
+    # as the sum of its gradients over B_full would at the model definition's rate.
+    from elastic_step.protocol import LrScaling
+
+    model_def = small_model_def(torch.float32)
+    features = np.random.default_rng(2).standard_normal((8, 6)).astype(np.float32)
+    labels = np.arange(8) % 3
+    moved = {}
+    for name, factor, divide_by in (("scaled", LrScaling.LINEAR.factor(8, 24), 8), ("full", 1.0, 24)):
+        torch.manual_seed(0)
+        trainer = TorchTrainer(model_def, model_def.model())
+        grads = np.zeros(trainer.num_gradient_values, dtype=np.float32)
+        trainer.compute_gradients(features, labels, grads)
+        trainer.scale_learning_rate(factor)
+        trainer.apply_gradients(grads, divide_by)
+        moved[name] = [p.detach().numpy().copy() for p in trainer.net.parameters()]
+    for a, b in zip(moved["scaled"], moved["full"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert LrScaling.SQRT.factor(8, 32) == 0.5 and LrScaling.NONE.factor(8, 32) == 1.0
+
+
+def test_lr_scaling_starts_from_the_model_definitions_rate_even_after_a_scaled_state_is_loaded():
+    model_def = small_model_def(torch.float32)
+    scaled = TorchTrainer(model_def, model_def.model())
+    scaled.scale_learning_rate(0.5)
+    scaled.scale_learning_rate(0.5)  # never compounding
+    assert [g["lr"] for g in scaled.optimizer.param_groups] == [0.05]
+    other = TorchTrainer(model_def, model_def.model())
+    other.load_state_bytes(scaled.state_bytes())  # a broadcast from a rank of a smaller round
+    other.scale_learning_rate(1.0)
+    assert [g["lr"] for g in other.optimizer.param_groups] == [0.1]

@@ -19,6 +19,7 @@ def train_elastic(
     minibatch_size: int = 32,
     minibatches_per_task: int = 4,
     global_batch_size: int = 0,
+    lr_scaling: str = "none",
     checkpoint_steps: int = 100,
     seed: int = 0,
     backend: str = "local",
@@ -64,6 +65,8 @@ def train_elastic(
         global_batch_size: Rows in every optimizer step whatever the number of live workers
             (each computes its share in minibatches of at most minibatch_size), so results do not
             depend on failures; 0 (the default): minibatch_size rows per worker per step.
+        lr_scaling: Without global_batch_size: `linear` or `sqrt` scales the model definition's
+            learning rate by a step's rows over a full group's (minibatch_size x MAX); `none`.
         checkpoint_steps: Checkpoint every K steps and at each epoch end (0: never).
         seed: Seed of the model's initialisation and of the per-epoch shuffle.
         backend: Where workers run: `local` or `kubernetes`.
@@ -82,7 +85,7 @@ def train_elastic(
     result = train_step(
         data=data, storage_options=storage_options, model_dir=model.path, model_def=model_def, workers=workers,
         spares=spares, epochs=epochs, minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
-        global_batch_size=global_batch_size, checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
+        global_batch_size=global_batch_size, lr_scaling=lr_scaling, checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
         mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from, registered_model=registered_model, warm_start_alias=warm_start_alias,
         pipeline_run_id=pipeline_run_id, job_dir=job_dir,
     )

@@ -48,6 +48,7 @@ PARAMETERS = {
     "minibatch-size": str(defaults.MINIBATCH_SIZE),
     "minibatches-per-task": str(defaults.MINIBATCHES_PER_TASK),
     "global-batch-size": str(defaults.GLOBAL_BATCH_SIZE),
+    "lr-scaling": defaults.LR_SCALING,
     "checkpoint-steps": str(defaults.CHECKPOINT_STEPS),
     "seed": str(defaults.SEED),
     "backend": defaults.BACKEND,

@@ -158,7 +158,7 @@ def prepare_data(settings: StepSettings, layout: Layout, resources: StepResource
 
 
 TRAIN_INPUTS = ["model-def", "workers", "spares", "epochs", "minibatch-size", "minibatches-per-task", "global-batch-size",
-                "checkpoint-steps", "seed", "backend", "experiment"]
+                "lr-scaling", "checkpoint-steps", "seed", "backend", "experiment"]
 
 
 def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool, resources: StepResources,

@@ -6,6 +6,7 @@ from elastic_step import defaults
 from elastic_step.cli.kubernetes_options import add_kubernetes_options
 from elastic_step.cli.outputs import copy_folder, write_json, write_parameter
 from elastic_step.config import TrainConfig
+from elastic_step.protocol import LrScaling
 
 
 def register(sub) -> None:
@@ -30,6 +31,10 @@ def register(sub) -> None:
                         "its share in minibatches of at most --minibatch-size and the step applies their sum, so a "
                         "run's results do not depend on failures (default %(default)s: off, each worker applies "
                         "--minibatch-size rows per step as with DDP)")
+    p.add_argument("--lr-scaling", choices=[s.value for s in LrScaling], default=defaults.LR_SCALING,
+                   help="without --global-batch-size, scale the model definition's learning rate by the rows a step "
+                        "applies over a full group's (--minibatch-size x MAX): linear for SGD, sqrt for Adam; "
+                        "the rate then follows the group as it shrinks and grows (default %(default)s)")
     p.add_argument("--minibatches-per-task", type=int, default=defaults.MINIBATCHES_PER_TASK, help="default %(default)s")
     p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")
@@ -120,7 +125,7 @@ def train_config(args) -> TrainConfig:
         model_def=args.model_def, data=args.data, job_dir=args.job_dir, workers=args.workers, spares=args.spares,
         epochs=args.epochs,
         minibatch_size=args.minibatch_size, minibatches_per_task=args.minibatches_per_task, seed=args.seed,
-        global_batch_size=args.global_batch_size, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
+        global_batch_size=args.global_batch_size, lr_scaling=args.lr_scaling, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
         max_relaunches=args.max_relaunches, heartbeat_timeout=args.heartbeat_timeout,
         rendezvous_timeout=args.rendezvous_timeout, startup_grace=args.startup_grace,
         collective_timeout=args.collective_timeout, master_timeout=args.master_timeout, progress=args.progress,

@@ -28,6 +28,12 @@ class Trainer(abc.ABC):
     def apply_gradients(self, summed: np.ndarray, total_samples: int) -> None:
         """Apply the allreduced gradient sum divided by the global sample count."""
 
+    @abc.abstractmethod
+    def scale_learning_rate(self, factor: float) -> None:
+        """Set the optimizer's learning rate to the model definition's times `factor` (from the
+        model definition's, never compounding; a state loaded meanwhile does not change it).
+        ModelDefinitionError when the rate is not a constant one can scale."""
+
     def warm_up(self, features: np.ndarray, labels: np.ndarray) -> None:
         """Do once, before the worker joins a round, the slow first-step work (tracing) for
         batches shaped like these, changing no state; so that a joiner's first step does not

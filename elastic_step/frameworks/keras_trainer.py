@@ -84,6 +84,9 @@ class KerasTrainer(Trainer):
                 "it must return a keras.optimizers.Optimizer"
             )
         self.variables = list(model.trainable_variables)
+        self._base_lr = getattr(self.optimizer, "_learning_rate", None)
+        if isinstance(self._base_lr, keras.Variable):  # a constant rate (not a schedule): the model definition's value
+            self._base_lr = float(self._base_lr.numpy())
         # Optimizer slots exist from the start, so a rank that has not stepped yet has the same
         # state layout as the state source and can load its broadcast.
         self.optimizer.build(self.variables)
@@ -138,6 +141,12 @@ class KerasTrainer(Trainer):
 
     def apply_gradients(self, summed, total_samples) -> None:
         self._apply_fn(summed, np.float32(total_samples))
+
+    def scale_learning_rate(self, factor) -> None:
+        if not isinstance(self._base_lr, float):
+            raise ModelDefinitionError(f"--lr-scaling needs a constant learning rate; optimizer() of {self.model_def.source!r} "
+                                       f"gives {type(self._base_lr).__name__} (a schedule sets the rate itself)")
+        self.optimizer.learning_rate = self._base_lr * factor  # assigns the optimizer's variable, outside the trace
 
     def warm_up(self, features, labels) -> None:
         # One real step: a traced function's first call also builds its runtime graph, which

@@ -7,6 +7,7 @@ import io
 import numpy as np
 import torch
 
+from elastic_step.errors import ModelDefinitionError
 from elastic_step.frameworks.api import Trainer
 from elastic_step.frameworks.model_def import ModelDefinition
 
@@ -18,6 +19,7 @@ class TorchTrainer(Trainer):
         self.model_def = model_def
         self.net = net
         self.optimizer = model_def.optimizer(net)
+        self._base_lrs = [group.get("lr") for group in self.optimizer.param_groups]  # the model definition's
         self.params = [p for p in net.parameters() if p.requires_grad]
         self._sizes = [p.numel() for p in self.params]
         self._all_float32 = all(p.dtype == torch.float32 for p in self.params)
@@ -72,6 +74,13 @@ class TorchTrainer(Trainer):
                 p.grad = (flat[offset:offset + size] / total_samples).reshape(p.shape).to(p.dtype)
                 offset += size
         self.optimizer.step()
+
+    def scale_learning_rate(self, factor) -> None:
+        if any(not isinstance(lr, (int, float)) for lr in self._base_lrs):
+            raise ModelDefinitionError(f"--lr-scaling needs a number as each parameter group's lr; optimizer() of "
+                                       f"{self.model_def.source!r} gives {self._base_lrs}")
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * factor
 
     def _gradient_views(self, buffer: np.ndarray) -> list[torch.Tensor] | None:
         """Views of the flat step buffer shaped like each parameter (built once per buffer),

@@ -20,13 +20,14 @@ from enum import StrEnum
 
 import numpy as np
 
-from elastic_step.errors import ElasticStepError
+from elastic_step.errors import ElasticStepError, ModelDefinitionError
 from elastic_step.frameworks.model_def import batch_arrays
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.protocol import (
     CollectiveFailedRequest,
     FailJobRequest,
     JobSpec,
+    LrScaling,
     RangeRecord,
     RegisterRequest,
     Rendezvous,
@@ -93,6 +94,12 @@ class Worker:
             self.heartbeat.halt()
             raise
         self.trainer = build_trainer(self.model_def, seed=spec.seed)
+        if spec.lr_scaling != LrScaling.NONE:
+            try:  # a rate that cannot be scaled fails the job now, not at the first step
+                self.trainer.scale_learning_rate(1.0)
+            except ModelDefinitionError as exc:
+                self.heartbeat.halt()
+                raise PreflightFailed(str(exc)) from None
         self._warm_up()
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
         self.reporter = StepReporter(client, worker_id)
@@ -153,6 +160,11 @@ class Worker:
             self.heartbeat.step = self.step
             self.unacked.clear()  # the master settled every step up to start_step
             log.info("round %d: rank %d of %d from step %d", rv.round_id, rv.rank, rv.world_size, rv.start_step)
+            if self.spec.lr_scaling != LrScaling.NONE:
+                full_step = rv.world_size * self.spec.minibatch_size  # a step whose every rank has a whole minibatch
+                log.info("round %d: learning rate x %.4g (%s: %d of %d rows per full step)", rv.round_id,
+                         self.spec.lr_scaling.factor(full_step, self.spec.full_batch), self.spec.lr_scaling, full_step,
+                         self.spec.full_batch)
             return self._train(rv)
         except RuntimeError as exc:  # gloo: a peer died or hung
             log.warning("round %d collective failed: %s", rv.round_id, exc)
@@ -318,6 +330,8 @@ class Worker:
                             reason=f"loss is {loss_sum} at step {self.step + 1}; lower the learning rate or check the data",
                         ))
                     return RoundOutcome.FAILED
+                if self.spec.lr_scaling != LrScaling.NONE:
+                    self.trainer.scale_learning_rate(self.spec.lr_scaling.factor(total, self.spec.full_batch))
                 self.trainer.apply_gradients(buffer[:n_grad], total)
                 times.mark(Phase.APPLY)
                 self.step += 1
