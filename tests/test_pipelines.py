@@ -79,6 +79,17 @@ def test_a_better_model_is_promoted_and_the_previous_champion_kept(pipeline_run)
     assert version.tags["pipeline_run_id"]  # the KFP run that produced it
     reason = client.get_run(pipeline_run["result"]["run_id"]).data.tags["elastic_step.gate.reason"]
     assert reason.startswith("blessed against champion v" + previous) and "accuracy_score" in reason
+    # The champion's evaluation is a child of the gate's run, in the candidate's experiment (not
+    # MLflow's Default one, whose artifacts would land in the working folder of whoever ran it).
+    candidate = client.get_run(pipeline_run["result"]["run_id"])
+    gate_runs = client.search_runs([candidate.info.experiment_id], f"tags.`mlflow.parentRunId` = '{candidate.info.run_id}'")
+    assert len(gate_runs) == 1 and gate_runs[0].data.tags["elastic_step.gate"] == "evaluation"
+    children = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  f"tags.`mlflow.parentRunId` = '{gate_runs[0].info.run_id}'")
+    assert [c.info.run_name for c in children] == [f"champion v{previous}"]
+    assert children[0].info.experiment_id == candidate.info.experiment_id
+    assert {a.path for a in client.list_artifacts(children[0].info.run_id)} >= {"confusion_matrix.png"}
+    assert children[0].info.artifact_uri.startswith(client.get_experiment(candidate.info.experiment_id).artifact_location)
 
 
 def test_a_worse_candidate_is_not_blessed_and_the_reason_names_the_metric(pipeline_run, tmp_path):

@@ -97,7 +97,8 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
         candidate_result = _evaluate(predictions, labels, model_type, label_list)
         champion_result = None
         if champion is not None:
-            with mlflow.start_run(run_name=f"champion v{champion.version}", nested=True):
+            # A nested run goes to MLflow's active experiment (Default, "0"), not its parent's, unless told.
+            with mlflow.start_run(experiment_id=candidate.experiment_id, run_name=f"champion v{champion.version}", nested=True):
                 champion_result = _evaluate(champion_predictions, labels, model_type, label_list)
         failure = ""
         try:
