@@ -22,7 +22,7 @@ import yaml
 from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules, venv_image
-from cluster.argo import ARGOEXEC_IMAGE, argoexec_image, step_pod
+from cluster.argo import ARGOEXEC_IMAGE, StepRefused, argoexec_image, step_pod
 from cluster.masterpod import MasterPodOnNode
 from conftest import SLOW_MODEL
 from elastic_step.argo import RenderOptions
@@ -36,9 +36,9 @@ TEMPLATE = "training-workflowtemplate.yaml"
 STORE_SECRET = "training-data-store"  # keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, as --store-secret wants
 DATA_STORE = "s3://ml-data/elastic-step"
 JOB_DIR = "/tmp/job"  # the train template's job folder (steps.Layout.job_dir): main's own /tmp
-INPUTS = {"model-def": "slow_digits", "workers": "2:4", "spares": "0", "epochs": "3", "minibatch-size": "16",
-          "minibatches-per-task": "2", "global-batch-size": "0", "lr-scaling": "none", "checkpoint-steps": "0",
-          "seed": "0", "backend": "kubernetes", "experiment": "elastic-step"}
+# The run's parameters, as `argo submit -p NAME=VALUE` gives them; the others keep their defaults.
+PARAMETERS = {"model-def": "slow_digits", "workers": "2:4", "epochs": "3", "minibatch-size": "16", "minibatches-per-task": "2",
+              "checkpoint-steps": "0", "backend": "kubernetes", "mlflow-uri": "sqlite:////tmp/mlflow.db"}
 
 
 def rendered(**options) -> dict:
@@ -103,7 +103,7 @@ def test_the_argo_train_step_trains_on_worker_pods_that_share_nothing_with_it_th
     s3.upload(digits, "ml-data", "elastic-step/wf-1/dataset")
     api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}))
-    pod = step_pod(document, "train", "wf-1", INPUTS, {"mlflow-uri": "sqlite:////tmp/mlflow.db"}, {})
+    pod = step_pod(document, "train", "wf-1", {}, PARAMETERS, {})
     assert [c["name"] for c in pod["spec"]["containers"]] == ["wait", "main"]
     main = pod["spec"]["containers"][1]
     assert main["args"][main["args"].index("--data") + 1] == "s3://ml-data/elastic-step/wf-1/dataset"
@@ -140,7 +140,7 @@ def test_the_argo_train_step_trains_on_worker_pods_that_share_nothing_with_it_th
     assert "argoexec wait: main exited with 0" in log
     print(f"job done {time.monotonic() - started:.1f}s after it started")
 
-    report = audit_report(step.path(f"{JOB_DIR}/audit.jsonl"), digits, int(INPUTS["epochs"]))
+    report = audit_report(step.path(f"{JOB_DIR}/audit.jsonl"), digits, int(PARAMETERS["epochs"]))
     assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
     with open(step.path(f"{JOB_DIR}/result.json")) as f:
         result = json.load(f)
@@ -180,7 +180,7 @@ def test_the_default_render_with_worker_pods_is_refused_before_anything_is_creat
     document = rendered()
     s3.upload(digits, "artifacts", "wf-2/prepare-data/dataset", public=True)
     ns = cluster.namespace
-    pod = step_pod(document, "train", "wf-2", INPUTS, {"mlflow-uri": "sqlite:////tmp/mlflow.db"},
+    pod = step_pod(document, "train", "wf-2", {}, PARAMETERS,
                    {"dataset": {"bucket": "artifacts", "key": "wf-2/prepare-data/dataset", "endpoint": s3.endpoint}})
     cluster.core().create_namespaced_pod(ns, pod)
     step = StepOnNode(cluster, pod["metadata"]["name"])
@@ -223,3 +223,24 @@ def test_worker_resources_are_fixed_at_render_time_as_checked_quantities():
     assert "--worker-memory" not in next(t for t in rendered()["spec"]["templates"] if t["name"] == "train")["container"]["args"]
     with pytest.raises(ConfigError, match="--worker-memory 'lots'"):
         RenderOptions(worker_memory="lots").validate()
+
+
+def test_the_stand_in_refuses_a_step_as_argo_does_when_an_input_is_not_supplied_or_a_reference_not_resolved():
+    """The train step's inputs come from the DAG's task, as Argo resolves them: a template input
+    that the DAG does not pass (a new flag added to one and not the other) is refused, never
+    left as literal text in the step's arguments."""
+    document = rendered(data_store=DATA_STORE, store_secret=STORE_SECRET)
+    pod = step_pod(document, "train", "wf-3", {}, PARAMETERS, {})
+    args = pod["spec"]["containers"][1]["args"]
+    assert args[args.index("--workers") + 1] == "2:4" and args[args.index("--spares") + 1] == "0"  # a default
+    assert "{{" not in json.dumps(pod)
+    dag = next(t for t in document["spec"]["templates"] if "dag" in t)
+    train_task = next(t for t in dag["dag"]["tasks"] if t["template"] == "train")
+    train_task["arguments"]["parameters"] = [p for p in train_task["arguments"]["parameters"] if p["name"] != "spares"]
+    with pytest.raises(StepRefused, match=r"^templates\.train\.inputs\.parameters\.spares was not supplied$"):
+        step_pod(document, "train", "wf-3", {}, PARAMETERS, {})
+    with pytest.raises(StepRefused, match=r"failed to resolve \{\{tasks\.train\.outputs\.parameters\.run_id\}\}"):
+        step_pod(document, "evaluate", "wf-3", {}, PARAMETERS, {})
+    evaluate = step_pod(document, "evaluate", "wf-3", {"tasks.train.outputs.parameters.run_id": "r1",
+                                                        "tasks.train.outputs.parameters.model_uri": "runs:/r1/model"}, PARAMETERS, {})
+    assert "r1" in evaluate["spec"]["containers"][1]["args"]

@@ -46,17 +46,50 @@ def substitute(value, variables: dict[str, str]):
     return value
 
 
-def step_pod(template_doc: dict, template_name: str, workflow_name: str, inputs: dict[str, str],
+class StepRefused(Exception):
+    """What Argo's controller says of a step it will not start (its words)."""
+
+
+PARAMETER_REFERENCE = re.compile(r"\{\{\s*((?:inputs|workflow)\.parameters\.[\w.-]+|tasks\.[\w.-]+)\s*\}\}")
+
+
+def task_arguments(spec: dict, template_name: str) -> dict[str, str]:
+    """The arguments the workflow's DAG (or steps) passes the template's one task, unresolved."""
+    for template in spec["templates"]:
+        tasks = (template.get("dag") or {}).get("tasks") or [s for group in template.get("steps") or [] for s in group]
+        for task in tasks:
+            if task.get("template") == template_name:
+                return {p["name"]: str(p.get("value", "")) for p in (task.get("arguments") or {}).get("parameters") or []}
+    return {}
+
+
+def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs: dict[str, str],
              workflow_parameters: dict[str, str], artifacts: dict[str, dict]) -> dict:
-    """The pod of one step. `inputs`: the template's input parameters; `artifacts`: name ->
-    {"bucket", "key", "endpoint"} of each input artifact in the artifact repository."""
+    """The pod of one step, as the controller makes it. Its input parameters are what the DAG's
+    task passes it, with the workflow's parameters (`argo submit -p`: `workflow_parameters`, over
+    the template's defaults) and earlier tasks' outputs (`outputs`: "tasks.T.outputs.parameters.P"
+    -> value) resolved; a declared input left unsupplied, or a reference left unresolved, is
+    refused as Argo refuses it. `artifacts`: name -> {"bucket", "key", "endpoint"} of each input
+    artifact in the artifact repository."""
     spec = template_doc["spec"]
     template = copy.deepcopy(next(t for t in spec["templates"] if t["name"] == template_name))
     parameters = {p["name"]: str(p.get("value", "")) for p in (spec.get("arguments") or {}).get("parameters") or []}
     parameters.update(workflow_parameters)
-    variables = {"workflow.name": workflow_name, **{f"workflow.parameters.{k}": v for k, v in parameters.items()},
-                 **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
-    template = substitute(template, variables)
+    known = {"workflow.name": workflow_name, **{f"workflow.parameters.{k}": v for k, v in parameters.items()}, **outputs}
+    supplied = substitute(task_arguments(spec, template_name), known)
+    inputs = {}
+    for declared in (template.get("inputs") or {}).get("parameters") or []:
+        name = declared["name"]
+        if name in supplied:
+            inputs[name] = supplied[name]
+        elif "value" in declared or "default" in declared:
+            inputs[name] = str(declared.get("value", declared.get("default")))
+        else:
+            raise StepRefused(f"templates.{template_name}.inputs.parameters.{name} was not supplied")
+    template = substitute(template, {**known, **{f"inputs.parameters.{k}": v for k, v in inputs.items()}})
+    unresolved = PARAMETER_REFERENCE.search(json.dumps(template))
+    if unresolved:
+        raise StepRefused(f"templates.{template_name}: failed to resolve {unresolved.group(0)}")
     main = template["container"]
     main["name"] = "main"
     main["command"] = ["/var/run/argo/argoexec", "emissary", "--loglevel", "info", "--"] + list(main.get("command") or [])
