@@ -75,12 +75,6 @@ class StepOnNode(MasterPodOnNode):
     def path(self, pod_path: str) -> str:
         return self.cluster.kubelet.container_file(self.cluster.namespace, self.name, "main", pod_path)
 
-    def wait_ended(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while self.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return self.phase()
-
 
 def job_objects(cluster: Cluster) -> list[str]:
     """Every pod, Secret and NetworkPolicy the job made (the master labels them as its own)."""

@@ -185,11 +185,9 @@ def train_through_failures(cluster, s3, digits):
     master.wait(lambda s: not {hung["id"], oom["id"]} & {w["id"] for w in s["workers"] if w["state"] == "live"})
     print(f"paused and OOM-killed workers gone after {time.monotonic() - paused_at:.1f}s")
 
-    deadline = time.monotonic() + 150
-    while master.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    phase = master.wait_ended(150)
     log = master.log()
-    assert master.phase() == "Succeeded", log
+    assert phase == "Succeeded", log
     print(f"job done {time.monotonic() - started:.1f}s after it started")
 
     report = audit_report(master.path(f"{JOB_DIR}/audit.jsonl"), digits, epochs)
@@ -274,11 +272,9 @@ def test_worker_pods_that_cannot_read_the_data_fail_the_job_at_once_saying_what_
             var.value, var.value_from = {"AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}[var.name], None
     api.create_namespaced_pod(ns, pod)
     master = MasterOnNode(cluster, "train-step-literal")
-    deadline = time.monotonic() + 150
-    while master.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    phase = master.wait_ended(150)
     log = master.log()
-    assert master.phase() == "Failed", log
+    assert phase == "Failed", log
     failure = [line for line in log.splitlines() if "pre-flight" in line]
     assert failure and "cannot read the dataset's manifest s3://" in failure[0] and "secretKeyRef" in failure[0], log
     with open(master.path(f"{JOB_DIR}/events.jsonl")) as f:
@@ -298,11 +294,9 @@ def test_worker_pods_of_another_release_fail_the_job_at_registration_naming_both
             "--model-def", "slow_digits", "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "1", "--no-progress"]
     cluster.core().create_namespaced_pod(ns, master_pod(cluster, "train-step-mixed", args))
     master = MasterOnNode(cluster, "train-step-mixed")
-    deadline = time.monotonic() + 150
-    while master.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    phase = master.wait_ended(150)
     log = master.log()
-    assert master.phase() == "Failed", log
+    assert phase == "Failed", log
     failure = log.strip().splitlines()[-1]
     assert "runs elastic-step 0.0.9 (protocol " in failure and "its master runs elastic-step 0.1.0 (protocol " in failure, log
     assert "--image" in failure, failure

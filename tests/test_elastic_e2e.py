@@ -27,15 +27,20 @@ def assert_exact(job, digits, epochs):
     return report
 
 
-def state_transfers(job) -> dict[int, str]:
-    """Round -> the ranks the state source sent its state to, as the workers' logs say."""
+def by_round(job, pattern: str) -> dict[int, tuple[str, ...]]:
+    """Round -> what `pattern` (its first group the round) caught in the workers' logs."""
     found = {}
     for path in glob.glob(os.path.join(job.job_dir, "logs", "w*.log")):
         for line in open(path):
-            m = re.search(r"round (\d+): state of rank \d+ sent to ranks (.*) \(\d+ bytes\)", line)
+            m = re.search(pattern, line)
             if m:
-                found[int(m.group(1))] = m.group(2)
+                found[int(m.group(1))] = m.groups()[1:]
     return found
+
+
+def state_transfers(job) -> dict[int, str]:
+    """Round -> the ranks the state source sent its state to, as the workers' logs say."""
+    return {r: ranks for r, (ranks,) in by_round(job, r"round (\d+): state of rank \d+ sent to ranks (.*) \(\d+ bytes\)").items()}
 
 
 def mid_epoch(status, world=3):
@@ -65,15 +70,10 @@ def test_sigkill_one_of_three_workers_mid_epoch(digits, start_job):
     assert all(ranks == "none (every member holds it)" or re.fullmatch(r"\[\d\]", ranks) for ranks in later), transfers
 
 
-def learning_rates(job) -> dict[int, str]:
-    """Round -> the learning rate factor its workers applied, as their logs say."""
-    found = {}
-    for path in glob.glob(os.path.join(job.job_dir, "logs", "w*.log")):
-        for line in open(path):
-            m = re.search(r"round (\d+): learning rate x (\S+) \(linear: (\d+) of 48 rows", line)
-            if m:
-                found[int(m.group(1))] = (m.group(2), int(m.group(3)))
-    return found
+def learning_rates(job) -> dict[int, tuple[str, int]]:
+    """Round -> (the learning rate factor its workers applied, rows of its full step), as their logs say."""
+    return {r: (factor, int(rows)) for r, (factor, rows) in
+            by_round(job, r"round (\d+): learning rate x (\S+) \(linear: (\d+) of 48 rows").items()}
 
 
 def test_sigkill_the_rank0_worker(digits, start_job):

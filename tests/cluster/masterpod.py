@@ -37,6 +37,13 @@ class MasterPodOnNode:
     def log(self) -> str:
         return self.cluster.core().read_namespaced_pod_log(self.name, self.cluster.namespace)
 
+    def wait_ended(self, timeout: float) -> str:
+        """The pod's phase once it has ended (or whatever it is when `timeout` runs out)."""
+        deadline = time.monotonic() + timeout
+        while self.phase() not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.phase()
+
     def wait(self, predicate, timeout=120.0) -> dict:
         deadline = time.monotonic() + timeout
         status = None
