@@ -1,7 +1,14 @@
-"""PyTorch adapter: the reference framework."""
+"""PyTorch adapter: the reference framework.
+
+On the CPU in float32, the parameters' `.grad` are views of the worker's flat step buffer, so a
+step copies nothing. On a GPU (or under bf16 autocast) the model, its optimizer state and each
+batch live on the placement's device; the step's gradients reach the host step buffer in one
+device-to-host copy of their concatenation, and the summed buffer returns in one host-to-device
+copy (frameworks/device.py decides the placement)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import numpy as np
@@ -9,15 +16,18 @@ import torch
 
 from elastic_step.errors import ModelDefinitionError
 from elastic_step.frameworks.api import Trainer
+from elastic_step.frameworks.device import Placement, Precision
 from elastic_step.frameworks.model_def import ModelDefinition
 
 
 class TorchTrainer(Trainer):
     framework = "pytorch"
 
-    def __init__(self, model_def: ModelDefinition, net: torch.nn.Module):
+    def __init__(self, model_def: ModelDefinition, net: torch.nn.Module, placement: Placement | None = None):
         self.model_def = model_def
-        self.net = net
+        self.placement = placement or Placement("cpu", Precision.FP32, "the default")
+        self.device = torch.device(self.placement.device)
+        self.net = net.to(self.device)  # before optimizer(): its state is made beside the parameters
         self.optimizer = model_def.optimizer(net)
         self._base_lrs = [group.get("lr") for group in self.optimizer.param_groups]  # the model definition's
         self.params = [p for p in net.parameters() if p.requires_grad]
@@ -25,6 +35,8 @@ class TorchTrainer(Trainer):
         self._all_float32 = all(p.dtype == torch.float32 for p in self.params)
         self._views: list[torch.Tensor] = []
         self._views_key: tuple | None = None
+        # Off the CPU, gradients are staged: gathered on the device, copied to the buffer once.
+        self._staged = self.device.type != "cpu"
 
     @property
     def num_gradient_values(self) -> int:
@@ -32,6 +44,8 @@ class TorchTrainer(Trainer):
 
     def compute_gradients(self, features, labels, out) -> float:
         self.net.train()
+        if self._staged:
+            return self._compute_staged(features, labels, out)
         views = self._gradient_views(out)
         if views is not None:
             # Autograd accumulates into a defined .grad in place: the step buffer itself.
@@ -41,11 +55,7 @@ class TorchTrainer(Trainer):
         else:
             for p in self.params:
                 p.grad = None
-        outputs = self.net(torch.from_numpy(features))
-        mean_loss = self.model_def.loss(outputs, torch.from_numpy(labels))
-        # The model definition returns the batch mean; times n is the sum of per-sample losses,
-        # whose gradient is the sum of per-sample gradients.
-        summed = mean_loss * len(labels)
+        summed = self._summed_loss(torch.from_numpy(features), torch.from_numpy(labels))
         summed.backward()
         flat = torch.from_numpy(out)
         offset = 0
@@ -60,7 +70,46 @@ class TorchTrainer(Trainer):
             offset += size
         return float(summed.detach())
 
+    def _summed_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The sum of per-sample losses: the model definition returns the batch mean, times n is
+        the sum, whose gradient is the sum of per-sample gradients. The forward pass runs under
+        the placement's autocast; the loss itself in float32."""
+        with self._autocast():
+            outputs = self.net(features)
+        if outputs.dtype != torch.float32 and outputs.is_floating_point() and self.placement.precision != Precision.FP32:
+            outputs = outputs.float()
+        return self.model_def.loss(outputs, labels) * len(labels)
+
+    def _autocast(self):
+        if self.placement.precision == Precision.BF16:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":  # pinned memory lets the copy overlap the host's work
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
+
+    def _compute_staged(self, features, labels, out) -> float:
+        for p in self.params:
+            p.grad = None
+        summed = self._summed_loss(self._to_device(features), self._to_device(labels))
+        summed.backward()
+        parts = [p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(size, device=self.device)
+                 for p, size in zip(self.params, self._sizes)]
+        torch.from_numpy(out).copy_(torch.cat(parts))  # the one device-to-host copy of the step
+        return float(summed.detach())
+
     def apply_gradients(self, summed, total_samples) -> None:
+        if self._staged:
+            flat = self._to_device(summed).div_(total_samples)  # the one host-to-device copy
+            offset = 0
+            for p, size in zip(self.params, self._sizes):
+                p.grad = flat[offset:offset + size].view(p.shape).to(p.dtype)
+                offset += size
+            self.optimizer.step()
+            return
         flat = torch.from_numpy(summed)
         views = self._gradient_views(summed)
         if views is not None:
@@ -99,11 +148,13 @@ class TorchTrainer(Trainer):
 
     def state_bytes(self) -> bytes:
         buffer = io.BytesIO()
-        torch.save({"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}, buffer)
+        torch.save({"model": _on_cpu(self.net.state_dict()), "optimizer": _on_cpu(self.optimizer.state_dict()),
+                    "rng": torch.get_rng_state()}, buffer)
         return buffer.getvalue()
 
     def load_state_bytes(self, data: bytes) -> None:
-        state = torch.load(io.BytesIO(data), weights_only=True)
+        # Saved from CPU copies: loadable by the CPU-only master and by any device's worker.
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location=self.device)
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if "rng" in state:
@@ -111,11 +162,11 @@ class TorchTrainer(Trainer):
 
     def model_bytes(self) -> bytes:
         buffer = io.BytesIO()
-        torch.save(self.net.state_dict(), buffer)
+        torch.save(_on_cpu(self.net.state_dict()), buffer)
         return buffer.getvalue()
 
     def load_model_bytes(self, data: bytes) -> None:
-        self.net.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+        self.net.load_state_dict(torch.load(io.BytesIO(data), weights_only=True, map_location=self.device))
 
     def model_bytes_of_state(self, data: bytes) -> bytes:
         """The parameters part of a state_bytes() blob (warm start from a checkpoint)."""
@@ -140,8 +191,9 @@ class TorchTrainer(Trainer):
 
     def predict(self, features):
         self.net.eval()
-        with torch.no_grad():
-            return self.net(torch.from_numpy(features)).numpy()
+        with torch.no_grad(), self._autocast():
+            outputs = self.net(self._to_device(features))
+        return (outputs.float() if outputs.dtype == torch.bfloat16 else outputs).cpu().numpy()
 
     def loss_value(self, outputs, labels) -> float:
         with torch.no_grad():
@@ -182,3 +234,15 @@ class TorchTrainer(Trainer):
             serialization_format="pickle",  # MLflow saves a ScriptModule with torch.jit.save
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}"],
         )
+
+
+def _on_cpu(state):
+    """A state dict (nested dicts and lists of tensors) with every tensor on the CPU: what a
+    checkpoint, the master and a worker of any device can load. A no-op for CPU tensors."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: _on_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_on_cpu(value) for value in state)
+    return state

@@ -1,0 +1,110 @@
+"""Where a worker computes, decided in one place: which device (`--device cpu|cuda|auto`) and
+which precision (`--precision fp32|bf16|fp16`), from what the process can see.
+
+The rule, the same for every worker and every backend:
+- a worker computes on `cuda:<local index>` when it sees GPUs and may use them: a pod sees the
+  GPUs its `nvidia.com/gpu` request gave it (`CUDA_VISIBLE_DEVICES`, set by the device plugin),
+  so its local index is 0; local worker processes on one machine share its GPUs, one each by
+  the worker's slot (slot mod the number of GPUs);
+- `auto` (the default) takes the GPU when there is one and the CPU otherwise; `cuda` insists and
+  is refused in one line where no GPU is visible, before the job starts rather than at a step.
+
+Precision: `bf16` runs the forward pass under autocast to bfloat16 (CPUs, and GPUs from Ampere
+on); parameters, optimizer state and the summed gradients stay float32. `fp16` is refused: float16
+needs a loss scale, and a scaled step whose gradients overflow is skipped (torch's GradScaler
+does exactly that), which would drop its rows' gradients after the ledger counted them applied:
+the exactly-once invariant forbids it. bfloat16 has float32's range and needs no scale.
+
+Nothing here imports CUDA code paths unless asked: `visible_gpus()` asks torch only."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+
+from elastic_step.errors import ConfigError
+
+
+class DeviceChoice(StrEnum):
+    """What the user asks for with --device."""
+
+    AUTO = "auto"  # a GPU when the worker sees one, else the CPU
+    CPU = "cpu"  # the CPU, even where GPUs are visible
+    CUDA = "cuda"  # a GPU, or a one-line refusal before the job starts
+
+
+class Precision(StrEnum):
+    """What the forward pass computes in (--precision); the step buffer is float32 in all."""
+
+    FP32 = "fp32"  # full precision: the reference, and the default
+    BF16 = "bf16"  # autocast to bfloat16: same range as float32, no loss scale needed
+    FP16 = "fp16"  # refused: a loss-scaled step that overflows is skipped, its rows lost (module docstring)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker computes, and why (the reason goes to the worker's log)."""
+
+    device: str  # "cpu" or "cuda:N", as torch.device takes it
+    precision: Precision
+    reason: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def parse_choice(value: str, flag: str = "--device") -> DeviceChoice:
+    try:
+        return DeviceChoice(value.strip().lower())
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r} is not a device: use auto, cpu or cuda") from None
+
+
+def parse_precision(value: str, flag: str = "--precision") -> Precision:
+    try:
+        return Precision(value.strip().lower())
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r} is not a precision: use fp32, bf16 or fp16") from None
+
+
+def visible_gpus() -> int:
+    """How many GPUs this process can use: torch's count, which honours CUDA_VISIBLE_DEVICES;
+    0 for a torch built without CUDA (the CPU image)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def place(choice: DeviceChoice, precision: Precision, gpus: int, slot: int = 0,
+          bf16_on_gpu: bool = True) -> Placement:
+    """The placement rule (module docstring). `gpus`: what visible_gpus() says; `slot`: the
+    worker's slot number (its local index among the machine's workers)."""
+    if choice == DeviceChoice.CUDA and gpus == 0:
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = f"CUDA_VISIBLE_DEVICES={seen!r}" if seen is not None else "torch sees no CUDA device (a CPU build, or no GPU in the pod)"
+        raise ConfigError(f"--device cuda but this worker sees no GPU ({why}): request nvidia.com/gpu for the "
+                          "worker pods with an image built with CUDA, or use --device auto or cpu")
+    use_gpu = gpus > 0 and choice != DeviceChoice.CPU
+    if precision == Precision.FP16:
+        raise ConfigError("--precision fp16 is not offered: a loss-scaled step that overflows is skipped, losing rows the "
+                          "ledger counts as applied; use bf16 (float32's range, no loss scale) or fp32")
+    if precision == Precision.BF16 and use_gpu and not bf16_on_gpu:
+        raise ConfigError("--precision bf16 but this GPU has no bfloat16 support (older than Ampere): use fp16 or fp32")
+    if not use_gpu:
+        why = "asked for the CPU" if choice == DeviceChoice.CPU else "no GPU visible"
+        return Placement("cpu", precision, why)
+    index = slot % gpus
+    return Placement(f"cuda:{index}", precision, f"{gpus} GPU(s) visible; slot {slot} takes cuda:{index}")
+
+
+def placement_here(choice: DeviceChoice, precision: Precision, slot: int = 0) -> Placement:
+    """place() for this process, asking torch what it sees."""
+    gpus = visible_gpus()
+    bf16 = True
+    if gpus and precision == Precision.BF16:
+        import torch
+
+        bf16 = torch.cuda.is_bf16_supported()
+    return place(choice, precision, gpus, slot, bf16_on_gpu=bf16)
