@@ -16,6 +16,8 @@ def prepare_data(
     seed: int = 0,
     label: str = "label",
     features: str = "",
+    categorical: str = "",
+    buckets: str = "",
 ):
     """Turn a dataset into a manifest and Parquet shards with train, val and test splits.
 
@@ -30,12 +32,20 @@ def prepare_data(
         seed: Seed of the shuffle before splitting.
         label: The label column.
         features: Comma-separated feature columns (default: every other column).
+        categorical: String or integer columns to turn into ids, `;`-separated:
+            `COLUMN=hash:BINS`, `COLUMN=vocab:oov=N:min=F`, a bare `COLUMN`, or `auto`.
+            The manifest records each column's hash bins or vocabulary.
+        buckets: Numeric columns to bucketize, `;`-separated: `COLUMN=B1,B2,...` or
+            `COLUMN=quantiles:N`. The manifest records the boundaries.
     """
     from elastic_step.data.prepare import parse_split, prepare_data as prepare
     from elastic_step.data.summary import summary_markdown
 
     manifest = prepare(source, dataset.path, label=label, features=[f for f in features.split(",") if f] or None,
-                       split=parse_split(split), rows_per_shard=rows_per_shard, seed=seed)
+                       split=parse_split(split), rows_per_shard=rows_per_shard, seed=seed,
+                       categorical=categorical, buckets=buckets)
+    for spec in manifest.categorical.values():
+        print(f"categorical {spec.describe()}")
     dataset.metadata.update({"content_hash": manifest.content_hash, "rows": {s: manifest.rows(s) for s in manifest.splits}})
     with open(summary.path, "w") as f:
         f.write(summary_markdown(manifest))

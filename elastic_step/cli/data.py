@@ -16,6 +16,14 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (or fsspec URI)")
     p.add_argument("--label", default=defaults.LABEL, help="the label column (default %(default)s)")
     p.add_argument("--features", help="comma-separated feature columns (default: every other column)")
+    p.add_argument("--categorical", action="append", default=[], metavar="SPEC",
+                   help="string or integer columns to turn into ids, `;`-separated, repeatable: COLUMN=hash:BINS[:salt=S], "
+                        "COLUMN=vocab[:oov=N][:min=F] (a vocabulary of the training split, N out-of-vocabulary buckets, "
+                        "values seen at least F times), a bare COLUMN (vocab), or `auto` (every other string column; "
+                        "the choices are printed)")
+    p.add_argument("--buckets", action="append", default=[], metavar="SPEC",
+                   help="numeric columns to bucketize, `;`-separated, repeatable: COLUMN=B1,B2,... (increasing "
+                        "boundaries) or COLUMN=quantiles:N (N buckets of the training split)")
     p.add_argument("--split", default=defaults.SPLIT, help="TRAIN,VAL,TEST fractions (default %(default)s)")
     p.add_argument("--rows-per-shard", type=int, default=defaults.ROWS_PER_SHARD, help="default %(default)s")
     p.add_argument("--row-group-rows", type=int, default=64,
@@ -52,12 +60,14 @@ def run(args) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     manifest = prepare_data(args.source, args.out, label=args.label, features=features, split=split,
                             rows_per_shard=args.rows_per_shard, row_group_rows=args.row_group_rows, seed=args.seed, memory_bytes=args.memory_mb << 20,
-                            progress=progress)
+                            progress=progress, categorical=args.categorical, buckets=args.buckets)
     if args.outputs:
         from elastic_step.cli.outputs import write_text
         from elastic_step.data.summary import summary_markdown
 
         write_text(args.outputs, "summary.md", summary_markdown(manifest))
+    for spec in manifest.categorical.values():
+        print(f"categorical {spec.describe()}")
     counts = ", ".join(f"{name} {manifest.rows(name)}" for name in manifest.splits)
     print(f"prepared {args.source} -> {args.out}: {counts} rows; {len(manifest.features)} features; hash {manifest.content_hash[:12]}")
     return 0

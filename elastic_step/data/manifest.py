@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import posixpath
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic_step.data.categorical_spec import CategoricalSpec, spec_from_json
 from elastic_step.data.stores import Failure, classify, resolve, store_error
 from elastic_step.errors import DataError
 
@@ -46,6 +47,9 @@ class Manifest:
     source: str
     root: str = ""  # absolute folder of the manifest; set at load, never stored in the JSON
     version: int = 1
+    # Column -> how its values become ids (hash bins, vocabulary, bucket boundaries); absent
+    # from the JSON of a dataset without categorical columns.
+    categorical: dict[str, CategoricalSpec] = field(default_factory=dict)
 
     MANIFEST_NAME = MANIFEST_NAME
 
@@ -76,6 +80,7 @@ class Manifest:
             "splits": {name: [{"path": s.path, "rows": s.rows, **({"bytes": s.bytes} if s.bytes else {})} for s in shards]
                        for name, shards in self.splits.items()},
             "content_hash": self.content_hash,
+            **({"categorical": {c: spec.to_json() for c, spec in self.categorical.items()}} if self.categorical else {}),
         }
 
 
@@ -160,6 +165,12 @@ def load_manifest(path_or_dir: str) -> Manifest:
         raise DataError(f"corrupt manifest {where}: not valid JSON ({e}) — re-run `elastic-step prepare-data`") from None
     manifest = _from_json(raw, where)
     manifest.root = where.rsplit("/", 1)[0]
+    for spec in manifest.categorical.values():
+        spec.root = manifest.root
+    # A model definition's sparse features find their specs in the dataset this process loaded.
+    from elastic_step.data.categorical_features import remember_dataset
+
+    remember_dataset(manifest)
     return manifest
 
 
@@ -199,7 +210,17 @@ def _from_json(raw, where: str) -> Manifest:
             raise bad(f"split {name!r} has zero shards")
         splits[name] = [_shard(s, name, bad) for s in shards]
     return Manifest(label=raw["label"], features=list(features), schema=dict(schema), splits=splits,
-                    content_hash=raw["content_hash"], source=raw["source"], version=raw["version"])
+                    content_hash=raw["content_hash"], source=raw["source"], version=raw["version"],
+                    categorical=_categorical(raw.get("categorical", {}), features, bad))
+
+
+def _categorical(raw, features: list[str], bad) -> dict[str, CategoricalSpec]:
+    if not isinstance(raw, dict):
+        raise bad("'categorical' must map column names to specs")
+    for column in raw:
+        if column not in features:
+            raise bad(f"categorical column {column!r} is not among 'features'")
+    return {column: spec_from_json(column, spec, bad) for column, spec in raw.items()}
 
 
 def _shard(entry, split: str, bad) -> ShardInfo:
@@ -220,7 +241,11 @@ def _shard(entry, split: str, bad) -> ShardInfo:
 
 def validate_shards(manifest: Manifest, splits=("train",)) -> None:
     """Check each shard of `splits` exists and that its footer (schema, row count) matches the
-    manifest. Reads footers only, so it is cheap even for large datasets."""
+    manifest, and that each vocabulary kept beside it is there, unchanged. Reads footers only,
+    so it is cheap even for large datasets."""
+    for spec in manifest.categorical.values():
+        if spec.vocabulary_file:
+            spec.load_vocabulary()
     expected = manifest.schema
     for split in splits:
         for index, info in enumerate(manifest._shards(split)):

@@ -22,6 +22,9 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from elastic_step import defaults
+from elastic_step.data.categorical_analysis import Analysis, move_large_vocabularies
+from elastic_step.data.categorical_spec import (VOCABULARY_FOLDER, CategoricalSpec, check_specs, is_number, is_text,
+                                                parse_buckets, parse_categorical)
 from elastic_step.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, type_name
 from elastic_step.data.pipelining import ahead
 from elastic_step.data.shuffle import DEFAULT_MEMORY_BYTES, ExternalShuffle
@@ -31,8 +34,10 @@ from elastic_step.errors import ConfigError, DataError
 
 SPLITS = ("train", "val", "test")
 
-def _select_columns(schema: pa.Schema, source: str, label: str, features: list[str] | None) -> list[str]:
-    """The columns to keep, features first and the label last, checked against the source's schema."""
+def _select_columns(schema: pa.Schema, source: str, label: str, features: list[str] | None,
+                    specs: dict[str, CategoricalSpec], auto: bool) -> list[str]:
+    """The columns to keep, features first and the label last, checked against the source's schema:
+    numbers as they are, and strings (or integers) that a categorical spec turns into ids."""
     found = schema.names
     if label not in found:
         raise DataError(f"label column {label!r} is not in {source}; its columns are: {', '.join(found)} — "
@@ -45,13 +50,19 @@ def _select_columns(schema: pa.Schema, source: str, label: str, features: list[s
         raise ConfigError(f"--features includes the label column {label!r}; leave it out")
     if len(set(features)) != len(features):
         raise ConfigError(f"--features {','.join(features)} names a column twice")
+    check_specs(specs, schema, features, label, source)
     for name in features:
         if name not in found:
             raise DataError(f"feature column {name!r} is not in {source}; its columns are: {', '.join(found)}")
         kind = schema.field(name).type
-        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
-            raise DataError(f"feature column {name!r} of {source} has type {kind}, not a number — "
-                            "leave it out with --features or encode it as numbers first")
+        if name in specs or is_number(kind) or (auto and is_text(kind)):
+            continue
+        if is_text(kind):
+            raise DataError(f"feature column {name!r} of {source} has type {kind}, not a number, and no categorical "
+                            f"spec — pass --categorical {name}=vocab (or {name}=hash:BINS, or auto to infer one), "
+                            "or leave it out with --features")
+        raise DataError(f"feature column {name!r} of {source} has type {kind}, not a number — "
+                        "leave it out with --features or encode it as numbers first")
     return [*features, label]
 
 
@@ -142,8 +153,10 @@ class ShardWriter:
     """Takes the shuffled rows in order and cuts them into the splits' shards, writing each shard
     as soon as it is full (or its split ends) and hashing the bytes in manifest order."""
 
-    def __init__(self, fs, root_path: str, sizes: list[int], rows_per_shard: int, row_group_rows: int):
+    def __init__(self, fs, root_path: str, sizes: list[int], rows_per_shard: int, row_group_rows: int,
+                 on_train_shard=None):
         self.fs, self.root_path = fs, root_path
+        self.on_train_shard = on_train_shard  # sees each training shard's rows: the analysis pass
         self.rows_per_shard, self.row_group_rows = rows_per_shard, row_group_rows
         self.digest = hashlib.sha256()
         self.splits: dict[str, list[ShardInfo]] = {name: [] for name in SPLITS}
@@ -180,13 +193,17 @@ class ShardWriter:
         rel = f"{name}/part-{len(self.splits[name]):05d}.parquet"
         if not self.splits[name]:
             _makedirs(self.fs, posixpath.join(self.root_path, name))
+        table = pa.concat_tables(self._pending)
+        if name == "train" and self.on_train_shard is not None:
+            self.on_train_shard(table)
         with _atomic_open(self.fs, posixpath.join(self.root_path, rel)) as f:
             # Parquet's encoder writes in pieces of a few bytes; buffered in Arrow, each Python
             # call (hash, file) takes megabytes instead (millions of calls per GB otherwise).
             hashing = _HashingFile(f, self.digest)
             sink = pa.BufferedOutputStream(pa.PythonFile(hashing, mode="w"), WRITE_BUFFER_BYTES)
-            pq.write_table(pa.concat_tables(self._pending), sink, row_group_size=self.row_group_rows)
+            pq.write_table(table, sink, row_group_size=self.row_group_rows)
             sink.close()
+        del table
         self.splits[name].append(ShardInfo(path=rel, rows=self._pending_rows, bytes=hashing.written))
         self.rows_written += self._pending_rows
         self._pending, self._pending_rows = [], 0
@@ -210,8 +227,12 @@ def _progress(enabled: bool):
 def prepare_data(source: str, out_dir: str, label: str = defaults.LABEL, features: list[str] | None = None,
                  split=parse_split(defaults.SPLIT), rows_per_shard: int = defaults.ROWS_PER_SHARD, seed: int = defaults.SEED,
                  row_group_rows: int = 64, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 progress: bool = False) -> Manifest:
+                 progress: bool = False, categorical=None, buckets=None) -> Manifest:
     """Read `source`, shuffle it with `seed`, split it and write shards + manifest.json to `out_dir`.
+
+    `categorical` and `buckets` are --categorical and --buckets specs (a string of `;`-separated
+    entries, or a list of them; see categorical_spec): their columns are kept as they are, and the
+    manifest records how they become ids, from the training split's vocabularies and quantiles.
 
     Memory stays near `memory_bytes` (plus one shard) whatever the source's size; larger sources
     spill to a local temporary folder (TMPDIR) about as large as their Arrow form, compressed."""
@@ -220,9 +241,11 @@ def prepare_data(source: str, out_dir: str, label: str = defaults.LABEL, feature
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     _split_sizes(1_000_000, split)  # bad fractions fail before any byte is read
+    specs, auto = _parse_specs(categorical, buckets)
     stream = open_source(source)
-    columns = _select_columns(stream.schema, source, label, features)
+    columns = _select_columns(stream.schema, source, label, features, specs, auto)
     schema = pa.schema([stream.schema.field(c) for c in columns])
+    analysis = Analysis(specs, [c for c in columns[:-1] if auto and c not in specs and is_text(schema.field(c).type)])
 
     shuffle = ExternalShuffle(schema, seed, memory_bytes, stream.arrow_bytes_guess)
     try:
@@ -234,7 +257,8 @@ def prepare_data(source: str, out_dir: str, label: str = defaults.LABEL, feature
             sizes = _split_sizes(n, split)
             fs, root_path, root = resolve(out_dir)
             try:
-                written = _write_shards(fs, root_path, shuffle, sizes, rows_per_shard, row_group_rows, bar)
+                written = _write_shards(fs, root_path, shuffle, sizes, rows_per_shard, row_group_rows, bar, analysis)
+                specs = _record_specs(fs, root_path, analysis)
             except (DataError, ConfigError):
                 raise
             except Exception as exc:  # the store refused a write: say which and why, in one line
@@ -242,9 +266,39 @@ def prepare_data(source: str, out_dir: str, label: str = defaults.LABEL, feature
     finally:
         shuffle.close()
     manifest = Manifest(label=label, features=columns[:-1], schema={f.name: type_name(f.type) for f in schema},
-                        splits=written.splits, content_hash=written.digest.hexdigest(), source=source, root=root)
+                        splits=written.splits, content_hash=written.digest.hexdigest(), source=source, root=root,
+                        categorical={c: specs[c] for c in columns[:-1] if c in specs})
     _write_atomic(fs, posixpath.join(root_path, MANIFEST_NAME), json.dumps(manifest.to_json(), indent=2).encode("utf-8"))
     return manifest
+
+
+def _parse_specs(categorical, buckets) -> tuple[dict[str, CategoricalSpec], bool]:
+    specs, auto = parse_categorical(categorical)
+    for column, spec in parse_buckets(buckets).items():
+        if column in specs:
+            raise ConfigError(f"column {column!r} is in both --categorical and --buckets; give it one of them")
+        specs[column] = spec
+    return specs, auto
+
+
+def _record_specs(fs, root_path: str, analysis: Analysis) -> dict[str, CategoricalSpec]:
+    """The analysis's specs, with each large vocabulary written beside the manifest (and those of
+    an earlier run in the same folder removed)."""
+    specs = analysis.finish()
+    kept: set[str] = set()
+
+    def write(rel: str, data: bytes) -> None:
+        if not kept:
+            _makedirs(fs, posixpath.join(root_path, VOCABULARY_FOLDER))
+        _write_atomic(fs, posixpath.join(root_path, rel), data)
+        kept.add(posixpath.join(root_path, rel))
+
+    move_large_vocabularies(specs, write)
+    keep = {path.split("://", 1)[-1] for path in kept}
+    for path in fs.glob(posixpath.join(root_path, VOCABULARY_FOLDER, "*.json")):
+        if path.split("://", 1)[-1] not in keep:
+            fs.rm(path)
+    return specs
 
 
 def _read_all(stream: SourceStream, columns: list[str], shuffle: ExternalShuffle, bar) -> None:
@@ -266,14 +320,14 @@ def _read_all(stream: SourceStream, columns: list[str], shuffle: ExternalShuffle
 
 
 def _write_shards(fs, root_path: str, shuffle: ExternalShuffle, sizes: list[int], rows_per_shard: int,
-                  row_group_rows: int, bar) -> ShardWriter:
+                  row_group_rows: int, bar, analysis: Analysis) -> ShardWriter:
     """Pass two: the shuffled rows into shards; the old manifest goes first, so a crash half-way
     leaves no "complete" output pointing at a mix of old and new shards."""
     _makedirs(fs, root_path)
     manifest_path = posixpath.join(root_path, MANIFEST_NAME)
     if fs.exists(manifest_path):
         fs.rm(manifest_path)
-    writer = ShardWriter(fs, root_path, sizes, rows_per_shard, row_group_rows)
+    writer = ShardWriter(fs, root_path, sizes, rows_per_shard, row_group_rows, analysis.add_train_shard)
     task = bar.add_task("writing shards", total=sum(sizes), unit="rows") if bar else None
     for table in ahead(shuffle.rows()):
         writer.feed(table)

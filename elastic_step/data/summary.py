@@ -18,6 +18,11 @@ def summary_markdown(manifest: Manifest) -> str:
         lines.append(f"| {name} | {sum(s.rows for s in shards)} | {len(shards)} |")
     lines += ["", "| column | type |", "|---|---|"]
     lines += [f"| {column} | {manifest.schema.get(column, '?')} |" for column in [manifest.label, *manifest.features]]
+    if manifest.categorical:
+        lines += ["", "Categorical features (ids from the training split):", "", "| column | encoding | ids | how |",
+                  "|---|---|---|---|"]
+        lines += [f"| {c} | {spec.encoding.value} | {spec.num_ids} | {spec.describe().split(': ', 1)[1]} |"
+                  for c, spec in manifest.categorical.items()]
     balance = class_balance(manifest)
     if balance:
         lines += ["", "Class balance (train):", "", "| class | rows | share |", "|---|---|---|"]
