@@ -179,6 +179,18 @@ class LrScaling(StrEnum):
         return {LrScaling.NONE: 1.0, LrScaling.LINEAR: ratio, LrScaling.SQRT: ratio ** 0.5}[self]
 
 
+class TrainingMode(StrEnum):
+    """How a job's workers turn their rows into model updates (the job spec's `mode`). The
+    master, its dispatcher, ledger and rounds are the same in every mode; each mode is one
+    training step class on the worker (worker/step_registry.py).
+
+    ALLREDUCE: dense data parallelism. Every worker holds the whole model; each step sums every
+    rank's gradients, sample counts and row ranges in one collective, and every rank applies the
+    same update."""
+
+    ALLREDUCE = "allreduce"  # every worker holds the model; one collective per step sums the gradients
+
+
 class Request(BaseModel):
     """What a client sends: strict types, no unknown fields."""
 
@@ -220,6 +232,7 @@ class JobSpec(BaseModel):
     seed: int
     global_batch_size: int = 0  # rows every step applies, whatever the group's size; 0: minibatch_size per rank
     lr_scaling: LrScaling = LrScaling.NONE
+    mode: TrainingMode = TrainingMode.ALLREDUCE  # how workers combine their rows into steps
     full_batch: int = 0  # rows of a step of the full group (minibatch_size x MAX workers): lr_scaling's reference
     store_host: str
     store_port: int

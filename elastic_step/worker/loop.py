@@ -1,24 +1,17 @@
 """The worker: register, rendezvous, train a round, regroup in process, repeat until done.
 
-Each step is one allreduce of a flat float32 buffer:
-  [ summed gradients | samples, summed loss, regroup flag, done flag | (task, offset, count) per rank ]
-so every rank learns, in the same collective that applies the step, which rows every rank
-consumed. A rank without data contributes zeros; the sum over ranks of the flags makes every
-rank stop at the same step.
+The Worker does what every training mode needs: rendezvous, make the round's members identical
+(state sharing), report applied steps, checkpoints and the final model. How a round's steps are
+trained is the job's TrainingMode's step class (step_registry.py): the allreduce step, say, sums
+each step's gradients and row ranges in one collective (allreduce_step.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import os
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from enum import StrEnum
-
-import numpy as np
 
 from elastic_step.errors import ElasticStepError, ModelDefinitionError
 from elastic_step.frameworks.model_def import batch_arrays
@@ -34,49 +27,24 @@ from elastic_step.protocol import (
     RendezvousReply,
     RendezvousRequest,
     StepRecord,
-    TaskFailedRequest,
-    TaskInfo,
-    TaskReply,
-    TaskRequest,
-    TaskStatus,
     this_engine,
 )
 from elastic_step.worker.background import Heartbeat, StepReporter
+from elastic_step.worker.checkpoints import Checkpoints
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
-from elastic_step.worker.collective import Collective, decode_int, encode_int
+from elastic_step.worker.collective import Collective
 from elastic_step.worker.preflight import PreflightFailed, check_worker
-from elastic_step.worker.rows import Piece, TaskRows, merged, shares
-from elastic_step.worker.timing import Phase, StepTimes
+from elastic_step.worker.rows import merged
+from elastic_step.worker.step_api import Progress, RoundOutcome, initial_lineage
+from elastic_step.worker.step_registry import training_step
+from elastic_step.worker.tasks import TaskFeed
 
 log = logging.getLogger("elastic_step.worker")
-
-def next_lineage(lineage: int, step: int, step_summary: np.ndarray) -> int:
-    digest = hashlib.blake2b(lineage.to_bytes(8, "little") + step.to_bytes(8, "little", signed=True), digest_size=8)
-    digest.update(step_summary.tobytes())
-    return int.from_bytes(digest.digest(), "little")
 
 
 def _rank_entry(ranges: list[RangeRecord]) -> RangeRecord | list[RangeRecord] | None:
     """A rank's part of a step record: nothing, its one range, or its ranges in order."""
     return None if not ranges else ranges[0] if len(ranges) == 1 else ranges
-
-
-def initial_lineage(kind: str, step: int) -> int:
-    digest = hashlib.blake2b(f"{kind}@{step}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little")
-
-
-class RoundOutcome(StrEnum):
-    """How a round ended for this worker."""
-
-    DONE = "done"  # every epoch is applied (rank 0 handed in the model)
-    REGROUP = "regroup"  # a peer died, a member joined or left: rendezvous again
-    FAILED = "failed"  # the job cannot go on (the loss is not finite): exit
-
-
-HEADER = 4  # samples, loss, regroup, done
-MAX_PIECES = 4  # ranges one rank reports per micro-round (a rank with more reports the rest in the next)
-PER_RANK = 1 + 6 * MAX_PIECES  # "may have more rows", then (task, offset, count) per piece: two float halves each
 
 
 class Worker:
@@ -103,15 +71,10 @@ class Worker:
         self._warm_up()
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
         self.reporter = StepReporter(client, worker_id)
-        self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-        self._scratch: np.ndarray | None = None  # a second gradient buffer, for ranks that accumulate
-        self.step = -1  # -1: this worker holds no synchronised state yet
-        # A digest of every step this worker's state has applied (each step's counts, summed loss
-        # and row ranges, which every rank sees alike): equal lineage at equal step, equal state.
-        self.lineage = 0
-        self.unacked: dict[int, StepRecord] = {}
-        self._checkpointed_epoch = 0
-        self._checkpoint_sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self.tasks = TaskFeed(client, worker_id, self.reader, self.model_def, spec)
+        self.checkpoints = Checkpoints(client, worker_id, spec.checkpoint_steps, self.reporter)
+        self.progress = Progress()
+        self.steps = training_step(spec.mode, self)
 
     def _warm_up(self) -> None:
         """Trace the training step on a couple of rows before the first rendezvous: the master
@@ -140,13 +103,13 @@ class Worker:
             self.heartbeat.halt()
 
     def _rendezvous(self, left_round: int) -> RendezvousReply:
+        unacked = self.progress.unacked
         while True:
             acked = self.heartbeat.acked_step
-            for step in [s for s in self.unacked if s <= acked]:
-                del self.unacked[step]
-            body = RendezvousRequest(
-                worker_id=self.worker_id, step=self.step, unacked=list(self.unacked.values()), left_round=left_round
-            )
+            for step in [s for s in unacked if s <= acked]:
+                del unacked[step]
+            body = RendezvousRequest(worker_id=self.worker_id, step=self.progress.step,
+                                     unacked=list(unacked.values()), left_round=left_round)
             reply = RendezvousReply(**self.client.call("POST", "/rendezvous", body, timeout=30.0))
             if reply.status != Rendezvous.WAIT:
                 return reply
@@ -156,16 +119,15 @@ class Worker:
         try:
             self.collective.join(rv.store_prefix, rv.rank, rv.world_size)
             self._share_state(rv)
-            self.step = rv.start_step
-            self.heartbeat.step = self.step
-            self.unacked.clear()  # the master settled every step up to start_step
+            self.progress.step = self.heartbeat.step = rv.start_step
+            self.progress.unacked.clear()  # the master settled every step up to start_step
             log.info("round %d: rank %d of %d from step %d", rv.round_id, rv.rank, rv.world_size, rv.start_step)
             if self.spec.lr_scaling != LrScaling.NONE:
                 full_step = rv.world_size * self.spec.minibatch_size  # a step whose every rank has a whole minibatch
                 log.info("round %d: learning rate x %.4g (%s: %d of %d rows per full step)", rv.round_id,
                          self.spec.lr_scaling.factor(full_step, self.spec.full_batch), self.spec.lr_scaling, full_step,
                          self.spec.full_batch)
-            return self._train(rv)
+            return self.steps.train_round(rv)
         except RuntimeError as exc:  # gloo: a peer died or hung
             log.warning("round %d collective failed: %s", rv.round_id, exc)
             try:
@@ -178,257 +140,82 @@ class Worker:
 
     def _share_state(self, rv: RendezvousReply) -> None:
         """Make every member identical to the state source (the highest applied step). Members
-        that applied exactly the source's steps already are (the step's allreduce made them so):
-        only a joiner, or a rank behind or on another line of steps, is sent the state, so a
-        regroup after a death costs no transfer however large the model."""
+        that applied exactly the source's steps already are (the step made them so): only a
+        joiner, or a rank behind or on another line of steps, is sent the state, so a regroup
+        after a death costs no transfer however large the model."""
         started = time.perf_counter()
-        source = rv.rank == rv.source_rank
-        step, lineage = self.step, self.lineage
-        if source and rv.initial_state:  # nobody holds state yet: a checkpoint or a warm start
+        step, lineage = self.progress.step, self.progress.lineage
+        if rv.rank == rv.source_rank and rv.initial_state:  # nobody holds state yet: a checkpoint or a warm start
             self._load_initial_state(rv.initial_state)
             step, lineage = rv.start_step, initial_lineage(rv.initial_state, rv.start_step)
         identities = self.collective.gather_identities(step, lineage)
         source_step, source_lineage = identities[rv.source_rank]
         behind = [r for r, (s, line) in enumerate(identities)
                   if r != rv.source_rank and not (s >= 0 and s == source_step and line == source_lineage)]
-        size = 0
-        if behind and len(behind) == rv.world_size - 1:  # everyone but the source: one broadcast
+        size = self._send_state(rv, behind)
+        self.progress.lineage = source_lineage
+        log.info("round %d: state of rank %d sent to ranks %s (%d bytes) in %.3f s",
+                 rv.round_id, rv.source_rank, behind or "none (every member holds it)", size, time.perf_counter() - started)
+
+    def _send_state(self, rv: RendezvousReply, behind: list[int]) -> int:
+        """The source's state to the ranks `behind`: one broadcast when that is everyone else,
+        else point to point. Returns the state's size in bytes (0: nothing was sent)."""
+        source = rv.rank == rv.source_rank
+        if behind and len(behind) == rv.world_size - 1:
             data = self.collective.broadcast_bytes(self.trainer.state_bytes() if source else None, rv.source_rank)
-            size = len(data)
             if not source:
                 self.trainer.load_state_bytes(data)
         elif behind and source:
             data = self.trainer.state_bytes()
-            size = len(data)
             self.collective.send_bytes(data, behind)
         elif rv.rank in behind:
             data = self.collective.recv_bytes(rv.source_rank)
-            size = len(data)
             self.trainer.load_state_bytes(data)
-        self.lineage = source_lineage
-        log.info("round %d: state of rank %d sent to ranks %s (%d bytes) in %.3f s",
-                 rv.round_id, rv.source_rank, behind or "none (every member holds it)", size, time.perf_counter() - started)
-
-    # -- the inner loop: steps ----------------------------------------------------------------
-    def _fetch(self, round_id: int) -> tuple[TaskStatus, TaskInfo | None, tuple | None]:
-        """The next task and its rows. A task that cannot be read is handed back and the next one
-        asked for at once, so WAIT always means the master has nothing to give now (it fails the
-        job once a task has failed too often)."""
-        while True:
-            reply = TaskReply(**self.client.call("POST", "/task", TaskRequest(worker_id=self.worker_id, round_id=round_id)))
-            if reply.status != TaskStatus.TASK or reply.task is None:
-                return reply.status, None, None
-            task = reply.task
-            try:
-                rows = self.reader.read("train", task.shard, task.start, task.count)
-                # feed() is row-wise: apply it to the whole task here, off the training thread,
-                # and let each step take a slice.
-                rows = batch_arrays(self.model_def, rows, self.spec.features, self.spec.label)
-            except Exception as exc:
-                log.error("task %d: %s", task.id, exc)
-                self.client.call("POST", "/task-failed", TaskFailedRequest(worker_id=self.worker_id, task_id=task.id, error=f"{type(exc).__name__}: {exc}"))
-                continue
-            return TaskStatus.TASK, task, rows
-
-    def _train(self, rv: RendezvousReply) -> RoundOutcome:
-        n_grad = self.trainer.num_gradient_values
-        buffer = np.zeros(n_grad + HEADER + PER_RANK * rv.world_size, dtype=np.float32)
-        # The next task is fetched and read in the background while this one trains, so the
-        # HTTP round trip and the Parquet read never stall the step (and so every other rank).
-        pending: Future | None = None
-        times = StepTimes()
-
-        def take_task():
-            nonlocal pending
-            future = pending or self._prefetch.submit(self._fetch, rv.round_id)
-            pending = None
-            result = future.result()
-            if result[0] == TaskStatus.TASK:
-                pending = self._prefetch.submit(self._fetch, rv.round_id)
-            return result
-
-        try:
-            return self._steps(rv, buffer, n_grad, times, take_task)
-        finally:
-            log.info("round %d: %s", rv.round_id, times.summary())
-
-    def _steps(self, rv: RendezvousReply, buffer: np.ndarray, n_grad: int, times: StepTimes, take_task) -> RoundOutcome:
-        rank, world = rv.rank, rv.world_size
-        fixed = self.spec.global_batch_size  # 0: each rank takes minibatch_size rows per step
-        rows = TaskRows(take_task)
-        master_done = False
-        while True:
-            times.start()
-            # One step is one or more micro-rounds, each one collective of the buffer. With a
-            # fixed global batch, ranks that got fewer rows than their share (their tasks ran
-            # out) are made up for in further micro-rounds by ranks that still have rows, until
-            # the step holds exactly G rows or nobody has any (the job's end).
-            need = shares(fixed, [True] * world)[rank] if fixed else self.spec.minibatch_size
-            accumulated: np.ndarray | None = None
-            reported = False  # rank 0 sent every applied step before this step's last ask
-            summaries: list[np.ndarray] = []
-            ranges: list[list[RangeRecord]] = [[] for _ in range(world)]
-            while True:
-                # The gradients' part is written whole by compute_gradients, or zeroed below when
-                # this rank has no rows: zeroing it every step too cost a 34 MB memset per step
-                # on an 8.6M-parameter model.
-                buffer[n_grad:] = 0.0
-                pieces: list[Piece] = []
-                regroup = self.heartbeat.latest_round > rv.round_id or self.heartbeat.stop_requested
-                if not regroup and not master_done and need > 0:
-                    pieces = rows.take(need, MAX_PIECES if fixed else 1)
-                    regroup = rows.status == TaskStatus.REGROUP
-                    master_done = rows.status == TaskStatus.DONE
-                    times.mark(Phase.DATA)
-                if pieces:
-                    self._gradients(pieces, buffer, n_grad, rank)
-                    times.mark(Phase.GRADIENTS)
-                else:
-                    buffer[:n_grad] = 0.0
-                if not rows.ran_out and not master_done and not regroup:
-                    buffer[n_grad + HEADER + PER_RANK * rank] = 1.0  # this rank may have more rows
-                buffer[n_grad + 2] = 1.0 if regroup else 0.0
-                buffer[n_grad + 3] = 1.0 if master_done else 0.0
-                self.collective.allreduce_sum(buffer)
-                times.mark(Phase.ALLREDUCE)
-                if accumulated is not None:
-                    buffer[:n_grad + 2] += accumulated
-                summaries.append(buffer[n_grad:].copy())
-                more = []
-                for r in range(world):
-                    ranges[r] += self._decode_ranges(buffer, n_grad, r)
-                    more.append(buffer[n_grad + HEADER + PER_RANK * r] > 0)
-                total = int(round(buffer[n_grad]))
-                short = fixed - total
-                if not fixed or short <= 0 or buffer[n_grad + 2] > 0 or buffer[n_grad + 3] > 0:
-                    break
-                if any(more):
-                    need = shares(short, more)[rank]
-                elif not reported:
-                    # Nobody has rows now, but the master may only be behind: it opens the next
-                    # epoch once it has taken the steps that finish the current one, and rank 0
-                    # reports steps in the background. So rank 0 sends every step it applied and
-                    # asks once more, alone. A task means the step goes on; none means every row
-                    # left is in this step (the job's end, or an epoch that cannot open before
-                    # this step's rows are applied): the step is applied short. Either way the
-                    # outcome depends on the rows applied, not on timing.
-                    reported = True
-                    if rank == 0:
-                        self.reporter.flush()
-                    need = short if rank == 0 else 0
-                else:
-                    break
-                accumulated = buffer[:n_grad + 2].copy()
-            if fixed and buffer[n_grad + 2] > 0:
-                return RoundOutcome.REGROUP  # a partial step is dropped: every step holds G rows
-            if total > 0:
-                loss_sum = float(buffer[n_grad + 1])
-                if not math.isfinite(loss_sum):
-                    if rank == 0:
-                        self.client.call("POST", "/fail", FailJobRequest(
-                            worker_id=self.worker_id,
-                            reason=f"loss is {loss_sum} at step {self.step + 1}; lower the learning rate or check the data",
-                        ))
-                    return RoundOutcome.FAILED
-                if self.spec.lr_scaling != LrScaling.NONE:
-                    self.trainer.scale_learning_rate(self.spec.lr_scaling.factor(total, self.spec.full_batch))
-                self.trainer.apply_gradients(buffer[:n_grad], total)
-                times.mark(Phase.APPLY)
-                self.step += 1
-                summary = summaries[0] if len(summaries) == 1 else np.concatenate(summaries)
-                self.lineage = next_lineage(self.lineage, self.step, summary)
-                self.heartbeat.step = self.step
-                record = StepRecord(step=self.step, ranges=[_rank_entry(merged(r)) for r in ranges], samples=total,
-                                    loss=loss_sum, time=time.time(), checkpoint=rank == 0 and self._checkpoint_due())
-                self.unacked[self.step] = record
-                if rank == 0:
-                    if record.checkpoint:
-                        self._send_checkpoint(rv.round_id)
-                    self.reporter.push(rv.round_id, record)
-                times.mark(Phase.REPORT)
-                times.steps += 1
-            if buffer[n_grad + 3] > 0 and total == 0:
-                # The master said "done" to a rank: every epoch is applied, so no rank holds rows.
-                # Not every rank need have asked (with a fixed global batch a rank whose share is
-                # 0 asks for nothing), so one rank's word ends the round for all.
-                return self._finish(rv)
-            if buffer[n_grad + 2] > 0:
-                return RoundOutcome.REGROUP
-            if total == 0:
-                time.sleep(0.01)  # nobody had data (the epoch's last tasks are in flight)
-
-    def _gradients(self, pieces: list[Piece], buffer: np.ndarray, n_grad: int, rank: int) -> None:
-        """This rank's summed gradients, loss and row ranges in its part of the buffer. Pieces
-        larger than minibatch_size are cut: that is the most rows one forward pass holds."""
-        grads, limit = buffer[:n_grad], self.spec.minibatch_size
-        slot = n_grad + HEADER + PER_RANK * rank + 1
-        first = True
-        for p, piece in enumerate(pieces):
-            for start in range(0, piece.count, limit):
-                end = min(start + limit, piece.count)
-                features, labels = piece.features[start:end], piece.labels[start:end]
-                if first:  # straight into the buffer: the common case costs no copy
-                    buffer[n_grad + 1] += self.trainer.compute_gradients(features, labels, grads)
-                    first = False
-                else:
-                    if self._scratch is None or self._scratch.size != n_grad:
-                        self._scratch = np.zeros(n_grad, dtype=np.float32)
-                    buffer[n_grad + 1] += self.trainer.compute_gradients(features, labels, self._scratch)
-                    grads += self._scratch
-            buffer[n_grad] += piece.count
-            for i, value in enumerate((piece.task_id, piece.offset, piece.count)):
-                buffer[slot + 6 * p + 2 * i], buffer[slot + 6 * p + 2 * i + 1] = encode_int(value)
-
-    @staticmethod
-    def _decode_ranges(buffer: np.ndarray, n_grad: int, rank: int) -> list[RangeRecord]:
-        slot = n_grad + HEADER + PER_RANK * rank + 1
-        ranges = []
-        for p in range(MAX_PIECES):
-            task_id, offset, count = (decode_int(buffer[slot + 6 * p + 2 * i], buffer[slot + 6 * p + 2 * i + 1])
-                                      for i in range(3))
-            if count == 0:
-                break  # a rank's pieces fill its slots in order
-            ranges.append(RangeRecord(task_id=task_id, offset=offset, count=count))
-        return ranges
-
-    # -- checkpoints --------------------------------------------------------------------------
-    def _checkpoint_due(self) -> bool:
-        every = self.spec.checkpoint_steps
-        if not every:
-            return False
-        if self.step % every == 0 or self.reporter.epoch > self._checkpointed_epoch or self.reporter.checkpoint_requested:
-            self._checkpointed_epoch = self.reporter.epoch
-            self.reporter.checkpoint_requested = False
-            return True
-        return False
-
-    def _send_checkpoint(self, round_id: int) -> None:
-        """Copy the state to memory now; a background thread hands it to the master, which
-        pairs it with its ledger of the same step. Training does not wait."""
-        state, step = self.trainer.state_bytes(), self.step
-
-        def send():
-            try:
-                self.client.call("PUT", "/checkpoint", content=state, params={"worker_id": self.worker_id, "round_id": round_id, "step": step})
-            except Rejected as exc:
-                log.warning("checkpoint of step %d refused: %s", step, exc)
-
-        self._checkpoint_sender.submit(send)
+        else:
+            return 0
+        return len(data)
 
     def _load_initial_state(self, kind: str) -> None:
+        """The first round's state source loads the master's checkpoint (resume) or model (warm start)."""
         data = self.client.call_bytes("GET", "/initial-state")
         if kind == "checkpoint":
             self.trainer.load_state_bytes(data)
         else:
             self.trainer.load_model_bytes(data)
 
-    def _finish(self, rv: RendezvousReply) -> RoundOutcome:
+    # -- what a training step asks of its worker (step_api.StepHost) -----------------------------
+    def task_taker(self, round_id: int):
+        return self.tasks.taker(round_id)
+
+    def regroup_due(self, round_id: int) -> bool:
+        return self.heartbeat.latest_round > round_id or self.heartbeat.stop_requested
+
+    def flush_reports(self) -> None:
+        self.reporter.flush()
+
+    def record_step(self, rv: RendezvousReply, ranges: list[list[RangeRecord]], samples: int, loss: float) -> None:
+        """Every rank keeps the step's record until the master acknowledges it; rank 0 reports it,
+        with the model's state when the step is a checkpoint's."""
+        step = self.heartbeat.step = self.progress.step
+        record = StepRecord(step=step, ranges=[_rank_entry(merged(r)) for r in ranges], samples=samples, loss=loss,
+                            time=time.time(), checkpoint=rv.rank == 0 and self.checkpoints.due(step))
+        self.progress.unacked[step] = record
+        if rv.rank == 0:
+            if record.checkpoint:  # copied now, sent in the background
+                self.checkpoints.send(rv.round_id, step, self.trainer.state_bytes())
+            self.reporter.push(rv.round_id, record)
+
+    def fail_job(self, reason: str) -> None:
+        self.client.call("POST", "/fail", FailJobRequest(worker_id=self.worker_id, reason=reason))
+
+    def finish(self, rv: RendezvousReply) -> RoundOutcome:
         """Every rank has heard that all epochs are applied: rank 0 hands in the final model."""
         if rv.rank == 0:
-            self._checkpoint_sender.submit(lambda: None).result()  # earlier checkpoints are sent
+            self.checkpoints.drain()  # earlier checkpoints are sent
             self.reporter.flush()
             try:
-                self.client.call("PUT", "/model", content=self.trainer.model_bytes(), params={"worker_id": self.worker_id, "step": self.step})
+                self.client.call("PUT", "/model", content=self.trainer.model_bytes(),
+                                 params={"worker_id": self.worker_id, "step": self.progress.step})
             except Rejected as exc:  # the master no longer agrees the job is done here: regroup
                 log.warning("final model refused: %s", exc)
                 return RoundOutcome.REGROUP

@@ -1,0 +1,107 @@
+"""The flat float32 buffer one allreduce sums in each micro-round of a step, behind named views.
+
+    [ gradients | samples, loss sum, regroup, done | rank 0's ranges | rank 1's ranges | ... ]
+
+Every rank writes only its own part and zeros elsewhere, so the sum hands every rank the summed
+gradients, the step's sample count and summed loss, the flags (a flag is set when any rank set
+it) and every rank's row ranges: which rows each rank consumed travels in the same collective
+that applies them. A rank's part is a "may have more rows" flag, then up to MAX_PIECES
+(task, offset, count) triples, each integer as two exact float halves.
+
+All the index arithmetic of the layout lives here; the step code speaks in the views' names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from elastic_step.protocol import RangeRecord
+from elastic_step.worker.collective import decode_int, encode_int
+from elastic_step.worker.rows import Piece
+
+HEADER = 4  # samples, loss sum, regroup flag, done flag
+MAX_PIECES = 4  # ranges one rank reports per micro-round (a rank with more reports the rest in the next)
+_PIECE = 6  # (task, offset, count), two float halves each
+PER_RANK = 1 + _PIECE * MAX_PIECES  # "may have more rows", then its pieces
+
+
+class StepBuffer:
+    """One step buffer for `n_gradients` gradient values and a round of `world` ranks, as seen
+    by `rank`. The views share the buffer's memory: writing through them writes the buffer."""
+
+    def __init__(self, n_gradients: int, world: int, rank: int):
+        n = n_gradients
+        self.world, self.rank = world, rank
+        self.data = np.zeros(n + HEADER + PER_RANK * world, dtype=np.float32)  # what the collective sums
+        self.gradients = self.data[:n]
+        # Gradients, samples and loss: what a step's micro-rounds add up.
+        self.summable = self.data[:n + 2]
+        # Everything but the gradients: cleared each micro-round, and the step's summary (counts,
+        # flags and ranges, which every rank sees alike) that its lineage digests.
+        self.meta = self.data[n:]
+        self._samples, self._loss, self._regroup, self._done = n, n + 1, n + 2, n + 3
+        self._ranks = n + HEADER  # rank r's part starts at _ranks + PER_RANK * r
+
+    # -- before the collective: this rank's part -------------------------------------------------
+    def clear_meta(self) -> None:
+        """Zero all but the gradients (which compute_gradients writes whole, or zero_gradients
+        clears: zeroing them every micro-round too would cost a memset of the model's size)."""
+        self.meta[:] = 0.0
+
+    def zero_gradients(self) -> None:
+        self.gradients[:] = 0.0
+
+    def add_loss(self, loss: float) -> None:
+        self.data[self._loss] += loss
+
+    def add_piece(self, index: int, piece: Piece) -> None:
+        """This rank's `index`-th piece of the micro-round: its rows count, and its range."""
+        self.data[self._samples] += piece.count
+        slot = self._ranks + PER_RANK * self.rank + 1 + _PIECE * index
+        for i, value in enumerate((piece.task_id, piece.offset, piece.count)):
+            self.data[slot + 2 * i], self.data[slot + 2 * i + 1] = encode_int(value)
+
+    def set_flags(self, regroup: bool, done: bool, may_have_more: bool) -> None:
+        if may_have_more:
+            self.data[self._ranks + PER_RANK * self.rank] = 1.0
+        self.data[self._regroup] = 1.0 if regroup else 0.0
+        self.data[self._done] = 1.0 if done else 0.0
+
+    # -- after the collective: every rank's word ---------------------------------------------------
+    @property
+    def samples(self) -> int:
+        return int(round(self.data[self._samples]))
+
+    @property
+    def loss_sum(self) -> float:
+        return float(self.data[self._loss])
+
+    @property
+    def regroup(self) -> bool:
+        """Some rank heard of a new round (or a stop, or its round ended): every rank stops here."""
+        return bool(self.data[self._regroup] > 0)
+
+    @property
+    def done(self) -> bool:
+        """The master told some rank that every epoch is applied."""
+        return bool(self.data[self._done] > 0)
+
+    def may_have_more(self, rank: int) -> bool:
+        return bool(self.data[self._ranks + PER_RANK * rank] > 0)
+
+    def ranges_of(self, rank: int) -> list[RangeRecord]:
+        """The ranges `rank` consumed in this micro-round, in order (its pieces fill its slots
+        from the first; a count of 0 ends them)."""
+        slot = self._ranks + PER_RANK * rank + 1
+        ranges = []
+        for p in range(MAX_PIECES):
+            base = slot + _PIECE * p
+            task_id, offset, count = (decode_int(self.data[base + 2 * i], self.data[base + 2 * i + 1]) for i in range(3))
+            if count == 0:
+                break
+            ranges.append(RangeRecord(task_id=task_id, offset=offset, count=count))
+        return ranges
+
+    def summary(self) -> np.ndarray:
+        """A copy of this micro-round's counts, flags and ranges."""
+        return self.meta.copy()

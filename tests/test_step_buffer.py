@@ -1,0 +1,74 @@
+"""The allreduce step's buffer: what each rank writes into its part, summed over ranks as the
+collective sums it, tells every rank the step's totals, flags and every rank's row ranges
+exactly; and every training mode a job spec can name has a step class on the worker."""
+
+import numpy as np
+import pytest
+
+from elastic_step.protocol import RangeRecord, TrainingMode
+from elastic_step.worker.rows import Piece
+from elastic_step.worker.step_buffer import MAX_PIECES, StepBuffer
+from elastic_step.worker.step_registry import STEP_CLASSES
+
+N_GRAD = 5
+
+
+def rank_buffer(rank: int, world: int, pieces: list[tuple[int, int, int]], regroup=False, done=False, more=False) -> StepBuffer:
+    buffer = StepBuffer(N_GRAD, world, rank)
+    buffer.clear_meta()
+    buffer.gradients[:] = rank + 1
+    for i, (task, offset, count) in enumerate(pieces):
+        buffer.add_loss(0.5 * count)
+        buffer.add_piece(i, Piece(task, offset, count, None, None))
+    buffer.set_flags(regroup=regroup, done=done, may_have_more=more)
+    return buffer
+
+
+def summed(buffers: list[StepBuffer]) -> None:
+    """What the collective does: every rank ends with the sum of every rank's buffer."""
+    total = np.sum([b.data for b in buffers], axis=0)
+    for b in buffers:
+        b.data[:] = total
+
+
+def test_every_rank_reads_the_totals_flags_and_every_ranks_ranges_after_the_sum():
+    big = 2**40 + 12345  # ids and offsets beyond float32's exact integers travel exactly
+    parts = {0: [(7, 0, 16)], 1: [(big, big - 1, 3), (9, 0, 13)], 2: []}
+    buffers = [rank_buffer(0, 3, parts[0], more=True), rank_buffer(1, 3, parts[1], regroup=True),
+               rank_buffer(2, 3, parts[2])]
+    buffers[2].zero_gradients()
+    summed(buffers)
+    for b in buffers:
+        assert b.samples == 32 and b.loss_sum == 16.0
+        assert b.regroup and not b.done
+        assert [b.may_have_more(r) for r in range(3)] == [True, False, False]
+        assert b.ranges_of(0) == [RangeRecord(task_id=7, offset=0, count=16)]
+        assert b.ranges_of(1) == [RangeRecord(task_id=big, offset=big - 1, count=3), RangeRecord(task_id=9, offset=0, count=13)]
+        assert b.ranges_of(2) == []
+        assert list(b.gradients) == [3.0] * N_GRAD
+
+
+def test_a_rank_reports_up_to_max_pieces_ranges_and_a_cleared_buffer_says_nothing():
+    pieces = [(task, 0, 1) for task in range(MAX_PIECES)]
+    buffer = rank_buffer(1, 2, pieces, done=True)
+    assert len(buffer.ranges_of(1)) == MAX_PIECES and buffer.done and buffer.samples == MAX_PIECES
+    summary = buffer.summary()
+    buffer.clear_meta()
+    assert buffer.samples == 0 and not buffer.done and not buffer.regroup and buffer.ranges_of(1) == []
+    assert list(buffer.gradients) == [2.0] * N_GRAD  # the gradients are the step's to overwrite, not cleared
+    assert summary.any()  # the summary was a copy
+
+
+def test_the_summable_part_carries_gradients_samples_and_loss_across_micro_rounds():
+    buffer = rank_buffer(0, 1, [(1, 0, 4)])
+    first = buffer.summable.copy()
+    buffer.clear_meta()
+    buffer.add_loss(1.0)
+    buffer.add_piece(0, Piece(1, 4, 2, None, None))
+    buffer.summable += first
+    assert buffer.samples == 6 and buffer.loss_sum == 3.0
+
+
+@pytest.mark.parametrize("mode", list(TrainingMode))
+def test_every_training_mode_has_a_step_class(mode):
+    assert mode in STEP_CLASSES
