@@ -112,6 +112,12 @@ class FakeCoreV1Api:
                 raise urllib3.exceptions.ReadTimeoutError(None, call, f"Read timed out. (read timeout={limit})")
 
     # -- Secrets --------------------------------------------------------------------------------
+    def create_self_subject_access_review(self, body, **kwargs):
+        """The master's permission pre-flight: this fake models no RBAC, so every right is granted
+        (tests/cluster's API server answers from the real Roles)."""
+        self.calls.append(("review", body.spec.resource_attributes.resource))
+        return k8s.V1SelfSubjectAccessReview(spec=body.spec, status=k8s.V1SubjectAccessReviewStatus(allowed=True))
+
     def create_namespaced_secret(self, namespace, body, **kwargs):
         self._timed("create_secret", kwargs)
         with self.cond:

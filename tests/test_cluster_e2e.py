@@ -233,14 +233,15 @@ def train_through_failures(cluster, s3, digits):
 
 def test_a_master_whose_service_account_has_no_role_fails_saying_so_and_creates_nothing(tmp_path, digits, s3, cluster):
     """The step pod run as a service account without deploy/'s Role (here the namespace's
-    `default`): the API refuses, the job ends at once naming the Role, no pod is created."""
+    `default`): the master's pre-flight asks the API server what it may do, and the job ends at
+    once (exit 2) listing every missing right and naming the Role, before any call is refused;
+    no pod is created."""
     data = upload(s3, digits, BUCKET, "digits")
     ns = cluster.namespace
     api = cluster.core()
     store_secret(api, ns)
     args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--model-def", "slow_digits",
             "--job-dir", JOB_DIR, "--workers", "2", "--epochs", "1", "--no-progress",
-            # --image: without it the refused read of its own pod ends the job first, with advice about the image
             "--image", TEST_IMAGE]
     pod = master_pod(cluster, "train-step-norole", args)
     pod.spec.service_account_name = "default"
@@ -250,9 +251,13 @@ def test_a_master_whose_service_account_has_no_role_fails_saying_so_and_creates_
         time.sleep(0.2)
     log = api.read_namespaced_pod_log("train-step-norole", ns)
     assert api.read_namespaced_pod("train-step-norole", ns).status.phase == "Failed", log
-    assert "403" in log and "deploy/rbac" in log, log
+    assert (f'error: the service account "default" of namespace {ns} may not create, delete, patch configmaps; '
+            "create, delete, get, list, watch pods; create, delete secrets; create, delete networking.k8s.io/networkpolicies "
+            f"in namespace {ns}") in log and "deploy/rbac" in log, log
+    terminated = api.read_namespaced_pod("train-step-norole", ns).status.container_statuses[0].state.terminated
+    assert terminated.exit_code == 2, log
     default_user = f"system:serviceaccount:{ns}:default"
-    assert cluster.refused(default_user), cluster.server.audit
+    assert cluster.refused(default_user) == set() and cluster.used(default_user) == set(), cluster.server.audit
     assert [p["metadata"]["name"] for p in cluster.pods()] == ["train-step-norole"]
     assert [s["metadata"]["name"] for s in cluster.objects("secrets")] == [STORE_SECRET]  # no job token Secret
 

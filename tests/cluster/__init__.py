@@ -191,8 +191,12 @@ class Cluster:
         return service_account_user(self.namespace, self.service_account)
 
     def used(self, user: str | None = None) -> set[tuple[str, str, str]]:
-        """(verb, resource, namespace) of every allowed request of `user` (the master's service account)."""
-        return self.server.used(user or self.service_account_user)
+        """(verb, resource, namespace) of every allowed request of `user` (the master's service account),
+        but the reviews of its own rights (its pre-flight), which every user may ask and no Role grants."""
+        from .rbac import REVIEWS
+
+        reviews = {plural for _, plural in REVIEWS}
+        return {u for u in self.server.used(user or self.service_account_user) if u[1] not in reviews}
 
     def refused(self, user: str | None = None) -> set[tuple[str, str, str]]:
         user = user or self.service_account_user

@@ -38,7 +38,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .objects import ApiError, Store, field_matches, label_matches, merge_patch, not_found, now_text, status_body
-from .rbac import Authorizer, Request, forbidden_message
+from .rbac import REVIEWS, Authorizer, Request, forbidden_message, review
 
 log = logging.getLogger("cluster.apiserver")
 
@@ -301,7 +301,7 @@ class _Handler(BaseHTTPRequestHandler):
         namespace = ""
         if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) != 2:
             namespace, rest = rest[1], rest[2:]
-        if not rest or (group, rest[0]) not in RESOURCES:
+        if not rest or ((group, rest[0]) not in RESOURCES and (group, rest[0]) not in REVIEWS):
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({parsed.path})")
         plural, name = rest[0], rest[1] if len(rest) > 1 else ""
         sub = rest[2] if len(rest) > 2 else ""
@@ -330,6 +330,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not allowed:
                 resource = req.resource.split("/")[0]
                 raise ApiError(403, "Forbidden", forbidden_message(user, req), {"name": req.name, "kind": resource})
+            if (req.api_group, req.resource) in REVIEWS:
+                return self._review(user, req)
             if req.verb == "watch":
                 return self._watch(req, query)
             code, body = self._dispatch(method, req, query)
@@ -340,6 +342,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(exc.body["code"], exc.body)
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
             self.close_connection = True
+
+    def _review(self, user: str, req: Request) -> None:
+        """A review the caller asks about itself (rbac.review): only `create`, as the real server."""
+        if req.verb != "create" or req.name:
+            raise ApiError(405, "MethodNotAllowed", f"{req.verb} is not supported on {req.resource}")
+        self._send(201, review(self.server.api.authorizer, user, req.api_group, req.resource, self._body()))
 
     def _dispatch(self, method: str, req: Request, query: dict):
         api, store = self.server.api, self.server.api.store

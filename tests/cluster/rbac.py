@@ -5,8 +5,17 @@ of the cluster's own identities (the admin, the kubelet). A ServiceAccount may d
 Roles bound to it in a namespace grant, in that namespace only; the RBAC objects are read from
 the repository's `deploy/rbac/` (as `kubectl apply -k deploy/` would create them), never copied.
 
-Not modelled: aggregated ClusterRoles, groups other than the superuser's, impersonation,
-non-resource URLs, the Node authorizer (the kubelet gets a ClusterRole of what it calls).
+Also as the API server does: a user's groups (`system:authenticated`; a ServiceAccount's
+`system:serviceaccounts` and `system:serviceaccounts:NS`) match Group subjects; the bootstrap
+ClusterRole `system:basic-user` lets every authenticated user ask what it may do; a ClusterRole
+with an `aggregationRule` holds the rules of every ClusterRole its selectors match, as the
+clusterrole-aggregation controller fills it in (kubeflow's `kubeflow-edit` is one); and
+`authorization.k8s.io/v1` SelfSubjectAccessReview and SelfSubjectRulesReview and
+`authentication.k8s.io/v1` SelfSubjectReview are answered from this same evaluation (`review`;
+kubernetes pkg/registry/authorization/selfsubjectaccessreview, selfsubjectrulesreview).
+
+Not modelled: impersonation, non-resource URLs, the Node authorizer (the kubelet gets a
+ClusterRole of what it calls), deny decisions (RBAC only allows).
 """
 
 from __future__ import annotations
@@ -21,6 +30,14 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY_RBAC = os.path.join(REPO, "deploy", "rbac")
 SUPERUSER = "system:admin"  # in group system:masters: allowed everything, as the API server does
+AUTHENTICATED = "system:authenticated"
+GROUP_PREFIX = "group:"  # how a Group subject is kept among a binding's users
+BASIC_USER = "system:basic-user"
+BASIC_USER_RULES = [  # kubernetes' bootstrap ClusterRole of that name (plugin/pkg/auth/authorizer/rbac/bootstrappolicy)
+    {"apiGroups": ["authorization.k8s.io"], "resources": ["selfsubjectaccessreviews", "selfsubjectrulesreviews"],
+     "verbs": ["create"]},
+    {"apiGroups": ["authentication.k8s.io"], "resources": ["selfsubjectreviews"], "verbs": ["create"]},
+]
 
 
 @dataclass(frozen=True)
@@ -59,13 +76,26 @@ def service_account_user(namespace: str, name: str) -> str:
     return f"system:serviceaccount:{namespace}:{name}"
 
 
+def groups_of(user: str) -> list[str]:
+    """The groups the authenticator puts an authenticated user in."""
+    parts = user.split(":")
+    if len(parts) == 4 and parts[:2] == ["system", "serviceaccount"]:
+        return ["system:serviceaccounts", f"system:serviceaccounts:{parts[2]}", AUTHENTICATED]
+    return [AUTHENTICATED]
+
+
 def read_manifests(folder: str = DEPLOY_RBAC) -> list[dict]:
-    """Every object of a kustomization folder's resources, in order."""
+    """Every object of a kustomization folder's resources, in order (a resource that is a folder:
+    its own kustomization's, as kustomize includes it)."""
     with open(os.path.join(folder, "kustomization.yaml"), encoding="utf-8") as f:
         kustomization = yaml.safe_load(f)
     objects = []
     for name in kustomization.get("resources", []):
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            objects.extend(read_manifests(path))
+            continue
+        with open(path, encoding="utf-8") as f:
             objects.extend(o for o in yaml.safe_load_all(f) if o)
     return objects
 
@@ -93,6 +123,11 @@ class Authorizer:
         self.tokens: dict[str, str] = {}
         self.roles: dict[tuple[str, str], list[Rule]] = {}  # (namespace, name) -> rules; namespace "" = ClusterRole
         self.bindings: list[tuple[str, str, str, list[str]]] = []  # (namespace or "", role kind, role name, users)
+        self.cluster_role_labels: dict[str, dict] = {}
+        self.aggregations: dict[str, list[dict]] = {}  # ClusterRole -> its aggregationRule's matchLabels
+        # The API server's bootstrap policy: every authenticated user may ask what it may do.
+        self.add_role("", BASIC_USER, BASIC_USER_RULES)
+        self.add_binding("", {"kind": "ClusterRole", "name": BASIC_USER}, [{"kind": "Group", "name": AUTHENTICATED}])
 
     def issue_token(self, user: str) -> str:
         token = secrets.token_urlsafe(24)
@@ -106,9 +141,15 @@ class Authorizer:
         with self.lock:
             return self.tokens.get(authorization[len("bearer "):].strip())
 
-    def add_role(self, namespace: str, name: str, rules: list[dict]) -> None:
+    def add_role(self, namespace: str, name: str, rules: list[dict], labels: dict | None = None,
+                 aggregation: list[dict] | None = None) -> None:
+        """`labels` and `aggregation` (an aggregationRule's clusterRoleSelectors): ClusterRoles only."""
         with self.lock:
             self.roles[(namespace, name)] = [Rule.from_manifest(r) for r in rules]
+            if not namespace:
+                self.cluster_role_labels[name] = dict(labels or {})
+                if aggregation:
+                    self.aggregations[name] = [s.get("matchLabels") or {} for s in aggregation]
 
     def add_binding(self, namespace: str, role_ref: dict, subjects: list[dict]) -> None:
         users = []
@@ -117,6 +158,8 @@ class Authorizer:
                 users.append(service_account_user(s.get("namespace") or namespace, s["name"]))
             elif s.get("kind") == "User":
                 users.append(s["name"])
+            elif s.get("kind") == "Group":
+                users.append(GROUP_PREFIX + s["name"])
         with self.lock:
             self.bindings.append((namespace, role_ref["kind"], role_ref["name"], users))
 
@@ -126,7 +169,8 @@ class Authorizer:
         if kind == "Role":
             self.add_role(meta["namespace"], meta["name"], obj.get("rules") or [])
         elif kind == "ClusterRole":
-            self.add_role("", meta["name"], obj.get("rules") or [])
+            self.add_role("", meta["name"], obj.get("rules") or [], meta.get("labels"),
+                          (obj.get("aggregationRule") or {}).get("clusterRoleSelectors"))
         elif kind == "RoleBinding":
             self.add_binding(meta["namespace"], obj["roleRef"], obj.get("subjects") or [])
         elif kind == "ClusterRoleBinding":
@@ -135,17 +179,31 @@ class Authorizer:
     def allowed(self, user: str, req: Request) -> bool:
         if user == SUPERUSER:
             return True
+        return any(rule.allows(req) for rule in self.rules_for(user, req.namespace))
+
+    def rules_for(self, user: str, namespace: str) -> list[Rule]:
+        """Every rule granted to `user` in `namespace` ("": cluster-wide only), as RBAC's rule
+        resolver lists them: ClusterRoleBindings' everywhere, RoleBindings' in their namespace."""
+        subjects = {user, *(GROUP_PREFIX + g for g in groups_of(user))}
         with self.lock:
-            for namespace, kind, role, users in self.bindings:
-                if user not in users:
-                    continue
+            found = []
+            for bound_in, kind, role, users in self.bindings:
                 # A RoleBinding grants only in its own namespace, even when it points at a ClusterRole.
-                if namespace and namespace != req.namespace:
+                if subjects.isdisjoint(users) or (bound_in and bound_in != namespace):
                     continue
-                rules = self.roles.get(("" if kind == "ClusterRole" else namespace, role), [])
-                if any(rule.allows(req) for rule in rules):
-                    return True
-        return False
+                found += self._role_rules("" if kind == "ClusterRole" else bound_in, role, set())
+            return found
+
+    def _role_rules(self, namespace: str, name: str, seen: set[str]) -> list[Rule]:
+        """A role's rules; an aggregated ClusterRole's are those of every ClusterRole it selects."""
+        if namespace or name not in self.aggregations:
+            return list(self.roles.get((namespace, name), []))
+        seen.add(name)
+        rules = []
+        for other, labels in self.cluster_role_labels.items():
+            if other not in seen and any(selector.items() <= labels.items() for selector in self.aggregations[name]):
+                rules += self._role_rules("", other, seen)
+        return rules
 
 
 def forbidden_message(user: str, req: Request) -> str:
@@ -156,3 +214,49 @@ def forbidden_message(user: str, req: Request) -> str:
     where = f'in the namespace "{req.namespace}"' if req.namespace else "at the cluster scope"
     return (f'{subject} is forbidden: User "{user}" cannot {req.verb} resource "{resource}"'
             f'{" (subresource " + repr(sub) + ")" if sub else ""} in API group "{req.api_group}" {where}')
+
+
+# -- the reviews a user asks about itself -----------------------------------------------------------
+# (group, plural) -> kind: cluster-scoped, `create` only, answered from the RBAC evaluation above.
+REVIEWS = {
+    ("authorization.k8s.io", "selfsubjectaccessreviews"): "SelfSubjectAccessReview",
+    ("authorization.k8s.io", "selfsubjectrulesreviews"): "SelfSubjectRulesReview",
+    ("authentication.k8s.io", "selfsubjectreviews"): "SelfSubjectReview",
+    # namespaced, about another user (spec.user): what a namespace's admins may ask (`elastic-step submit` does)
+    ("authorization.k8s.io", "localsubjectaccessreviews"): "LocalSubjectAccessReview",
+}
+
+
+def review(authorizer: Authorizer, user: str, api_group: str, plural: str, body: dict) -> dict:
+    """The answer to a review the caller (`user`) created: the body sent, with `status` filled in,
+    as kube-apiserver's registry for it does. Raises ApiError as it does for a malformed one."""
+    from .objects import ApiError
+
+    kind = REVIEWS[(api_group, plural)]
+    spec = body.get("spec") or {}
+    answer = {"kind": kind, "apiVersion": f"{api_group}/v1", "metadata": {"creationTimestamp": None}}
+    if kind == "SelfSubjectReview":
+        return {**answer, "status": {"userInfo": {"username": user, "groups": groups_of(user)}}}
+    if kind == "SelfSubjectRulesReview":
+        if not spec.get("namespace"):
+            raise ApiError(400, "BadRequest", "no namespace on request")
+        rules = [{"verbs": r.verbs, "apiGroups": r.api_groups, "resources": r.resources,
+                  **({"resourceNames": r.resource_names} if r.resource_names else {})}
+                 for r in authorizer.rules_for(user, spec["namespace"])]
+        if user == SUPERUSER:
+            rules = [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"]}]
+        return {**answer, "spec": spec, "status": {"resourceRules": rules, "nonResourceRules": [], "incomplete": False}}
+    if kind == "LocalSubjectAccessReview":  # answered for spec.user and spec.groups, not for the caller
+        user = spec.get("user") or ""
+    attributes = spec.get("resourceAttributes")
+    if (attributes is None) == (spec.get("nonResourceAttributes") is None):
+        raise ApiError(422, "Invalid", f'{kind}.authorization.k8s.io "" is invalid: spec.resourceAttributes: Invalid '
+                                       "value: exactly one of nonResourceAttributes or resourceAttributes must be specified")
+    if attributes is None:  # non-resource URLs are not modelled: only the superuser reaches them
+        return {**answer, "spec": spec, "status": {"allowed": user == SUPERUSER}}
+    resource = attributes.get("resource") or ""
+    if attributes.get("subresource"):
+        resource += "/" + attributes["subresource"]
+    req = Request(attributes.get("verb") or "", attributes.get("group") or "", resource,
+                  attributes.get("namespace") or "", attributes.get("name") or "")
+    return {**answer, "spec": spec, "status": {"allowed": authorizer.allowed(user, req)}}

@@ -7,4 +7,6 @@ watch.py      list + watch with resourceVersion resume, re-list on 410 Gone
 backend.py    KubernetesBackend: launch, poll, stop, shutdown
 calls.py      the backend's own thread for pod create/delete (never under the master's lock)
 client.py     in-cluster config, else kubeconfig
+rights.py     every call the backend makes and the RBAC right it needs: one table
+preflight.py  before anything is created: those rights asked of the API server, KFP's launcher's Secret
 """

@@ -21,6 +21,8 @@ from elastic_step.backends.kubernetes import manifests
 from elastic_step.backends.kubernetes.calls import REQUEST_TIMEOUT_S, PodCalls, delete_pod
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings, master_pod_from_env
 from elastic_step.backends.kubernetes.pod_states import is_stuck_waiting, judge, read_facts
+from elastic_step.backends.kubernetes.preflight import Preflight, is_kfp_task
+from elastic_step.backends.kubernetes.rights import MASTER_CALLS, Guarded
 from elastic_step.backends.kubernetes.watch import PodWatcher
 from elastic_step.errors import ConfigError
 from elastic_step.images import default_image
@@ -63,11 +65,14 @@ class KubernetesBackend(Backend):
 
         self.spec = spec
         self.settings = settings
-        self.api = api if api is not None else load_core_api()
+        raw = api if api is not None else load_core_api()
         # NetworkPolicies live in networking.k8s.io: the same connection, another API group.
         if networking is None:
-            networking = k8s.NetworkingV1Api(self.api.api_client) if hasattr(self.api, "api_client") else self.api
-        self.networking = networking
+            networking = k8s.NetworkingV1Api(raw.api_client) if hasattr(raw, "api_client") else raw
+        # Every call goes through the table of declared rights (rights.py), which the pre-flight checks.
+        self.api, self.networking = Guarded(raw, MASTER_CALLS), Guarded(networking, MASTER_CALLS)
+        self.preflight = (Preflight(raw.api_client, request_timeout_s) if hasattr(raw, "api_client")
+                          else Preflight(None, request_timeout_s, authorization=raw, authentication=raw))
         self.timeout_s = request_timeout_s
         self.master = master if master is not None else master_pod_from_env()
         self.names = manifests.JobNames.for_job(job_name)
@@ -84,6 +89,7 @@ class KubernetesBackend(Backend):
         self._publish_failing = False
         self._shut_down = False  # after shutdown nothing is published (it would outlive the job)
         self._check_reachable()
+        self._check_permissions()
         own_pod = self._read_own_pod()
         self.image = self._worker_image(own_pod)
         self._check_service_account(own_pod)
@@ -119,6 +125,12 @@ class KubernetesBackend(Backend):
                 "pod with ELASTIC_STEP_POD_IP set from the downward API (status.podIP), or pass --host with an "
                 "address the pods can reach"
             )
+
+    def _check_permissions(self) -> None:
+        """Before anything is created: every right the backend's calls need (and, in a KFP task,
+        the launcher's reads), asked of the API server (preflight.py)."""
+        pod_namespace = (self.master.namespace if self.master is not None else "") or self.settings.namespace
+        self.preflight.check(self.settings.namespace, pod_namespace, is_kfp_task())
 
     def _read_own_pod(self) -> k8s.V1Pod | None:
         """The master's pod object: its UID (when the downward API gave none), labels, service

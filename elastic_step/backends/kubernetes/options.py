@@ -13,7 +13,7 @@ SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
-# Workers' own identity (deploy/rbac/worker-serviceaccount.yaml): no Role, no token mounted.
+# Workers' own identity (deploy/workers/serviceaccount.yaml): no Role, no token mounted.
 WORKER_SERVICE_ACCOUNT = "elastic-step-worker"
 
 

@@ -1,0 +1,135 @@
+"""The master's pre-flight on a cluster, before the backend creates anything: may this pod's
+service account make every call the backend makes (rights.py), and, in a KFP task, the reads
+KFP's launcher makes with the same account once the step has trained? One
+SelfSubjectAccessReview per right (the API server's own RBAC evaluation answers, as `kubectl
+auth can-i` asks it); whatever is missing is refused in one line naming the account, its
+namespace and exactly the missing verbs and resources, so a run fails in seconds rather than
+at its first write (or, for KFP's launcher, after training).
+
+In a KFP task it also reads `kfp-launcher` (optional in KFP: without it the launcher uses
+minio://mlpipeline/v2/artifacts) for the Secret the launcher will upload outputs with, and
+refuses in one line when that Secret is missing. Only the object's metadata is fetched
+(PartialObjectMetadata): the master never holds the store's keys. Of the launcher's provider
+configuration only the provider's `default` credentials are read, not per-bucket overrides."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import yaml
+from kubernetes import client as k8s
+
+from elastic_step.backends.kubernetes.rights import (KFP_DEFAULT_PIPELINE_ROOT, KFP_LAUNCHER_CONFIG, KFP_STORE_SECRET,
+                                                     Right, kfp_rights, master_rights)
+from elastic_step.errors import ConfigError
+
+log = logging.getLogger("elastic_step.backends.kubernetes")
+
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
+
+
+def is_kfp_task() -> bool:
+    """KFP's compiler gives the task's container KFP_POD_NAME (the launcher's own identity)."""
+    return bool(os.environ.get("KFP_POD_NAME"))
+
+
+class Preflight:
+    """The checks, over the master's own connection (`api_client`) to the API server."""
+
+    def __init__(self, api_client, timeout_s: float, authorization=None, authentication=None):
+        self.api_client, self.timeout_s = api_client, timeout_s
+        self.authorization = authorization or k8s.AuthorizationV1Api(api_client)
+        self.authentication = authentication or k8s.AuthenticationV1Api(api_client)
+
+    def check(self, namespace: str, pod_namespace: str, kfp_task: bool) -> None:
+        """Raise ConfigError naming what is missing; return when everything is in place."""
+        wanted = [(right, namespace) for right in master_rights()]
+        store_secret = None
+        if kfp_task:
+            launcher = kfp_rights(None)[0]
+            store_secret = self.launcher_store_secret(pod_namespace) if self.allowed(launcher, pod_namespace) \
+                else KFP_STORE_SECRET
+            wanted += [(right, pod_namespace) for right in kfp_rights(store_secret)]
+        missing = [(right, ns) for right, ns in wanted if not self.allowed(right, ns)]
+        if missing:
+            raise ConfigError(self.missing_message(missing, namespace))
+        if store_secret and not self.exists("secrets", pod_namespace, store_secret):
+            raise ConfigError(
+                f"the Secret {store_secret!r} that KFP's launcher uploads this task's outputs with is missing from "
+                f"namespace {pod_namespace}: create it (KFP's installation makes {KFP_STORE_SECRET}), or name yours in "
+                f"the {KFP_LAUNCHER_CONFIG} ConfigMap's providers")
+
+    def allowed(self, right: Right, namespace: str) -> bool:
+        attributes = k8s.V1ResourceAttributes(namespace=namespace, verb=right.verb, group=right.group,
+                                              resource=right.resource, name=right.name or None)
+        review = k8s.V1SelfSubjectAccessReview(spec=k8s.V1SelfSubjectAccessReviewSpec(resource_attributes=attributes))
+        try:
+            answer = self.authorization.create_self_subject_access_review(review, _request_timeout=self.timeout_s)
+        except k8s.ApiException as exc:
+            raise ConfigError(f"cannot ask the API server what the master may do (SelfSubjectAccessReview): "
+                              f"{exc.status} {exc.reason}") from None
+        return bool(answer.status and answer.status.allowed)
+
+    def who(self) -> str:
+        """The account the master's token belongs to, in words (SelfSubjectReview)."""
+        try:
+            user = self.authentication.create_self_subject_review(
+                k8s.V1SelfSubjectReview(), _request_timeout=self.timeout_s).status.user_info.username
+        except Exception:  # an older API server: the message is still right without the name
+            return "the master's service account"
+        prefix = "system:serviceaccount:"
+        if user.startswith(prefix) and user.count(":") == 3:
+            namespace, name = user[len(prefix):].split(":")
+            return f'the service account "{name}" of namespace {namespace}'
+        return f'the user "{user}"'
+
+    def missing_message(self, missing: list[tuple[Right, str]], namespace: str) -> str:
+        groups: dict[tuple[str, str, str, str], list[str]] = {}
+        for right, ns in missing:
+            groups.setdefault((right.group, right.resource, right.name, ns), []).append(right.verb)
+        parts = []
+        for (group, resource, name, ns), verbs in groups.items():
+            what = str(Right(", ".join(verbs), group, resource, name))
+            parts.append(what + (f" (in namespace {ns})" if ns != namespace else ""))
+        return (f"{self.who()} may not {'; '.join(parts)} in namespace {namespace}, all of which the master "
+                "calls: bind it a Role that grants them (deploy/rbac for elastic-step-runner; deploy/kfp/single-user "
+                "for KFP's pipeline-runner, deploy/kfp/multi-user for a Kubeflow profile's default-editor)")
+
+    def launcher_store_secret(self, namespace: str) -> str | None:
+        """The Secret KFP's launcher reads the artifact store's keys from, as its config says
+        (kubeflow/pipelines backend/src/v2/config: minio.go, s3.go): KFP's own for a minio://
+        root without providers; none when the provider takes them from the environment."""
+        try:
+            config = k8s.CoreV1Api(self.api_client).read_namespaced_config_map(
+                KFP_LAUNCHER_CONFIG, namespace, _request_timeout=self.timeout_s).data or {}
+        except k8s.ApiException as exc:
+            if exc.status != 404:
+                raise ConfigError(f"cannot read the {KFP_LAUNCHER_CONFIG} ConfigMap in namespace {namespace}: "
+                                  f"{exc.status} {exc.reason}") from None
+            config = {}  # optional in KFP: the launcher's defaults apply
+        root = config.get("defaultPipelineRoot") or KFP_DEFAULT_PIPELINE_ROOT
+        scheme = root.partition("://")[0]
+        try:
+            providers = yaml.safe_load(config.get("providers") or "") or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"the {KFP_LAUNCHER_CONFIG} ConfigMap's providers are not YAML: {exc}") from None
+        provider = providers.get(scheme) or {}
+        credentials = (provider.get("default") or {}).get("credentials") or {}
+        if not provider:
+            return KFP_STORE_SECRET if scheme == "minio" else None
+        if credentials.get("fromEnv"):
+            return None
+        return (credentials.get("secretRef") or {}).get("secretName") or None
+
+    def exists(self, plural: str, namespace: str, name: str) -> bool:
+        """Whether the object is there, reading its metadata only."""
+        try:
+            self.api_client.call_api(f"/api/v1/namespaces/{namespace}/{plural}/{name}", "GET",
+                                     header_params={"Accept": METADATA_ONLY}, auth_settings=["BearerToken"],
+                                     response_type=None, _request_timeout=self.timeout_s)
+        except k8s.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise ConfigError(f"cannot look up {plural} {name!r} in namespace {namespace}: {exc.status} {exc.reason}") from None
+        return True
