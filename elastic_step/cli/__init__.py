@@ -11,10 +11,10 @@ import argparse
 import logging
 import sys
 
-from elastic_step.cli import argo, data, jobs, logs, observe, release, schedule, train
+from elastic_step.cli import argo, data, jobs, logs, observe, release, schedule, submit, train
 from elastic_step.errors import ElasticStepError
 
-COMMAND_MODULES = (data, train, jobs, observe, logs, release, argo, schedule)
+COMMAND_MODULES = (data, train, submit, jobs, observe, logs, release, argo, schedule)
 
 
 def build_parser() -> argparse.ArgumentParser:

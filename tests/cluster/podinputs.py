@@ -36,6 +36,12 @@ class PodInputs:
             data = self.secret(ns, source["secretName"], optional=source.get("optional", False))
             for key, value in data.items():
                 files[key] = (value, mode)
+        elif "configMap" in volume:  # the ConfigMap's keys (or the listed items) as files
+            source = volume["configMap"]
+            mode = source.get("defaultMode", 0o644)
+            data = self.config_map(ns, source["name"])
+            for item in source.get("items") or [{"key": k, "path": k} for k in data]:
+                files[item["path"]] = (data[item["key"]].encode(), item.get("mode", mode))
         elif "projected" in volume:
             mode = volume["projected"].get("defaultMode", 0o644)
             for source in volume["projected"]["sources"]:

@@ -19,7 +19,7 @@ from kubernetes import client as k8s
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
 from elastic_step.backends.kubernetes import manifests
 from elastic_step.backends.kubernetes.calls import REQUEST_TIMEOUT_S, PodCalls, delete_pod
-from elastic_step.backends.kubernetes.options import MasterPod, PodSettings, master_pod_from_env
+from elastic_step.backends.kubernetes.options import MasterPod, PodSettings, master_pod_from_env, shared_mounts
 from elastic_step.backends.kubernetes.pod_states import is_stuck_waiting, judge, read_facts
 from elastic_step.backends.kubernetes.preflight import Preflight, is_kfp_task
 from elastic_step.backends.kubernetes.rights import MASTER_CALLS, Guarded
@@ -94,6 +94,8 @@ class KubernetesBackend(Backend):
         self.image = self._worker_image(own_pod)
         self._check_service_account(own_pod)
         self.secret_env = self._store_credentials(own_pod)
+        self.shared = manifests.shared_volumes_of(own_pod, main_container(own_pod) if own_pod is not None else None,
+                                                  shared_mounts())
         if self.master is not None and not manifests.owns(self.master, settings.namespace):
             log.warning(
                 "worker pods go to namespace %s, the master pod is in %s: no owner references across namespaces, so "
@@ -216,7 +218,7 @@ class KubernetesBackend(Backend):
     def pod_manifest(self, slot: int, worker_id: str) -> k8s.V1Pod:
         return manifests.worker_pod(
             self.settings, self.names, self.master, self.image, worker_id, slot, self.spec.master_url, self.spec.env,
-            self.secret_env,
+            self.secret_env, self.shared,
         )
 
     def _create_failed(self, worker_id: str, reason: str) -> None:

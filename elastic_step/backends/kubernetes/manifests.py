@@ -127,8 +127,10 @@ def worker_pod(
     master_url: str,
     extra_env: dict[str, str] | None = None,
     secret_env: list[k8s.V1EnvVar] | None = None,
+    shared: tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]] = ([], []),
 ) -> k8s.V1Pod:
-    """`secret_env`: variables that come from Secrets (store credentials), by reference only."""
+    """`secret_env`: variables that come from Secrets (store credentials), by reference only.
+    `shared`: the master pod's volumes its workers mount too (`shared_volumes_of`)."""
     env = {
         **(extra_env or {}),
         WorkerEnv.MASTER_URL.value: master_url,
@@ -153,6 +155,7 @@ def worker_pod(
             k8s.V1VolumeMount(name="token", mount_path=TOKEN_MOUNT, read_only=True),
             k8s.V1VolumeMount(name="scratch", mount_path="/tmp"),
             k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+            *shared[1],
         ],
         security_context=k8s.V1SecurityContext(
             allow_privilege_escalation=False,
@@ -183,6 +186,7 @@ def worker_pod(
             k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=names.secret, default_mode=0o440)),
             k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource()),
             k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")),
+            *shared[0],
         ],
     )
     return k8s.V1Pod(
@@ -208,6 +212,32 @@ def store_credentials_of(container: k8s.V1Container | None) -> list[k8s.V1EnvVar
         if var.name in STORE_CREDENTIAL_ENV and source is not None and source.secret_key_ref is not None:
             found.append(k8s.V1EnvVar(name=var.name, value_from=k8s.V1EnvVarSource(secret_key_ref=source.secret_key_ref)))
     return found
+
+
+# Volumes a worker may share with the master: read-only data, never the master's own token or
+# scratch (a PVC mounted read-only, a hostPath, a ConfigMap).
+SHAREABLE_SOURCES = ("config_map", "persistent_volume_claim", "host_path")
+
+
+def shared_volumes_of(pod: k8s.V1Pod | None, container: k8s.V1Container | None,
+                      paths: list[str]) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
+    """The master container's mounts at `paths` (options.SHARED_MOUNTS_ENV) and their volumes,
+    for its workers: the same sources at the same paths, read-only, named `shared-N`."""
+    if pod is None or container is None or not paths:
+        return [], []
+    by_name = {v.name: v for v in pod.spec.volumes or []}
+    volumes, mounts = [], []
+    for mount in container.volume_mounts or []:
+        source = by_name.get(mount.name)
+        if mount.mount_path.rstrip("/") not in paths or source is None:
+            continue
+        kind = next((k for k in SHAREABLE_SOURCES if getattr(source, k) is not None), None)
+        if kind is None:
+            continue
+        name = f"shared-{len(volumes)}"
+        volumes.append(k8s.V1Volume(name=name, **{kind: getattr(source, kind)}))
+        mounts.append(k8s.V1VolumeMount(name=name, mount_path=mount.mount_path, sub_path=mount.sub_path, read_only=True))
+    return volumes, mounts
 
 
 # The job's status as `elastic-step get|top --backend kubernetes` reads it through the API: a

@@ -16,6 +16,15 @@ TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 # Workers' own identity (deploy/workers/serviceaccount.yaml): no Role, no token mounted.
 WORKER_SERVICE_ACCOUNT = "elastic-step-worker"
 
+# Mount paths of the master pod's main container that its workers get too, at the same paths
+# and read-only (comma-separated; `elastic-step submit` sets it): the model definition's
+# ConfigMap, a data volume. Workers then open the same paths the master was given.
+SHARED_MOUNTS_ENV = "ELASTIC_STEP_WORKER_MOUNTS"
+
+
+def shared_mounts() -> list[str]:
+    return [p.rstrip("/") for p in os.environ.get(SHARED_MOUNTS_ENV, "").split(",") if p.strip()]
+
 
 @dataclass
 class MasterPod:
@@ -181,10 +190,12 @@ def check_master_reachable(config) -> None:
 
 def check_data_readable_by_pods(data: str) -> None:
     """Worker pods share no file with the master's pod: a local `--data` path (or file:// URI) is
-    a folder only the master can read, so the job would fail in every worker."""
+    a folder only the master can read, so the job would fail in every worker (unless it lies on
+    a volume the workers mount too: SHARED_MOUNTS_ENV)."""
     from elastic_step.data.stores import is_local
 
-    if is_local(str(data)):
+    path = str(data).removeprefix("file://")
+    if is_local(str(data)) and not any(path == m or path.startswith(m + "/") for m in shared_mounts()):
         raise ConfigError(
             f"--data {data!r} is a local path, which worker pods of --backend kubernetes cannot read; put the "
             "prepared dataset in an object store and pass its URI (s3://bucket/prefix, gs://...; Argo: render "

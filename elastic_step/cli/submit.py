@@ -1,0 +1,158 @@
+"""`elastic-step submit | delete`: a training job on a cluster from a laptop, with the caller's
+kubeconfig, in the spirit of `elasticdl train` and `arena submit`. `submit` takes every `train`
+option (the train command's own definitions, from its parser) and creates the job's master pod,
+which runs `train --backend kubernetes` with them and creates the workers; `delete` removes
+everything the job made."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from elastic_step.cli import train
+
+# `train` options that submit sets itself or that mean something else for a pod; every other
+# `train` option goes to the master's command line as given.
+NOT_FORWARDED = {"help", "job_dir", "backend", "dry_run", "model_def", "namespace", "mlflow_uri"}
+DEFAULT_MASTER_CPU, DEFAULT_MASTER_MEMORY = "1", "1Gi:4Gi"
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """`train`'s parser as the train command registers it."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    subparsers = scratch.add_subparsers()
+    train.register(subparsers)
+    return subparsers.choices["train"]
+
+
+def register(sub) -> None:
+    parent = train_parser()
+    # (action, flag), taken before submit's own flags replace some of train's (which empties their option strings)
+    forwarded = [(a, max(a.option_strings, key=len)) for a in parent._actions if a.dest not in NOT_FORWARDED]
+    p = sub.add_parser("submit", parents=[parent], conflict_handler="resolve",
+                       help="run a training job on a Kubernetes cluster: its master pod, which creates the workers")
+    p.set_defaults(func=submit, forwarded=forwarded)
+    p.add_argument("--job-dir", help=argparse.SUPPRESS)  # the master pod's own: /tmp/JOB
+    p.add_argument("--backend", choices=("kubernetes",), default="kubernetes", help=argparse.SUPPRESS)
+    s = p.add_argument_group("submit", "the job's master pod (with your kubeconfig's credentials)")
+    s.add_argument("--job-name", required=True, help="the job's name: a DNS label (get/logs/stop/delete use it)")
+    s.add_argument("--image", required=True, help="the image of the master and its workers (elastic-step's, or "
+                                                  "one built FROM it with your model)")
+    s.add_argument("--namespace", help="where the job runs; deploy/ must be applied there (default: the current "
+                                       "context's)")
+    s.add_argument("--model-def", required=True, help="a module in the image (e.g. elastic_step.model_zoo.digits_torch), "
+                                                     "or a local .py file, shipped in a ConfigMap to the master and workers")
+    s.add_argument("--volume", action="append", default=[], metavar="claim=NAME,mount_path=/data",
+                   help="a PersistentVolumeClaim (or ElasticDL's host_path=/path,mount_path=/data) mounted in the master "
+                        "and every worker, e.g. for --data /data/digits; add read_only=true (repeatable)")
+    s.add_argument("--worker-gpus", "--worker-gpu", dest="worker_gpus", type=int, default=0,
+                   help="nvidia.com/gpu per worker (default 0)")
+    s.add_argument("--mlflow-uri", help="MLflow tracking URI (no password in it; default: SQLite in the master pod, "
+                                        "gone with it)")
+    s.add_argument("--mlflow-secret", metavar="NAME", help="Secret with the MLflow user: keys username, password")
+    s.add_argument("--store-secret", metavar="NAME",
+                   help="Secret with the data store's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (master and workers)")
+    s.add_argument("--master-cpu", default=DEFAULT_MASTER_CPU, help="REQUEST[:LIMIT] (default %(default)s)")
+    s.add_argument("--master-memory", default=DEFAULT_MASTER_MEMORY, help="REQUEST[:LIMIT] (default %(default)s)")
+    s.add_argument("--dry-run", action="store_true", help="print everything it would create as YAML, create nothing")
+    d = sub.add_parser("delete", help="delete a submitted job and everything it made (pods, ConfigMaps, Secrets, "
+                                      "NetworkPolicies with its label)")
+    d.add_argument("job", help="the job's name (--job-name)")
+    d.add_argument("--backend", choices=("kubernetes",), default="kubernetes", help="jobs on Kubernetes only")
+    d.add_argument("--namespace", help="the job's namespace (default: the current context's)")
+    d.add_argument("--timeout", type=float, default=60.0, help="seconds to wait until all is gone (default 60)")
+    d.set_defaults(func=delete)
+
+
+def master_args(args, model_def: str, job_dir: str) -> list[str]:
+    """The master's `train` command line: submit's values of every forwarded `train` option that
+    differs from its default, then the ones submit sets."""
+    out = []
+    for action, flag in args.forwarded:
+        value = getattr(args, action.dest)
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            out += [flag] if value != action.default else []
+        elif isinstance(action, argparse._AppendAction):
+            for item in value or []:
+                out += [flag, str(item)]
+        elif value is not None and value != action.default:
+            out += [flag, str(value)]
+    return ["--backend", "kubernetes", "--job-dir", job_dir, "--model-def", model_def, *out]
+
+
+def submission(args):
+    """The job from submit's flags, with every local check done (no cluster needed)."""
+    from elastic_step.backends.kubernetes.options import (WORKER_SERVICE_ACCOUNT, parse_node_selector, parse_toleration,
+                                                          request_and_limit)
+    from elastic_step.data.stores import parse_storage_option
+    from elastic_step.errors import ConfigError
+    from elastic_step.kubejobs import current_namespace
+    from elastic_step.submit import checks
+    from elastic_step.submit.spec import SCRATCH, Submission, parse_volume
+
+    checks.check_job_name(args.job_name)
+    if args.job_dir:
+        raise ConfigError(f"--job-dir: the job's folder is the master pod's own ({SCRATCH}/{args.job_name}); drop the flag")
+    volumes = [parse_volume(text, i) for i, text in enumerate(args.volume)]
+    checks.check_data(args.data, [v.mount_path for v in volumes])
+    checks.check_pod_path("--audit", args.audit)
+    checks.check_pod_path("--outputs", args.outputs)
+    checks.check_mlflow_uri(args.mlflow_uri)
+    for option in args.storage_option:
+        parse_storage_option(option)
+    local_model = args.model_def.removeprefix("file://")
+    model_file = local_model if os.path.isfile(local_model) else None
+    if model_file:
+        checks.check_model_file(model_file)
+    request_and_limit("--worker-cpu", args.worker_cpu), request_and_limit("--worker-memory", args.worker_memory)
+    sub = Submission(
+        job=args.job_name, namespace=args.namespace or current_namespace(), image=args.image, train_args=[],
+        model_file=model_file, volumes=volumes, mlflow_uri=args.mlflow_uri, mlflow_secret=args.mlflow_secret,
+        store_secret=args.store_secret, priority_class=args.priority_class, image_pull_secrets=args.image_pull_secrets,
+        node_selector=parse_node_selector(args.node_selector), tolerations=[parse_toleration(t) for t in args.tolerations],
+        worker_service_account=args.service_account or WORKER_SERVICE_ACCOUNT,
+        master_cpu=request_and_limit("--master-cpu", args.master_cpu),
+        master_memory=request_and_limit("--master-memory", args.master_memory))
+    sub.train_args = master_args(args, sub.model_path if model_file else args.model_def, sub.job_dir)
+    return sub
+
+
+def submit(args) -> int:
+    from elastic_step.submit import apply, checks
+    from elastic_step.submit.spec import objects, to_yaml
+
+    sub = submission(args)
+    if args.dry_run:
+        # The master then creates the worker pods, their token Secret, the status ConfigMap and the
+        # NetworkPolicies (`train --backend kubernetes --dry-run` shows them).
+        print(to_yaml(objects(sub)), end="")
+        return 0
+    api_client = _api_client()
+    checks.check_cluster(api_client, sub)
+    apply.create(api_client, sub)
+    where = f"--namespace {sub.namespace}"
+    print(f"job {sub.job} submitted: master pod {sub.namespace}/{sub.pod_name}"
+          + (f", model definition in ConfigMap {sub.config_map_name}" if sub.model_file else ""))
+    print("watch it with:")
+    for command in ("get", "top", "logs", "stop"):
+        print(f"  elastic-step {command} {sub.job} --backend kubernetes {where}" + ("  [-f]" if command == "logs" else ""))
+    print(f"  elastic-step delete {sub.job} {where}")
+    return 0
+
+
+def delete(args) -> int:
+    from elastic_step.kubejobs import current_namespace
+    from elastic_step.submit.apply import delete_job
+
+    namespace = args.namespace or current_namespace()
+    deleted = delete_job(_api_client(), namespace, args.job, args.timeout)
+    print(f"job {args.job} deleted from namespace {namespace}: {', '.join(deleted)}")
+    return 0
+
+
+def _api_client():
+    """The caller's own credentials: the kubeconfig (KUBECONFIG, ~/.kube/config), else in-cluster."""
+    from elastic_step.kubejobs import core_api
+
+    return core_api().api_client
+
