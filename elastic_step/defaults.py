@@ -52,6 +52,13 @@ REGISTERED_MODEL = "digits"
 FLOORS = {"accuracy": 0.9}  # the gate: a candidate must reach these
 MIN_GAINS = {"accuracy": 0.0}  # ... and beat the champion by these
 
+# -- on a cluster: where deploy/ puts things --------------------------------------------------------
+# Every shipped default that names a cluster address (the Argo templates' `mlflow-uri`, the
+# examples, the docs) is this one; tests/test_shipped_hosts.py holds it to deploy/ and fails on
+# any other MLflow host in a shipped file.
+DEPLOY_NAMESPACE = "ml"  # deploy/kustomization.yaml's `namespace:`
+MLFLOW_SERVICE_URI = f"http://mlflow.{DEPLOY_NAMESPACE}.svc.cluster.local:5000"  # deploy/mlflow's Service
+
 
 def metric_pairs(metrics: dict) -> str:
     """`{"accuracy": 0.9}` → `accuracy=0.9`, as `--floor` and `--min-gain` take them."""

@@ -57,7 +57,7 @@ PARAMETERS = {
     "floor": defaults.metric_pairs(defaults.FLOORS),
     "min-gain": defaults.metric_pairs(defaults.MIN_GAINS),
 }
-MLFLOW_URI_DEFAULT = "http://mlflow.mlflow.svc.cluster.local:5000"
+MLFLOW_URI_DEFAULT = defaults.MLFLOW_SERVICE_URI  # deploy/mlflow in deploy/'s namespace
 
 
 @dataclass(frozen=True)
