@@ -126,7 +126,7 @@ class EventKind(StrEnum):
     RELAUNCHED = "relaunched"
     NOT_RELAUNCHED = "not_relaunched"  # its exit says a relaunch would fail again
     SLOT_EXHAUSTED = "slot_exhausted"  # a slot used its --max-relaunches
-    LEFT = "left"  # a worker retired by scaling in
+    LEFT = "left"  # a worker retired by scaling in, or left on SIGTERM (an eviction): not a failure
     SCALED = "scaled"
     TASK_FAILED = "task_failed"  # a task's rows could not be read
     COLLECTIVE_FAILED = "collective_failed"
@@ -145,6 +145,13 @@ class WorkerEnv(StrEnum):
     TOKEN_FILE = "ELASTIC_STEP_TOKEN_FILE"  # the file holding the job token (never the token itself)
     WORKER_ID = "ELASTIC_STEP_WORKER_ID"  # its id, w<slot>.<attempt>
     COLLECTIVE_BACKEND = "ELASTIC_STEP_COLLECTIVE_BACKEND"  # nccl on GPU pods; gloo otherwise
+
+
+# The exit code of a worker that left on SIGTERM (its pod evicted or preempted, its node
+# drained, a person's `kill`): 128 + SIGTERM, what a container runtime reports for a process that
+# SIGTERM ended, so a worker that left through its handler and one the signal ended read alike.
+# The master counts it as a departure, not a failure: no relaunch is charged against the slot.
+WORKER_LEFT_EXIT_CODE = 143
 
 
 class Rendezvous(StrEnum):

@@ -101,3 +101,13 @@ def test_running_and_starting():
     assert verdict_of(pod("Running"))[1].state == "running"
     plain = pod("Pending", waiting=("ContainerCreating", ""))
     assert verdict_of(plain, pending_s=10_000)[1].state == "starting"  # not stuck: only slow
+
+
+def test_a_worker_that_left_on_sigterm_is_relaunched_for_free_unless_the_master_deleted_it():
+    row, v = verdict_of(pod("Failed", terminated=(143, "Error")))  # a kill in the pod, no other cause
+    assert (row, v.relaunch, v.left) == ("left on SIGTERM", "free", True) and "SIGTERM" in v.reason
+    # The master deleted it (a hung worker dropped): the worker's failure, charged to its slot.
+    row, v = verdict_of(pod("Failed", terminated=(143, "Error"), deleting=True), we_deleted=True)
+    assert (row, v.relaunch, v.left) == ("stopped by the master", "count", False)
+    row, v = verdict_of(pod("Failed", terminated=(1, "Error")))
+    assert (row, v.relaunch, v.left) == ("failed", "count", False)

@@ -20,6 +20,7 @@ class WorkerExit:
     reason: str  # for people: "exited with code 1", "killed by SIGKILL", "OOMKilled (limit 1Gi)"
     returncode: int | None = None
     relaunch: RelaunchPolicy = "count"
+    left: bool = False  # it left on SIGTERM (an eviction, a person's kill): a departure, not a failure
 
 
 @dataclass

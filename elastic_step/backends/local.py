@@ -11,7 +11,7 @@ import threading
 import time
 
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
-from elastic_step.protocol import WorkerEnv
+from elastic_step.protocol import WORKER_LEFT_EXIT_CODE, WorkerEnv
 
 
 def describe_returncode(code: int) -> str:
@@ -116,6 +116,9 @@ class LocalBackend(Backend):
                 code = proc.poll()
                 if code is not None:
                     del self.procs[worker_id]
+                    if code in (WORKER_LEFT_EXIT_CODE, -signal.SIGTERM):  # through its handler, or before it had one
+                        exits.append(WorkerExit(worker_id, f"left on SIGTERM ({describe_returncode(code)})", code, "free", left=True))
+                        continue
                     reason = describe_returncode(code)
                     if code > 0:  # it said why before it exited: the last line of its log
                         reason += last_words(os.path.join(self.log_dir, f"{worker_id}.log"))

@@ -44,6 +44,9 @@ def scale(args) -> int:
 
 
 def worker(args) -> int:
+    from elastic_step.worker.leaving import leave_on_sigterm
+
+    leave_on_sigterm()  # before the framework's imports, which take seconds: an eviction may come meanwhile
     from elastic_step.worker.loop import run_worker
 
     return run_worker()

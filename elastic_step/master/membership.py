@@ -188,7 +188,7 @@ class Membership:
                 self.died_since_settle.add(worker.id)
         if job_over:
             return
-        if retiring:
+        if retiring or exit_.left:
             self._event(EventKind.LEFT, worker=worker.id, reason=exit_.reason)
         else:
             self._event(EventKind.DIED, worker=worker.id, reason=exit_.reason, returncode=exit_.returncode)
@@ -201,7 +201,9 @@ class Membership:
             self._event(EventKind.NOT_RELAUNCHED, f"{worker.id} {exit_.reason}", worker=worker.id)
         elif exit_.relaunch == "free" or slot.counted_relaunches < self.max_relaunches:
             slot.counted_relaunches += exit_.relaunch == "count"
-            self._event(EventKind.RELAUNCHED, worker=worker.id, slot=slot.index)
+            # counted: whether this relaunch is charged against --max-relaunches (slot_relaunches: the slot's charged ones so far)
+            self._event(EventKind.RELAUNCHED, worker=worker.id, slot=slot.index, counted=exit_.relaunch == "count",
+                        slot_relaunches=slot.counted_relaunches)
             self.launch(slot)
         else:
             self._event(EventKind.SLOT_EXHAUSTED, f"slot {slot.index} used its {self.max_relaunches} relaunches")

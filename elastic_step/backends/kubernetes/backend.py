@@ -276,7 +276,7 @@ class KubernetesBackend(Backend):
         if not deleted:
             self._delete_pod(name)  # a finished or failed pod frees its place (logs stay in the events)
         log.info("worker %s: %s (%s)", worker_id, verdict.reason, row)
-        return WorkerExit(worker_id, verdict.reason, verdict.returncode, verdict.relaunch)
+        return WorkerExit(worker_id, verdict.reason, verdict.returncode, verdict.relaunch, left=verdict.left)
 
     def _delete_pod(self, name: str) -> None:
         self.we_deleted.add(name)

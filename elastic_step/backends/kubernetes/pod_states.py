@@ -11,6 +11,7 @@ from typing import Callable
 from kubernetes import client as k8s
 
 from elastic_step.backends.api import RelaunchPolicy
+from elastic_step.protocol import WORKER_LEFT_EXIT_CODE
 
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 # A pod stuck waiting with one of these never starts by itself; after the pending timeout it is a job error.
@@ -51,6 +52,7 @@ class Verdict:
     reason: str = ""
     relaunch: RelaunchPolicy = "count"
     returncode: int | None = None
+    left: bool = False  # the worker left on SIGTERM: a departure, not a failure
 
 
 def read_facts(
@@ -135,6 +137,11 @@ TABLE: list[Rule] = [
     ("finished",
      lambda f: f.phase == "Succeeded",
      lambda f: Verdict("gone", "exited with code 0", "count", 0)),
+    # SIGTERM with none of the causes above (a person's or a tool's kill in the pod): the worker
+    # left through its handler, or SIGTERM ended it, which the runtime reports as the same code.
+    ("left on SIGTERM",
+     lambda f: f.phase == "Failed" and f.exit_code == WORKER_LEFT_EXIT_CODE,
+     lambda f: Verdict("gone", f"pod {f.name} left on SIGTERM ({_exit_text(f)})", "free", f.exit_code, left=True)),
     ("failed",
      lambda f: f.phase == "Failed",
      lambda f: Verdict("gone", f"pod {f.name} {_exit_text(f)}" + (f" ({f.terminated})" if f.terminated not in ("", "Error") else ""),
