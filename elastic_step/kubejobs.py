@@ -251,11 +251,22 @@ def worker_pod(api, namespace: str, job: str, worker: str | None, previous: bool
     return chosen.metadata.name, False
 
 
+def submitted_master(api, namespace: str, job: str) -> str | None:
+    """The master pod `elastic-step submit` made for `job`, running or ended: it stays, with its
+    log, until `elastic-step delete`."""
+    try:
+        pods = api.list_namespaced_pod(namespace, label_selector=f"elastic-step/job={dns_label(job)},"
+                                                                 "app.kubernetes.io/component=master").items
+    except Exception:
+        return None
+    return max(pods, key=_created).metadata.name if pods else None
+
+
 def master_pod(api, namespace: str, job: str) -> tuple[str, str]:
     """The pod of a running job's master (its status ConfigMap's owner) and the master's
     container in it: `main` (Argo's and KFP's step container), else the pod's only one."""
     found = status_map(api, namespace, job)
-    pod = master_pod_of(found) if found is not None else None
+    pod = master_pod_of(found) if found is not None else submitted_master(api, namespace, job)
     if pod is None:
         raise ElasticStepError(f"no running job {job!r} with a master pod in namespace {namespace}; an ended step's log "
                                "is its pipeline's (`argo logs`, the KFP UI, or `kubectl logs POD -c main`)")

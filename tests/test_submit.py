@@ -207,7 +207,14 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
         for command in ("get", "logs", "top", "stop"):
             assert f"elastic-step {command} {JOB} --backend kubernetes --namespace {cluster.namespace}" in done.stdout
         ns, pod_name = cluster.namespace, f"{JOB}-master"
-        deadline = time.monotonic() + 240
+        # `get` reads the running job by its name, through the API alone (the status its master publishes).
+        deadline, view = time.monotonic() + 180, None
+        while view is None or view["summary"]["state"] != "running":
+            assert time.monotonic() < deadline, (view, cluster.core().read_namespaced_pod_log(pod_name, ns))
+            got = elastic_step(config, "get", JOB, "--backend", "kubernetes", "-o", "json")
+            view = json.loads(got.stdout) if got.returncode == 0 else None
+            time.sleep(0.5)
+        assert view["summary"]["job"] == JOB and view["summary"]["job_dir"] == f"pod {ns}/{pod_name}", view["summary"]
         while cluster.core().read_namespaced_pod(pod_name, ns).status.phase not in ("Succeeded", "Failed"):
             assert time.monotonic() < deadline, cluster.core().read_namespaced_pod_log(pod_name, ns)
             time.sleep(0.5)
@@ -231,6 +238,9 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "AWS_SECRET_ACCESS_KEY"}
     assert cluster.refused() == set()  # the master's service account was refused nothing
+
+    logs = elastic_step(config, "logs", JOB, "--backend", "kubernetes", "--master")  # the ended master's log, until `delete`
+    assert logs.returncode == 0 and f"rows audited: {report['rows_applied']}" in logs.stdout, logs.stderr
 
     deleted = elastic_step(config, "delete", JOB)
     assert deleted.returncode == 0, deleted.stderr

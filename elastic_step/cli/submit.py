@@ -135,7 +135,8 @@ def submit(args) -> int:
           + (f", model definition in ConfigMap {sub.config_map_name}" if sub.model_file else ""))
     print("watch it with:")
     for command in ("get", "top", "logs", "stop"):
-        print(f"  elastic-step {command} {sub.job} --backend kubernetes {where}" + ("  [-f]" if command == "logs" else ""))
+        print(f"  elastic-step {command} {sub.job} --backend kubernetes {where}"
+              + ("  [--master | --worker ID] [-f]" if command == "logs" else ""))
     print(f"  elastic-step delete {sub.job} {where}")
     return 0
 
