@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from elastic_step import defaults
 from elastic_step.errors import ConfigError
+from elastic_step.frameworks.device import Precision, parse_choice, parse_precision, place
 from elastic_step.protocol import LrScaling
 
 
@@ -36,6 +37,8 @@ class TrainConfig:
     minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK
     global_batch_size: int = defaults.GLOBAL_BATCH_SIZE  # rows per optimizer step whatever the group; 0: off
     lr_scaling: str = defaults.LR_SCALING  # none|linear|sqrt: the learning rate follows the step's rows
+    device: str = defaults.DEVICE  # auto|cpu|cuda: where each worker computes
+    precision: str = defaults.PRECISION  # fp32|bf16: what the forward pass computes in
     seed: int = defaults.SEED
     shuffle: bool = True
     audit: str | None = None
@@ -87,6 +90,9 @@ class TrainConfig:
                               f"got {self.global_batch_size}")
         if self.lr_scaling not in {s.value for s in LrScaling}:
             raise ConfigError(f"--lr-scaling {self.lr_scaling!r} is not one of {', '.join(s.value for s in LrScaling)}")
+        self.device, self.precision = parse_choice(self.device), parse_precision(self.precision)
+        if self.precision == Precision.FP16:  # refused here, before anything starts, as at each worker
+            place(self.device, self.precision, gpus=1)
         if self.lr_scaling != LrScaling.NONE and self.global_batch_size:
             raise ConfigError(f"--lr-scaling {self.lr_scaling} has nothing to scale with --global-batch-size "
                               f"{self.global_batch_size}: every step applies the same rows; drop one of the two")

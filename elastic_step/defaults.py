@@ -20,6 +20,8 @@ MINIBATCHES_PER_TASK = 4  # a task the master hands out is this many minibatches
 # batch is what torchrun and DDP users expect. Set it when results must not depend on failures.
 GLOBAL_BATCH_SIZE = 0
 LR_SCALING = "none"  # the model definition's learning rate, whatever the group's size
+DEVICE = "auto"  # each worker on its GPU where it sees one, else the CPU (frameworks/device.py)
+PRECISION = "fp32"
 SPARES = 0  # warm spare workers beyond the group's MAX
 SEED = 0  # the model's initialisation and the per-epoch shuffle (and prepare-data's split)
 BACKEND = "local"  # local processes; "kubernetes": pods

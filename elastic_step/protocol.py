@@ -202,6 +202,22 @@ class Request(BaseModel):
     """What a client sends: strict types, no unknown fields."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+class DeviceChoice(StrEnum):
+    """Where workers compute (--device); frameworks/device.py applies the one placement rule."""
+
+    AUTO = "auto"  # a GPU when the worker sees one, else the CPU
+    CPU = "cpu"  # the CPU, even where GPUs are visible
+    CUDA = "cuda"  # a GPU, or a one-line refusal at the worker's pre-flight
+
+
+class Precision(StrEnum):
+    """What the forward pass computes in (--precision); parameters and the step buffer stay float32."""
+
+    FP32 = "fp32"  # full precision: the reference, and the default
+    BF16 = "bf16"  # autocast to bfloat16: float32's range, no loss scale needed
+    FP16 = "fp16"  # refused: a loss-scaled step that overflows is skipped, its rows lost (frameworks/device.py)
+
+
 
 
 class ErrorReply(BaseModel):
@@ -244,6 +260,8 @@ class JobSpec(BaseModel):
     store_host: str
     store_port: int
     collective_timeout_s: float
+    device: DeviceChoice = DeviceChoice.AUTO  # where each worker computes (frameworks/device.py)
+    precision: Precision = Precision.FP32
     heartbeat_interval_s: float
     master_timeout_s: float
     features: list[str]

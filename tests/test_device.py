@@ -113,3 +113,28 @@ def test_bf16_autocast_trains_float32_parameters_close_to_fp32():
         assert not np.array_equal(ours, theirs)  # bf16 really ran: not the fp32 bits
         np.testing.assert_allclose(ours, theirs, atol=0.02)
     assert half.predict(np.ones((2, 6), dtype=np.float32)).dtype == np.float32
+
+
+def test_a_job_asking_for_cuda_where_no_worker_sees_a_gpu_fails_at_pre_flight_in_one_line(tmp_path, digits):
+    from conftest import cli
+
+    done = cli("train", "--model-def", "elastic_step.model_zoo.digits_torch", "--data", digits, "--job-dir",
+               str(tmp_path / "job"), "--workers", "2", "--epochs", "1", "--device", "cuda", "--no-progress",
+               "--max-relaunches", "3", timeout=300)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "failed its pre-flight check: --device cuda but this worker sees no GPU" in last
+    with open(tmp_path / "job" / "events.jsonl") as f:
+        assert '"relaunched"' not in f.read()  # the same failure is not relaunched into every slot
+
+
+def test_fp16_is_refused_before_anything_starts(tmp_path, digits):
+    from conftest import cli
+
+    done = cli("train", "--model-def", "elastic_step.model_zoo.digits_torch", "--data", digits, "--job-dir",
+               str(tmp_path / "job"), "--precision", "fp16", "--no-progress", timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "elastic-step train: error: --precision fp16 is not offered: a loss-scaled step that overflows is skipped, "
+        "losing rows the ledger counts as applied; use bf16 (float32's range, no loss scale) or fp32"]
+    assert not (tmp_path / "job").exists()  # nothing written

@@ -6,7 +6,7 @@ from elastic_step import defaults
 from elastic_step.cli.kubernetes_options import add_kubernetes_options
 from elastic_step.cli.outputs import copy_folder, write_json, write_parameter
 from elastic_step.config import TrainConfig
-from elastic_step.protocol import LrScaling
+from elastic_step.protocol import DeviceChoice, LrScaling, Precision
 
 
 def register(sub) -> None:
@@ -35,6 +35,13 @@ def register(sub) -> None:
                    help="without --global-batch-size, scale the model definition's learning rate by the rows a step "
                         "applies over a full group's (--minibatch-size x MAX): linear for SGD, sqrt for Adam; "
                         "the rate then follows the group as it shrinks and grows (default %(default)s)")
+    p.add_argument("--device", choices=[d.value for d in DeviceChoice], default=defaults.DEVICE,
+                   help="where each worker computes: auto takes a GPU the worker sees (a pod's requested GPU; local "
+                        "workers one each by slot) and the CPU otherwise; cuda refuses to start without one "
+                        "(default %(default)s)")
+    p.add_argument("--precision", choices=[p.value for p in Precision], default=defaults.PRECISION,
+                   help="the forward pass in fp32 or bf16 autocast (parameters and summed gradients stay float32; "
+                        "fp16 is not offered: its loss scale skips overflowed steps, losing rows) (default %(default)s)")
     p.add_argument("--minibatches-per-task", type=int, default=defaults.MINIBATCHES_PER_TASK, help="default %(default)s")
     p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")
@@ -125,7 +132,7 @@ def train_config(args) -> TrainConfig:
         model_def=args.model_def, data=args.data, job_dir=args.job_dir, workers=args.workers, spares=args.spares,
         epochs=args.epochs,
         minibatch_size=args.minibatch_size, minibatches_per_task=args.minibatches_per_task, seed=args.seed,
-        global_batch_size=args.global_batch_size, lr_scaling=args.lr_scaling, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
+        global_batch_size=args.global_batch_size, lr_scaling=args.lr_scaling, device=args.device, precision=args.precision, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
         max_relaunches=args.max_relaunches, heartbeat_timeout=args.heartbeat_timeout,
         rendezvous_timeout=args.rendezvous_timeout, startup_grace=args.startup_grace,
         collective_timeout=args.collective_timeout, master_timeout=args.master_timeout, progress=args.progress,

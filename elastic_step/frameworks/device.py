@@ -21,25 +21,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from enum import StrEnum
 
 from elastic_step.errors import ConfigError
+from elastic_step.protocol import DeviceChoice, Precision
 
-
-class DeviceChoice(StrEnum):
-    """What the user asks for with --device."""
-
-    AUTO = "auto"  # a GPU when the worker sees one, else the CPU
-    CPU = "cpu"  # the CPU, even where GPUs are visible
-    CUDA = "cuda"  # a GPU, or a one-line refusal before the job starts
-
-
-class Precision(StrEnum):
-    """What the forward pass computes in (--precision); the step buffer is float32 in all."""
-
-    FP32 = "fp32"  # full precision: the reference, and the default
-    BF16 = "bf16"  # autocast to bfloat16: same range as float32, no loss scale needed
-    FP16 = "fp16"  # refused: a loss-scaled step that overflows is skipped, its rows lost (module docstring)
+__all__ = ["DeviceChoice", "Placement", "Precision", "parse_choice", "parse_precision", "place", "placement_here", "worker_slot"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +35,7 @@ class Placement:
     device: str  # "cpu" or "cuda:N", as torch.device takes it
     precision: Precision
     reason: str
+    choice: DeviceChoice = DeviceChoice.AUTO  # what was asked: CUDA insists where AUTO settles
 
     @property
     def on_gpu(self) -> bool:
@@ -94,9 +81,15 @@ def place(choice: DeviceChoice, precision: Precision, gpus: int, slot: int = 0,
         raise ConfigError("--precision bf16 but this GPU has no bfloat16 support (older than Ampere): use fp16 or fp32")
     if not use_gpu:
         why = "asked for the CPU" if choice == DeviceChoice.CPU else "no GPU visible"
-        return Placement("cpu", precision, why)
+        return Placement("cpu", precision, why, choice)
     index = slot % gpus
-    return Placement(f"cuda:{index}", precision, f"{gpus} GPU(s) visible; slot {slot} takes cuda:{index}")
+    return Placement(f"cuda:{index}", precision, f"{gpus} GPU(s) visible; slot {slot} takes cuda:{index}", choice)
+
+
+def worker_slot(worker_id: str) -> int:
+    """The slot of a worker id `w<slot>.<attempt>` (protocol.WorkerEnv.WORKER_ID); 0 otherwise."""
+    head = worker_id.lstrip("w").split(".", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def placement_here(choice: DeviceChoice, precision: Precision, slot: int = 0) -> Placement:

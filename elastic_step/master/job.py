@@ -246,7 +246,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         heartbeat_interval_s=config.heartbeat_interval, master_timeout_s=config.master_timeout,
         features=manifest.features, label=manifest.label, checkpoint_steps=config.checkpoint_steps,
         global_batch_size=config.global_batch_size, lr_scaling=config.lr_scaling,
-        full_batch=config.minibatch_size * config.max_workers,
+        device=config.device, precision=config.precision, full_batch=config.minibatch_size * config.max_workers,
     )
     launch = LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env),
                         master_ports=[api_socket.getsockname()[1], store.port])  # what workers call: the job's NetworkPolicy

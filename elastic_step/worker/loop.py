@@ -13,7 +13,8 @@ import os
 import socket
 import time
 
-from elastic_step.errors import ElasticStepError, ModelDefinitionError
+from elastic_step.errors import ConfigError, ElasticStepError, ModelDefinitionError
+from elastic_step.frameworks.device import placement_here, worker_slot
 from elastic_step.frameworks.model_def import batch_arrays
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.protocol import (
@@ -61,7 +62,7 @@ class Worker:
         except PreflightFailed:
             self.heartbeat.halt()
             raise
-        self.trainer = build_trainer(self.model_def, seed=spec.seed)
+        self.trainer = self._trainer_on_its_device(worker_id)
         if spec.lr_scaling != LrScaling.NONE:
             try:  # a rate that cannot be scaled fails the job now, not at the first step
                 self.trainer.scale_learning_rate(1.0)
@@ -75,6 +76,18 @@ class Worker:
         self.checkpoints = Checkpoints(client, worker_id, spec.checkpoint_steps, self.reporter)
         self.progress = Progress()
         self.steps = training_step(spec.mode, self)
+
+    def _trainer_on_its_device(self, worker_id: str):
+        """The trainer on the device the placement rule gives this worker's slot; a device or
+        precision it cannot have fails the job at pre-flight, in one line, not at a step."""
+        try:
+            placement = placement_here(self.spec.device, self.spec.precision, slot=worker_slot(worker_id))
+            trainer = build_trainer(self.model_def, seed=self.spec.seed, placement=placement)
+        except ConfigError as exc:
+            self.heartbeat.halt()
+            raise PreflightFailed(str(exc)) from None
+        log.info("computing on %s in %s (%s)", placement.device, placement.precision.value, placement.reason)
+        return trainer
 
     def _warm_up(self) -> None:
         """Trace the training step on a couple of rows before the first rendezvous: the master
