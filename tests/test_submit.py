@@ -251,3 +251,24 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
     assert [s["metadata"]["name"] for s in cluster.objects("secrets")] == [STORE_SECRET]  # the user's own stays
     again = elastic_step(config, "delete", JOB)
     assert again.returncode == 2 and f"no job {JOB} in namespace {ns}" in again.stderr
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--job-name", "Digits_1"], "--job-name 'Digits_1' is not a DNS label"),
+    (["--data", "./digits"], "--data './digits' is a path on this machine"),
+    (["--data", "/mnt/digits", "--volume", "claim=td,mount_path=/data"], "--data '/mnt/digits' is a path on this machine"),
+    (["--volume", "claim=td"], "--volume 'claim=td' needs mount_path"),
+    (["--audit", "audit.jsonl"], "--audit 'audit.jsonl' is not on the master pod's scratch volume"),
+    (["--job-dir", "/tmp/x"], "--job-dir: the job's folder is the master pod's own"),
+    (["--mlflow-uri", "http://alice:hunter2@mlflow:5000"], "--mlflow-uri holds a password"),
+    (["--worker-memory", "4Gi:2Gi"], "--worker-memory '4Gi:2Gi': the request 4Gi is larger than the limit 2Gi"),
+])
+def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, extra, expected):
+    """No kubeconfig at all: these are judged on the laptop, before any request."""
+    from elastic_step.cli import main
+
+    args = ["submit", "--job-name", JOB, "--image", "img", "--model-def", "m", "--data", "s3://b/digits", "--dry-run"]
+    code = main(args + extra)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and expected in err, err
+    assert "hunter2" not in err
