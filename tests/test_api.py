@@ -65,20 +65,30 @@ def test_unknown_worker_cannot_register(app_state):
     assert response.status_code == 409
 
 
+def relaunched(state) -> str:
+    """A worker launched and not registered yet: w0.1's relaunch, after w0.1 was killed."""
+    from elastic_step.backends.api import WorkerExit
+
+    state.backend.exits.append(WorkerExit("w0.1", "killed by SIGKILL", -9))
+    state.tick()
+    return "w0.2"
+
+
 def test_a_worker_of_another_engine_is_refused_and_fails_the_job_naming_both(app_state):
     client, state = app_state
+    worker = relaunched(state)
     other = this_engine().model_copy(update={"release": "0.0.9"})
-    response = client.post("/v1/register", headers=AUTH, json={"worker_id": "w0.1", "engine": other.model_dump()})
+    response = client.post("/v1/register", headers=AUTH, json={"worker_id": worker, "engine": other.model_dump()})
     assert response.status_code == 409, response.text
     detail = response.json()["detail"]
-    assert f"worker w0.1 runs elastic-step 0.0.9 (protocol {other.protocol}), its master runs {this_engine()}" in detail
+    assert f"worker {worker} runs elastic-step 0.0.9 (protocol {other.protocol}), its master runs {this_engine()}" in detail
     assert "--image" in detail and len(detail.splitlines()) == 1
     assert state.state == "failed" and state.failure == detail  # every slot would meet the same image
 
 
 def test_a_worker_that_does_not_say_its_engine_is_refused(app_state):
     client, state = app_state
-    response = client.post("/v1/register", headers=AUTH, json={"worker_id": "w0.1"})
+    response = client.post("/v1/register", headers=AUTH, json={"worker_id": relaunched(state)})
     assert response.status_code == 409 and "does not say which" in response.text, response.text
     assert state.state == "failed"
 
@@ -89,7 +99,7 @@ def test_only_a_worker_the_master_launched_can_fail_the_job_by_its_engine(app_st
     response = client.post("/v1/register", headers=AUTH, json={"worker_id": "intruder", "engine": other.model_dump()})
     assert response.status_code == 409 and "not launched by this master" in response.text
     assert state.state == "running"
-    same = client.post("/v1/register", headers=AUTH, json={"worker_id": "w0.1", "engine": this_engine().model_dump()})
+    same = client.post("/v1/register", headers=AUTH, json={"worker_id": relaunched(state), "engine": this_engine().model_dump()})
     assert same.status_code == 200 and same.json()["job_name"]
 
 

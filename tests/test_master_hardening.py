@@ -1,7 +1,10 @@
 """The master against clients that are wrong or hostile: workers of an earlier attempt, members
 asking for what only rank 0 may do, step reports the ledger must not half-take, late checkpoint
-uploads, and the data plane (the TCPStore) closed to everyone but the round's members."""
+uploads, and the data plane (the TCPStore) closed to everyone but the round's members. Also a
+token holder trying to end the job with one request (a second registration, a late pre-flight
+failure), bodies larger than the master takes, and connections that ask nothing."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -12,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from elastic_step.backends.api import WorkerExit
-from elastic_step.master.api import SERVER_LIMITS, create_app, server_config
+from elastic_step.master.api import MAX_JSON_BYTES, MAX_STATE_BYTES, SERVER_LIMITS, create_app, server_config
+from elastic_step.master.connections import REQUEST_DEADLINE_S, per_peer_limit
 from elastic_step.master.store import RendezvousStore
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog
@@ -109,6 +113,31 @@ def test_a_live_worker_outside_the_round_cannot_fail_the_job_or_report_steps():
                                   "steps": dumped(step(1, (t0.id, 0, 2), (t1.id, 0, 2), None))})
     assert response.status_code == 403 and "only rank 0" in response.json()["detail"]
     assert job.state.state == "running" and job.state.ledger.applied_step == 0
+
+
+def test_a_live_worker_cannot_register_again_so_a_fake_engine_cannot_end_the_job():
+    job = Job()
+    register = {"worker_id": "w0.1", "pid": 1, "host": "h", "engine": this_engine().model_dump()}
+    fake = {**register, "engine": {"release": "0.0.1", "protocol": "0" * 16}}
+    for body in (fake, {**register, "pid": 4242}, {**register, "host": "elsewhere"}):
+        response = job.post("register", body)
+        assert response.status_code == 409 and "has registered already" in response.json()["detail"], response.text
+    assert job.state.state == "running" and job.state.failure == ""
+    assert (job.state.workers["w0.1"].pid, job.state.workers["w0.1"].host) == (1, "h")
+    # the worker's own registration, repeated (a retry whose reply was lost), is answered again
+    assert job.post("register", register).json()["job_name"] == SPEC.job_name
+    assert job.state.state == "running"
+
+
+def test_a_preflight_failure_is_taken_only_before_the_worker_joins_a_round():
+    job = Job()  # every worker has called in to the first round: each passed its pre-flight check
+    response = job.post("preflight-failed", {"worker_id": "w0.1", "reason": "no GPU"})
+    assert response.status_code == 409 and "passed its pre-flight check" in response.json()["detail"]
+    assert job.state.state == "running"
+    job.kill("w2.1")
+    job.state.register("w2.2", pid=1, host="h", engine=this_engine())  # relaunched, checking itself
+    assert job.post("preflight-failed", {"worker_id": "w2.2", "reason": "no GPU"}).status_code == 200
+    assert job.state.state == "failed" and "w2.2 failed its pre-flight check: no GPU" in job.state.failure
 
 
 def test_a_member_can_still_fail_the_job_with_its_reason():
@@ -340,3 +369,89 @@ def test_the_api_server_answers_503_beyond_its_connection_limit(monkeypatch):
     finally:
         server.should_exit = True
         thread.join(5)
+
+
+# -- bodies and connections, against the real server -----------------------------------------------
+@contextlib.contextmanager
+def served(job):
+    """The job's API served by uvicorn as the master serves it, on a free port of 127.0.0.1."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = __import__("uvicorn").Server(server_config(create_app(job.state, TOKEN)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+def raw_request(port: int, head: str, body: bytes = b"", source: str = "127.0.0.1") -> bytes:
+    """Send a request's head (and the start of its body, if any) and read the answer, without
+    ever sending the rest of the body its Content-Length announces."""
+    with socket.create_connection(("127.0.0.1", port), timeout=REQUEST_DEADLINE_S + 5, source_address=(source, 0)) as s:
+        s.sendall(head.encode() + b"\r\n" + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def put_head(path: str, length: int) -> str:
+    return (f"PUT {path} HTTP/1.1\r\nHost: master\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n")
+
+
+def test_an_upload_is_refused_before_its_body_is_read_and_an_oversized_one_is_413():
+    job = Job(checkpoints=True)
+    rank0, rank1 = job.state.round.members[:2]
+    with served(job) as port:
+        # A member that is not rank 0 announces 1 GiB and sends 4 bytes: refused at once, unread
+        # (a server that read the body first would still be waiting for it).
+        answer = raw_request(port, put_head(f"/v1/model?worker_id={rank1}&step=0", 2**30), b"xxxx")
+        assert answer.startswith(b"HTTP/1.1 403"), answer
+        answer = raw_request(port, put_head(f"/v1/checkpoint?worker_id=intruder&round_id={job.round_id}&step=1", 2**30))
+        assert answer.startswith(b"HTTP/1.1 403"), answer
+        # rank 0 itself, beyond what the master takes
+        answer = raw_request(port, put_head(f"/v1/checkpoint?worker_id={rank0}&round_id={job.round_id}&step=1", MAX_STATE_BYTES + 1))
+        assert answer.startswith(b"HTTP/1.1 413"), answer
+        # a JSON request beyond its cap
+        head = (f"POST /v1/heartbeat HTTP/1.1\r\nHost: master\r\nAuthorization: Bearer {TOKEN}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {MAX_JSON_BYTES + 1}\r\n")
+        assert raw_request(port, head, b'{"worker_id":').startswith(b"HTTP/1.1 413")
+        # within the caps, rank 0's checkpoint is taken
+        assert httpx.put(f"http://127.0.0.1:{port}/v1/checkpoint", headers=AUTH, content=b"state",
+                         params={"worker_id": rank0, "round_id": job.round_id, "step": 1}).status_code == 200
+    assert job.state.checkpoints.enabled and job.state.state == "running"
+
+
+def test_a_connection_that_asks_nothing_is_closed_and_one_address_cannot_take_the_server(monkeypatch):
+    job = Job()
+    share = per_peer_limit(3)  # what one address may hold for this 3-worker job
+    monkeypatch.setitem(SERVER_LIMITS, "limit_concurrency", share + 10)
+    with served(job) as port:
+        # 127.0.0.2 is this machine too (all of 127/8 is loopback): another host, as the server sees it.
+        # It opens more connections than the server's whole limit, and sends nothing on them.
+        held = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0)) for _ in range(share + 20)]
+        try:
+            started = time.monotonic()
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/status", headers=AUTH).status_code == 200
+            closed_after = []
+            for s in held:
+                s.settimeout(REQUEST_DEADLINE_S + 5)
+                try:
+                    assert s.recv(1) == b""
+                except ConnectionResetError:
+                    pass
+                closed_after.append(time.monotonic() - started)
+        finally:
+            for s in held:
+                s.close()
+    # every one closed by the server: those beyond the address's share at once, the rest in time
+    assert max(closed_after) < REQUEST_DEADLINE_S + 3, max(closed_after)

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from elastic_step.master.connections import guarded_protocol, per_peer_limit
 from elastic_step.master.state import MasterState, Refused
 from elastic_step.master.ui_page import PAGE, PAGE_HEADERS
 from elastic_step.protocol import (
@@ -54,13 +55,22 @@ PAGE_REFRESH_S = 2.0  # how often the live page asks (ui_page.py's REFRESH_MS)
 # workers retry) instead of exhausting the master's file descriptors, a connection backlog
 # beyond the kernel default, and idle keep-alive connections closed after a while. A worker
 # holds up to five connections at once (main loop, task prefetch, heartbeat, step reports,
-# checkpoint upload), so 512 serves a hundred workers and the operator's CLI.
+# checkpoint upload), so 512 serves a hundred workers and the operator's CLI. Connections that
+# ask nothing, and more than a job's worth from one address, are closed (connections.py).
 SERVER_LIMITS = {"limit_concurrency": 512, "backlog": 256, "timeout_keep_alive": 30}
+
+# Request bodies: a JSON request (the largest is a rendezvous with a long list of unacknowledged
+# steps) and an uploaded model or checkpoint state. A larger one is answered 413 unread.
+MAX_JSON_BYTES = 64 * 2**20
+MAX_STATE_BYTES = 8 * 2**30
 
 
 def server_config(app: FastAPI) -> uvicorn.Config:
-    """How the master serves its API: quiet, no lifespan events, within SERVER_LIMITS."""
-    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", **SERVER_LIMITS)
+    """How the master serves its API: quiet, no lifespan events, within SERVER_LIMITS, with
+    connections guarded (connections.py) for as many workers as the app's job may have."""
+    per_peer = getattr(app.state, "per_peer_connections", per_peer_limit(1))
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                          http=guarded_protocol(per_peer), **SERVER_LIMITS)
 
 
 class RequireToken:
@@ -102,6 +112,7 @@ def _declared(*codes: int) -> dict:
         403: "the caller is not a live worker of this job, or not the member this request needs",
         404: "there is nothing to return",
         409: "the request does not fit the job's state now (the detail says what to do)",
+        413: "the body is larger than the master takes",
     }
     return {code: {"model": ErrorReply, "description": meaning[code]} for code in (401, *codes)}
 
@@ -113,8 +124,9 @@ BINARY_BODY = {"requestBody": {"required": True, "content": {"application/octet-
 
 
 def create_app(state: MasterState, token: str, view_token: str | None = None) -> FastAPI:
-    app = FastAPI(title="elastic-step master", docs_url=None, redoc_url=None)
+    app = FastAPI(title="elastic-step master", docs_url=None, redoc_url=None, max_body_size=MAX_JSON_BYTES)
     app.add_middleware(RequireToken, token=token, view_token=view_token)
+    app.state.per_peer_connections = per_peer_limit(state.max_workers + state.membership.spares)
 
     def openapi() -> dict:
         """The generated document, saying also that every route needs the job's bearer token."""
@@ -174,20 +186,25 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
         state.fail_by_worker(body.worker_id, body.reason)
         return Empty()
 
-    @app.post(API + Route.PREFLIGHT_FAILED, response_model=Empty, responses=_declared(400, 403))
+    @app.post(API + Route.PREFLIGHT_FAILED, response_model=Empty, responses=_declared(400, 403, 409))
     async def preflight_failed(body: FailJobRequest):
         state.preflight_failed(body.worker_id, body.reason)
         return Empty()
 
-    @app.put(API + Route.MODEL, response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
+    # An upload's body is read only once the caller is known to be the round's rank 0.
+    @app.put(API + Route.MODEL, response_model=Empty, responses=_declared(403, 409, 413), openapi_extra=BINARY_BODY,
+             max_body_size=MAX_STATE_BYTES)
     async def upload_model(request: Request, worker_id: WorkerParam, step: StepParam):
+        state.may_upload(worker_id)
         data = await request.body()
         if not state.upload_model(worker_id, step, data):
             raise HTTPException(409, "the job is not finished at that step")
         return Empty()
 
-    @app.put(API + Route.CHECKPOINT, response_model=Empty, responses=_declared(403, 409), openapi_extra=BINARY_BODY)
+    @app.put(API + Route.CHECKPOINT, response_model=Empty, responses=_declared(403, 409, 413), openapi_extra=BINARY_BODY,
+             max_body_size=MAX_STATE_BYTES)
     async def checkpoint(request: Request, worker_id: WorkerParam, round_id: RoundParam, step: StepParam):
+        state.may_upload(worker_id, round_id)
         state.checkpoint_state(worker_id, round_id, step, await request.body())
         return Empty()
 

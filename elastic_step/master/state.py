@@ -166,7 +166,17 @@ class MasterState:
 
     # -- worker calls ------------------------------------------------------------------------------
     def register(self, worker_id: str, pid: int, host: str, engine: EngineVersion | None = None) -> JobSpec:
+        """A launched worker's one registration. A live worker registers once (a relaunch gets a
+        new id): registering its id again could only be someone else holding the token, and a
+        fake engine there would fail the job, so it is refused; the same registration repeated
+        (a retry whose reply was lost) changes nothing and is answered again."""
         with self.lock:
+            known = self.membership.workers.get(worker_id)
+            if known is not None and known.alive and known.state != WorkerState.LAUNCHED:
+                if (known.pid, known.host) == (pid, host) and engine_mismatch(worker_id, engine) is None:
+                    return self.spec
+                raise Conflict(f"worker {worker_id!r} has registered already (pid {known.pid} on {known.host!r}); "
+                               "a worker registers once, and a relaunch gets an id of its own")
             if not self.membership.register(worker_id, pid, host):
                 raise Conflict(f"worker {worker_id!r} was not launched by this master or is gone")
             mismatch = engine_mismatch(worker_id, engine)
@@ -318,9 +328,18 @@ class MasterState:
         worker must: the job fails now with its reason, rather than after a relaunch of every slot
         (each of which would fail the same way)."""
         with self.lock:
-            self.membership.live_worker(worker_id)
+            worker = self.membership.live_worker(worker_id)
+            if worker.ready:  # it has called in to a round, so its pre-flight check had passed
+                raise Conflict(f"worker {worker_id} has joined a round, so it passed its pre-flight check; "
+                               "report a failure of a running worker with /fail")
             if not self.over:
                 self.fail(f"worker {worker_id} failed its pre-flight check: {reason}")
+
+    def may_upload(self, worker_id: str, round_id: int | None = None) -> None:
+        """Refused unless the caller is the ready round's rank 0 (of round `round_id`, where
+        given): asked before an upload's body is read, so nobody else makes the master buffer it."""
+        with self.lock:
+            self.rounds.member_of_ready_round(worker_id, round_id, rank0=True)
 
     def upload_model(self, worker_id: str, step: int, data: bytes) -> bool:
         with self.lock:

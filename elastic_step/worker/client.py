@@ -102,6 +102,12 @@ class MasterClient:
                 time.sleep(min(delay, max(deadline - now, 0.0) + 0.01))
                 delay = min(delay * 2, 0.5 if refused_since is not None else 1.0)
                 continue
+            if response.status_code == 503 and path == "/register":
+                # A master that answers 503 is alive and busy (its connections are full): a worker
+                # that gave up here would exit and cost its slot a relaunch, so it keeps asking.
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
             if response.status_code >= 500 and time.monotonic() < deadline:
                 time.sleep(delay)
                 continue
