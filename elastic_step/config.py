@@ -53,6 +53,8 @@ class TrainConfig:
     startup_grace: float = defaults.STARTUP_GRACE_S
     collective_timeout: float = defaults.COLLECTIVE_TIMEOUT_S
     master_timeout: float = defaults.MASTER_TIMEOUT_S
+    # SIGTERM to SIGKILL as the master's pod has it: the budget of a preemption's checkpoint and exit
+    termination_grace: float = defaults.TERMINATION_GRACE_S
     job_name: str = ""  # default: the job folder's name
     progress: bool = True
     mlflow_uri: str | None = None  # default: MLFLOW_TRACKING_URI, else SQLite in the job dir
@@ -96,7 +98,7 @@ class TrainConfig:
         if self.lr_scaling != LrScaling.NONE and self.global_batch_size:
             raise ConfigError(f"--lr-scaling {self.lr_scaling} has nothing to scale with --global-batch-size "
                               f"{self.global_batch_size}: every step applies the same rows; drop one of the two")
-        for name in ("heartbeat_timeout", "rendezvous_timeout", "collective_timeout", "master_timeout"):
+        for name in ("heartbeat_timeout", "rendezvous_timeout", "collective_timeout", "master_timeout", "termination_grace"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.keep_best is not None:

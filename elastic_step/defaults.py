@@ -41,6 +41,12 @@ STARTUP_GRACE_S = 60.0  # the first round waits this long for all MAX workers, t
 COLLECTIVE_TIMEOUT_S = 30.0
 MASTER_TIMEOUT_S = 30.0  # a worker whose master does not answer this long exits
 PENDING_TIMEOUT_S = 300.0  # a pod unschedulable (or its image not pulled) this long fails
+# SIGTERM to SIGKILL, one setting for both ends: every pod the project makes asks Kubernetes for this
+# terminationGracePeriodSeconds (worker pods, the Argo steps), and a master that gets SIGTERM spends
+# it: a checkpoint of its next step within the first half, MLflow's flush and the exit in the rest.
+# Kubernetes' own default, so a pod whose spec the project cannot set (a KFP task's) gives the
+# master the same. `train --termination-grace` for a master whose pod asks for more.
+TERMINATION_GRACE_S = 30
 
 # -- prepare-data -----------------------------------------------------------------------------------
 LABEL = "label"

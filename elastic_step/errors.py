@@ -1,10 +1,14 @@
-"""Named errors. Each one carries a message a person can act on: what was wrong, and what to do."""
+"""Named errors. Each one carries a message a person can act on: what was wrong, and what to do,
+and exits with its code from elastic_step.exit_codes."""
+
+from elastic_step.exit_codes import ExitCode
 
 
 class ElasticStepError(Exception):
-    """Base of every error the CLI turns into a one-line cause and a non-zero exit."""
+    """Base of every error the CLI turns into a one-line cause and its exit code (bad input unless
+    a subclass says otherwise)."""
 
-    exit_code = 2
+    exit_code: int = ExitCode.BAD_INPUT
 
 
 class ConfigError(ElasticStepError):
@@ -22,7 +26,14 @@ class ModelDefinitionError(ElasticStepError):
 class JobFailed(ElasticStepError):
     """Training started but cannot finish (NaN loss, a task that keeps failing, no workers left)."""
 
-    exit_code = 1
+    exit_code = ExitCode.FAILED
+
+
+class JobPreempted(ElasticStepError):
+    """The master got SIGTERM and yielded: a checkpoint of its next step saved when there was time,
+    the MLflow run marked preempted. Running the same command again resumes it."""
+
+    exit_code = ExitCode.PREEMPTED
 
 
 class MasterUnreachable(ElasticStepError):

@@ -77,12 +77,15 @@ class JobState(StrEnum):
     """A job's state, as /status reports it. RUNNING -> SUCCEEDED once rank 0 hands in the final
     model at the step that applies the last row; RUNNING -> FAILED on any unrecoverable error
     (the failure says what to do); RUNNING -> STOPPED when the operator stopped it and its final
-    checkpoint is handed over (`train --resume` continues it). All three ends are final."""
+    checkpoint is handed over (`train --resume` continues it); RUNNING -> PREEMPTED when the
+    master got SIGTERM and its checkpoint of the next step is handed over, or its grace period's
+    first half passed without one (the same command continues it). All four ends are final."""
 
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"  # by the operator (`elastic-step stop`), after a final committed checkpoint
+    PREEMPTED = "preempted"  # SIGTERM to the master (eviction, drain, preemption): checkpointed and yielded
 
 
 class WorkerState(StrEnum):
@@ -134,6 +137,7 @@ class EventKind(StrEnum):
     MASTER_PAUSED = "master_paused"  # the master itself did not tick for a while: silence forgiven
     STOP_REQUESTED = "stop_requested"
     STOPPED = "stopped"
+    PREEMPTED = "preempted"  # the master got SIGTERM and yielded (after a checkpoint, when there was time)
     JOB_SUCCEEDED = "job_succeeded"
     JOB_FAILED = "job_failed"
 

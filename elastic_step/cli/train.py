@@ -61,6 +61,10 @@ def register(sub) -> None:
     p.add_argument("--master-timeout", type=float, default=defaults.MASTER_TIMEOUT_S,
                    help="workers exit when the master does not answer this long (at once, within seconds, when its "
                         "address refuses connections: it died; default %(default)s)")
+    p.add_argument("--termination-grace", type=float, default=defaults.TERMINATION_GRACE_S, metavar="SECONDS",
+                   help="the time between SIGTERM and SIGKILL this process gets (its pod's terminationGracePeriodSeconds; "
+                        "every pod the project makes asks for the default): on SIGTERM the master checkpoints its next step "
+                        "within the first half, saves everything to MLflow and exits 75, preempted (default %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     t = p.add_argument_group("tracking (MLflow)")
     t.add_argument("--mlflow-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else SQLite in the job dir)")
@@ -72,7 +76,11 @@ def register(sub) -> None:
     t.add_argument("--keep-best", metavar="METRIC[:min|max]",
                    help="also keep the checkpoint with the best validation METRIC (e.g. accuracy, loss:min; without "
                         "a direction, names ending in loss or error are minimised); --init-from RUN_ID:best names it")
-    t.add_argument("--resume", action="store_true", help="continue this job's run from its newest committed checkpoint")
+    t.add_argument("--resume", action="store_true",
+                   help="continue this job's run from its newest committed checkpoint, and refuse to start when that run was "
+                        "trained on other data, model or task size. Without it, an attempt that ended unfinished in this "
+                        "--job-dir (preempted, stopped, failed, killed) is continued when its inputs match, and a pipeline's "
+                        "retried step always continues its own run")
     t.add_argument("--init-from", help="warm start: models:/NAME@ALIAS, a model URI, a run id (its newest checkpoint), "
                                       "or RUN_ID:best (its best checkpoint, see --keep-best)")
     t.add_argument("--warm-start-alias", metavar="ALIAS",
@@ -135,7 +143,8 @@ def train_config(args) -> TrainConfig:
         global_batch_size=args.global_batch_size, lr_scaling=args.lr_scaling, device=args.device, precision=args.precision, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
         max_relaunches=args.max_relaunches, heartbeat_timeout=args.heartbeat_timeout,
         rendezvous_timeout=args.rendezvous_timeout, startup_grace=args.startup_grace,
-        collective_timeout=args.collective_timeout, master_timeout=args.master_timeout, progress=args.progress,
+        collective_timeout=args.collective_timeout, master_timeout=args.master_timeout,
+        termination_grace=args.termination_grace, progress=args.progress,
         mlflow_uri=args.mlflow_uri, experiment=args.experiment, parent_run_id=args.parent_run_id,
         checkpoint_steps=args.checkpoint_steps, keep_checkpoints=args.keep_checkpoints, keep_best=args.keep_best, resume=args.resume,
         init_from=init_from, worker_env=stores.worker_env(),

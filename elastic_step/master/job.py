@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import socket
 import sys
 import threading
@@ -24,18 +23,19 @@ from elastic_step.config import TrainConfig
 from elastic_step.data.manifest import load_manifest, validate_shards
 from elastic_step.data.reader import ShardReader
 from elastic_step.durable import fsync_path, write_atomic, write_json_atomic, write_private
-from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefinitionError
+from elastic_step.errors import ConfigError, JobFailed, JobPreempted, ModelDefinitionError
 from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.master.api import PAGE_REFRESH_S, create_app, server_config
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
+from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigterm_as_preemption
 from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.master.store import RendezvousStore
-from elastic_step.protocol import EventKind, JobSpec
+from elastic_step.protocol import EventKind, JobSpec, JobState
 from elastic_step.tracking.recorder import TrainingRecorder
 from elastic_step.tracking.run import tracking_errors
 from elastic_step.tracking.uri import redact
@@ -149,30 +149,34 @@ class Master:
 
 def run_job(config: TrainConfig) -> JobResult:
     """Check the inputs, open the MLflow run, start the master, supervise until the data is
-    applied (or the job fails), then save, evaluate and record the model."""
+    applied (or the job fails, is stopped or preempted), then save, evaluate and record the model."""
     started = time.time()
-    manifest, model_def, trainer = check_inputs(config)
-    # MLflow first: unreachable tracking, or a run that cannot be resumed with these inputs, is
-    # an error before any port is bound or worker starts.
-    with tracking_errors(f"job {config.job_name}"):
-        recorder = TrainingRecorder(config, manifest, trainer, model_def)
-    try:
+    budget = GraceBudget(config.termination_grace)
+    with sigterm_as_preemption() as sigterm:
+        manifest, model_def, trainer = check_inputs(config)
+        if sigterm.received:
+            raise JobPreempted(f"job {config.job_name} preempted (SIGTERM) before it started; the same command starts it")
+        # MLflow first: unreachable tracking, or a run that cannot be resumed with these inputs, is
+        # an error before any port is bound or worker starts.
         with tracking_errors(f"job {config.job_name}"):
-            with contextlib.ExitStack() as running:
-                master = start_master(config, manifest, recorder, running)
-                supervise(master.state, recorder, config.progress)
-            write_final_status(config.job_dir, master.state)
-            if master.state.state == "stopped":
-                stop_job(config, recorder, master, started)
-            if master.state.state != "succeeded":
-                raise JobFailed(f"job {config.job_name} failed: {master.state.failure}")
-            return finish_job(config, manifest, recorder, trainer, master, started)
-    except BaseException:
+            recorder = TrainingRecorder(config, manifest, trainer, model_def)
         try:
-            recorder.finish(False, config.job_dir)  # the run is FAILED (and resumable), never left RUNNING
-        except Exception as exc:
-            log.error("could not record the failure in MLflow: %s", redact(str(exc)[:300]))
-        raise
+            with tracking_errors(f"job {config.job_name}"):
+                with contextlib.ExitStack() as running:
+                    master = start_master(config, manifest, recorder, running)
+                    supervise(master.state, recorder, config.progress, sigterm, budget)
+                write_final_status(config.job_dir, master.state)
+                if master.state.state in (JobState.STOPPED, JobState.PREEMPTED):
+                    end_early(config, recorder, master, started, sigterm, budget)
+                if master.state.state != JobState.SUCCEEDED:
+                    raise JobFailed(f"job {config.job_name} failed: {master.state.failure}")
+                return finish_job(config, manifest, recorder, trainer, master, started)
+        except BaseException:
+            try:  # the run is FAILED (and resumable), never left RUNNING; a stop or preemption is recorded already
+                recorder.finish(False, config.job_dir, timeout_s=budget.left(sigterm.at))
+            except Exception as exc:
+                log.error("could not record the failure in MLflow: %s", redact(str(exc)[:300]))
+            raise
 
 
 def check_inputs(config: TrainConfig):
@@ -185,21 +189,24 @@ def check_inputs(config: TrainConfig):
 
 
 def plan_start(config: TrainConfig, recorder: TrainingRecorder, dispatcher: Dispatcher, ledger: Ledger) -> InitialState | None:
-    """Where the first round's state comes from: this run's newest checkpoint (--resume, or a
-    retried pipeline step), else a warm-start model, else a fresh model (None)."""
+    """Where the first round's state comes from: this run's newest checkpoint (a retry of the same
+    command, --resume, or a retried pipeline step), else a warm-start model, else a fresh model (None)."""
     checkpoint = recorder.resume_checkpoint()
     if checkpoint is not None:
         dispatcher.restore(checkpoint.ledger)
         ledger.resume_from(checkpoint.step)
         print(f"resuming run {recorder.run_id} from its checkpoint of step {checkpoint.step} (epoch {checkpoint.epoch + 1})", file=sys.stderr)
         return InitialState("checkpoint", checkpoint.state, checkpoint.step)
+    init_from = config.init_from
     if recorder.resumed:
-        # Starting over: every row the earlier attempt applied is void, and the audit says so.
+        # Starting over: every row the earlier attempt applied is void, and the audit says so. From
+        # the model the run started from, though this attempt was not told of it.
         ledger.resume_from(0)
+        init_from = init_from or recorder.lineage_warm_start()
         print(f"no checkpoint to resume from in run {recorder.run_id}; starting from the beginning"
-              + (f" (warm start from {config.init_from})" if config.init_from else ""), file=sys.stderr)
-    if config.init_from:
-        return InitialState("model", recorder.warm_start_model(config.init_from), 0)
+              + (f" (warm start from {init_from})" if init_from else ""), file=sys.stderr)
+    if init_from:
+        return InitialState("model", recorder.warm_start_model(init_from), 0)
     return None
 
 
@@ -257,10 +264,13 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         step_log=step_log, initial_state=initial,
         on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None, spares=config.spares,
     )
+    # Registered before the API's stop, so it runs after it: the folder then names no address
+    # where a later process could listen and be handed the token.
+    running.callback(retire_master_info, config.job_dir, state)
     server = ApiServer(create_app(state, token, view_token), api_socket)
     running.callback(server.stop)  # after the workers are gone (callbacks run last-in, first-out)
     # Finished workers leave on their own; give them a moment, then end the rest.
-    running.callback(lambda: backend.shutdown(grace_s=10.0 if state.state in ("succeeded", "stopped") else 2.0))
+    running.callback(lambda: backend.shutdown(grace_s=WORKERS_LEAVE_S.get(state.state, 2.0)))
     stores = [store]
     running.callback(stores.clear)  # the store lives until the workers are gone
     server.start()
@@ -275,6 +285,9 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     return Master(state, ledger, events, url, token_file)
 
 
+# How long finished workers get to leave on their own before the rest are ended (a preempted
+# master has its grace period to keep to).
+WORKERS_LEAVE_S = {JobState.SUCCEEDED: 10.0, JobState.STOPPED: 10.0, JobState.PREEMPTED: 3.0}
 FINAL_STATUS = "status.json"  # the job's status as it ended: what `get` shows once the master is gone
 
 
@@ -282,6 +295,13 @@ def write_final_status(job_dir: str, state: MasterState) -> None:
     status = state.status()  # under the lock; the write is outside it
     status["ended_at"] = time.time()
     write_json_atomic(os.path.join(job_dir, FINAL_STATUS), status, indent=None)
+
+
+def retire_master_info(job_dir: str, state: MasterState) -> None:
+    """The master is gone: master.json goes, its final status already in its place."""
+    write_final_status(job_dir, state)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(job_dir, "master.json"))
 
 
 class _AtLeast(logging.Filter):
@@ -318,39 +338,22 @@ def master_log(path: str):
             h.removeFilter(console)
 
 
-class JobStopped(ElasticStepError):
-    """The operator stopped the job (`elastic-step stop`) after its final checkpoint: not a
-    failure, so the exit code is 0; `train --resume` continues it."""
-
-    exit_code = 0
-
-
-def stop_job(config: TrainConfig, recorder: TrainingRecorder, master: Master, started: float) -> None:
-    """A stopped job: everything queued reaches MLflow (the final checkpoint first), the run is
-    marked KILLED, and the stop is reported as what it is."""
-    recorder.finish(False, config.job_dir, killed=True)
-    checkpoints = master.events.of(EventKind.CHECKPOINT)
-    newest = checkpoints[-1]["step"] if checkpoints else None
-    write_json_atomic(os.path.join(config.job_dir, "result.json"), {
-        "state": "stopped", "run_id": recorder.run_id, "mlflow_uri": recorder.shown_uri, "job_dir": config.job_dir,
-        "checkpoint_step": newest, "steps": master.ledger.applied_step, "seconds": round(time.time() - started, 2),
-        "recoveries_s": [e["seconds"] for e in master.events.of(EventKind.RECOVERED)],
-        "relaunches": len(master.events.of(EventKind.RELAUNCHED)), "regroups": len(master.events.of(EventKind.REGROUPED)),
-    })
-    where = f"its checkpoint of step {newest}" if newest is not None else "the start"
-    raise JobStopped(f"job {config.job_name} stopped; `elastic-step train` with the same options and --resume "
-                     f"continues it from {where} (MLflow run {recorder.run_id}, now KILLED)")
-
-
-def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: bool) -> None:
-    """Launch the workers and tick the master until the job is over. SIGTERM, Ctrl-C and MLflow
-    refusing a record for good each fail the job."""
-    previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: state.fail("the master received SIGTERM"))
+def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: bool, sigterm: Sigterm,
+              budget: GraceBudget) -> None:
+    """Launch the workers and tick the master until the job is over. SIGTERM is a preemption: the
+    job checkpoints its next step within the grace period's first half and ends PREEMPTED. Ctrl-C
+    and MLflow refusing a record for good each fail the job."""
     progress = ProgressDisplay(enabled=show_progress)
+    preempting = False
     try:
-        state.launch_all()
+        if not sigterm.received:  # a SIGTERM while the job started: no worker is launched to be stopped
+            state.launch_all()
         with progress:
             while not state.over:
+                if sigterm.received and not preempting:
+                    preempting = True
+                    log.warning("SIGTERM: checkpointing the next step within %.0fs, then yielding", budget.checkpoint_s)
+                    state.preempt(max(0.0, sigterm.at + budget.checkpoint_s - time.monotonic()))
                 state.tick()
                 if recorder.error:
                     state.fail(recorder.error)
@@ -359,8 +362,6 @@ def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: boo
             progress.update(state.status())
     except KeyboardInterrupt:
         state.fail("interrupted")
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
 
 
 def save_model(config: TrainConfig, manifest, trainer, model: bytes, steps: int) -> str:

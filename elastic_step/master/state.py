@@ -32,7 +32,7 @@ from elastic_step.master.pairing import CheckpointPairing
 from elastic_step.master.refusals import Conflict, NotAMember, Refused
 from elastic_step.master.rounds import InitialState, Rounds, inexact
 from elastic_step.master.status import job_status
-from elastic_step.master.stopping import StopRequest, new_stop_request
+from elastic_step.master.stopping import StopCause, StopRequest, new_stop_request
 from elastic_step.master.throughput import Throughput
 from elastic_step.master.writes import MasterLock
 from elastic_step.protocol import (
@@ -379,6 +379,25 @@ class MasterState:
                 self._event(EventKind.STOP_REQUESTED, step=self.ledger.applied_step)
             return self.status()
 
+    def preempt(self, timeout_s: float) -> None:
+        """SIGTERM to the master: as the operator's stop, but within `timeout_s` and ending
+        PREEMPTED. A job without checkpoints, or with no round trained yet, has nothing to save:
+        it ends at once, saying so."""
+        with self.lock:
+            if self.over:
+                return
+            now = time.time()
+            if self.stop_request is not None:
+                self.stop_request.preempt(now, timeout_s)
+            elif self.checkpoints.enabled and self.ready_round is not None:
+                self.stop_request = new_stop_request(now, self.ledger.applied_step, StopCause.PREEMPTION, timeout_s)
+                self._event(EventKind.STOP_REQUESTED, "SIGTERM: the master checkpoints its next step and yields",
+                            step=self.ledger.applied_step)
+            else:
+                why = "takes no checkpoints (--checkpoint-steps 0)" if not self.checkpoints.enabled else "had no round training yet"
+                self.state, self.failure = JobState.PREEMPTED, f"no checkpoint on SIGTERM: the job {why}"
+                self._event(EventKind.PREEMPTED, self.failure, step=self.ledger.applied_step)
+
     @property
     def checkpoint_now(self) -> bool:
         """Rank 0 should checkpoint its next step: a stop waits for it."""
@@ -390,8 +409,9 @@ class MasterState:
         outcome = self.stop_request.outcome(handed, now)
         if outcome is not None:
             step, problem = outcome
-            self.state, self.failure = JobState.STOPPED, problem
-            self._event(EventKind.STOPPED, problem or f"stopped after the checkpoint of step {step}", step=step)
+            cause = self.stop_request.cause
+            self.state, self.failure = cause.end_state, problem
+            self._event(cause.end_event, problem or f"{cause.end_state} after the checkpoint of step {step}", step=step)
 
     # -- supervision ------------------------------------------------------------------------------
     def request_regroup(self, cause: str) -> None:

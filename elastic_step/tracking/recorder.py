@@ -11,9 +11,10 @@ import logging
 import os
 import re
 import threading
+import time
 
 from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore, parse_best_rule
-from elastic_step.tracking.run import RunTracker, TrackingError, connect, default_tracking_uri
+from elastic_step.tracking.run import RunOutcome, RunTracker, TrackingError, connect, default_tracking_uri
 from elastic_step.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardLog
 from elastic_step.tracking.uri import redact
 
@@ -32,6 +33,17 @@ def model_def_digest(model_def) -> str:
         return ""
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def previous_attempt_run(job_dir: str) -> str | None:
+    """The MLflow run an earlier attempt in this job folder trained, as its master.json recorded it
+    (None when there was none, or the file is not one the master wrote)."""
+    try:
+        with open(os.path.join(job_dir, "master.json"), encoding="utf-8") as f:
+            run_id = json.load(f)["mlflow"]["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return run_id if isinstance(run_id, str) and RUN_ID.match(run_id) else None
 
 
 def job_params(config, manifest, model_def=None) -> dict:
@@ -65,7 +77,9 @@ class TrainingRecorder:
         self.tracker = RunTracker(self.client, config.experiment, config.job_name, artifacts, config.pipeline_run_id)
         self.params = job_params(config, manifest, model_def)
         # Reopening a run first checks that its data, model and task size are this job's.
-        self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id, params=self.params)
+        # A retry of the same command continues the run its earlier attempt left unfinished.
+        self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id, params=self.params,
+                                          previous=previous_attempt_run(config.job_dir))
         self.checkpoints = CheckpointStore(self.tracker, os.path.join(config.job_dir, "checkpoints"), config.keep_checkpoints,
                                            keep_best=parse_best_rule(config.keep_best) if config.keep_best else None,
                                            sync_before_commit=[config.audit] if config.audit else [])
@@ -89,6 +103,13 @@ class TrainingRecorder:
     # -- where the first state comes from ------------------------------------------------------
     def resume_checkpoint(self) -> Checkpoint | None:
         return self.checkpoints.latest() if self.resumed else None
+
+    def lineage_warm_start(self) -> str | None:
+        """The warm start the reopened run was started from (its `init_from` parameter), so that an
+        attempt that starts it over from the beginning starts from the same model."""
+        if not self.resumed:
+            return None
+        return self.client.get_run(self.run_id).data.params.get("init_from") or None
 
     def warm_start_model(self, source: str) -> bytes:
         """Parameters from `models:/NAME@ALIAS` (or any model URI), a run's newest checkpoint, or
@@ -196,14 +217,18 @@ class TrainingRecorder:
             self.trainer.load_model_bytes(model)
             return evaluate(self.trainer, self.model_def, self.manifest, split)
 
-    def finish(self, ok: bool, job_dir: str, test_metrics: dict | None = None, killed: bool = False) -> str | None:
-        """Upload events, plots, metrics and (on success) the model; mark the run finished once
-        everything queued has reached MLflow (KILLED where the operator stopped the job: it can
-        be resumed). Returns the logged model's URI. Only the first call counts (a job that fails
-        while finishing is not recorded twice)."""
+    def finish(self, ok: bool, job_dir: str, test_metrics: dict | None = None, outcome: RunOutcome | None = None,
+               timeout_s: float = 600.0) -> str | None:
+        """Upload events, plots, metrics and (on success) the model; mark the run ended once
+        everything queued has reached MLflow: succeeded or failed by `ok`, unless `outcome` says
+        stopped or preempted (KILLED, tagged so: the run is resumed by the next attempt). All of it
+        within `timeout_s` (a preempted master has its grace period). Returns the logged model's
+        URI. Only the first call counts (a job that fails while finishing is not recorded twice)."""
         if self._finished:
             return None
         self._finished = True
+        deadline = time.monotonic() + timeout_s
+        left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
         model_uri = None
         self._log_window()
         for name in ("events.jsonl", "metrics.jsonl"):
@@ -213,30 +238,23 @@ class TrainingRecorder:
         plot = plot_training(job_dir)
         if plot:
             self.tracker.log_artifact(plot, "plots")
-        self._log_reports(job_dir)
+        self._log_reports(job_dir, min(60.0, left()))
         for name, value in (test_metrics or {}).items():
             if name != "rows":
                 self.tracker.log_metric(f"test_{name}", value, 0)
         self.tracker.flush_metrics()
-        drained = self.tracker.uploader.drain(600)
-        if ok and drained:
+        drained = self.tracker.uploader.drain(left())
+        if ok and drained and outcome is None:
             model_uri = self._log_model(job_dir)
-        if killed:
-            self.tracker.flush_metrics()
-            drained = self.tracker.uploader.drain(600)
-            try:
-                self.client.set_terminated(self.run_id, "KILLED" if drained else "FAILED")
-            except Exception as exc:
-                log.error("could not mark MLflow run %s killed: %s", self.run_id, redact(str(exc)[:300]))
-            return None
-        self.tracker.finish(ok and drained)
+        outcome = outcome or (RunOutcome.SUCCEEDED if ok and drained else RunOutcome.FAILED)
+        self.tracker.finish(outcome=outcome, timeout_s=left())
         return model_uri
 
-    def _log_reports(self, job_dir: str) -> None:
+    def _log_reports(self, job_dir: str, timeout_s: float = 60.0) -> None:
         """The TensorBoard event files (closed, so whole) and the HTML report, as artifacts."""
         from elastic_step.tracking.report_html import write_report
 
-        self.tracker.uploader.drain(60)  # the last epoch's validation writes its scalars first
+        self.tracker.uploader.drain(timeout_s)  # the last epoch's validation writes its scalars first
         self.tensorboard.close()
         tb_dir = os.path.join(job_dir, TENSORBOARD_DIR)
         if os.path.isdir(tb_dir) and os.listdir(tb_dir):

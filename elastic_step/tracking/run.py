@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from enum import StrEnum
 
 from elastic_step.errors import ConfigError, ElasticStepError
 from elastic_step.tracking.uploader import Uploader
@@ -22,6 +23,34 @@ PIPELINE_RUN_TAG = "elastic_step.pipeline_run_id"
 # (quotes, backticks, anything) ever goes into a search filter; the tags themselves are then
 # compared exactly.
 JOB_KEY_TAG = "elastic_step.job_key"
+
+# How the job's attempt on a run ended, beside MLflow's own status (which has no word for a
+# preemption): what `get` and the release gate read.
+STATE_TAG = "elastic_step.state"
+
+
+class RunOutcome(StrEnum):
+    """A training run's `elastic_step.state` tag, and the MLflow status each one sets."""
+
+    RUNNING = "running"  # an attempt is training it
+    SUCCEEDED = "succeeded"  # FINISHED: the final model is logged; the only state a gate judges
+    FAILED = "failed"  # FAILED: could not finish; a retry resumes it
+    STOPPED = "stopped"  # KILLED by the operator's `stop` after a final checkpoint; `train` again continues it
+    PREEMPTED = "preempted"  # KILLED by a SIGTERM to the master (eviction, drain); a retry continues it
+
+    @property
+    def mlflow_status(self) -> str:
+        return {"succeeded": "FINISHED", "failed": "FAILED", "stopped": "KILLED", "preempted": "KILLED",
+                "running": "RUNNING"}[self.value]
+
+
+def run_outcome(run) -> str:
+    """How an MLflow run of a job ended: its state tag, else (a run of an older release) its status."""
+    tagged = run.data.tags.get(STATE_TAG)
+    if tagged in {o.value for o in RunOutcome} and (tagged != RunOutcome.RUNNING or run.info.status == "RUNNING"):
+        return tagged
+    return {"FINISHED": "succeeded", "FAILED": "failed", "KILLED": "stopped"}.get(run.info.status, run.info.status.lower())
+
 
 # The parameters a checkpoint's ledger and state only make sense with: resuming with any other
 # value would apply rows of different data, cut differently, to a different model.
@@ -133,21 +162,47 @@ class RunTracker:
                 return run.info.run_id
         return None
 
-    def start(self, resume: bool, parent_run_id: str | None = None, params: dict | None = None) -> bool:
-        """Start (or, resuming, reopen) the job's run. True when an earlier run was reopened.
-        Reopening compares `params` with the run's own first: a mismatch in what a resume depends
-        on is a ConfigError, and the run is left as it was."""
-        existing = self.find_run() if (resume or self.pipeline_run) else None
+    def continued_run(self, run_id: str | None) -> str | None:
+        """`run_id` (the run an earlier attempt in this job folder recorded) when it is still this
+        job's and unfinished: what a plain retry of the same command continues."""
+        from mlflow.exceptions import MlflowException
+
+        if not run_id:
+            return None
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return None  # deleted, or another store's
+        tags = run.data.tags
+        ours = (run.info.experiment_id == self.experiment_id and tags.get(JOB_TAG) == self.job_name
+                and tags.get(PIPELINE_RUN_TAG, "") == self.pipeline_run and run.info.lifecycle_stage == "active")
+        return run_id if ours and run.info.status != "FINISHED" else None
+
+    def start(self, resume: bool, parent_run_id: str | None = None, params: dict | None = None,
+              previous: str | None = None) -> bool:
+        """Start (or reopen) the job's run. True when an earlier run was reopened: with `resume` or
+        in a pipeline run, the job's newest unfinished run; otherwise `previous`, the run of an
+        earlier attempt in the same job folder, when it is unfinished. Reopening compares `params`
+        with the run's own first: a mismatch in what a resume depends on is a ConfigError where
+        the resume was asked for (or is a pipeline's retry), and otherwise starts a new run,
+        saying why; either way the earlier run is left as it was."""
+        insist = resume or bool(self.pipeline_run)
+        existing = self.find_run() if insist else self.continued_run(previous)
+        if existing and params is not None:
+            mismatch = resume_mismatch(existing, self.job_name, self.client.get_run(existing).data.params, params)
+            if mismatch and insist:
+                raise ConfigError(mismatch)
+            if mismatch:
+                log.warning("not continuing the unfinished run %s of this job folder (%s); starting a new run",
+                            existing, mismatch.split(": ", 1)[1].split(". To continue")[0])
+                existing = None
         if existing:
-            if params is not None:
-                mismatch = resume_mismatch(existing, self.job_name, self.client.get_run(existing).data.params, params)
-                if mismatch:
-                    raise ConfigError(mismatch)
             self.run_id = existing
             self.client.update_run(existing, status="RUNNING")
+            self.client.set_tag(existing, STATE_TAG, RunOutcome.RUNNING)
             return True
         tags = {JOB_TAG: self.job_name, "mlflow.runName": self.job_name,
-                JOB_KEY_TAG: job_key(self.job_name, self.pipeline_run)}
+                JOB_KEY_TAG: job_key(self.job_name, self.pipeline_run), STATE_TAG: RunOutcome.RUNNING}
         if self.pipeline_run:
             tags[PIPELINE_RUN_TAG] = self.pipeline_run
         if parent_run_id:
@@ -155,16 +210,21 @@ class RunTracker:
         self.run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         return False
 
-    def finish(self, ok: bool, timeout_s: float = 600.0) -> bool:
-        """Mark the run finished only once everything queued has reached MLflow."""
+    def finish(self, ok: bool = False, timeout_s: float = 600.0, outcome: RunOutcome | None = None) -> bool:
+        """Mark the run ended (as `outcome`; without one, succeeded when `ok`, else failed) once
+        everything queued has reached MLflow. A run whose records did not all arrive is FAILED (it
+        can still be resumed), never left RUNNING; MLflow may be away still, so these calls are
+        tried directly, once. True when all arrived."""
+        outcome = outcome or (RunOutcome.SUCCEEDED if ok else RunOutcome.FAILED)
         self.flush_metrics()
         drained = self.uploader.drain(timeout_s)
-        # A run whose records did not all arrive is FAILED (it can still be resumed), never left
-        # RUNNING; MLflow may be away still, so this one call is tried directly, once.
+        if not drained and outcome == RunOutcome.SUCCEEDED:
+            outcome = RunOutcome.FAILED
         try:
-            self.client.set_terminated(self.run_id, "FINISHED" if ok and drained else "FAILED")
+            self.client.set_tag(self.run_id, STATE_TAG, outcome)
+            self.client.set_terminated(self.run_id, outcome.mlflow_status if drained else "FAILED")
         except Exception as exc:
-            log.error("could not mark MLflow run %s finished: %s", self.run_id, redact(str(exc)[:300]))
+            log.error("could not mark MLflow run %s %s: %s", self.run_id, outcome, redact(str(exc)[:300]))
             return False
         return drained
 
