@@ -272,3 +272,36 @@ def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, e
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and expected in err, err
     assert "hunter2" not in err
+
+
+def test_data_on_a_host_path_volume_as_elasticdl_mounts_it_reaches_the_master_and_every_worker(tmp_path, digits, cluster):
+    """ElasticDL's minikube way: `--volume host_path=...,mount_path=/data --data /data`, the model a
+    module of the image. The master mounts the node's folder, its workers get the same source at
+    the same path (read-only), and the job trains from it with an exact audit."""
+    folder = tmp_path / "node-data"
+    shutil.copytree(digits, folder / "digits")
+    for path in (tmp_path, folder, folder / "digits"):
+        os.chmod(path, 0o755)  # the pods' user reads it, as a node's data folder would let it
+    config = kubeconfig(cluster, tmp_path)
+    done = elastic_step(config, "submit", "--job-name", JOB, "--image", cluster.project_image,
+                        "--model-def", "elastic_step.model_zoo.digits_torch", "--volume", f"host_path={folder},mount_path=/data",
+                        "--data", "/data/digits", "--workers", "2", "--epochs", "1", "--minibatch-size", "32",
+                        "--checkpoint-steps", "0", "--audit", f"/tmp/{JOB}/audit.jsonl", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    ns, pod_name = cluster.namespace, f"{JOB}-master"
+    deadline = time.monotonic() + 240
+    while cluster.core().read_namespaced_pod(pod_name, ns).status.phase not in ("Succeeded", "Failed"):
+        assert time.monotonic() < deadline, cluster.core().read_namespaced_pod_log(pod_name, ns)
+        time.sleep(0.5)
+    log = cluster.core().read_namespaced_pod_log(pod_name, ns)
+    assert cluster.core().read_namespaced_pod(pod_name, ns).status.phase == "Succeeded", log
+    report = audit_report(os.path.join(cluster.kubelet.volume_path(ns, pod_name, "scratch"), JOB, "audit.jsonl"), digits, 1)
+    assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
+    workers = [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[3] == "ADDED"
+               and e[4]["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "worker"]
+    assert len(workers) == 2
+    for pod in workers:
+        mounts = {m["mountPath"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes[mounts["/data"]["name"]]["hostPath"]["path"] == str(folder) and mounts["/data"]["readOnly"]
+        assert "configMap" not in json.dumps(pod["spec"]["volumes"])  # no model file to ship: a module of the image

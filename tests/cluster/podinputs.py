@@ -1,6 +1,6 @@
 """What a container is given from its pod's spec, read through the API with the kubelet's
 credentials: volume files (Secret, projected service-account token, CA and namespace, ConfigMap,
-downward API; emptyDir folders) and env (values, `$(VAR)`, `fieldRef`, `secretKeyRef`,
+downward API; emptyDir folders; a hostPath is the node's folder itself) and env (values, `$(VAR)`, `fieldRef`, `secretKeyRef`,
 `resourceFieldRef`). What cannot be given is a StartError with the kubelet's reason."""
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ class PodInputs:
             os.makedirs(folder)
             os.chmod(folder, 0o777)
             return folder
+        if "hostPath" in volume:  # the node's own folder, as it is (the one node: this machine)
+            source = volume["hostPath"]
+            if source.get("type") == "Directory" and not os.path.isdir(source["path"]):
+                raise StartError("CreateContainerConfigError", f"hostPath type check failed: {source['path']} is not a directory")
+            return source["path"]
         files: dict[str, tuple[bytes, int]] = {}
         ns = pod["metadata"]["namespace"]
         if "secret" in volume:
