@@ -112,8 +112,7 @@ def test_the_api_server_answers_self_reviews_from_its_rbac(tmp_path):
         assert can("create", "pods") and can("delete", "networkpolicies", "networking.k8s.io")
         assert not can("get", "secrets") and not can("create", "pods", namespace="other")
         assert not can("delete", "networkpolicies")  # the core group has no networkpolicies
-        # The launcher's reads: granted by deploy/kfp/launcher for those objects only.
-        install(cluster, overlay(os.path.join(DEPLOY, "kfp", "launcher"))[1], ns)
+        # The launcher's reads: granted by deploy/kfp/launcher (part of deploy/) for those objects only.
         assert can("get", "configmaps", name="kfp-launcher") and can("get", "secrets", name="mlpipeline-minio-artifact")
         assert not can("get", "configmaps", name="other") and not can("list", "configmaps")
 
@@ -259,7 +258,6 @@ def test_deploys_elastic_step_runner_may_make_the_kfp_launchers_reads(tmp_path, 
         ns = cluster.namespace
         with open(os.path.join(DEPLOY, "kustomization.yaml"), encoding="utf-8") as f:
             assert "kfp/launcher" in yaml.safe_load(f)["resources"]
-        install(cluster, overlay(os.path.join(DEPLOY, "kfp", "launcher"))[1], ns)
         store_secret(cluster, ns)
         launcher_token = cluster.token_for(ns, cluster.service_account)  # the task pod's own token
         api = cluster.core(launcher_token)

@@ -126,7 +126,10 @@ class Cluster:
             api.create_namespaced_service_account(ns, k8s.V1ServiceAccount(metadata=k8s.V1ObjectMeta(name="default")))
             api.create_namespaced_config_map(ns, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="kube-root-ca.crt"),
                                                                  data={"ca.crt": ca_text}))
-        for obj in kustomize_namespace(read_manifests(), self.namespace):
+        # deploy/'s RBAC for the runner, as `kubectl apply -k deploy/` makes it: the master's Role and
+        # the reads KFP's launcher makes with a task pod's token (deploy/kfp/launcher).
+        launcher = read_manifests(os.path.join(REPO, "deploy", "kfp", "launcher"))
+        for obj in kustomize_namespace(read_manifests() + launcher, self.namespace):
             if obj["kind"] == "ServiceAccount":
                 api.create_namespaced_service_account(self.namespace, obj)
                 if not self.service_account:
