@@ -13,6 +13,7 @@ BENCHMARKS = [
     ["bench_recovery.py", "--workers", "3", "--kills", "3", "--spares", "1"],
     ["bench_equivalence.py", "--seeds", "0", "1", "2", "3", "4", "5", "--disturbed", "4"],
     ["bench_dispatcher.py"],
+    ["bench_hashing.py"],
     ["bench_checkpoint.py"],
     ["bench_keras.py", "--workers", "2"],
     ["bench_remote_data.py"],

@@ -20,7 +20,7 @@ releases (Python's `hash()` is salted per process; pandas' hash may change with 
   mod 2^64. A sum over the words, each mixed with its position, rather than a chain of them, lets
   numpy hash every string of a batch at once with one `add.reduceat`, whatever their lengths;
 - fmix64 is MurmurHash3's 64-bit finaliser; the seed is 0, or the hash of the salt, and
-  seed_int / seed_str are it XOR two constants (the first 64-bit words of SHA-256's IV).
+  seed_int / seed_str are it XOR two constants (the first two words of SHA-512's initial value).
 """
 
 from __future__ import annotations
