@@ -68,7 +68,7 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
                seed: int = defaults.SEED, backend: str = defaults.BACKEND, mlflow_uri: str = "",
                experiment: str = defaults.EXPERIMENT, init_from: str = "", registered_model: str = "",
                warm_start_alias: str = "", pipeline_run_id: str = "", job_dir: str = "", job_name: str = "train-elastic",
-               storage_options: dict | None = None) -> TrainStepResult:
+               storage_options: dict | None = None, priority_class: str = "") -> TrainStepResult:
     """`storage_options`: fsspec options for `data`'s store (e.g. the endpoint of KFP's MinIO), applied
     here and handed to the workers."""
     if storage_options:
@@ -84,6 +84,7 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
         mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None, progress=False,
         pipeline_run_id=pipeline_run_id,  # a retried task finds and resumes its run by it
         worker_env=stores.worker_env(),  # the store's location and options for the workers (never credentials)
+        priority_class=priority_class or None,  # the worker pods'
     )
     job = run_job(config)
     shutil.copytree(job.model_dir, model_dir, dirs_exist_ok=True)  # where the pipeline's artifact store looks

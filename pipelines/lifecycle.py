@@ -8,7 +8,10 @@ from kfp.dsl import Dataset, Input, Model
 from elastic_step import defaults
 from elastic_step.components import evaluate_model, export_model, prepare_data, promote_model, train_elastic
 
-TRAIN_RETRIES = 2  # a retried training task resumes its MLflow run from the newest checkpoint
+# A retried training task resumes its MLflow run from the newest checkpoint. KFP's retry cannot read
+# exit codes: it retries every failed attempt alike (a preemption, exit 75, as a failure, and bad
+# input, exit 2, too) and, with no retryPolicy in what it compiles to, not a pod that was deleted.
+TRAIN_RETRIES = 2
 # The downward API, as the Kubernetes backend reads it: the train task's process is the elastic
 # master; its pod owns the worker pods, they go to its namespace and call it on its pod IP (it
 # listens there, not on loopback).

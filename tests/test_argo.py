@@ -106,7 +106,7 @@ def test_int_or_string_treatment_is_what_lets_integer_retry_limits_pass():
     # retryStrategy.limit: 3 is valid Argo; the unpatched schema rejects it, which is why the
     # validator above widens IntOrString (and why the limit must stay an integer or a string).
     doc = documents()["training-workflowtemplate.yaml"]
-    assert templates_of(doc)["train"]["retryStrategy"]["limit"] == 3
+    assert templates_of(doc)["train"]["retryStrategy"]["limit"] == 23  # 3 failures + 20 preemptions
     errors = schema_errors(argo_validator("WorkflowTemplate", int_or_string=False), doc)
     assert errors and all("/retryStrategy/" in e for e in errors), errors  # limit and backoff.factor
 
@@ -225,7 +225,7 @@ def test_dag_order_guards_and_retries():
             assert task(doc, guarded)["when"] == "{{tasks.evaluate.outputs.parameters.blessed}} == true"
         assert task(doc, "promote")["depends"] == "export.Succeeded"
         retry = templates_of(doc)["train"]["retryStrategy"]
-        assert retry["limit"] == 3 and retry["backoff"] == {"duration": "30s", "factor": 2, "maxDuration": "1h"}
+        assert retry["limit"] == 23 and retry["backoff"] == {"duration": "30s", "factor": 2, "cap": "10m"}
         assert "retryStrategy" not in templates_of(doc)["evaluate"]
         spec = doc["spec"]
         assert spec["serviceAccountName"] == "elastic-step-runner"

@@ -30,13 +30,16 @@ def train_elastic(
     warm_start_alias: str = "",
     pipeline_run_id: str = "",
     job_dir: str = "",
+    priority_class: str = "",
 ):
     """Train with an elastic group of workers; this step's process is the elastic master.
 
     Workers run as local processes (`backend=local`) or pods (`backend=kubernetes`); a worker
     that dies is dropped and training goes on without restarting the others, and every row of
     every epoch is applied exactly once. A retry of this task resumes its own MLflow run from
-    the newest committed checkpoint.
+    the newest committed checkpoint. On SIGTERM (the task's pod evicted or preempted) the step
+    checkpoints its next step, marks the run preempted and exits 75 within the pod's grace period;
+    bad input exits 2 (elastic_step.exit_codes).
 
     Where workers read the data: local workers read the copy KFP downloaded to the dataset's
     `.path`. Worker pods (`backend=kubernetes`) read the dataset's URI straight from the store:
@@ -77,18 +80,29 @@ def train_elastic(
         warm_start_alias: The alias to warm start from (e.g. `champion`); with none yet, training starts cold.
         pipeline_run_id: The pipeline run (tags the MLflow run so a retried task finds it).
         job_dir: Folder for the job's state and logs (default: a fresh temporary folder).
+        priority_class: PriorityClass of the worker pods (`backend=kubernetes`; "" for the cluster's
+            default). The task's own pod, the master, gets its priority from the namespace's or the
+            cluster's default: KFP has no setting for a task pod's priority class.
     """
+    import sys
+
     from elastic_step.data.stores import artifact_data_uri
+    from elastic_step.errors import ElasticStepError
     from elastic_step.training_step import train_step
 
     data, storage_options = artifact_data_uri(dataset.uri, dataset.path, workers_share_filesystem=backend == "local")
-    result = train_step(
-        data=data, storage_options=storage_options, model_dir=model.path, model_def=model_def, workers=workers,
-        spares=spares, epochs=epochs, minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
-        global_batch_size=global_batch_size, lr_scaling=lr_scaling, checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
-        mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from, registered_model=registered_model, warm_start_alias=warm_start_alias,
-        pipeline_run_id=pipeline_run_id, job_dir=job_dir,
-    )
+    try:
+        result = train_step(
+            data=data, storage_options=storage_options, model_dir=model.path, model_def=model_def, workers=workers,
+            spares=spares, epochs=epochs, minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
+            global_batch_size=global_batch_size, lr_scaling=lr_scaling, checkpoint_steps=checkpoint_steps, seed=seed,
+            backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from,
+            registered_model=registered_model, warm_start_alias=warm_start_alias, pipeline_run_id=pipeline_run_id,
+            job_dir=job_dir, priority_class=priority_class,
+        )
+    except ElasticStepError as exc:  # one line, and the exit code of the table (75: preempted, 2: bad input)
+        print(f"train_elastic: {exc}", file=sys.stderr)
+        raise SystemExit(int(exc.exit_code)) from None
     model.metadata.update(result.model_metadata())
     for name, value in {**result.test_metrics, **result.history_metrics}.items():
         metrics.log_metric(name, value)

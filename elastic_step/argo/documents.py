@@ -86,12 +86,19 @@ class RenderOptions:
     # steps' own; None: the workers get none (BestEffort pods, no memory limit).
     worker_cpu: str | None = None
     worker_memory: str | None = None
+    # The PriorityClass of every pod: the step pods (the workflow's podPriorityClassName; the train
+    # step's pod is the master) and the worker pods (train's --priority-class). None: the cluster's default.
+    priority_class: str | None = None
 
     def validate(self) -> None:
         if not self.image or any(c.isspace() for c in self.image):
             raise ConfigError(f"--image {self.image!r} is not an image reference; give one like ghcr.io/org/image:tag")
         if not DNS_1123_SUBDOMAIN.match(self.service_account) or len(self.service_account) > 253:
             raise ConfigError(f"--service-account {self.service_account!r} is not a valid Kubernetes name "
+                              "(lower-case letters, digits, '-' and '.')")
+        if self.priority_class is not None and (not DNS_1123_SUBDOMAIN.match(self.priority_class)
+                                                or len(self.priority_class) > 253):
+            raise ConfigError(f"--priority-class {self.priority_class!r} is not a valid PriorityClass name "
                               "(lower-case letters, digits, '-' and '.')")
         for flag, value in (("--train-cpu", self.train_cpu), ("--train-memory", self.train_memory),
                             ("--step-cpu", self.step_cpu), ("--step-memory", self.step_memory)):
@@ -180,10 +187,12 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         pod_gc=m.PodGC(strategy="OnPodSuccess"),
         ttl_strategy=m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),
         volumes=volumes,
+        pod_priority_class_name=options.priority_class,
     ) as template:
         prepare_c = steps.prepare_data(settings, layout, step)
         train_c = steps.train(settings, layout, options.train_retries, warm_start=pipeline == "retraining",
-                              resources=trainer, worker_cpu=options.worker_cpu, worker_memory=options.worker_memory)
+                              resources=trainer, worker_cpu=options.worker_cpu, worker_memory=options.worker_memory,
+                              priority_class=options.priority_class)
         evaluate_c = steps.evaluate(settings, layout, step)
         export_c = steps.export(settings, layout, step)
         promote_c = steps.promote(settings, layout, step)

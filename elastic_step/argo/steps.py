@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from hera.workflows import Artifact, Container, Env, FieldEnv, Parameter, Resources, SecretEnv
 from hera.workflows import models as m
 
+from elastic_step.exit_codes import argo_retry_expression
+
 ENTRYPOINT = "elastic-step"
 PVC_MOUNT = "/mnt/elastic-step"
 PVC_VOLUME = "work"
@@ -162,7 +164,7 @@ TRAIN_INPUTS = ["model-def", "workers", "spares", "epochs", "minibatch-size", "m
 
 
 def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool, resources: StepResources,
-          worker_cpu: str | None = None, worker_memory: str | None = None) -> Container:
+          worker_cpu: str | None = None, worker_memory: str | None = None, priority_class: str | None = None) -> Container:
     args = ["train", "--model-def", _param("model-def"), "--data", layout.dataset_in(), "--job-dir", layout.job_dir()]
     for name in TRAIN_INPUTS[1:]:
         args += [f"--{name}", _param(name)]
@@ -177,17 +179,33 @@ def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool
         # ARGO_WORKFLOW_NAME tag).
         args += ["--registered-model", _param("registered-model"), "--warm-start-alias", "champion"]
         inputs.append("registered-model")
+    if priority_class:  # the worker pods' (the step pods' own is the workflow's podPriorityClassName)
+        args += ["--priority-class", priority_class]
     args += ["--outputs", layout.outputs("train")]
-    retry = m.RetryStrategy(
-        limit=retries,
-        retry_policy="Always",  # pod deletion and preemption are errors, a crash is a failure: retry both
-        # exit code 2 is bad input (ElasticStepError): another attempt would fail the same way
-        expression="lastRetry.exitCode != '2'",
-        backoff=m.Backoff(duration="30s", factor=2, max_duration="1h"),
-    )
     return _container("train", settings, layout, args, _inputs(layout, inputs, True),
                       _outputs(layout, "train", ["run_id", "model_uri"], {"metrics": "metrics.json", "model": "model"}),
-                      resources, retry_strategy=retry, env=[FieldEnv(name=n, field_path=f) for n, f in MASTER_ENV])
+                      resources, retry_strategy=train_retry(retries),
+                      env=[FieldEnv(name=n, field_path=f) for n, f in MASTER_ENV])
+
+
+# Preemptions a train step may take beyond its retries of failures: each costs a checkpoint's worth of
+# work at most, and a cluster that reclaims capacity often should not end a long run for it.
+PREEMPTION_RETRIES = 20
+
+
+def train_retry(failure_retries: int) -> m.RetryStrategy:
+    """Retry what another attempt can fix, and nothing else (elastic_step.exit_codes): a preempted
+    attempt (exit 75) always, within the limit; a failure, or a pod killed or deleted before it
+    could say anything, `failure_retries` times; bad input (exit 2) never. Each retry resumes the
+    run's newest checkpoint (found by the ARGO_WORKFLOW_NAME tag). The backoff is capped rather
+    than bounded by a maxDuration, which Argo counts from the first attempt's start and which would
+    refuse to retry a run preempted after hours of training."""
+    return m.RetryStrategy(
+        limit=failure_retries + PREEMPTION_RETRIES,
+        retry_policy="Always",  # Failed (an exit code) and Error (a pod deleted, evicted, never started) alike
+        expression=argo_retry_expression(failure_retries),
+        backoff=m.Backoff(duration="30s", factor=2, cap="10m"),
+    )
 
 
 def evaluate(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:

@@ -46,6 +46,10 @@ def register(sub) -> None:
     r.add_argument("--worker-memory", metavar="REQUEST[:LIMIT]",
                    help="memory of each worker pod, fixed in the template (e.g. 4Gi or 2Gi:4Gi; default: none, so "
                         "no limit)")
+    r.add_argument("--priority-class", metavar="NAME",
+                   help="PriorityClass of every pod the workflow makes: its step pods (the train step's is the "
+                        "master) and the train step's worker pods; fixed in the template (default: none, the "
+                        "cluster's default priority)")
     r.set_defaults(func=run_render)
 
 
@@ -60,7 +64,8 @@ def run_render(args) -> int:
                             history_limit=args.history_limit, service_account=args.service_account,
                             train_cpu=args.train_cpu, train_memory=args.train_memory, train_gpus=args.train_gpus,
                             step_cpu=args.step_cpu, step_memory=args.step_memory,
-                            worker_cpu=args.worker_cpu, worker_memory=args.worker_memory, **extra)
+                            worker_cpu=args.worker_cpu, worker_memory=args.worker_memory,
+                            priority_class=args.priority_class, **extra)
     pipelines = list(PIPELINES) if args.pipeline == "all" else [args.pipeline]
     for path in render(pipelines, args.out, options):
         print(f"wrote {path}")

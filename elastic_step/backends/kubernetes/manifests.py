@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kubernetes import client as k8s
 
+from elastic_step import defaults
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
 from elastic_step.protocol import WorkerEnv
 
@@ -167,7 +168,7 @@ def worker_pod(
     spec = k8s.V1PodSpec(
         containers=[container],
         restart_policy="Never",  # the master relaunches; the kubelet must not restart in place
-        termination_grace_period_seconds=10,
+        termination_grace_period_seconds=int(defaults.TERMINATION_GRACE_S),  # the project's one grace setting
         enable_service_links=False,
         # Workers never call the API: their own service account (no Role), no token mounted.
         # Cloud workload identity (GKE, IRSA) needs no mounted token either.
