@@ -289,6 +289,9 @@ def test_data_on_a_host_path_volume_as_elasticdl_mounts_it_reaches_the_master_an
                         "--checkpoint-steps", "0", "--audit", f"/tmp/{JOB}/audit.jsonl", "--no-progress")
     assert done.returncode == 0, done.stderr
     ns, pod_name = cluster.namespace, f"{JOB}-master"
+    again = elastic_step(config, "submit", "--job-name", JOB, "--image", cluster.project_image, "--model-def", "m",
+                         "--data", "s3://training-data/digits")
+    assert again.returncode == 2 and f"job {JOB} already exists in namespace {ns}" in again.stderr, again.stderr
     deadline = time.monotonic() + 240
     while cluster.core().read_namespaced_pod(pod_name, ns).status.phase not in ("Succeeded", "Failed"):
         assert time.monotonic() < deadline, cluster.core().read_namespaced_pod_log(pod_name, ns)

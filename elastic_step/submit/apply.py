@@ -61,27 +61,33 @@ def _listed(core: k8s.CoreV1Api, networking: k8s.NetworkingV1Api, namespace: str
 
 
 def delete_job(api_client, namespace: str, job: str, timeout_s: float = 60.0) -> list[str]:
-    """Deletes every object labelled with the job (pods first: a master that is still running
-    gets its grace period to checkpoint), waits until none is left; returns what was deleted."""
+    """Deletes every object labelled with the job and waits until none is left; returns what was
+    deleted. A running master gets its grace period (a checkpoint) and may relaunch a worker it
+    sees deleted meanwhile: each pass deletes what is new, until nothing carries the label."""
     core, networking = k8s.CoreV1Api(api_client), k8s.NetworkingV1Api(api_client)
+    deleted: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout_s
     try:
-        found = _listed(core, networking, namespace, job)
-        if not found:
-            raise ElasticStepError(f"no job {job} in namespace {namespace}: nothing carries the label {JOB_LABEL}={job}")
-        for kind, name in found:
-            api = networking if kind == "network_policy" else core
-            try:
-                getattr(api, f"delete_namespaced_{kind}")(name, namespace)
-            except k8s.ApiException as exc:
-                if exc.status != 404:  # gone already: its owner's garbage collection was first
-                    raise
-        deadline = time.monotonic() + timeout_s
-        while _listed(core, networking, namespace, job):
+        while found := _listed(core, networking, namespace, job):
             if time.monotonic() > deadline:
-                left = ", ".join(f"{k.replace('_', '')} {n}" for k, n in _listed(core, networking, namespace, job))
-                raise ElasticStepError(f"job {job}: still there after {timeout_s:.0f}s: {left}")
+                left = ", ".join(f"{k.replace('_', '')} {n}" for k, n in found)
+                raise ClusterRefused(f"job {job}: still there after {timeout_s:.0f}s: {left}; run delete again")
+            for kind, name in [f for f in found if f not in deleted]:
+                _delete(core, networking, kind, name, namespace)
+                deleted.append((kind, name))
             time.sleep(0.5)
     except k8s.ApiException as exc:
         raise ElasticStepError(f"cannot delete job {job} in namespace {namespace}: {exc.status} {exc.reason}; you "
                                "need to list and delete pods, configmaps, secrets and networkpolicies there") from None
-    return [f"{kind.replace('_', '')} {name}" for kind, name in found]
+    if not deleted:
+        raise ElasticStepError(f"no job {job} in namespace {namespace}: nothing carries the label {JOB_LABEL}={job}")
+    return [f"{kind.replace('_', '')} {name}" for kind, name in deleted]
+
+
+def _delete(core, networking, kind: str, name: str, namespace: str) -> None:
+    api = networking if kind == "network_policy" else core
+    try:
+        getattr(api, f"delete_namespaced_{kind}")(name, namespace)
+    except k8s.ApiException as exc:
+        if exc.status != 404:  # gone already: its owner's garbage collection was first
+            raise
