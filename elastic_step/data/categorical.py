@@ -179,9 +179,9 @@ class Lookup:
         flat = np.asarray(values).ravel()
         if self.ints and flat.dtype.kind not in "iub":
             raise DataError(f"this vocabulary holds ints; values of type {flat.dtype} cannot be looked up in it")
-        keys = flat.astype(np.int64) if self.ints else hash_strings(flat)
         ids = np.full(len(flat), -1, dtype=np.int64)
         if len(self._sorted):
+            keys = flat.astype(np.int64) if self.ints else hash_strings(flat)
             at = np.minimum(np.searchsorted(self._sorted, keys), len(self._sorted) - 1)
             index = self._order[at]
             found = self._sorted[at] == keys

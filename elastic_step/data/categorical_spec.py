@@ -102,11 +102,14 @@ class CategoricalSpec:
 
     def describe(self) -> str:
         """One line for a person: what the column becomes."""
+        return f"{self.column}: {self.how()} -> {self.num_ids} ids" + (" (inferred)" if self.inferred else "")
+
+    def how(self) -> str:
         how = {Encoding.HASH: lambda: f"hashed into {self.num_bins} bins" + (f" (salt {self.salt!r})" if self.salt else ""),
                Encoding.VOCABULARY: lambda: (f"vocabulary of {self.num_ids - self.num_oov_buckets} values seen "
                                              f">= {self.min_frequency}x + {self.num_oov_buckets} out-of-vocabulary buckets"),
                Encoding.BUCKETS: lambda: f"{self.num_ids} buckets, boundaries {_short(self.boundaries or [])}"}
-        return f"{self.column}: {how[self.encoding]()} -> {self.num_ids} ids" + (" (inferred)" if self.inferred else "")
+        return how[self.encoding]()
 
     def to_json(self) -> dict:
         out: dict = {"encoding": self.encoding.value}

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic_step.data.categorical_features import remember_dataset
 from elastic_step.data.categorical_spec import CategoricalSpec, spec_from_json
 from elastic_step.data.stores import Failure, classify, resolve, store_error
 from elastic_step.errors import DataError
@@ -168,8 +169,6 @@ def load_manifest(path_or_dir: str) -> Manifest:
     for spec in manifest.categorical.values():
         spec.root = manifest.root
     # A model definition's sparse features find their specs in the dataset this process loaded.
-    from elastic_step.data.categorical_features import remember_dataset
-
     remember_dataset(manifest)
     return manifest
 

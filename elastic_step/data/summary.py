@@ -21,7 +21,7 @@ def summary_markdown(manifest: Manifest) -> str:
     if manifest.categorical:
         lines += ["", "Categorical features (ids from the training split):", "", "| column | encoding | ids | how |",
                   "|---|---|---|---|"]
-        lines += [f"| {c} | {spec.encoding.value} | {spec.num_ids} | {spec.describe().split(': ', 1)[1]} |"
+        lines += [f"| {c} | {spec.encoding.value} | {spec.num_ids} | {spec.how()}{' (inferred)' if spec.inferred else ''} |"
                   for c, spec in manifest.categorical.items()]
     balance = class_balance(manifest)
     if balance:
