@@ -5,10 +5,10 @@ the status it kept in the cluster with everything else of the job)."""
 from __future__ import annotations
 
 from elastic_step.errors import ElasticStepError
-from elastic_step.tracking.run import JOB_TAG
+from elastic_step.tracking.run import JOB_TAG, run_outcome
 from elastic_step.tracking.uri import redact
 
-# An MLflow run's status, as the job's state.
+# An MLflow run's status, as the job's state (a run's elastic_step.state tag says more: preempted).
 RUN_STATES = {"FINISHED": "succeeded", "FAILED": "failed", "KILLED": "stopped", "RUNNING": "running (no status: master gone?)",
               "SCHEDULED": "pending"}
 
@@ -31,7 +31,8 @@ def job_from_mlflow(job: str, tracking_uri: str) -> dict | None:
     metrics = run.data.metrics
     losses = client.get_metric_history(run.info.run_id, "loss") if "loss" in metrics else []
     status = {
-        "job": job, "state": RUN_STATES.get(run.info.status, run.info.status.lower()),
+        "job": job, "state": (run_outcome(run) if run.info.status in ("FINISHED", "FAILED", "KILLED")
+                              else RUN_STATES.get(run.info.status, run.info.status.lower())),
         "started_at": run.info.start_time / 1000 if run.info.start_time else None,
         "ended_at": run.info.end_time / 1000 if run.info.end_time else None,
         "step": max(m.step for m in losses) if losses else None, "loss": metrics.get("loss"),

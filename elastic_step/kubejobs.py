@@ -15,7 +15,7 @@ from elastic_step.errors import ElasticStepError
 
 SELECTOR = "app.kubernetes.io/managed-by=elastic-step"
 STATUS_SELECTOR = SELECTOR + ",app.kubernetes.io/component=status"
-ENDED = ("succeeded", "failed", "stopped")
+ENDED = ("succeeded", "failed", "stopped", "preempted")
 
 
 def core_api():

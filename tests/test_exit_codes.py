@@ -98,3 +98,24 @@ def test_the_component_and_the_train_command_take_the_priority_class_and_the_gra
     assert inputs["priority_class"]["defaultValue"] == ""
     args = build_parser().parse_args(["train", "--model-def", "m", "--data", "d", "--job-dir", "j"])
     assert args.termination_grace == defaults.TERMINATION_GRACE_S == 30  # Kubernetes' own default
+
+
+def test_a_preempted_run_reads_preempted_in_get_and_the_gate_refuses_to_judge_it(tmp_path, monkeypatch):
+    from elastic_step.jobrecord import job_from_mlflow
+    from elastic_step.release.gate import evaluate_candidate
+    from elastic_step.tracking.run import RunOutcome, RunTracker, connect
+
+    for name in ("KFP_RUN_ID", "ARGO_WORKFLOW_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = RunTracker(connect(uri, str(tmp_path)), "exp", "job", str(tmp_path / "artifacts"))
+    tracker.start(resume=False)
+    assert tracker.finish(outcome=RunOutcome.PREEMPTED, timeout_s=30)
+    run = tracker.client.get_run(tracker.run_id)
+    assert run.info.status == "KILLED" and run.data.tags["elastic_step.state"] == "preempted"  # not FAILED
+    assert job_from_mlflow("job", uri)["status"]["state"] == "preempted"
+    with pytest.raises(ConfigError, match=f"training run {tracker.run_id} is preempted, not succeeded"):
+        evaluate_candidate(run_id=tracker.run_id, model_uri="", data=str(tmp_path / "unused"), registered_model="m",
+                           mlflow_uri=uri, model_def="elastic_step.model_zoo.digits_torch")
+    assert tracker.start(resume=False, previous=tracker.run_id) is True  # the retry in its folder reopens it
+    assert tracker.client.get_run(tracker.run_id).data.tags["elastic_step.state"] == "running"

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from elastic_step.errors import ConfigError
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.release.candidate import Candidate, load_candidate, predict_split
 from elastic_step.release.registry import CHAMPION, registry_client, version_by_alias
 from elastic_step.release.thresholds import Threshold, build_thresholds, parse_pairs, to_mlflow
+from elastic_step.tracking.run import RunOutcome, run_outcome
 from elastic_step.tracking.uri import use_tracking_uri
 
 log = logging.getLogger("elastic_step.release")
@@ -80,6 +82,7 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
 
     client = registry_client(mlflow_uri)
     candidate = load_candidate(client, run_id, model_uri, model_def)
+    require_succeeded(client, run_id)
     floors, min_gains = parse_pairs(floors, "floor"), parse_pairs(min_gains, "minimum gain")
     champion = version_by_alias(client, registered_model, CHAMPION)
     uris = [candidate.model_uri] + ([f"models:/{registered_model}@{CHAMPION}"] if champion is not None else [])
@@ -127,6 +130,16 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
     client.set_tag(run_id, f"{GATE_TAG}.reason", reason[:4000])
     log.info(reason)
     return result
+
+
+def require_succeeded(client, run_id: str) -> None:
+    """Only a training run that finished is judged: a preempted, stopped or failed one has no final
+    model of its own (any model its run holds is an earlier attempt's), and a running one is not
+    done. Refused in one line, as bad input: evaluating it again cannot help."""
+    outcome = run_outcome(client.get_run(run_id))
+    if outcome != RunOutcome.SUCCEEDED:
+        raise ConfigError(f"training run {run_id} is {outcome}, not succeeded, so it has no final model to judge; "
+                          "run the train step again (it resumes that run) and evaluate the run it then reports")
 
 
 def _plain(metrics: dict) -> dict:
