@@ -1,0 +1,55 @@
+"""SIGTERM in the master's state machine: a preemption asks rank 0 for a checkpoint of its next step
+as the operator's stop does, but within its own deadline and ending PREEMPTED; a preemption while
+a stop waits takes the sooner deadline; with nothing to checkpoint the job ends PREEMPTED at once."""
+
+from __future__ import annotations
+
+import time
+
+from elastic_step.protocol import JobState
+
+from test_stop import started, train
+
+
+def test_a_preemption_waits_for_a_checkpoint_of_a_later_step_then_ends_preempted():
+    state, handed = started()
+    train(state, 1, checkpoint=True)
+    state.preempt(timeout_s=60)
+    assert state.checkpoint_now and state.state == JobState.RUNNING
+    train(state, 2)  # step 1's older checkpoint is handed over: not the preemption's
+    state.tick()
+    assert handed == [1] and state.state == JobState.RUNNING
+    train(state, 3, checkpoint=True)
+    train(state, 4)
+    state.tick()
+    assert handed == [1, 3] and state.state == JobState.PREEMPTED and state.failure == ""
+    assert [e["step"] for e in state.events.of("preempted")] == [3] and not state.events.of("stopped")
+    assert state.heartbeat("w1.1", 4).action == "stop"
+
+
+def test_without_a_checkpoint_in_time_the_job_ends_preempted_saying_so():
+    state, _ = started()
+    train(state, 1)
+    state.preempt(timeout_s=0.0)
+    time.sleep(0.01)
+    state.tick()
+    assert state.state == JobState.PREEMPTED and "no checkpoint after step 1" in state.failure
+    assert "SIGTERM" in state.failure
+
+
+def test_a_preemption_while_a_stop_waits_ends_preempted_by_the_sooner_deadline():
+    state, _ = started()
+    state.request_stop()  # the operator's: five minutes
+    state.preempt(timeout_s=0.0)
+    assert len(state.events.of("stop_requested")) == 1
+    time.sleep(0.01)
+    state.tick()
+    assert state.state == JobState.PREEMPTED
+
+
+def test_a_job_without_checkpoints_ends_preempted_at_once():
+    state, _ = started(checkpoints=False)
+    state.preempt(timeout_s=60)
+    assert state.state == JobState.PREEMPTED and "--checkpoint-steps 0" in state.failure
+    state.preempt(timeout_s=60)  # a second SIGTERM changes nothing
+    assert len(state.events.of("preempted")) == 1
