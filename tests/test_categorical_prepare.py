@@ -219,3 +219,25 @@ def test_training_refuses_a_dataset_whose_vocabulary_file_is_gone(tmp_path):
     assert done.returncode == 0, done.stderr
     shutil.rmtree(out / "vocabularies")
     bad_train(tmp_path, out, ["vocabulary of column", "missing from the dataset", "prepare-data"])
+
+
+def test_the_shuffle_never_holds_a_string_table_past_the_32_bit_offsets(monkeypatch):
+    """Arrow's take concatenates a column's chunks, and a string column overflows past 2 GiB of
+    text: with string columns the shuffle spills before that, whatever memory it was given (the
+    limit is made small here; the same rows as numbers stay in memory)."""
+    from elastic_step.data import shuffle
+
+    monkeypatch.setattr(shuffle, "STRING_TABLE_BYTES", 256 << 10)
+    rng = np.random.default_rng(6)
+    words = pa.array([f"value-{k:012d}" for k in rng.integers(0, 10**12, 40_000)])
+    numbers = pa.array(rng.integers(0, 10**12, 120_000))
+    assert numbers.nbytes > words.nbytes > 512 << 10
+    texts = shuffle.ExternalShuffle(pa.schema([("w", pa.string())]), 0, memory_bytes=1 << 30)
+    counts = shuffle.ExternalShuffle(pa.schema([("n", pa.int64())]), 0, memory_bytes=1 << 30)
+    for start in range(0, 40_000, 4000):
+        texts.add(pa.record_batch([words.slice(start, 4000)], names=["w"]))
+    counts.add(pa.record_batch([numbers], names=["n"]))
+    assert texts.spilled and not counts.spilled
+    out = pa.concat_tables(list(texts.rows())).column("w")
+    assert sorted(out.to_pylist()) == sorted(words.to_pylist())
+    counts.close()

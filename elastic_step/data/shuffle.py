@@ -27,6 +27,9 @@ DEFAULT_MEMORY_BYTES = 256 << 20
 # files at twice lz4-frame's speed (755 against 391 MB/s) and reads back nearly as fast, so
 # the spill of a large source stays in the page cache instead of waiting on the disk.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=1))
+# The most a table with 32-bit-offset (string, binary) columns may hold: below 2 GiB of text, with
+# room for the batch that takes it over the budget.
+STRING_TABLE_BYTES = 3 << 29
 
 
 def _permuted(table: pa.Table, rng: np.random.Generator) -> pa.Table:
@@ -48,6 +51,10 @@ class ExternalShuffle:
                  expected_bytes: int = 0, spill_dir: str | None = None):
         self.schema = schema
         self.seed = seed
+        # Arrow's take concatenates a column's chunks first, and a string column's 32-bit offsets
+        # overflow past 2 GiB of text: with such columns, no table held or read back may be that large.
+        if any(pa.types.is_string(f.type) or pa.types.is_binary(f.type) for f in schema):
+            memory_bytes = min(memory_bytes, STRING_TABLE_BYTES)
         self.memory_bytes = memory_bytes
         self.expected_bytes = expected_bytes
         self._spill_root = spill_dir
