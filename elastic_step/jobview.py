@@ -15,7 +15,8 @@ from elastic_step.jobclient import JobClient, WrongToken
 JOB_MARKERS = ("master.json", "result.json", "status.json", "events.jsonl")
 # The membership events `get -e` shows (the rest, such as task hand-outs, are for the log).
 MEMBERSHIP_EVENTS = ("launched", "died", "dropped", "relaunched", "not_relaunched", "slot_exhausted", "left", "regrouped",
-                     "recovered", "scaled", "checkpoint", "stop_requested", "stopped", "job_failed", "job_succeeded",
+                     "recovered", "scaled", "checkpoint", "stop_requested", "stopped", "preempted", "job_failed",
+                     "job_succeeded",
                      "collective_failed", "master_paused")
 
 

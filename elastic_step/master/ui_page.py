@@ -23,7 +23,7 @@ PAGE = r"""<!doctype html>
   header h1 { font-size: 18px; margin: 0; }
   .state { font-weight: 600; padding: 2px 8px; border-radius: 4px; background: #44506a; }
   .state.running { background: #2f7d32; } .state.failed { background: #b3261e; }
-  .state.succeeded { background: #1565c0; } .state.stopped { background: #8a6d00; }
+  .state.succeeded { background: #1565c0; } .state.stopped, .state.preempted { background: #8a6d00; }
   main { padding: 16px 20px; display: grid; grid-template-columns: repeat(auto-fit, minmax(420px, 1fr)); gap: 16px; }
   section { background: #fff; border-radius: 6px; padding: 12px 16px; box-shadow: 0 1px 2px rgba(0,0,0,.08); }
   section.wide { grid-column: 1 / -1; }
@@ -76,7 +76,7 @@ PAGE = r"""<!doctype html>
 const API = "/v1";
 const REFRESH_MS = 2000;
 const SHOWN = ["died", "dropped", "relaunched", "not_relaunched", "slot_exhausted", "left", "regrouped", "recovered",
-               "scaled", "checkpoint", "stop_requested", "stopped", "job_failed", "job_succeeded"];
+               "scaled", "checkpoint", "stop_requested", "stopped", "preempted", "job_failed", "job_succeeded"];
 const token = new URLSearchParams(location.hash.slice(1)).get("token");
 const events = [];
 let nextEvent = 0;
