@@ -1,11 +1,19 @@
 """Talking to a running job from outside (the CLI's get, top, status, scale and stop, the demo, the
 tests): JOB_DIR/master.json says where the master is, JOB_DIR/token proves the caller may ask
-(JOB_DIR/view-token, where only that is readable, lets it watch but not steer)."""
+(JOB_DIR/view-token, where only that is readable, lets it watch but not steer).
+
+A job folder is trusted only as far as it must be: it must be the caller's own, the tokens are
+read from the folder itself (never a path master.json names, never through a link), and a local
+job's master must be on this machine. Otherwise a folder someone else wrote could send the
+caller's token to a listener of theirs."""
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
 import os
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -17,29 +25,91 @@ class WrongToken(ElasticStepError):
     """The master answered 401: the token file is not this master's."""
 
 
+class JobFolderRefused(ElasticStepError):
+    """The job folder is not one this caller may act through: another user's, its token files
+    not readable as the caller's own, or master.json naming a master that cannot be the job's."""
+
+
+# The token files a job folder holds, the job token first (it steers; the view token only watches).
+TOKEN_FILES = (("token", False), ("view-token", True))
+# Hosts a job of the local backend may name in master.json besides this machine's own addresses.
+LOOPBACK_NAMES = ("localhost",)
+
+
+def check_own_folder(job_dir: str) -> None:
+    """Refuse a job folder someone else owns: its master.json could send this caller's token to
+    an address of their choosing."""
+    try:
+        owner = os.stat(job_dir).st_uid
+    except OSError as exc:
+        raise MasterUnreachable(f"cannot read the job folder {job_dir} ({exc.strerror})") from None
+    if owner != os.getuid():
+        raise JobFolderRefused(f"the job folder {job_dir} belongs to another user (uid {owner}); "
+                                "only the user who started a job may talk to its master through its folder")
+
+
 def read_master_info(job_dir: str) -> dict:
+    check_own_folder(job_dir)
     path = os.path.join(job_dir, "master.json")
     try:
         with open(path) as f:
             return json.load(f)
+    except FileNotFoundError:  # a master removes it as it exits
+        raise MasterUnreachable(f"no running job in {job_dir}: without its master.json, its master is not running "
+                                "(it has ended, or never started); `elastic-step get` shows how a job ended") from None
     except (OSError, ValueError) as exc:
         raise MasterUnreachable(f"no running job in {job_dir}: cannot read {path} ({exc})") from None
 
 
-def _read_token(info: dict, job_dir: str) -> tuple[str, bool]:
-    """The job token, else the read-only one; and whether it is the read-only one."""
+def read_token_file(path: str) -> str:
+    """A token file the caller owns, never through a symbolic link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, encoding="utf-8") as f:
+        if os.fstat(f.fileno()).st_uid != os.getuid():
+            raise PermissionError(errno.EPERM, "owned by another user")
+        return f.read().strip()
+
+
+def _read_token(job_dir: str) -> tuple[str, bool]:
+    """The job token, else the read-only one, from the job folder itself (never a path master.json
+    names); and whether it is the read-only one."""
     problems = []
-    for key in ("token_file", "view_token_file"):
-        path = info.get(key)
-        if not path:
-            continue
+    for name, read_only in TOKEN_FILES:
+        path = os.path.join(job_dir, name)
         try:
-            with open(path) as f:
-                return f.read().strip(), key == "view_token_file"
+            return read_token_file(path), read_only
         except OSError as exc:
-            problems.append(f"{path}: {exc.strerror}")
-    raise MasterUnreachable(f"cannot read the job's token in {job_dir} ({'; '.join(problems) or 'master.json names none'}); "
+            problems.append(f"{path}: {exc.strerror or exc}")
+    raise JobFolderRefused(f"cannot read the job's token in {job_dir} ({'; '.join(problems)}); "
                             "run this as the user who started the job")
+
+
+def this_machine(host: str) -> bool:
+    """Whether `host` is a loopback address or an address of this machine."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name: it could resolve anywhere
+    if address.is_loopback:
+        return True
+    import psutil
+
+    return any(a.address.split("%")[0] == str(address) for nics in psutil.net_if_addrs().values() for a in nics)
+
+
+def check_master_url(info: dict, job_dir: str) -> str:
+    """The master's address from master.json; for a local job, only one on this machine (a local
+    master and its workers are processes here, so any other address is not theirs)."""
+    url = info["url"]
+    parsed = urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise JobFolderRefused(f"master.json in {job_dir} names no master address ({url!r}); the job's master wrote another")
+    if info.get("backend", "local") == "local" and not this_machine(parsed.hostname):
+        raise JobFolderRefused(f"master.json in {job_dir} puts the local job's master at {parsed.hostname}, which is not "
+                                "this machine; a local master listens here, so this folder was not written by one")
+    return url
 
 
 class JobClient:
@@ -47,8 +117,8 @@ class JobClient:
         self.job_dir = job_dir
         self.info = read_master_info(job_dir)
         try:
-            token, self.read_only = _read_token(self.info, job_dir)
-            url = self.info["url"]
+            url = check_master_url(self.info, job_dir)
+            token, self.read_only = _read_token(job_dir)
         except KeyError as exc:
             raise MasterUnreachable(f"no running job in {job_dir}: master.json lacks {exc}") from None
         self._http = httpx.Client(base_url=url + API, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
@@ -64,7 +134,7 @@ class JobClient:
             raise MasterUnreachable(f"the job in {self.job_dir} is not running (master {self.info['url']}: {exc})") from None
         if reply.status_code == 401 and self.read_only and method != "GET":
             raise WrongToken(f"only the job's read-only token is readable here, and it cannot steer the job; "
-                             f"run this as the user who can read {self.info.get('token_file')}")
+                             f"run this as the user who can read {os.path.join(self.job_dir, 'token')}")
         if reply.status_code == 401:
             raise WrongToken(f"the master at {self.info['url']} refused the token in {self.job_dir}: it belongs to another "
                              "run of the job; read the token files of the job folder this master wrote")
@@ -99,7 +169,7 @@ def try_status(job_dir: str) -> dict | None:
     """The job's status, or None while it is not (or no longer) reachable."""
     try:
         client = JobClient(job_dir)
-    except MasterUnreachable:
+    except (MasterUnreachable, JobFolderRefused):
         return None
     try:
         return client.status()

@@ -9,7 +9,7 @@ import os
 import time
 
 from elastic_step.errors import ElasticStepError, MasterUnreachable
-from elastic_step.jobclient import JobClient, WrongToken
+from elastic_step.jobclient import JobClient, WrongToken, check_own_folder, read_token_file
 
 # What a job folder holds once `train` has started in it.
 JOB_MARKERS = ("master.json", "result.json", "status.json", "events.jsonl")
@@ -64,6 +64,7 @@ def load_job(job_dir: str, with_events: bool = True, timeout_s: float = 5.0) -> 
     result = _read_json(os.path.join(job_dir, "result.json"))
     final = _read_json(os.path.join(job_dir, "status.json"))
     if info and not (final or result):
+        check_own_folder(job_dir)  # said as it is, rather than as a master that does not answer
         try:
             client = JobClient(job_dir, timeout_s=timeout_s)
         except MasterUnreachable:
@@ -171,22 +172,21 @@ def summary(job: dict, job_dir: str, now: float | None = None) -> dict:
         "tensorboard": tensorboard_command(job, job_dir),
     }
     if info.get("url") and job["live"]:
-        out["ui"] = live_page_url(info)
+        out["ui"] = live_page_url(info, job_dir)
     if result.get("test_metrics"):
         out["test_metrics"] = result["test_metrics"]
     return out
 
 
-def live_page_url(info: dict) -> str:
+def live_page_url(info: dict, job_dir: str) -> str:
     """The live page's address with the read-only token in its fragment (a browser never sends
     the fragment to the server, so the token stays out of every access log); without a readable
     view token, the address alone (the page then says what it needs)."""
     from elastic_step.protocol import UI_PAGE
 
     try:
-        with open(info["view_token_file"]) as f:
-            return f"{info['url']}{UI_PAGE}#token={f.read().strip()}"
-    except (OSError, KeyError):
+        return f"{info['url']}{UI_PAGE}#token={read_token_file(os.path.join(job_dir, 'view-token'))}"
+    except OSError:
         return f"{info['url']}{UI_PAGE}"
 
 

@@ -91,6 +91,11 @@ def test_a_job_under_520_idle_sockets_longer_than_its_heartbeat_timeout_ends_exa
     assert job.result()["relaunches"] == 0
     assert not [e for e in job.events() if e["event"] in ("died", "dropped", "relaunched")]
     assert attack.opened > 520, "the master closed the idle connections (those beyond an address's share at once)"
+    # Its master has removed master.json: no address stays behind where a later listener would be
+    # handed the token by `get` or `stop`; the final status says how the job ended.
+    assert not os.path.exists(os.path.join(job.job_dir, "master.json"))
+    with open(os.path.join(job.job_dir, "status.json")) as f:
+        assert json.load(f)["state"] == "succeeded"
 
 
 def test_a_worker_waits_out_a_busy_master_at_registration():

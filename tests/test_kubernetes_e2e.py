@@ -17,7 +17,7 @@ import pytest
 from elastic_step.audit import audit_report
 from elastic_step.config import TrainConfig
 from elastic_step.errors import JobFailed
-from elastic_step.jobclient import JobClient, try_status
+from elastic_step.jobclient import JobClient, read_master_info, try_status
 from elastic_step.master.job import run_job
 
 from conftest import SLOW_MODEL
@@ -105,6 +105,7 @@ def test_train_on_pods_deleting_one_mid_epoch_relaunches_it_free_and_the_audit_i
         status = wait(mid_epoch)
         worker = next(w for w in status["workers"] if w["rank"] == 1)
         victim.update(worker)
+        victim["api_url"] = read_master_info(cfg.job_dir)["url"]  # now: the master removes master.json as it exits
         cluster.compact()  # the API server drops its watch history too: the backend must re-list
         cluster.delete_namespaced_pod(worker["pod"], "ml")  # `kubectl delete pod`, by someone else
         wait(lambda s: s["world_size"] == 3 and any(w["slot"] == worker["slot"] and w["id"] != worker["id"]
@@ -150,8 +151,7 @@ def test_train_on_pods_deleting_one_mid_epoch_relaunches_it_free_and_the_audit_i
     import json
     from urllib.parse import urlparse
 
-    with open(os.path.join(cfg.job_dir, "master.json")) as f:
-        api_port = urlparse(json.load(f)["url"]).port
+    api_port = urlparse(victim["api_url"]).port
     master_policy = next(p for p in cluster.created_network_policies if p.metadata.name.endswith("-master"))
     ports = [p.port for p in master_policy.spec.ingress[0].ports]
     assert len(ports) == 2 and api_port in ports, ports
