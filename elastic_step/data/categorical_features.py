@@ -17,7 +17,8 @@ The specs (hash bins, vocabulary, bucket boundaries) are the dataset's, recorded
 The engine's feed passes a batch only, so a `SparseFeatures` binds to the dataset this process
 loaded last (every process of a job — master, worker, evaluation — loads exactly one), the way
 ElasticDL's model definitions found the analysis results in their environment; `bind(manifest)`
-names one explicitly. The ids are numpy int64 arrays: the same for a PyTorch and a Keras model.
+names one explicitly. So ask for sizes and ids inside `model()` and `feed()`, not at import:
+a worker imports the model definition before it loads the manifest. The ids are numpy int64 arrays: the same for a PyTorch and a Keras model.
 """
 
 from __future__ import annotations
