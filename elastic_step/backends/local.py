@@ -12,6 +12,7 @@ import time
 
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
 from elastic_step.protocol import WORKER_LEFT_EXIT_CODE, WorkerEnv
+from elastic_step.terminal import printable
 
 
 def describe_returncode(code: int) -> str:
@@ -29,7 +30,7 @@ def last_words(log_path: str, limit: int = 300) -> str:
     try:
         with open(log_path, "rb") as f:
             f.seek(max(0, os.path.getsize(log_path) - 8192))
-            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+            lines = [printable(line.strip()) for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
     except OSError:
         return ""
     for line in reversed(lines):

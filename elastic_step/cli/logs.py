@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from elastic_step.terminal import printable
+
 
 def register(sub) -> None:
     p = sub.add_parser("logs", help="print a job's master or worker log (local files)")
@@ -36,7 +38,7 @@ def logs(args) -> int:
     lines, offset = read_log(path, tail=args.tail, since_s=since, timestamps=args.timestamps)
     out = sys.stdout
     for line in lines:
-        out.write(line + "\n")
+        out.write(printable(line) + "\n")
     out.flush()
     if args.follow:
 
@@ -45,7 +47,7 @@ def logs(args) -> int:
 
         try:
             for line in follow(path, offset, args.timestamps, running):
-                out.write(line + "\n")
+                out.write(printable(line) + "\n")
                 out.flush()
         except KeyboardInterrupt:
             pass
@@ -67,7 +69,7 @@ def kubernetes_logs(args, since_s: float | None, api=None) -> int:
     try:
         for line in pod_log(api, namespace, pod, previous=previous_container, tail=args.tail, since_s=since_s,
                             timestamps=args.timestamps, follow=args.follow, container=container):
-            sys.stdout.write(line + "\n")
+            sys.stdout.write(printable(line) + "\n")
             sys.stdout.flush()
     except KeyboardInterrupt:
         pass

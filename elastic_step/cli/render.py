@@ -8,6 +8,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from elastic_step.terminal import printable
+
 
 def size(n: float | None) -> str:
     if n is None:
@@ -62,8 +64,9 @@ def summary_lines(s: dict) -> list[str]:
 
 
 def row(table: Table, *cells: str) -> None:
-    """Cells as plain text: a worker's exit cause or a path may hold brackets rich would read as markup."""
-    table.add_row(*(Text(str(c)) for c in cells))
+    """Cells as plain text: a worker's exit cause or a path may hold brackets rich would read as
+    markup, or control characters a terminal would act on."""
+    table.add_row(*(Text(printable(str(c))) for c in cells))
 
 
 def worker_table(rows: list[dict]) -> Table:
@@ -109,7 +112,7 @@ def event_table(events: list[dict]) -> Table:
 
 
 def job_tables(view: dict) -> Group:
-    parts = [Text("\n".join(summary_lines(view["summary"]))), Text(""), worker_table(view["workers"])]
+    parts = [Text(printable("\n".join(summary_lines(view["summary"])))), Text(""), worker_table(view["workers"])]
     if "events" in view:
         parts += [Text(""), Text("events", style="bold"), event_table(view["events"])]
     return Group(*parts)

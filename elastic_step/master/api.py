@@ -47,6 +47,7 @@ from elastic_step.protocol import (
     TaskRequest,
     WorkerId,
 )
+from elastic_step.terminal import printable
 
 LONG_POLL_S = 1.0
 PAGE_REFRESH_S = 2.0  # how often the live page asks (ui_page.py's REFRESH_MS)
@@ -168,7 +169,7 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
 
     @app.post(API + Route.TASK_FAILED, response_model=Empty, responses=_declared(400, 403))
     async def task_failed(body: TaskFailedRequest):
-        state.task_failed(body.worker_id, body.task_id, body.error)
+        state.task_failed(body.worker_id, body.task_id, printable(body.error))
         return Empty()
 
     @app.post(API + Route.STEPS, response_model=StepsReply, responses=_declared(400, 403, 409))
@@ -178,17 +179,17 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
 
     @app.post(API + Route.COLLECTIVE_FAILED, response_model=Empty, responses=_declared(400, 403))
     async def collective_failed(body: CollectiveFailedRequest):
-        state.collective_failed(body.worker_id, body.round_id, body.error)
+        state.collective_failed(body.worker_id, body.round_id, printable(body.error))
         return Empty()
 
     @app.post(API + Route.FAIL, response_model=Empty, responses=_declared(400, 403))
     async def fail(body: FailJobRequest):
-        state.fail_by_worker(body.worker_id, body.reason)
+        state.fail_by_worker(body.worker_id, printable(body.reason))
         return Empty()
 
     @app.post(API + Route.PREFLIGHT_FAILED, response_model=Empty, responses=_declared(400, 403, 409))
     async def preflight_failed(body: FailJobRequest):
-        state.preflight_failed(body.worker_id, body.reason)
+        state.preflight_failed(body.worker_id, printable(body.reason))
         return Empty()
 
     # An upload's body is read only once the caller is known to be the round's rank 0.
