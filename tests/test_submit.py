@@ -37,15 +37,34 @@ def cluster(tmp_path):
         yield c
 
 
-def kubeconfig(cluster: Cluster, folder) -> str:
-    """The cluster's admin, in a kubeconfig whose current context is the job's namespace."""
+# What `submit`, `delete`, `get` and `logs` ask of the API in the job's namespace: a share of
+# Kubernetes' `admin` ClusterRole, which a namespace's owner holds (it has no PriorityClass reads).
+SUBMITTER_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "delete"]},
+    {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["get"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["list", "delete"]},
+    {"apiGroups": ["authorization.k8s.io"], "resources": ["localsubjectaccessreviews"], "verbs": ["create"]},
+]
+
+
+def kubeconfig(cluster: Cluster, folder, user: str = "admin") -> str:
+    """A kubeconfig whose current context is the job's namespace: the cluster's admin, or a
+    `user` bound there to SUBMITTER_RULES and nothing else."""
+    token = cluster.admin_token
+    if user != "admin":
+        cluster.authorizer.add_role(cluster.namespace, "submitter", SUBMITTER_RULES)
+        cluster.authorizer.add_binding(cluster.namespace, {"kind": "Role", "name": "submitter"}, [{"kind": "User", "name": user}])
+        token = cluster.authorizer.issue_token(user)
     config = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "admin",
+        "apiVersion": "v1", "kind": "Config", "current-context": user,
         "clusters": [{"name": "stand-in", "cluster": {"server": cluster.server.url, "certificate-authority": cluster.ca}}],
-        "users": [{"name": "admin", "user": {"token": cluster.admin_token}}],
-        "contexts": [{"name": "admin", "context": {"cluster": "stand-in", "user": "admin", "namespace": cluster.namespace}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {"cluster": "stand-in", "user": user, "namespace": cluster.namespace}}],
     }
-    path = os.path.join(str(folder), "admin.kubeconfig")
+    path = os.path.join(str(folder), f"{user}.kubeconfig")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
     os.chmod(path, 0o600)
@@ -189,7 +208,7 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
     audit, and `delete` removes every object with the job's label."""
     model = str(tmp_path / "my_digits.py")
     shutil.copy(MODEL, model)
-    config = kubeconfig(cluster, tmp_path)
+    config = kubeconfig(cluster, tmp_path, "carol")  # a namespace owner, not the cluster's admin
     store_secret(cluster)
     k8s.SchedulingV1Api(cluster.core().api_client).create_priority_class(
         k8s.V1PriorityClass(metadata=k8s.V1ObjectMeta(name="batch-low"), value=100))
@@ -204,6 +223,8 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
                                               "--no-progress"))
         assert done.returncode == 0, done.stderr
         assert f"job {JOB} submitted" in done.stdout
+        # The PriorityClass is not hers to read: said and skipped, the API server judges the pod.
+        assert "cannot check PriorityClass batch-low (403" in done.stderr, done.stderr
         for command in ("get", "logs", "top", "stop"):
             assert f"elastic-step {command} {JOB} --backend kubernetes --namespace {cluster.namespace}" in done.stdout
         ns, pod_name = cluster.namespace, f"{JOB}-master"
@@ -251,6 +272,7 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
     assert [s["metadata"]["name"] for s in cluster.objects("secrets")] == [STORE_SECRET]  # the user's own stays
     again = elastic_step(config, "delete", JOB)
     assert again.returncode == 2 and f"no job {JOB} in namespace {ns}" in again.stderr
+    assert cluster.refused("carol") == {("get", "priorityclasses", "")}  # submit, get, logs, delete: her Role sufficed
 
 
 @pytest.mark.parametrize("extra, expected", [
