@@ -28,6 +28,7 @@ from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.kubernetes import client as es_client
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+from elastic_step.backends.kubernetes.preflight import check_before_start
 from elastic_step.backends.kubernetes.rights import MASTER_CALLS, Guarded, Right, kfp_rights, master_rights
 from elastic_step.errors import ConfigError
 
@@ -196,6 +197,10 @@ def test_under_kfps_pipeline_runner_alone_the_master_is_refused_with_exactly_wha
             "the master calls: bind it a Role that grants them (deploy/rbac for elastic-step-runner; "
             "deploy/kfp/single-user for KFP's pipeline-runner, deploy/kfp/multi-user for a Kubeflow profile's default-editor)")
         assert made_by_the_job(cluster, "kubeflow") == []
+        # The same line before the job opens its MLflow run (run_job's own pre-flight).
+        with pytest.raises(ConfigError) as early:
+            check_before_start("kubeflow")
+        assert str(early.value) == str(refused.value)
         user = "system:serviceaccount:kubeflow:pipeline-runner"
         # It asked, read the launcher's configuration (for the store's Secret), and made nothing.
         assert cluster.refused(user) == set() and cluster.used(user) == {("get", "configmaps", "kubeflow")}
@@ -270,3 +275,35 @@ def test_deploys_elastic_step_runner_may_make_the_kfp_launchers_reads(tmp_path, 
         assert cluster.refused() == set()
         rights = {(r.verb, r.resource, r.name) for r in kfp_rights("mlpipeline-minio-artifact")}
         assert rights == {("get", "configmaps", "kfp-launcher"), ("get", "secrets", "mlpipeline-minio-artifact")}
+
+
+def test_a_master_whose_optional_mlflow_secret_is_missing_is_refused_naming_it(tmp_path, monkeypatch):
+    """KFP's `use_secret_as_env(..., optional=True)`: without the Secret the pod starts with no
+    MLflow credentials. The master sees its pod spec name the variable and its own environment
+    lack it, and names the Secret before anything is created."""
+    with Cluster(str(tmp_path / "cluster")) as cluster:
+        ns = cluster.namespace
+        optional = k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name="mlflow-pipelines", key="password",
+                                                                             optional=True))
+        cluster.core().create_namespaced_pod(ns, k8s.V1Pod(  # the step's pod, as the API server holds it
+            metadata=k8s.V1ObjectMeta(name="train-step"),
+            spec=k8s.V1PodSpec(restart_policy="Never", service_account_name=cluster.service_account, containers=[
+                k8s.V1Container(name="main", image="registry.example/none:1",
+                                env=[k8s.V1EnvVar(name="MLFLOW_TRACKING_PASSWORD", value_from=optional)])])))
+        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)  # what the kubelet leaves out
+        expected = ("the Secret 'mlflow-pipelines' (key 'password') that gives this pod MLFLOW_TRACKING_PASSWORD is "
+                    f"missing from namespace {ns}: create it with the MLflow user's credentials (docs/kubernetes.md, "
+                    "MLflow on the cluster)")
+        with pytest.raises(ConfigError) as refused:
+            start_backend(cluster, tmp_path, monkeypatch, ns, cluster.service_account)
+        assert str(refused.value) == expected
+        assert made_by_the_job(cluster, ns) == []
+        monkeypatch.setenv("ELASTIC_STEP_POD_NAME", "train-step")
+        monkeypatch.setenv("ELASTIC_STEP_POD_NAMESPACE", ns)
+        with pytest.raises(ConfigError) as early:
+            check_before_start(ns)
+        assert str(early.value) == expected
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "given-by-the-kubelet")  # the Secret is there
+        check_before_start(ns)
+        start_backend(cluster, tmp_path, monkeypatch, ns, cluster.service_account).shutdown(grace_s=0)
+        assert made_by_the_job(cluster, ns) == []

@@ -154,6 +154,11 @@ def run_job(config: TrainConfig) -> JobResult:
     budget = GraceBudget(config.termination_grace)
     with sigterm_as_preemption() as sigterm:
         manifest, model_def, trainer = check_inputs(config)
+        if config.backend == "kubernetes":  # the cluster's refusal comes before an MLflow run is opened
+            from elastic_step.backends.kubernetes.options import settings_from_config
+            from elastic_step.backends.kubernetes.preflight import check_before_start
+
+            check_before_start(settings_from_config(config).namespace)
         if sigterm.received:
             raise JobPreempted(f"job {config.job_name} preempted (SIGTERM) before it started; the same command starts it")
         # MLflow first: unreachable tracking, or a run that cannot be resumed with these inputs, is

@@ -21,7 +21,7 @@ from elastic_step.backends.kubernetes import manifests
 from elastic_step.backends.kubernetes.calls import REQUEST_TIMEOUT_S, PodCalls, delete_pod
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings, master_pod_from_env, shared_mounts
 from elastic_step.backends.kubernetes.pod_states import is_stuck_waiting, judge, read_facts
-from elastic_step.backends.kubernetes.preflight import Preflight, is_kfp_task
+from elastic_step.backends.kubernetes.preflight import Preflight, is_kfp_task, missing_secret_env
 from elastic_step.backends.kubernetes.rights import MASTER_CALLS, Guarded
 from elastic_step.backends.kubernetes.watch import PodWatcher
 from elastic_step.errors import ConfigError
@@ -71,8 +71,7 @@ class KubernetesBackend(Backend):
             networking = k8s.NetworkingV1Api(raw.api_client) if hasattr(raw, "api_client") else raw
         # Every call goes through the table of declared rights (rights.py), which the pre-flight checks.
         self.api, self.networking = Guarded(raw, MASTER_CALLS), Guarded(networking, MASTER_CALLS)
-        self.preflight = (Preflight(raw.api_client, request_timeout_s) if hasattr(raw, "api_client")
-                          else Preflight(None, request_timeout_s, authorization=raw, authentication=raw))
+        self.preflight = Preflight.over(raw, request_timeout_s)
         self.timeout_s = request_timeout_s
         self.master = master if master is not None else master_pod_from_env()
         self.names = manifests.JobNames.for_job(job_name)
@@ -91,6 +90,8 @@ class KubernetesBackend(Backend):
         self._check_reachable()
         self._check_permissions()
         own_pod = self._read_own_pod()
+        if own_pod is not None:  # an MLflow Secret marked optional and missing: named now, not at the first call
+            missing_secret_env(main_container(own_pod), os.environ, self.master.namespace)
         self.image = self._worker_image(own_pod)
         self._check_service_account(own_pod)
         self.secret_env = self._store_credentials(own_pod)

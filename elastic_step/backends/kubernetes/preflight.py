@@ -10,16 +10,25 @@ In a KFP task it also reads `kfp-launcher` (optional in KFP: without it the laun
 minio://mlpipeline/v2/artifacts) for the Secret the launcher will upload outputs with, and
 refuses in one line when that Secret is missing. Only the object's metadata is fetched
 (PartialObjectMetadata): the master never holds the store's keys. Of the launcher's provider
-configuration only the provider's `default` credentials are read, not per-bucket overrides."""
+configuration only the provider's `default` credentials are read, not per-bucket overrides.
+
+And MLflow's credentials: a pod whose MLflow variables come from a Secret marked optional (KFP's
+`use_secret_as_env(..., optional=True)`) starts without them when the Secret is missing, and
+would fail at its first MLflow call; the master names that Secret instead (`missing_secret_env`).
+
+`check_before_start` runs all of it before the job opens its MLflow run; the backend runs the
+same checks again before it creates anything, whoever constructs it."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 import yaml
 from kubernetes import client as k8s
 
+from elastic_step.backends.kubernetes.calls import REQUEST_TIMEOUT_S
 from elastic_step.backends.kubernetes.rights import (KFP_DEFAULT_PIPELINE_ROOT, KFP_LAUNCHER_CONFIG, KFP_STORE_SECRET,
                                                      Right, kfp_rights, master_rights)
 from elastic_step.errors import ConfigError
@@ -41,6 +50,13 @@ class Preflight:
         self.api_client, self.timeout_s = api_client, timeout_s
         self.authorization = authorization or k8s.AuthorizationV1Api(api_client)
         self.authentication = authentication or k8s.AuthenticationV1Api(api_client)
+
+    @classmethod
+    def over(cls, api, timeout_s: float) -> "Preflight":
+        """Over the connection of `api` (a CoreV1Api); a stand-in without one answers the reviews itself."""
+        if hasattr(api, "api_client"):
+            return cls(api.api_client, timeout_s)
+        return cls(None, timeout_s, authorization=api, authentication=api)
 
     def check(self, namespace: str, pod_namespace: str, kfp_task: bool) -> None:
         """Raise ConfigError naming what is missing; return when everything is in place."""
@@ -133,3 +149,36 @@ class Preflight:
                 return False
             raise ConfigError(f"cannot look up {plural} {name!r} in namespace {namespace}: {exc.status} {exc.reason}") from None
         return True
+
+
+def missing_secret_env(container: k8s.V1Container | None, environ: Mapping[str, str], namespace: str) -> None:
+    """Refuse when an MLflow variable the pod spec takes from an optional Secret is absent from
+    this process's environment: the kubelet left it out because the Secret (or its key) is missing."""
+    for env in (container.env or []) if container is not None else []:
+        ref = env.value_from.secret_key_ref if env.value_from is not None else None
+        if ref is None or not ref.optional or not env.name.startswith("MLFLOW_") or env.name in environ:
+            continue
+        raise ConfigError(
+            f"the Secret {ref.name!r} (key {ref.key!r}) that gives this pod {env.name} is missing from namespace "
+            f"{namespace}: create it with the MLflow user's credentials (docs/kubernetes.md, MLflow on the cluster)")
+
+
+def check_before_start(namespace: str) -> None:
+    """The whole pre-flight of a master about to start `--backend kubernetes` in a pod, before it
+    opens its MLflow run: its rights, KFP's launcher's, and its MLflow Secret."""
+    from elastic_step.backends.kubernetes.client import load_core_api
+    from elastic_step.backends.kubernetes.options import master_pod_from_env
+
+    api = load_core_api()
+    master = master_pod_from_env()
+    pod_namespace = (master.namespace if master is not None else "") or namespace
+    Preflight.over(api, REQUEST_TIMEOUT_S).check(namespace, pod_namespace, is_kfp_task())
+    if master is None:
+        return
+    try:
+        pod = api.read_namespaced_pod(master.name, pod_namespace, _request_timeout=REQUEST_TIMEOUT_S)
+    except k8s.ApiException:
+        return  # the backend says what it cannot do without its pod
+    from elastic_step.backends.kubernetes.backend import main_container
+
+    missing_secret_env(main_container(pod), os.environ, pod_namespace)
