@@ -284,6 +284,8 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
     (["--job-dir", "/tmp/x"], "--job-dir: the job's folder is the master pod's own"),
     (["--mlflow-uri", "http://alice:hunter2@mlflow:5000"], "--mlflow-uri holds a password"),
     (["--worker-memory", "4Gi:2Gi"], "--worker-memory '4Gi:2Gi': the request 4Gi is larger than the limit 2Gi"),
+    (["--workers", "4:2"], "--workers '4:2': the minimum 4 is larger than the maximum 2"),  # train's own check
+    (["--global-batch-size", "64", "--lr-scaling", "linear"], "--lr-scaling linear has nothing to scale"),
 ])
 def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, extra, expected):
     """No kubeconfig at all: these are judged on the laptop, before any request."""

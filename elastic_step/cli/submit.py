@@ -114,7 +114,17 @@ def submission(args):
         master_cpu=request_and_limit("--master-cpu", args.master_cpu),
         master_memory=request_and_limit("--master-memory", args.master_memory))
     sub.train_args = master_args(args, sub.model_path if model_file else args.model_def, sub.job_dir)
+    check_train_options(args, sub.job_dir)
     return sub
+
+
+def check_train_options(args, job_dir: str) -> None:
+    """The job's settings checked here as the master will check them (train's own TrainConfig
+    raises ConfigError), so a bad value is refused on the laptop rather than in the pod's log.
+    The warm-start alias is the master's to look up: its MLflow may be reachable in the cluster
+    only."""
+    train.train_config(argparse.Namespace(**{**vars(args), "job_dir": job_dir, "warm_start_alias": None,
+                                             "backend": "local"}))
 
 
 def submit(args) -> int:
