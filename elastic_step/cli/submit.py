@@ -65,8 +65,8 @@ def register(sub) -> None:
 
 
 def master_args(args, model_def: str, job_dir: str) -> list[str]:
-    """The master's `train` command line: submit's values of every forwarded `train` option that
-    differs from its default, then the ones submit sets."""
+    """The master's `train` command line: the options submit sets, then every forwarded `train`
+    option whose value differs from its default (the image's own defaults apply to the rest)."""
     out = []
     for action, flag in args.forwarded:
         value = getattr(args, action.dest)
