@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules
-from cluster.rbac import REPO, kustomize_namespace, read_manifests
+from cluster.rbac import REPO, read_manifests, read_platform
 from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.kubernetes import client as es_client
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
@@ -34,27 +34,10 @@ from elastic_step.errors import ConfigError
 
 pytestmark = pytest.mark.e2e
 
-PLATFORM = os.path.join(REPO, "tests", "cluster", "platform")
 DEPLOY = os.path.join(REPO, "deploy")
 PROFILE = "kubeflow-user-example-com"  # the profile namespace deploy/kfp/multi-user names
 WHAT_THE_MASTER_CALLS = ("create, delete, patch configmaps; create, delete, get, list, watch pods; create, delete secrets; "
                          "create, delete networking.k8s.io/networkpolicies")
-
-
-def platform_objects(name: str) -> list[dict]:
-    with open(os.path.join(PLATFORM, name), encoding="utf-8") as f:
-        return [o for o in yaml.safe_load_all(f) if o]
-
-
-def install(cluster: Cluster, objects: list[dict], namespace: str) -> None:
-    """`kubectl apply` of RBAC objects and ServiceAccounts into `namespace`."""
-    api = cluster.core()
-    for obj in kustomize_namespace(objects, namespace):
-        if obj["kind"] == "ServiceAccount":
-            if cluster.server.get("serviceaccounts", namespace, obj["metadata"]["name"]) is None:  # apply: kept if there
-                api.create_namespaced_service_account(namespace, obj)
-        else:
-            cluster.authorizer.apply(obj)
 
 
 def overlay(folder: str) -> tuple[str, list[dict]]:
@@ -140,7 +123,7 @@ def test_the_api_server_answers_self_reviews_from_its_rbac(tmp_path):
 
 def test_kubeflow_edit_aggregates_what_a_profiles_default_editor_may_do(tmp_path):
     with Cluster(str(tmp_path / "cluster"), namespace=PROFILE) as cluster:
-        install(cluster, platform_objects("kubeflow-multi-user.yaml"), PROFILE)
+        cluster.apply(read_platform("kubeflow-multi-user"), PROFILE)
         user = f"system:serviceaccount:{PROFILE}:default-editor"
         from cluster.rbac import Request
 
@@ -166,7 +149,7 @@ def test_deploys_master_role_is_exactly_the_rights_the_backends_calls_declare():
 
 
 def test_deploy_kfp_adds_exactly_what_kfps_roles_lack():
-    runner = next(o for o in platform_objects("kfp-single-user.yaml") if o["kind"] == "Role" and o["metadata"]["name"] == "pipeline-runner")
+    runner = next(o for o in read_platform("kfp-single-user") if o["kind"] == "Role" and o["metadata"]["name"] == "pipeline-runner")
     from cluster.rbac import Request, Rule
 
     kfp_rules = [Rule.from_manifest(r) for r in runner["rules"]]
@@ -187,7 +170,7 @@ def test_deploy_kfp_adds_exactly_what_kfps_roles_lack():
 
 def test_under_kfps_pipeline_runner_alone_the_master_is_refused_with_exactly_what_is_missing(tmp_path, monkeypatch):
     with Cluster(str(tmp_path / "cluster"), namespace="kubeflow") as cluster:
-        install(cluster, platform_objects("kfp-single-user.yaml"), "kubeflow")
+        cluster.apply(read_platform("kfp-single-user"), "kubeflow")
         store_secret(cluster, "kubeflow")
         with pytest.raises(ConfigError) as refused:
             start_backend(cluster, tmp_path, monkeypatch, "kubeflow", "pipeline-runner", kfp=True)
@@ -207,7 +190,7 @@ def test_under_kfps_pipeline_runner_alone_the_master_is_refused_with_exactly_wha
 
         # deploy/kfp/single-user applied: the same account runs the master.
         namespace, objects = overlay(os.path.join(DEPLOY, "kfp", "single-user"))
-        install(cluster, objects, namespace)
+        cluster.apply(objects, namespace)
         backend = start_backend(cluster, tmp_path, monkeypatch, "kubeflow", "pipeline-runner", kfp=True)
         assert sorted(made_by_the_job(cluster, "kubeflow")) == sorted(
             [f"secrets/{backend.names.secret}", *(f"networkpolicies/{n}" for n in backend.network_policies)])
@@ -217,8 +200,8 @@ def test_under_kfps_pipeline_runner_alone_the_master_is_refused_with_exactly_wha
 
 def test_a_kfp_task_whose_launcher_store_secret_is_missing_is_refused_naming_it(tmp_path, monkeypatch):
     with Cluster(str(tmp_path / "cluster"), namespace="kubeflow") as cluster:
-        install(cluster, platform_objects("kfp-single-user.yaml"), "kubeflow")
-        install(cluster, overlay(os.path.join(DEPLOY, "kfp", "single-user"))[1], "kubeflow")
+        cluster.apply(read_platform("kfp-single-user"), "kubeflow")
+        cluster.apply(overlay(os.path.join(DEPLOY, "kfp", "single-user"))[1], "kubeflow")
         with pytest.raises(ConfigError) as refused:
             start_backend(cluster, tmp_path, monkeypatch, "kubeflow", "pipeline-runner", kfp=True)
         assert str(refused.value).startswith(
@@ -239,10 +222,10 @@ def test_a_kfp_task_whose_launcher_store_secret_is_missing_is_refused_naming_it(
 
 def test_a_profiles_default_editor_runs_the_master_with_deploy_kfp_multi_user(tmp_path, monkeypatch):
     with Cluster(str(tmp_path / "cluster"), namespace=PROFILE) as cluster:
-        install(cluster, platform_objects("kubeflow-multi-user.yaml"), PROFILE)
+        cluster.apply(read_platform("kubeflow-multi-user"), PROFILE)
         namespace, objects = overlay(os.path.join(DEPLOY, "kfp", "multi-user"))
         assert namespace == PROFILE
-        install(cluster, objects, PROFILE)
+        cluster.apply(objects, PROFILE)
         store_secret(cluster, PROFILE)  # KFP's profile controller copies it into every profile namespace
         backend = start_backend(cluster, tmp_path, monkeypatch, PROFILE, "default-editor", kfp=True)
         assert made_by_the_job(cluster, PROFILE)

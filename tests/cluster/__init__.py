@@ -169,6 +169,17 @@ class Cluster:
     def networking(self, token: str | None = None) -> k8s.NetworkingV1Api:
         return k8s.NetworkingV1Api(k8s.ApiClient(self.configuration(token)))
 
+    def apply(self, objects: list[dict], namespace: str | None = None) -> None:
+        """`kubectl apply` of RBAC objects and ServiceAccounts (deploy/'s overlays, or KFP's and
+        Kubeflow's own roles: rbac.read_platform) into `namespace`; a ServiceAccount already
+        there is kept."""
+        namespace = namespace or self.namespace
+        for obj in kustomize_namespace(objects, namespace):
+            if obj["kind"] != "ServiceAccount":
+                self.authorizer.apply(obj)
+            elif self.server.get("serviceaccounts", namespace, obj["metadata"]["name"]) is None:
+                self.core().create_namespaced_service_account(namespace, obj)
+
     def token_for(self, namespace: str, account: str) -> str:
         """A token of a ServiceAccount (a TokenRequest, as the kubelet makes for a pod)."""
         request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[]))

@@ -29,6 +29,7 @@ import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY_RBAC = os.path.join(REPO, "deploy", "rbac")
+PLATFORM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "platform")
 SUPERUSER = "system:admin"  # in group system:masters: allowed everything, as the API server does
 AUTHENTICATED = "system:authenticated"
 GROUP_PREFIX = "group:"  # how a Group subject is kept among a binding's users
@@ -82,6 +83,14 @@ def groups_of(user: str) -> list[str]:
     if len(parts) == 4 and parts[:2] == ["system", "serviceaccount"]:
         return ["system:serviceaccounts", f"system:serviceaccounts:{parts[2]}", AUTHENTICATED]
     return [AUTHENTICATED]
+
+
+def read_platform(name: str) -> list[dict]:
+    """KFP's or Kubeflow's own RBAC as their manifests define it (platform/NAME.yaml, sources
+    named in each): `kfp-single-user` (pipeline-runner, the executor plugin's Role) or
+    `kubeflow-multi-user` (a profile's default-editor and the kubeflow-edit aggregate)."""
+    with open(os.path.join(PLATFORM, f"{name}.yaml"), encoding="utf-8") as f:
+        return [o for o in yaml.safe_load_all(f) if o]
 
 
 def read_manifests(folder: str = DEPLOY_RBAC) -> list[dict]:
