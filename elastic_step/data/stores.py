@@ -9,8 +9,9 @@ the way users already configure them, never on a command line:
   process or pod needs nothing else).
 - GCS: `GOOGLE_APPLICATION_CREDENTIALS` or workload identity (`STORAGE_EMULATOR_HOST` for an
   emulator).
-- Anything else a store needs that is not a secret (`endpoint_url`, `anon`, `requester_pays`,
-  `client_kwargs`, ...) as fsspec storage options: `set_storage_options` applies them in this
+- What else a store needs that is not a secret (`endpoint_url`, `anon`, `requester_pays`,
+  `client_kwargs` with `region_name`, ...: ALLOWED_OPTIONS names them all) as fsspec storage
+  options: `set_storage_options` applies them in this
   process and `worker_env` hands the same options to workers as an `FSSPEC_<PROTOCOL>` variable
   (a JSON object), which fsspec reads by itself when a worker imports it.
 """
@@ -36,6 +37,26 @@ KFP_DEFAULT_MINIO_ENDPOINT = "http://minio-service.kubeflow:9000"
 # GOOGLE_APPLICATION_CREDENTIALS, workload identity): options travel in worker environments, pod
 # specs and logs, where a secret must never be.
 _SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "credentials", "session")
+
+# The storage options a job takes, by name: where a store is and how to talk to it, never who is
+# asking. An allow-list, since options travel as literal values in worker environments and pod
+# specs (readable with `pods get`): a name not listed here could carry a credential (s3fs passes
+# `client_kwargs={"headers": {"Authorization": ...}}` on to botocore). A nested dict lists the keys
+# its option may hold; None, a plain value (string, number, boolean).
+ALLOWED_OPTIONS: dict[str, dict | None] = {
+    # s3fs (S3, MinIO)
+    "endpoint_url": None, "anon": None, "requester_pays": None, "use_ssl": None, "version_aware": None,
+    "default_block_size": None, "default_cache_type": None, "default_fill_cache": None, "cache_regions": None,
+    "skip_instance_cache": None, "use_listings_cache": None, "listings_expiry_time": None, "max_concurrency": None,
+    "fixed_upload_size": None,
+    "client_kwargs": {"region_name": None, "endpoint_url": None, "verify": None, "use_ssl": None, "api_version": None},
+    "config_kwargs": {"signature_version": None, "region_name": None, "connect_timeout": None, "read_timeout": None,
+                      "max_pool_connections": None, "retries": {"max_attempts": None, "total_max_attempts": None, "mode": None},
+                      "s3": {"addressing_style": None, "use_accelerate_endpoint": None, "payload_signing_enabled": None}},
+    # gcsfs (GCS)
+    "project": None, "default_location": None, "consistency": None, "cache_timeout": None, "block_size": None,
+    "check_connection": None, "requests_timeout": None, "timeout": None, "access": None,
+}
 
 # Options applied through set_storage_options in this process, by protocol: what workers inherit.
 _applied: dict[str, dict] = {}
@@ -106,13 +127,20 @@ def set_storage_options(protocol_or_uri: str, options: dict) -> None:
         raise ConfigError(f"storage options apply to object store URIs (s3://, gs://, ...), not to the local path "
                           f"{protocol_or_uri!r}")
 
-    def check(mapping: dict) -> None:  # nested too: client_kwargs={"aws_secret_access_key": ...}
+    def check(mapping: dict, allowed: dict, where: str) -> None:  # nested too: client_kwargs={"headers": ...}
         for key, value in mapping.items():
             _check_not_secret(protocol, str(key))
+            name = f"{where}{key}"
+            if key not in allowed:
+                raise ConfigError(f"storage option {name!r} is not one elastic-step hands to workers (options travel as "
+                                  f"plain values in worker environments and pod specs); it takes: {', '.join(sorted(allowed))}")
+            if isinstance(value, dict) != (allowed[key] is not None) or isinstance(value, list):
+                raise ConfigError(f"storage option {name!r} takes " + ("an object of " + ", ".join(sorted(allowed[key]))
+                                  if allowed[key] is not None else "a plain value (a string, a number or true/false)"))
             if isinstance(value, dict):
-                check(value)
+                check(value, allowed[key], f"{name}.")
 
-    check(options)
+    check(options, ALLOWED_OPTIONS, "")
     fsspec.config.conf.setdefault(protocol, {}).update(options)
     _applied.setdefault(protocol, {}).update(options)
 
