@@ -168,7 +168,9 @@ def live_page(config: str, browser, tmp_path, killed: str) -> None:
         assert httpx.get(f"{address}/v1/status").status_code == 401  # the page's data needs the address's token
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         page.goto(url)
-        page.wait_for_function("document.getElementById('state').textContent === 'running'", timeout=30_000)
+        from playwright.sync_api import expect  # locator assertions evaluate no strings: the page's CSP allows no eval
+
+        expect(page.locator("#state")).to_have_text("running", timeout=30_000)
         assert page.locator("#job").inner_text() == JOB and page.locator("#world").inner_text() == "2 / 2"
         page.wait_for_selector("#loss-chart path.series", state="attached", timeout=30_000)
         attempts = page.locator("#timeline g.attempt")

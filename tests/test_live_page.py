@@ -2,10 +2,13 @@
 driven by Playwright) against a live job whose workers are real processes: what a person sees
 (the job, its state, its progress, the charts, each slot's attempts with their exit causes, the
 recoveries), that it updates while the job runs, and that without the right token it shows no
-data. Screenshots are kept beside the test's files."""
+data. The page runs under its own CSP (no inline script but its own, no eval), so the test waits
+with Playwright's locator assertions, which evaluate no strings in the page. Screenshots are kept
+beside the test's files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +16,8 @@ import shutil
 
 import httpx
 import pytest
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import expect
 
 from conftest import SLOW_MODEL
 
@@ -33,6 +38,13 @@ def browser():
         browser.close()
 
 
+def csp_refusals(page) -> list[str]:
+    """What the page's CSP refuses from now on, as the browser reports it."""
+    refused = []
+    page.on("console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None)
+    return refused
+
+
 def test_the_live_page_shows_the_job_and_follows_it_while_it_runs(digits, start_job, browser, tmp_path):
     job = start_job("--data", digits, "--workers", "2:3", "--epochs", "4", "--model-def", SLOW_MODEL,
                     "--minibatch-size", "16", "--minibatches-per-task", "2", "--checkpoint-steps", "25")
@@ -46,9 +58,10 @@ def test_the_live_page_shows_the_job_and_follows_it_while_it_runs(digits, start_
 
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
     failed_requests = []
+    refused = csp_refusals(page)
     page.on("requestfailed", lambda r: failed_requests.append(r.url))
     page.goto(f"{url}/ui#token={view_token}")
-    page.wait_for_function("document.getElementById('state').textContent === 'running'", timeout=30_000)
+    expect(page.locator("#state")).to_have_text("running", timeout=30_000)
     assert page.locator("#job").inner_text() == "job"
     assert page.locator("#world").inner_text() == "3 / 3"
     rows_before = page.locator("#rows").inner_text()
@@ -65,8 +78,8 @@ def test_the_live_page_shows_the_job_and_follows_it_while_it_runs(digits, start_
     slot = victim["slot"]
     page.wait_for_selector(f"#timeline g.attempt[data-worker='w{slot}.1'] text:text-matches('killed by SIGKILL')", state="attached", timeout=60_000)
     page.wait_for_selector(f"#timeline g.attempt[data-worker='w{slot}.2']", state="attached", timeout=60_000)
-    page.wait_for_function("document.querySelectorAll('#recoveries tbody tr').length > 0", timeout=120_000)
-    page.wait_for_function(f"document.getElementById('rows').textContent !== {json.dumps(rows_before)}", timeout=60_000)
+    expect(page.locator("#recoveries tbody tr").first).to_be_attached(timeout=120_000)
+    expect(page.locator("#rows")).not_to_have_text(rows_before, timeout=60_000)
     events = page.locator("#events tbody").inner_text()
     assert "died" in events and "relaunched" in events and "regrouped" in events
     loss_path = page.locator("#loss-chart path.series").get_attribute("d")
@@ -74,11 +87,12 @@ def test_the_live_page_shows_the_job_and_follows_it_while_it_runs(digits, start_
     page.screenshot(path=str(shots / "2-after-a-worker-died.png"), full_page=True)
 
     assert job.finish() == 0, job.output()
-    page.wait_for_function("document.getElementById('state').textContent === 'succeeded'", timeout=30_000)
-    assert page.locator("#progress").evaluate("e => e.style.width") == "100%"
+    expect(page.locator("#state")).to_have_text("succeeded", timeout=30_000)
+    expect(page.locator("#progress")).to_have_attribute("style", re.compile(r"width: 100%"))
     page.screenshot(path=str(shots / "3-succeeded.png"), full_page=True)
     assert not [u for u in failed_requests if "/v1/" not in u]  # nothing fetched from anywhere else
     assert len(list(shots.iterdir())) == 3
+    assert refused == []  # its own script and style ran under its CSP, and nothing else was tried
 
 
 def test_the_page_shows_a_warm_spare_as_a_spare_not_as_a_member(digits, start_job, browser, tmp_path):
@@ -92,7 +106,7 @@ def test_the_page_shows_a_warm_spare_as_a_spare_not_as_a_member(digits, start_jo
         view_token = f.read().strip()
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
     page.goto(f"{url}/ui#token={view_token}")
-    page.wait_for_function("document.getElementById('state').textContent === 'running'", timeout=30_000)
+    expect(page.locator("#state")).to_have_text("running", timeout=30_000)
     assert page.locator("#world").inner_text() == "2 / 2 + 1 spare"
     bar = page.locator(f"#timeline g.attempt[data-worker='{spare['id']}']")
     assert bar.locator("title").text_content() == f"{spare['id']} spare"
@@ -130,7 +144,7 @@ def test_the_page_shows_no_data_without_the_right_token(browser, tmp_path):
         assert page.locator("#rows").inner_text() == "-"
         page.goto(f"{url}/ui#token=wrong")
         page.reload()
-        page.wait_for_function("document.getElementById('message').textContent.includes('not this job')", timeout=10_000)
+        expect(page.locator("#message")).to_contain_text("not this job", timeout=10_000)
         assert page.locator("#rows").inner_text() == "-"
         page.screenshot(path=str(tmp_path / "wrong-token.png"))
         # The view token reads; it cannot steer.
@@ -141,7 +155,14 @@ def test_the_page_shows_no_data_without_the_right_token(browser, tmp_path):
         assert httpx.post(f"{url}/v1/scale", headers=view, json={"workers": 2}).status_code == 401
         assert httpx.post(f"{url}/v1/heartbeat", headers=view, json={"worker_id": "w0.1"}).status_code == 401
         page_reply = httpx.get(f"{url}/ui")
-        assert page_reply.status_code == 200 and "frame-ancestors 'none'" in page_reply.headers["content-security-policy"]
+        csp = page_reply.headers["content-security-policy"]
+        assert page_reply.status_code == 200 and "frame-ancestors 'none'" in csp
+        assert "'unsafe-inline'" not in csp and "'unsafe-eval'" not in csp
+        # Only the page's own script runs (allowed by its hash): an inline script put into it is refused.
+        with page.expect_console_message(lambda m: "Content Security Policy" in m.text, timeout=10_000):
+            with contextlib.suppress(PlaywrightError):
+                page.add_script_tag(content="document.getElementById('rows').textContent = 'injected';")
+        assert page.locator("#rows").inner_text() == "-"
         own = page_reply.text.replace("http://www.w3.org/2000/svg", "")  # a namespace name, never fetched
         assert "http://" not in own and "https://" not in own and "<link" not in own and " src=" not in own
         assert state.stop_request is None and state.target == 3
@@ -149,3 +170,39 @@ def test_the_page_shows_no_data_without_the_right_token(browser, tmp_path):
         server.should_exit = True
         thread.join(5)
         sock.close()
+
+
+def test_the_pages_csp_allows_exactly_its_own_script_and_style_by_hash():
+    """What a browser hashes is each inline element's text as the HTML parser reads it: every
+    script and style of the served page must be allowed by a hash, and nothing by 'unsafe-inline'."""
+    import base64
+    import hashlib
+    from html.parser import HTMLParser
+
+    from elastic_step.master.ui_page import PAGE, PAGE_HEADERS
+
+    class Inline(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.found, self.open = {"script": [], "style": []}, None
+
+        def handle_starttag(self, tag, attrs):
+            assert not [name for name, _ in attrs if name.startswith("on") or name == "style"], (tag, attrs)  # no inline handlers
+            if tag in self.found:
+                self.open = tag
+                self.found[tag].append("")
+
+        def handle_endtag(self, tag):
+            self.open = None if tag == self.open else self.open
+
+        def handle_data(self, data):
+            if self.open:
+                self.found[self.open][-1] += data
+
+    parser = Inline()
+    parser.feed(PAGE)
+    policy = dict(part.strip().split(" ", 1) for part in PAGE_HEADERS["Content-Security-Policy"].split(";"))
+    for tag, directive in (("script", "script-src"), ("style", "style-src")):
+        hashes = {"'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'" for text in parser.found[tag]}
+        assert len(parser.found[tag]) == 1 and set(policy[directive].split()) == hashes, (directive, policy[directive])
+    assert "unsafe" not in PAGE_HEADERS["Content-Security-Policy"]
