@@ -1,0 +1,155 @@
+"""PsClient: a worker's side of the shards: pull rows, push gradients merged per id.
+
+Ids are deduplicated before they travel; a push sums the gradients of repeated ids. A request
+goes to every shard that owns some of the ids at once (sent to all, then answered by all), over
+one kept-open connection per shard.
+
+Retries are what make a shard's death invisible to the worker: a connection that fails (the
+shard was SIGKILLed, or is replaying its ledger) and a refusal for a stale routing epoch are
+both answered by refreshing the routes (`routes()`: the master's view, with a relaunched
+shard's new address) and sending again, until `deadline_s`. A push is re-sent with the same
+(task, batch_seq): a shard that applied it before it died has it in its snapshot or ledger and
+acknowledges it without applying it again.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from elastic_step.ps import wire
+from elastic_step.ps.api import RETRY_AFTER_REFRESH, PsError, ShardUnavailable, Status
+from elastic_step.ps.routing import RoutingTable
+
+
+@dataclass
+class PushReply:
+    applied: int = 0  # shards that applied the push now
+    duplicate: int = 0  # shards that had applied it already (a re-sent or re-issued batch)
+    retries: int = 0  # requests sent again after a failure or a stale epoch
+
+
+class PsClient:
+    def __init__(self, token: str, routes: Callable[[], RoutingTable], deadline_s: float = 60.0, timeout_s: float = 30.0):
+        self.token = token
+        self.routes = routes
+        self.routing = routes()
+        self.deadline_s = deadline_s
+        self.timeout_s = timeout_s
+        self._connections: dict[str, socket.socket] = {}
+
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """The rows of `ids` (len(ids) x dim), in the order given."""
+        unique, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+        gathered: np.ndarray | None = None
+
+        def request(shard_ids):
+            return {"op": "pull", "table": table, "count": len(shard_ids)}, (shard_ids,)
+
+        for positions, (_, body) in self._each_shard(unique, request):
+            rows = np.frombuffer(body, "<f4").reshape(len(positions), -1)
+            if gathered is None:
+                gathered = np.empty((len(unique), rows.shape[1]), np.float32)
+            gathered[positions] = rows
+        if gathered is None:
+            return np.zeros((0, 0), np.float32)
+        return gathered[inverse.reshape(-1)]
+
+    def push(self, table: str, task: int, batch_seq: int, attempt: int, ids: np.ndarray, grads: np.ndarray) -> PushReply:
+        """Send one batch's gradients (summed per id) for the shards to apply once."""
+        unique, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+        merged = np.zeros((len(unique), grads.shape[1]), np.float32)
+        np.add.at(merged, inverse.reshape(-1), np.asarray(grads, dtype=np.float32))
+        reply = PushReply()
+        key = {"op": "push", "table": table, "task": int(task), "batch_seq": int(batch_seq), "attempt": int(attempt)}
+
+        def request(shard_ids):
+            positions = np.searchsorted(unique, shard_ids)
+            return {**key, "count": len(shard_ids)}, (shard_ids, merged[positions])
+
+        for _, (header, _) in self._each_shard(unique, request, reply):
+            if header["applied"]:
+                reply.applied += 1
+            else:
+                reply.duplicate += 1
+        return reply
+
+    def call(self, endpoint: str, header: dict, *arrays: np.ndarray) -> tuple[dict, bytearray]:
+        """One request to one shard, no retries (stats, digests, routing changes)."""
+        sock = self._connection(endpoint)
+        try:
+            wire.send(sock, {**header, "token": self.token}, *arrays)
+            return wire.receive(sock)
+        except (OSError, wire.FrameError):
+            self._drop(endpoint)
+            raise
+
+    def _each_shard(self, ids: np.ndarray, request: Callable, reply: PushReply | None = None):
+        """Yield (positions in ids, (header, body)) once per shard that answered OK, retrying
+        the rest after refreshing the routes until every id is answered or the deadline."""
+        pending = np.arange(len(ids))
+        deadline, backoff = time.monotonic() + self.deadline_s, 0.02
+        while len(pending):
+            shard_of = self.routing.shard_of(ids[pending])
+            sent, failed = [], []
+            for shard in np.unique(shard_of):
+                positions = pending[shard_of == shard]
+                header, arrays = request(ids[positions])
+                endpoint = self.routing.endpoints[shard]
+                try:
+                    wire.send(self._connection(endpoint), {**header, "token": self.token, "epoch": self.routing.epoch}, *arrays)
+                    sent.append((endpoint, positions))
+                except OSError:
+                    self._drop(endpoint)
+                    failed.append(positions)
+            for endpoint, positions in sent:
+                answer = self._answer(endpoint)
+                if answer is not None and answer[0]["status"] == Status.OK:
+                    yield positions, answer
+                else:
+                    failed.append(positions)
+            if not failed:
+                return
+            pending = np.concatenate(failed)
+            if reply is not None:
+                reply.retries += len(failed)
+            if time.monotonic() > deadline:
+                raise ShardUnavailable(f"{len(pending)} ids unanswered after {self.deadline_s:.0f} s; are the shards running?")
+            time.sleep(backoff)  # a relaunched shard needs a moment to replay its ledger
+            backoff = min(1.0, backoff * 2)
+            self.routing = self.routes()
+
+    def _answer(self, endpoint: str) -> tuple[dict, bytearray] | None:
+        try:
+            header, body = wire.receive(self._connections[endpoint])
+        except (OSError, wire.FrameError, KeyError):
+            self._drop(endpoint)
+            return None
+        status = header.get("status")
+        if status not in {s.value for s in Status}:
+            raise PsError(f"shard {endpoint} answered an unknown status {status!r}")
+        if status != Status.OK and Status(status) not in RETRY_AFTER_REFRESH:
+            raise PsError(f"shard {endpoint} refused the request ({status}): {header.get('detail', '')}")
+        return header, body
+
+    def _connection(self, endpoint: str) -> socket.socket:
+        sock = self._connections.get(endpoint)
+        if sock is None:
+            host, port = endpoint.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._connections[endpoint] = sock
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        sock = self._connections.pop(endpoint, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        for endpoint in list(self._connections):
+            self._drop(endpoint)

@@ -1,0 +1,113 @@
+"""The shard's update ledger: an append-only file of accepted pushes, fsync'd before the ack.
+
+One record per accepted push (little-endian):
+
+    magic "ESL1" | u32 payload length | u32 CRC-32 of the payload
+    payload: i64 task | i64 batch_seq | i32 attempt | u32 count | u16 table-name length |
+             table name (UTF-8) | count x i64 ids | count x dim x f32 gradients (merged per id)
+
+A shard appends and fsyncs a record before it answers the push, so an acknowledged update is
+on disk. A SIGKILL can tear only the record being written, which nobody was told about:
+`replay` stops at the first record that is short or fails its CRC and cuts the file there.
+`rotate` starts an empty ledger after a snapshot has been made durable (shard.py).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+MAGIC = b"ESL1"
+_RECORD = struct.Struct("<4sII")
+_FIELDS = struct.Struct("<qqiIH")
+
+
+@dataclass
+class LedgerRecord:
+    table: str
+    task: int
+    batch_seq: int
+    attempt: int
+    ids: np.ndarray
+    grads: np.ndarray
+
+
+def encode(record: LedgerRecord) -> bytes:
+    name = record.table.encode()
+    payload = b"".join(
+        [
+            _FIELDS.pack(record.task, record.batch_seq, record.attempt, len(record.ids), len(name)),
+            name,
+            np.ascontiguousarray(record.ids, dtype="<i8").tobytes(),
+            np.ascontiguousarray(record.grads, dtype="<f4").tobytes(),
+        ]
+    )
+    return _RECORD.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def _decode(payload: bytes, dim_of: Callable[[str], int]) -> LedgerRecord:
+    task, batch_seq, attempt, count, name_len = _FIELDS.unpack_from(payload)
+    offset = _FIELDS.size + name_len
+    table = payload[_FIELDS.size : offset].decode()
+    ids = np.frombuffer(payload, dtype="<i8", count=count, offset=offset)
+    grads = np.frombuffer(payload, dtype="<f4", offset=offset + 8 * count).reshape(count, dim_of(table))
+    return LedgerRecord(table, task, batch_seq, attempt, ids, grads)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Ledger:
+    def __init__(self, path: str, sync: bool = True):
+        self.path = path
+        self.sync = sync  # False only to measure what the fsync costs (benchmarks)
+        self.file = open(path, "ab", buffering=0)
+        _fsync_dir(path)
+
+    def append(self, record: LedgerRecord) -> None:
+        self.file.write(encode(record))
+        if self.sync:
+            os.fsync(self.file.fileno())
+
+    def rotate(self) -> None:
+        """Start an empty ledger (its records are all in the snapshot just made durable)."""
+        self.file.close()
+        fresh = self.path + ".new"
+        with open(fresh, "wb") as f:
+            os.fsync(f.fileno())
+        os.replace(fresh, self.path)
+        _fsync_dir(self.path)
+        self.file = open(self.path, "ab", buffering=0)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def replay(path: str, dim_of: Callable[[str], int]) -> Iterator[LedgerRecord]:
+    """The ledger's whole records in order; a torn tail is cut off the file."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    offset = 0
+    while offset + _RECORD.size <= len(data):
+        magic, length, crc = _RECORD.unpack_from(data, offset)
+        payload = data[offset + _RECORD.size : offset + _RECORD.size + length]
+        if magic != MAGIC or len(payload) != length or zlib.crc32(payload) != crc:
+            break
+        yield _decode(payload, dim_of)
+        offset += _RECORD.size + length
+    if offset < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(offset)
+            os.fsync(f.fileno())

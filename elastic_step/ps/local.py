@@ -1,0 +1,92 @@
+"""Shard processes on this machine: launch, wait until ready, kill, relaunch.
+
+What the local backend (and tests and benchmarks) need to run N shards: each shard has its own
+folder (config.json, snapshot, ledger, ready.json) and is a `python -m elastic_step.ps.shard`
+process. `routes()` reads every shard's ready.json, so a relaunched shard's new port reaches the
+clients the way the master's routes would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from elastic_step.ps.api import TableSpec
+from elastic_step.ps.routing import RoutingTable
+from elastic_step.ps.shard import CONFIG_FILE, READY_FILE
+
+
+def write_config(directory: str, specs: list[TableSpec], routing: RoutingTable, snapshot_every: int = 1000) -> None:
+    os.makedirs(directory, exist_ok=True)
+    config = {"tables": [s.to_json() for s in specs], "routing": routing.to_json(), "snapshot_every": snapshot_every}
+    with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+
+
+class ShardProcess:
+    def __init__(self, directory: str, shard: int, token_file: str, host: str = "127.0.0.1", fsync: bool = True):
+        self.directory, self.shard, self.token_file, self.host, self.fsync = directory, shard, token_file, host, fsync
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "elastic_step.ps.shard", "--dir", self.directory, "--shard", str(self.shard)]
+        command += ["--host", self.host, "--token-file", self.token_file] + ([] if self.fsync else ["--no-fsync"])
+        self.process = subprocess.Popen(command)
+
+    def ready(self) -> dict | None:
+        """The shard's ready.json once this launch wrote it, else None."""
+        try:
+            with open(os.path.join(self.directory, READY_FILE), encoding="utf-8") as f:
+                info = json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return info if self.process is not None and info["pid"] == self.process.pid else None
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while (info := self.ready()) is None:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"shard {self.shard} exited with code {self.process.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shard {self.shard} not ready after {timeout_s:.0f} s")
+            time.sleep(0.02)
+        return info
+
+    @property
+    def endpoint(self) -> str:
+        info = self.ready()
+        return f"{info['host']}:{info['port']}" if info else f"{self.host}:1"  # port 1: refused at once
+
+    def kill(self, sig: int) -> int:
+        self.process.send_signal(sig)
+        return self.process.wait(timeout=30)
+
+
+class LocalShards:
+    """N shard processes under one routing table."""
+
+    def __init__(self, root: str, specs: list[TableSpec], shards: int, token_file: str, snapshot_every: int = 1000, fsync: bool = True):
+        self.routing = RoutingTable.initial(shards)
+        self.shards = []
+        for index in range(shards):
+            directory = os.path.join(root, f"shard-{index}")
+            write_config(directory, specs, self.routing, snapshot_every)
+            self.shards.append(ShardProcess(directory, index, token_file, fsync=fsync))
+
+    def start(self) -> None:
+        for shard in self.shards:
+            shard.start()
+        for shard in self.shards:
+            shard.wait_ready()
+
+    def routes(self) -> RoutingTable:
+        return RoutingTable(self.routing.epoch, self.routing.owners, [s.endpoint for s in self.shards])
+
+    def stop(self) -> None:
+        for shard in self.shards:
+            if shard.process is not None and shard.process.poll() is None:
+                shard.process.kill()
+                shard.process.wait()

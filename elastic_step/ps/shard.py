@@ -1,0 +1,168 @@
+"""A parameter-server shard process: ShardState behind the binary protocol of wire.py.
+
+    python -m elastic_step.ps.shard --dir DIR --shard I --host 127.0.0.1 --port 0 --token-file F
+
+DIR holds `config.json` ({"tables": [TableSpec...], "routing": RoutingTable, "snapshot_every":
+n}), and the shard's snapshot, ledger and routing. The shard recovers first (snapshot, then the
+ledger's tail) and only then listens and writes `ready.json` (host, port, pid, epoch, replayed):
+whoever launched it waits for that file. The token comes from a file, never the command line;
+every request carries it and one without it is refused. SIGTERM takes a last snapshot and exits.
+
+Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import json
+import os
+import signal
+import socket
+import socketserver
+import sys
+import threading
+
+import numpy as np
+
+from elastic_step.ps import wire
+from elastic_step.ps.api import Status, TableSpec
+from elastic_step.ps.ledger import LedgerRecord
+from elastic_step.ps.routing import RoutingTable
+from elastic_step.ps.state import ShardState
+
+READY_FILE = "ready.json"
+CONFIG_FILE = "config.json"
+
+
+class ShardHandler(socketserver.BaseRequestHandler):
+    """One client connection: requests answered in order until the client closes."""
+
+    def handle(self) -> None:
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            try:
+                header, body = wire.receive(self.request)
+            except (ConnectionError, wire.FrameError, ValueError, OSError):
+                return
+            if not hmac.compare_digest(str(header.get("token", "")).encode(), self.server.token):
+                wire.send(self.request, {"status": Status.UNAUTHORIZED, "detail": "missing or wrong job token"})
+                return
+            try:
+                reply, arrays = self.server.answer(header, body)
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed request, not a crash
+                reply, arrays = {"status": Status.BAD_REQUEST, "detail": str(exc)[:200]}, ()
+            wire.send(self.request, reply, *arrays)
+
+
+class ShardServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], state: ShardState, token: str):
+        self.state = state
+        self.token = token.encode()
+        super().__init__(address, ShardHandler)
+
+    def answer(self, header: dict, body: bytearray) -> tuple[dict, tuple]:
+        op, state = header["op"], self.state
+        if op == "stats":
+            return {"status": Status.OK, **state.stats()}, ()
+        if op == "routing":
+            state.set_routing(RoutingTable.from_json(header["routing"]))
+            return {"status": Status.OK, "epoch": state.routing.epoch}, ()
+        if op == "snapshot":
+            state.snapshot()
+            return {"status": Status.OK}, ()
+        table = state.tables[header["table"]]
+        if op == "digest":
+            with state.lock:
+                return {"status": Status.OK, "digest": table.digest()}, ()
+        if op == "counters":
+            with state.lock:
+                held = table.arrays()
+                return {"status": Status.OK, "count": len(held["ids"])}, (held["ids"].copy(), held["updates"].copy())
+        count = int(header["count"])
+        ids, grads = wire.ids_and_rows(body, count, table.spec.dim)
+        status = state.check(int(header["epoch"]), ids)
+        if status is not Status.OK:
+            return {"status": status, "epoch": state.routing.epoch}, ()
+        if op == "pull":
+            return {"status": Status.OK}, (state.pull(header["table"], ids),)
+        if op == "push":
+            return self._push(header, ids, grads)
+        raise ValueError(f"unknown op {op!r}")
+
+    def _push(self, header: dict, ids: np.ndarray, grads: np.ndarray | None) -> tuple[dict, tuple]:
+        if grads is None or not np.isfinite(grads).all():
+            raise ValueError("a push needs finite gradients, one row per id")
+        record = LedgerRecord(header["table"], int(header["task"]), int(header["batch_seq"]), int(header["attempt"]), ids, grads)
+        return {"status": Status.OK, "applied": self.state.push(record)}, ()
+
+
+def _bind_host(host: str) -> str:
+    """Only a concrete address: loopback, or the pod's own IP; never every interface."""
+    address = ipaddress.ip_address(host)
+    if address.is_unspecified:
+        raise ValueError(f"--host {host}: give 127.0.0.1 or the pod's own IP, not a wildcard address")
+    return host
+
+
+def _write_ready(directory: str, info: dict) -> None:
+    partial = os.path.join(directory, READY_FILE + ".partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(info, f)
+    os.replace(partial, os.path.join(directory, READY_FILE))
+
+
+def load_config(directory: str) -> tuple[list[TableSpec], RoutingTable, int]:
+    with open(os.path.join(directory, CONFIG_FILE), encoding="utf-8") as f:
+        config = json.load(f)
+    specs = [TableSpec.from_json(t) for t in config["tables"]]
+    return specs, RoutingTable.from_json(config["routing"]), int(config.get("snapshot_every", 1000))
+
+
+def serve(args: argparse.Namespace) -> None:
+    try:
+        os.unlink(os.path.join(args.dir, READY_FILE))
+    except FileNotFoundError:
+        pass
+    specs, routing, snapshot_every = load_config(args.dir)
+    with open(args.token_file, encoding="utf-8") as f:
+        token = f.read().strip()
+    state = ShardState(args.dir, specs, args.shard, routing, snapshot_every, sync=not args.no_fsync)
+    replayed = state.recover()
+    server = ShardServer((_bind_host(args.host), args.port), state, token)
+
+    def stop(signum, frame):
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    host, port = server.server_address[:2]
+    _write_ready(args.dir, {"host": host, "port": port, "pid": os.getpid(), "epoch": state.routing.epoch, "replayed": replayed})
+    server.serve_forever(poll_interval=0.2)
+    server.server_close()
+    state.snapshot()  # SIGTERM is a preemption: leave a snapshot with nothing left to replay
+    state.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elastic_step.ps.shard", description="serve one parameter-server shard")
+    parser.add_argument("--dir", required=True, help="the shard's folder: config.json, snapshot, ledger")
+    parser.add_argument("--shard", type=int, required=True, help="this shard's index in the routing table")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind: 127.0.0.1 or the pod's IP")
+    parser.add_argument("--port", type=int, default=0, help="port to bind (0: any; see ready.json)")
+    parser.add_argument("--token-file", required=True, help="file holding the job token")
+    parser.add_argument("--no-fsync", action="store_true", help="do not fsync the ledger (benchmarks only: loses updates on a crash)")
+    args = parser.parse_args(argv)
+    try:
+        serve(args)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"elastic_step.ps.shard: {exc}; check --dir, --host and --token-file", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""A shard's snapshot: every table's rows, counters and applied batches, in one .npz file.
+
+Keys: `<table>.ids` (int64), `<table>.rows` (float32, weights and optimizer slots),
+`<table>.updates` (uint32) and `<table>.applied` (k x 2 int64: the (task, batch_seq) pairs this
+shard has applied). Loaded with allow_pickle=False: nothing in it is ever unpickled.
+
+A snapshot is written whole to a temporary file, fsync'd and renamed over the previous one, so a
+SIGKILL leaves either the old snapshot or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from elastic_step.ps.ledger import _fsync_dir
+
+
+def save(path: str, tables: dict[str, dict[str, np.ndarray]], applied: dict[str, set[tuple[int, int]]]) -> None:
+    arrays = {}
+    for name, parts in tables.items():
+        for key, array in parts.items():
+            arrays[f"{name}.{key}"] = array
+        pairs = sorted(applied.get(name, ()))
+        arrays[f"{name}.applied"] = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    partial = path + ".partial"
+    with open(partial, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    _fsync_dir(path)
+
+
+def load(path: str, table_names: list[str]) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, set[tuple[int, int]]]]:
+    """The snapshot's tables and applied batches; empty when there is no snapshot yet."""
+    tables, applied = {}, {}
+    if not os.path.exists(path):
+        return tables, applied
+    with np.load(path, allow_pickle=False) as data:
+        for name in table_names:
+            if f"{name}.ids" not in data:
+                continue
+            tables[name] = {key: data[f"{name}.{key}"] for key in ("ids", "rows", "updates")}
+            applied[name] = set(map(tuple, data[f"{name}.applied"].tolist()))
+    return tables, applied

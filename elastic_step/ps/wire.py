@@ -1,0 +1,68 @@
+"""The shard protocol's framing: a small binary format over one TCP connection.
+
+Why not HTTP+JSON like the master: a push of a few thousand rows is a few hundred KB of float32,
+and JSON would turn it into text and back on every minibatch. Every message, either way:
+
+    magic "ESP1" | u32 header length | u64 body length   (little-endian)
+    header: UTF-8 JSON object (op, token, epoch, table, counts, ...)
+    body:   raw little-endian arrays the header describes (int64 ids, then float32 rows)
+
+Nothing is unpickled: a header is JSON, a body is read with np.frombuffer at the dtype the
+protocol fixes. Sizes are bounded before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+import numpy as np
+
+MAGIC = b"ESP1"
+_PREFIX = struct.Struct("<4sIQ")
+MAX_HEADER = 64 * 1024
+MAX_BODY = 1 << 30
+
+
+class FrameError(ValueError):
+    """A message that does not follow the framing (wrong magic, oversized, truncated)."""
+
+
+def send(sock: socket.socket, header: dict, *arrays: np.ndarray) -> None:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    parts = [np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in arrays]
+    body_len = sum(len(p) for p in parts)
+    sock.sendall(b"".join([_PREFIX.pack(MAGIC, len(head), body_len), head, *parts]))
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ConnectionError("the peer closed the connection mid-message" if got else "the peer closed the connection")
+        got += n
+    return buffer
+
+
+def receive(sock: socket.socket) -> tuple[dict, bytearray]:
+    magic, head_len, body_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
+    if magic != MAGIC or head_len > MAX_HEADER or body_len > MAX_BODY:
+        raise FrameError("not a shard protocol message, or one over the size limits")
+    header = json.loads(_recv_exact(sock, head_len))
+    if not isinstance(header, dict):
+        raise FrameError("a message header must be a JSON object")
+    return header, _recv_exact(sock, body_len)
+
+
+def ids_and_rows(body: bytearray, count: int, dim: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Split a body into `count` int64 ids and, when it carries them, count x dim float32 rows."""
+    id_bytes = 8 * count
+    if len(body) not in (id_bytes, id_bytes + 4 * count * dim):
+        raise FrameError(f"body of {len(body)} bytes does not hold {count} ids (and rows of dim {dim})")
+    ids = np.frombuffer(body, dtype="<i8", count=count)
+    if len(body) == id_bytes:
+        return ids, None
+    return ids, np.frombuffer(body, dtype="<f4", offset=id_bytes).reshape(count, dim)
