@@ -11,11 +11,11 @@ import argparse
 import logging
 import sys
 
-from elastic_step.cli import argo, data, jobs, logs, observe, release, schedule, submit, train
+from elastic_step.cli import argo, data, jobs, logs, observe, release, schedule, serve, submit, train
 from elastic_step.errors import ElasticStepError
 from elastic_step.exit_codes import ExitCode
 
-COMMAND_MODULES = (data, train, submit, jobs, observe, logs, release, argo, schedule)
+COMMAND_MODULES = (data, train, submit, jobs, observe, logs, release, serve, argo, schedule)
 
 
 def build_parser() -> argparse.ArgumentParser:
