@@ -290,3 +290,17 @@ def test_a_master_whose_optional_mlflow_secret_is_missing_is_refused_naming_it(t
         check_before_start(ns)
         start_backend(cluster, tmp_path, monkeypatch, ns, cluster.service_account).shutdown(grace_s=0)
         assert made_by_the_job(cluster, ns) == []
+
+
+def test_a_cluster_that_withholds_the_reviews_skips_the_preflight_and_the_calls_still_say_what_fails(tmp_path, monkeypatch, caplog):
+    """Without `system:basic-user` an account may not ask what it may do: the pre-flight steps
+    aside (a warning), and the master runs on the rights it has."""
+    from cluster.rbac import BASIC_USER
+
+    with Cluster(str(tmp_path / "cluster")) as cluster:
+        cluster.authorizer.bindings = [b for b in cluster.authorizer.bindings if b[2] != BASIC_USER]
+        backend = start_backend(cluster, tmp_path, monkeypatch, cluster.namespace, cluster.service_account)
+        assert made_by_the_job(cluster, cluster.namespace)
+        backend.shutdown(grace_s=0)
+        assert "permission pre-flight skipped" in caplog.text
+        assert {r for _, r, _ in cluster.refused()} == {"selfsubjectaccessreviews"}

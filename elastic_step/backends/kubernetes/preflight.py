@@ -43,6 +43,10 @@ def is_kfp_task() -> bool:
     return bool(os.environ.get("KFP_POD_NAME"))
 
 
+class CannotAsk(Exception):
+    """The API server does not let this account ask what it may do (no system:basic-user)."""
+
+
 class Preflight:
     """The checks, over the master's own connection (`api_client`) to the API server."""
 
@@ -60,14 +64,11 @@ class Preflight:
 
     def check(self, namespace: str, pod_namespace: str, kfp_task: bool) -> None:
         """Raise ConfigError naming what is missing; return when everything is in place."""
-        wanted = [(right, namespace) for right in master_rights()]
-        store_secret = None
-        if kfp_task:
-            launcher = kfp_rights(None)[0]
-            store_secret = self.launcher_store_secret(pod_namespace) if self.allowed(launcher, pod_namespace) \
-                else KFP_STORE_SECRET
-            wanted += [(right, pod_namespace) for right in kfp_rights(store_secret)]
-        missing = [(right, ns) for right, ns in wanted if not self.allowed(right, ns)]
+        try:
+            missing, store_secret = self.missing_rights(namespace, pod_namespace, kfp_task)
+        except CannotAsk as exc:  # a cluster that withholds the reviews: the calls still say what fails
+            log.warning("permission pre-flight skipped: the API server refused the review (%s)", exc)
+            return
         if missing:
             raise ConfigError(self.missing_message(missing, namespace))
         if store_secret and not self.exists("secrets", pod_namespace, store_secret):
@@ -76,6 +77,16 @@ class Preflight:
                 f"namespace {pod_namespace}: create it (KFP's installation makes {KFP_STORE_SECRET}), or name yours in "
                 f"the {KFP_LAUNCHER_CONFIG} ConfigMap's providers")
 
+    def missing_rights(self, namespace: str, pod_namespace: str, kfp_task: bool) -> tuple[list[tuple[Right, str]], str | None]:
+        """(the rights not granted, with their namespace; the launcher's store Secret in a KFP task)."""
+        wanted = [(right, namespace) for right in master_rights()]
+        store_secret = None
+        if kfp_task:  # the launcher's config says which Secret it reads, if this account may read it
+            readable = self.allowed(kfp_rights(None)[0], pod_namespace)
+            store_secret = self.launcher_store_secret(pod_namespace) if readable else KFP_STORE_SECRET
+            wanted += [(right, pod_namespace) for right in kfp_rights(store_secret)]
+        return [(right, ns) for right, ns in wanted if not self.allowed(right, ns)], store_secret
+
     def allowed(self, right: Right, namespace: str) -> bool:
         attributes = k8s.V1ResourceAttributes(namespace=namespace, verb=right.verb, group=right.group,
                                               resource=right.resource, name=right.name or None)
@@ -83,6 +94,8 @@ class Preflight:
         try:
             answer = self.authorization.create_self_subject_access_review(review, _request_timeout=self.timeout_s)
         except k8s.ApiException as exc:
+            if exc.status in (401, 403, 404):  # not allowed to ask, or not served (a stripped-down server)
+                raise CannotAsk(f"{exc.status} {exc.reason}") from None
             raise ConfigError(f"cannot ask the API server what the master may do (SelfSubjectAccessReview): "
                               f"{exc.status} {exc.reason}") from None
         return bool(answer.status and answer.status.allowed)
