@@ -8,6 +8,7 @@ delays what others see, never the master's loop or its lock."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -19,6 +20,26 @@ log = logging.getLogger("elastic_step.master")
 PUBLISH_INTERVAL_S = 2.0
 PUBLISHED_EVENTS = 300  # the newest events only: a ConfigMap holds at most 1 MiB
 PUBLISHED_HISTORY = 300  # points of loss, samples/s and world size over time, evenly thinned
+# The document's own cap, in bytes of JSON: a ConfigMap holds at most 1 MiB with its metadata, and
+# a larger document makes every update fail (300 events of 4 KB each are more), which would also
+# hide the operator's stop annotation, read from the update's reply.
+MAX_DOCUMENT_BYTES = 900 * 1024
+
+
+def size_of(document: dict) -> int:
+    return len(json.dumps(document, default=str).encode())
+
+
+def within(document: dict, limit: int = MAX_DOCUMENT_BYTES) -> dict:
+    """`document` cut to `limit` bytes: its oldest events go first, then every other history
+    point (the newest always stays). What is left out is still in the job's events.jsonl, its
+    MLflow run and its master's log."""
+    document = {**document, "events": list(document.get("events", [])), "history": list(document.get("history", []))}
+    while size_of(document) > limit and document["events"]:
+        document["events"] = document["events"][max(1, len(document["events"]) // 8):]
+    while size_of(document) > limit and len(document["history"]) > 1:
+        document["history"] = document["history"][::-2][::-1]
+    return document
 
 
 class StatusPublisher:
@@ -57,7 +78,7 @@ class StatusPublisher:
                     "events_next": count, "history": history[::-stride][::-1]}  # the newest point always
         if self.stop_refused:
             document["stop_refused"] = self.stop_refused
-        requests = self.backend.publish(document)
+        requests = self.backend.publish(within(document))
         if "stop" in requests and not self.stop_taken:
             self.stop_taken = True  # the annotation stays; one request is enough
             try:

@@ -341,8 +341,19 @@ class KubernetesBackend(Backend):
                             "kubernetes` shows older status until it works again", self.names.status_map, ns,
                             getattr(exc, "reason", None) or exc)
             self._publish_failing = True
-            return set()
+            return self._stop_requested_anyway() if self.status_published else set()
         self._publish_failing = False
+        annotations = (reply.metadata.annotations or {}) if reply.metadata else {}
+        return {"stop"} if manifests.STOP_ANNOTATION in annotations else set()
+
+    def _stop_requested_anyway(self) -> set[str]:
+        """The update failed, but the operator's stop annotation must still be read: an empty patch
+        changes nothing and answers the ConfigMap as it is (the Role grants patch, not get)."""
+        try:
+            reply = self.api.patch_namespaced_config_map(self.names.status_map, self.settings.namespace, {},
+                                                         _request_timeout=self.timeout_s)
+        except Exception:
+            return set()
         annotations = (reply.metadata.annotations or {}) if reply.metadata else {}
         return {"stop"} if manifests.STOP_ANNOTATION in annotations else set()
 

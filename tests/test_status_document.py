@@ -1,0 +1,87 @@
+"""The status a master on Kubernetes publishes to its ConfigMap, and the operator's stop request
+read from it, under an event flood and a failing update. The API server refuses a ConfigMap whose
+data passes 1 MiB (etcd's object limit; `Too long: must have at most 1048576 bytes`): a document
+that large made every update fail, and the stop annotation, read from the update's reply, was
+never seen."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elastic_step.backends.kubernetes.manifests import STATUS_KEY, STOP_ANNOTATION
+from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+from elastic_step.master.publisher import MAX_DOCUMENT_BYTES, StatusPublisher
+from elastic_step.protocol import EventKind
+
+from kube_fake import FakeCoreV1Api, api_error
+from test_kubernetes_backend import unit_backend
+from test_master_state import join_all, make_state
+
+CONFIGMAP_LIMIT = 1024 * 1024
+
+
+class LimitedApi(FakeCoreV1Api):
+    """The fake API server, refusing ConfigMap data over 1 MiB as the real one does (422)."""
+
+    def _refuse_too_long(self, data: dict | None) -> None:
+        if sum(len(k) + len(v.encode()) for k, v in (data or {}).items()) > CONFIGMAP_LIMIT:
+            raise api_error(422, "ConfigMap is invalid: []: Too long: must have at most 1048576 bytes")
+
+    def create_namespaced_config_map(self, namespace, body, **kwargs):
+        self._refuse_too_long(body.data)
+        return super().create_namespaced_config_map(namespace, body, **kwargs)
+
+    def patch_namespaced_config_map(self, name, namespace, body, **kwargs):
+        self._refuse_too_long(body.get("data"))
+        return super().patch_namespaced_config_map(name, namespace, body, **kwargs)
+
+
+@pytest.fixture
+def api(tmp_path):
+    fake = LimitedApi(str(tmp_path / "cluster"))
+    yield fake
+    fake.close()
+
+
+def running_job(tmp_path, api):
+    state, _ = make_state()
+    join_all(state)  # a ready round: a stop can be taken
+    backend = unit_backend(tmp_path, api, PodSettings(namespace="ml", image="es:1"),
+                           master=MasterPod("train-step-1", "uid-m", "127.0.0.1", "ml"), request_timeout_s=2.0)
+    return state, backend, StatusPublisher(state, backend, state.events, {"job": "unit", "backend": "kubernetes"})
+
+
+def test_an_event_flood_is_published_within_the_limit_and_a_stop_is_still_seen(tmp_path, api):
+    state, backend, publisher = running_job(tmp_path, api)
+    publisher.publish_once()
+    name = backend.names.status_map
+    for i in range(300):  # every task failing with a 4 KB error
+        state.events.record(EventKind.TASK_FAILED, f"task {i}: " + "x" * 4000, worker="w0.1")
+    api.patch_namespaced_config_map(name, "ml", {"metadata": {"annotations": {STOP_ANNOTATION: "now"}}})  # `elastic-step stop`
+    publisher.publish_once()
+    text = api.config_maps[name].data[STATUS_KEY]
+    assert len(text.encode()) <= MAX_DOCUMENT_BYTES < CONFIGMAP_LIMIT
+    document = json.loads(text)
+    assert document["events"][-1].get("message", "").startswith("task 299: ")  # the newest kept, the oldest left out
+    assert document["events_next"] == len(state.events.events)
+    assert publisher.stop_taken  # the request was seen (this job takes no checkpoints, so it is refused, saying why)
+    backend.shutdown(grace_s=0)
+
+
+def test_a_stop_is_read_even_when_the_status_update_fails(tmp_path, api):
+    state, backend, publisher = running_job(tmp_path, api)
+    assert backend.publish({"status": {"state": "running"}}) == set()
+    name = backend.names.status_map
+    api.patch_namespaced_config_map(name, "ml", {"metadata": {"annotations": {STOP_ANNOTATION: "now"}}})
+    original = api.patch_namespaced_config_map
+
+    def data_refused(name, namespace, body, **kwargs):  # e.g. an admission webhook refusing the new data
+        if body.get("data"):
+            raise api_error(500, "Internal error occurred")
+        return original(name, namespace, body, **kwargs)
+
+    api.patch_namespaced_config_map = data_refused
+    assert backend.publish({"status": {"state": "running", "step": 9}}) == {"stop"}
+    backend.shutdown(grace_s=0)
