@@ -90,3 +90,17 @@ class LocalShards:
             if shard.process is not None and shard.process.poll() is None:
                 shard.process.kill()
                 shard.process.wait()
+
+
+def routes_from(directories: list[str], routing: RoutingTable) -> RoutingTable:
+    """`routing` with each shard's address as its folder's ready.json says (a shard not ready
+    yet gets an address that refuses at once, for the client to retry)."""
+    endpoints = []
+    for directory in directories:
+        try:
+            with open(os.path.join(directory, READY_FILE), encoding="utf-8") as f:
+                info = json.load(f)
+            endpoints.append(f"{info['host']}:{info['port']}")
+        except (FileNotFoundError, json.JSONDecodeError):
+            endpoints.append("127.0.0.1:1")
+    return RoutingTable(routing.epoch, routing.owners, endpoints)

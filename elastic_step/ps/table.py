@@ -19,7 +19,7 @@ from elastic_step.ps.index import IdIndex
 from elastic_step.ps.optimizers import apply_rows, initial_slots
 
 GROWTH = 1.25  # a modest factor: the block's spare rows are part of the bytes per row
-_SEED_MIX = np.uint64(0xD1B54A32D192ED03)
+_SEED_MIX = 0xD1B54A32D192ED03
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -32,7 +32,7 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 def initial_weights(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
     """Each id's starting row: uniform in [-init_scale, init_scale], a function of (seed, id)."""
     keys = ids.astype(np.uint64)[:, None] * np.uint64(spec.dim) + np.arange(spec.dim, dtype=np.uint64)
-    keys += np.uint64(spec.seed) * _SEED_MIX
+    keys += np.uint64((spec.seed * _SEED_MIX) % (1 << 64))  # a seed's own stream of keys
     unit = (_splitmix64(keys) >> np.uint64(40)).astype(np.float32) / np.float32(1 << 24)
     return ((unit * 2 - 1) * np.float32(spec.init_scale)).astype(np.float32)
 

@@ -1,0 +1,143 @@
+"""An embedding table on a shard: rows created alike on any shard, the id index exact through its
+growth, per-row SGD / Adagrad / Adam updates equal to torch.optim's on the touched rows, and a
+row that costs at most 1.35x its payload."""
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_step.ps.api import OptimizerKind, TableSpec
+from elastic_step.ps.ledger import Ledger, LedgerRecord, encode, replay
+from elastic_step.ps.table import EmbeddingTable
+
+DIM = 8
+
+
+def pushes(rows: int, steps: int, per_step: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        ids = np.unique(rng.integers(0, rows, per_step))
+        yield ids, rng.normal(size=(len(ids), DIM)).astype(np.float32)
+
+
+def torch_reference(spec: TableSpec, rows: int, steps: list) -> np.ndarray:
+    """The same pushes applied by torch.optim to a dense weight: an untouched row gets a zero
+    gradient, which SGD and Adagrad leave unchanged."""
+    table = EmbeddingTable(spec)
+    weight = torch.nn.Parameter(torch.from_numpy(table.pull(np.arange(rows)).copy()))
+    if spec.optimizer is OptimizerKind.SGD:
+        optimizer = torch.optim.SGD([weight], lr=spec.lr)
+    elif spec.optimizer is OptimizerKind.ADAGRAD:
+        optimizer = torch.optim.Adagrad([weight], lr=spec.lr, eps=spec.eps, initial_accumulator_value=spec.initial_accumulator)
+    else:
+        optimizer = torch.optim.Adam([weight], lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps)
+    for ids, grads in steps:
+        dense = torch.zeros(rows, DIM)
+        dense[torch.from_numpy(ids)] = torch.from_numpy(grads)
+        weight.grad = dense
+        optimizer.step()
+    return weight.detach().numpy()
+
+
+@pytest.mark.parametrize("optimizer", [OptimizerKind.SGD, OptimizerKind.ADAGRAD])
+def test_sparse_rows_match_torch_dense(optimizer):
+    spec = TableSpec("t", DIM, optimizer, lr=0.1, initial_accumulator=0.1)
+    steps = list(pushes(rows=300, steps=40, per_step=50))
+    table = EmbeddingTable(spec)
+    for ids, grads in steps:
+        table.push(ids, grads)
+    np.testing.assert_allclose(table.pull(np.arange(300)), torch_reference(spec, 300, steps), rtol=1e-5, atol=1e-6)
+
+
+def test_adam_matches_torch_when_every_row_is_touched():
+    """Lazy Adam counts each row's own updates; where every push touches every row that count
+    is torch's global step, so the two must agree."""
+    spec = TableSpec("t", DIM, OptimizerKind.ADAM, lr=0.01, eps=1e-8)
+    rng = np.random.default_rng(1)
+    steps = [(np.arange(40), rng.normal(size=(40, DIM)).astype(np.float32)) for _ in range(30)]
+    table = EmbeddingTable(spec)
+    for ids, grads in steps:
+        table.push(ids, grads)
+    np.testing.assert_allclose(table.pull(np.arange(40)), torch_reference(spec, 40, steps), rtol=1e-5, atol=1e-6)
+
+
+def test_lazy_adam_matches_a_per_row_numpy_reference():
+    spec = TableSpec("t", DIM, OptimizerKind.ADAM, lr=0.01, eps=1e-8)
+    steps = list(pushes(rows=200, steps=30, per_step=40, seed=2))
+    table = EmbeddingTable(spec)
+    w = table.pull(np.arange(200)).astype(np.float64)
+    m, v, t = np.zeros_like(w), np.zeros_like(w), np.zeros(200)
+    for ids, grads in steps:
+        table.push(ids, grads)
+        t[ids] += 1
+        m[ids] = 0.9 * m[ids] + 0.1 * grads
+        v[ids] = 0.999 * v[ids] + 0.001 * grads.astype(np.float64) ** 2
+        step_size = 0.01 / (1 - 0.9 ** t[ids])[:, None]
+        w[ids] -= step_size * m[ids] / (np.sqrt(v[ids]) / np.sqrt(1 - 0.999 ** t[ids])[:, None] + 1e-8)
+    np.testing.assert_allclose(table.pull(np.arange(200)), w, rtol=1e-4, atol=1e-6)
+    assert table.counters() == {i: int(c) for i, c in enumerate(t) if c}
+
+
+def test_rows_are_created_alike_on_any_shard_and_repeated_ids_are_summed():
+    spec = TableSpec("t", DIM, seed=7)
+    one, other = EmbeddingTable(spec), EmbeddingTable(spec)
+    ids = np.array([5, 3, 1 << 40, -2])
+    other.pull(np.arange(1000))  # a different history of creations
+    np.testing.assert_array_equal(one.pull(ids), other.pull(ids))
+    assert not np.array_equal(one.pull(ids), EmbeddingTable(TableSpec("t", DIM, seed=8)).pull(ids))
+    grads = np.ones((3, DIM), np.float32)
+    one.push(np.array([5, 5, 3]), grads)
+    other.push(np.array([5, 3]), np.array([2 * grads[0], grads[0]]))
+    np.testing.assert_array_equal(one.pull(ids), other.pull(ids))
+    assert one.counters()[5] == 1
+
+
+def test_the_index_stays_exact_through_growth():
+    table = EmbeddingTable(TableSpec("t", 2, OptimizerKind.SGD))
+    rng = np.random.default_rng(3)
+    expected = {}
+    for _ in range(30):
+        ids = rng.integers(-(1 << 62), 1 << 62, 3000) if rng.random() < 0.5 else rng.integers(0, 20000, 3000)
+        slots = table.slots_of(ids)
+        for i, s in zip(ids.tolist(), slots.tolist()):
+            assert expected.setdefault(i, s) == s
+    assert table.size == len(expected)
+    assert sorted(table.ids[: table.size].tolist()) == sorted(expected)
+
+
+def test_a_row_costs_at_most_1_35x_its_payload():
+    """dim 16 + Adagrad: 128 bytes of weights and accumulator. The table reserves its declared
+    share of rows (TableSpec.capacity), as a shard of a declared table does."""
+    rows = 300_000
+    table = EmbeddingTable(TableSpec("t", 16, OptimizerKind.ADAGRAD, capacity=rows))
+    for start in range(0, rows, 50_000):
+        table.pull(np.arange(start, start + 50_000) * 7919)
+    payload = 2 * 16 * 4
+    assert table.size == rows
+    assert table.nbytes / rows <= 1.35 * payload
+
+
+def test_snapshot_arrays_restore_an_equal_table():
+    spec = TableSpec("t", DIM, OptimizerKind.ADAM)
+    table = EmbeddingTable(spec)
+    for ids, grads in pushes(rows=500, steps=5, per_step=100):
+        table.push(ids, grads)
+    copy = EmbeddingTable(spec)
+    copy.load(**{k: v.copy() for k, v in table.arrays().items()})
+    assert copy.digest() == table.digest()
+    table.push(np.array([1]), np.ones((1, DIM), np.float32))
+    assert copy.digest() != table.digest()
+
+
+def test_the_ledger_replays_whole_records_and_cuts_a_torn_tail(tmp_path):
+    path = str(tmp_path / "ledger.bin")
+    ledger = Ledger(path)
+    records = [LedgerRecord("t", 1, b, 0, np.array([b, b + 1]), np.full((2, DIM), b, np.float32)) for b in range(3)]
+    for record in records:
+        ledger.append(record)
+    ledger.file.write(encode(LedgerRecord("t", 1, 9, 0, np.array([1]), np.ones((1, DIM), np.float32)))[:-5])
+    ledger.close()
+    replayed = list(replay(path, lambda name: DIM))
+    assert [(r.task, r.batch_seq) for r in replayed] == [(1, 0), (1, 1), (1, 2)]
+    np.testing.assert_array_equal(replayed[2].grads, records[2].grads)
+    assert len(list(replay(path, lambda name: DIM))) == 3  # the torn record is gone from the file
