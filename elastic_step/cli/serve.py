@@ -12,6 +12,10 @@ def register(sub) -> None:
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for /ping (default 120)")
     p.set_defaults(func=serve)
 
+    from elastic_step.cli import deploy
+
+    deploy.register(sub)
+
 
 def serve(args) -> int:
     import signal

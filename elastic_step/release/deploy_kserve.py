@@ -1,0 +1,48 @@
+"""The `kserve` target's rollout: a canary at --canary-percent when a previous revision serves,
+promoted to all traffic once Ready; on failure all traffic back to the last rolled-out revision
+(KServe v1beta1: canaryTrafficPercent 0), and the deploy fails with KServe's reason."""
+
+from __future__ import annotations
+
+from elastic_step.errors import ConfigError, JobFailed
+from elastic_step.release.deploy import DeployResult, failed, render_objects
+from elastic_step.release.deploy_render import VERSION_LABEL, DeploySettings, Target
+from elastic_step.release.served_model import ServedModel
+
+
+def apply_kserve(cluster, registered_model: str, model: ServedModel | None, settings: DeploySettings, timeout: float,
+                 mlflow_uri: str | None) -> DeployResult:
+    existing = cluster.inference_service(settings.name)
+    previous = _rolled_out_version(existing)
+    if model is None:  # --rollback
+        if existing is None or not _previous_revision(existing):
+            raise ConfigError(f"InferenceService {settings.namespace}/{settings.name} has no previous revision to roll back to")
+        cluster.roll_back_inference_service(settings.name)
+        return DeployResult(Target.KSERVE, settings.name, settings.namespace, previous, existing["status"].get("url", ""),
+                            applied=True)
+    (obj,) = render_objects(model, Target.KSERVE, settings, canary=bool(previous))
+    written = cluster.write_inference_service(obj, existing)
+    try:
+        url = cluster.wait_inference_service(settings.name, written["metadata"].get("generation", 1), timeout)
+        if previous:  # the canary is Ready: it takes all the traffic
+            promoted = dict(written, spec={"predictor": {**written["spec"]["predictor"], "canaryTrafficPercent": 100}})
+            written = cluster.write_inference_service(promoted, cluster.inference_service(settings.name))
+            url = cluster.wait_inference_service(settings.name, written["metadata"].get("generation", 1), timeout)
+    except JobFailed as exc:
+        if previous:
+            cluster.roll_back_inference_service(settings.name)
+        raise failed(str(exc), previous) from None
+    return DeployResult(Target.KSERVE, settings.name, settings.namespace, model.version, url, previous, [obj], True)
+
+
+def _rolled_out_version(existing: dict | None) -> str:
+    """The version a Ready InferenceService serves ("" when none does)."""
+    if not existing:
+        return ""
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in existing.get("status", {}).get("conditions", []))
+    return existing["metadata"].get("labels", {}).get(VERSION_LABEL, "") if ready else ""
+
+
+def _previous_revision(existing: dict) -> str:
+    predictor = existing.get("status", {}).get("components", {}).get("predictor", {})
+    return predictor.get("previousRolledoutRevision", "")
