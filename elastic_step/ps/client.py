@@ -120,7 +120,7 @@ class PsClient:
             if time.monotonic() > deadline:
                 raise ShardUnavailable(f"{len(pending)} ids unanswered after {self.deadline_s:.0f} s; are the shards running?")
             time.sleep(backoff)  # a relaunched shard needs a moment to replay its ledger
-            backoff = min(1.0, backoff * 2)
+            backoff = min(0.2, backoff * 2)  # a refused connection is cheap: look again soon
             self.routing = self.routes()
 
     def _answer(self, endpoint: str) -> tuple[dict, bytearray] | None:

@@ -6,8 +6,9 @@ One record per accepted push (little-endian):
     payload: i64 task | i64 batch_seq | i32 attempt | u32 count | u16 table-name length |
              table name (UTF-8) | count x i64 ids | count x dim x f32 gradients (merged per id)
 
-A shard appends and fsyncs a record before it answers the push, so an acknowledged update is
-on disk. A SIGKILL can tear only the record being written, which nobody was told about:
+A shard appends a record and fsyncs it before it answers the push, so an acknowledged update is
+on disk. The fsync runs outside the shard's lock and covers every record written before it (a
+group commit): pushes from several workers share one fsync, and pulls go on meanwhile. A SIGKILL can tear only the record being written, which nobody was told about:
 `replay` stops at the first record that is short or fails its CRC and cuts the file there.
 `rotate` starts an empty ledger after a snapshot has been made durable (shard.py).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -73,21 +75,39 @@ class Ledger:
         self.sync = sync  # False only to measure what the fsync costs (benchmarks)
         self.file = open(path, "ab", buffering=0)
         _fsync_dir(path)
+        # Bytes ever appended / made durable, across rotations: a waiter's mark stays meaningful.
+        self.written = self.durable = 0
+        self.sync_lock = threading.Lock()
 
-    def append(self, record: LedgerRecord) -> None:
-        self.file.write(encode(record))
-        if self.sync:
+    def append(self, record: LedgerRecord) -> int:
+        """Write a record (the caller holds the shard's lock); the mark to sync_through."""
+        data = encode(record)
+        self.file.write(data)
+        self.written += len(data)
+        return self.written
+
+    def sync_through(self, mark: int) -> None:
+        """Return once every byte up to `mark` is on disk (one fsync serves every waiter)."""
+        if not self.sync:
+            return
+        with self.sync_lock:
+            if self.durable >= mark:
+                return
+            target = self.written  # everything written by now, at least `mark`
             os.fsync(self.file.fileno())
+            self.durable = target
 
     def rotate(self) -> None:
         """Start an empty ledger (its records are all in the snapshot just made durable)."""
-        self.file.close()
-        fresh = self.path + ".new"
-        with open(fresh, "wb") as f:
-            os.fsync(f.fileno())
-        os.replace(fresh, self.path)
-        _fsync_dir(self.path)
-        self.file = open(self.path, "ab", buffering=0)
+        with self.sync_lock:
+            self.file.close()
+            fresh = self.path + ".new"
+            with open(fresh, "wb") as f:
+                os.fsync(f.fileno())
+            os.replace(fresh, self.path)
+            _fsync_dir(self.path)
+            self.file = open(self.path, "ab", buffering=0)
+            self.durable = self.written
 
     def close(self) -> None:
         self.file.close()

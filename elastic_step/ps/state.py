@@ -3,7 +3,11 @@
 - A push is keyed by (table, task, batch_seq). A key already applied is acknowledged and not
   applied again, whatever its attempt: a re-sent push, or a re-issued task's batch that an
   earlier attempt already pushed, changes nothing.
-- An accepted push is appended to the ledger and fsync'd, then applied, then acknowledged.
+- An accepted push is appended to the ledger and applied under the lock, then fsync'd outside
+  it (ledger.py's group commit), then acknowledged. A re-sent push is acknowledged only once
+  everything written before it is durable too, so its first copy's record is on disk. A pull
+  may see an update whose fsync is still running; a crash then loses it, but its push was not
+  acknowledged, so the worker sends it again.
 - Every `snapshot_every` accepted pushes the whole state is written as a snapshot and the ledger
   starts empty. Recovery loads the snapshot and replays the ledger; the applied keys make that
   replay idempotent, so a crash between the snapshot's rename and the ledger's rotation, which
@@ -80,14 +84,17 @@ class ShardState:
     def push(self, record: LedgerRecord) -> bool:
         """Apply a push once; False when its (table, task, batch_seq) was applied before."""
         with self.lock:
-            if (record.task, record.batch_seq) in self.applied[record.table]:
-                return False
-            self.ledger.append(record)  # durable before it is applied and acknowledged
-            self._apply(record)
-            self.since_snapshot += 1
-            if self.since_snapshot >= self.snapshot_every:
-                self._snapshot()
-            return True
+            applied = (record.task, record.batch_seq) not in self.applied[record.table]
+            if applied:
+                mark = self.ledger.append(record)
+                self._apply(record)
+                self.since_snapshot += 1
+                if self.since_snapshot >= self.snapshot_every:
+                    self._snapshot()
+            else:
+                mark = self.ledger.written
+        self.ledger.sync_through(mark)  # durable before it is acknowledged
+        return applied
 
     def _apply(self, record: LedgerRecord) -> int:
         key = (record.task, record.batch_seq)

@@ -74,9 +74,10 @@ class EmbeddingTable:
         self.size = end
 
     def _reserve(self, capacity: int) -> None:
-        self.block = np.resize(self.block, (capacity, self.width))
-        self.ids = np.resize(self.ids, capacity)
-        self.updates = np.resize(self.updates, capacity)
+        n = self.size
+        block, ids, updates = np.empty((capacity, self.width), np.float32), np.empty(capacity, np.int64), np.zeros(capacity, np.uint32)
+        block[:n], ids[:n], updates[:n] = self.block[:n], self.ids[:n], self.updates[:n]
+        self.block, self.ids, self.updates = block, ids, updates
 
     def pull(self, ids: np.ndarray) -> np.ndarray:
         """The weights of each id (len(ids) x dim)."""

@@ -1,0 +1,113 @@
+"""A shard process's contract beyond exactly-once: requests under a stale routing epoch or for
+ids it does not own are refused and the client re-routes and retries; the job token is checked;
+a wildcard bind address is bad input; SIGTERM leaves a snapshot with nothing to replay."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from elastic_step.ps import wire
+from elastic_step.ps.api import PsError, Status, TableSpec
+from elastic_step.ps.client import PsClient
+from elastic_step.ps.local import LocalShards, write_config
+from elastic_step.ps.routing import RoutingTable
+from elastic_step.ps.shard import READY_FILE
+from elastic_step.ps.state import LEDGER_FILE, SNAPSHOT_FILE
+
+TOKEN = "ps-shard-token"
+SPEC = TableSpec("emb", 4)
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    return str(path)
+
+
+@pytest.fixture
+def shards(tmp_path, token_file):
+    started = LocalShards(str(tmp_path / "ps"), [SPEC], 2, token_file)
+    started.start()
+    yield started
+    started.stop()
+
+
+def raw(endpoint: str, header: dict, *arrays) -> dict:
+    host, port = endpoint.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        wire.send(sock, header, *arrays)
+        return wire.receive(sock)[0]
+
+
+def test_a_routing_epoch_bump_refuses_stale_requests_and_the_client_reroutes(shards):
+    current = {"routing": shards.routes()}
+    client = PsClient(TOKEN, lambda: current["routing"])
+    ids = np.arange(500)
+    before = client.pull(SPEC.name, ids)
+    # Epoch 2 swaps the owners: every virtual shard moves (a row is created alike by its new owner).
+    swapped = RoutingTable(2, 1 - shards.routing.owners, current["routing"].endpoints)
+    for shard in shards.shards:
+        assert client.call(shard.endpoint, {"op": "routing", "routing": swapped.to_json()})[0]["epoch"] == 2
+    one_id = ids[:1]
+    stale = raw(shards.shards[0].endpoint, {"op": "pull", "token": TOKEN, "epoch": 1, "table": SPEC.name, "count": 1}, one_id)
+    assert stale["status"] == Status.STALE_EPOCH and stale["epoch"] == 2
+
+    current["routing"] = swapped
+    reply = client.push(SPEC.name, 1, 0, 0, ids, np.ones((500, SPEC.dim), np.float32))
+    assert reply.retries == 2 and reply.applied == 2  # both refused under epoch 1, both applied under 2
+    after = client.pull(SPEC.name, ids)
+    assert not np.array_equal(after, before)  # the push landed on the new owners
+    wrong = [s for s in range(2) if swapped.shard_of(one_id)[0] != s][0]
+    refused = raw(shards.shards[wrong].endpoint, {"op": "pull", "token": TOKEN, "epoch": 2, "table": SPEC.name, "count": 1}, one_id)
+    assert refused["status"] == Status.WRONG_SHARD
+
+    shards.shards[0].kill(signal.SIGKILL)  # the epoch is durable: a relaunched shard keeps it
+    shards.shards[0].start()
+    assert shards.shards[0].wait_ready()["epoch"] == 2
+
+
+def test_the_job_token_is_checked(shards):
+    endpoint = shards.shards[0].endpoint
+    header = {"op": "pull", "epoch": 1, "table": SPEC.name, "count": 1}
+    assert raw(endpoint, {**header, "token": "wrong"}, np.arange(1))["status"] == Status.UNAUTHORIZED
+    assert raw(endpoint, header, np.arange(1))["status"] == Status.UNAUTHORIZED
+    with pytest.raises(PsError, match="unauthorized"):
+        PsClient("wrong", shards.routes).pull(SPEC.name, np.arange(10))
+    bad = raw(endpoint, {**header, "token": TOKEN, "table": "nope"}, np.arange(1))
+    assert bad["status"] == Status.BAD_REQUEST
+    nan = np.full((1, SPEC.dim), np.nan, np.float32)
+    owned = np.arange(200)[shards.routing.shard_of(np.arange(200)) == 0][:1]
+    push = {"op": "push", "token": TOKEN, "epoch": 1, "table": SPEC.name, "count": 1, "task": 0, "batch_seq": 0, "attempt": 0}
+    assert raw(endpoint, push, owned, nan)["status"] == Status.BAD_REQUEST
+
+
+def test_a_wildcard_bind_address_is_bad_input(tmp_path, token_file):
+    directory = str(tmp_path / "shard")
+    write_config(directory, [SPEC], RoutingTable.initial(1))
+    command = [sys.executable, "-m", "elastic_step.ps.shard", "--dir", directory, "--shard", "0", "--host", "0.0.0.0", "--token-file", token_file]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "--host 0.0.0.0" in result.stderr
+    assert not os.path.exists(os.path.join(directory, READY_FILE))
+
+
+def test_sigterm_leaves_a_snapshot_and_an_empty_ledger(shards):
+    client = PsClient(TOKEN, shards.routes)
+    for b in range(5):
+        client.push(SPEC.name, 3, b, 0, np.arange(100) * (b + 1), np.ones((100, SPEC.dim), np.float32))
+    shard = shards.shards[1]
+    digest = client.call(shard.endpoint, {"op": "digest", "table": SPEC.name})[0]["digest"]
+    assert shard.kill(signal.SIGTERM) == 0
+    assert os.path.getsize(os.path.join(shard.directory, LEDGER_FILE)) == 0
+    assert os.path.exists(os.path.join(shard.directory, SNAPSHOT_FILE))
+    shard.start()
+    assert shard.wait_ready()["replayed"] == 0
+    assert client.call(shard.endpoint, {"op": "digest", "table": SPEC.name})[0]["digest"] == digest
