@@ -92,7 +92,11 @@ def _endpoint(target: Target, settings: DeploySettings) -> str:
 def _api_client():
     from elastic_step.backends.kubernetes.client import _api_client_class, load_configuration
 
-    return _api_client_class()(load_configuration())
+    try:
+        return _api_client_class()(load_configuration())
+    except ConfigError:
+        raise ConfigError("no cluster to deploy to: set KUBECONFIG, run in a pod with a service account, or "
+                          "see the objects with --dry-run") from None
 
 
 def failed(reason: str, rolled_back_to: str) -> JobFailed:
