@@ -94,7 +94,9 @@ def test_resent_and_reissued_pushes_count_once(shards, token_file):
     out, _ = reissued.communicate(timeout=120)
     assert reissued.returncode == 0
     assert int(out.split("duplicate=")[1].split()[0]) >= acked_before_death  # its earlier pushes were not applied again
-    assert resender.wait(timeout=120) == 0
+    out, _ = resender.communicate(timeout=120)
+    assert resender.returncode == 0
+    assert int(out.split("duplicate=")[1].split()[0]) >= 14  # batches 0, 3, ..., 39, each sent twice
 
     client = PsClient(TOKEN, shards.routes)
     assert shard_counters(client, shards) == clean_counters({0: 40, 1: 400})
@@ -132,12 +134,16 @@ def test_a_killed_shard_loses_no_acknowledged_update(shards):
     pushes, kill_at = [(owned, merged_once)], {40: threading.Event(), 100: threading.Event()}
     killer = threading.Thread(target=kill_and_relaunch, args=(first, list(kill_at.values())))
     killer.start()
-    for b in range(1, 150):
-        pushes.append(batch(7, b))
-        client.push(SPEC.name, 7, b, 0, *pushes[-1])  # retried inside until acknowledged
-        if b in kill_at:
-            kill_at[b].set()
-    killer.join()
+    try:
+        for b in range(1, 150):
+            pushes.append(batch(7, b))
+            client.push(SPEC.name, 7, b, 0, *pushes[-1])  # retried inside until acknowledged
+            if b in kill_at:
+                kill_at[b].set()
+    finally:
+        for moment in kill_at.values():
+            moment.set()
+        killer.join()
     assert first.process.poll() is None
     digests = [client.call(s.endpoint, {"op": "digest", "table": SPEC.name})[0]["digest"] for s in shards.shards]
     assert digests == reference_digests(shards.routing, pushes)

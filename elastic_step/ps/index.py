@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY = -1
-MAX_LOAD = 0.5
+MAX_LOAD = 0.7
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: multiply, keep the high bits
 
 
