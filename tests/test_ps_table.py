@@ -141,3 +141,21 @@ def test_the_ledger_replays_whole_records_and_cuts_a_torn_tail(tmp_path):
     assert [(r.task, r.batch_seq) for r in replayed] == [(1, 0), (1, 1), (1, 2)]
     np.testing.assert_array_equal(replayed[2].grads, records[2].grads)
     assert len(list(replay(path, lambda name: DIM))) == 3  # the torn record is gone from the file
+
+
+def test_applied_keys_answer_as_a_set_would_and_survive_a_snapshot():
+    from elastic_step.ps.applied import AppliedKeys
+
+    rng = np.random.default_rng(4)
+    keys, reference = AppliedKeys(), set()
+    for _ in range(3000):  # mostly in order per task, some out of order and repeated
+        task = int(rng.integers(0, 5))
+        seq = int(rng.integers(0, 400)) if rng.random() < 0.2 else keys.below.get(task, 0)
+        keys.add((task, seq))
+        reference.add((task, seq))
+    probes = [(t, s) for t in range(6) for s in range(450)]
+    assert [p in keys for p in probes] == [p in reference for p in probes]
+    assert len(keys) == len(reference)
+    again = AppliedKeys.from_arrays(**keys.to_arrays())
+    assert [p in again for p in probes] == [p in reference for p in probes]
+    assert sum(len(s) for s in keys.above.values()) < len(reference) // 5  # the watermarks hold the rest

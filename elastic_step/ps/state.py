@@ -26,6 +26,7 @@ import numpy as np
 
 from elastic_step.ps import snapshot
 from elastic_step.ps.api import Status, TableSpec
+from elastic_step.ps.applied import AppliedKeys
 from elastic_step.ps.ledger import Ledger, LedgerRecord, _fsync_dir, replay
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.table import EmbeddingTable
@@ -39,7 +40,7 @@ class ShardState:
     def __init__(self, directory: str, specs: list[TableSpec], shard: int, routing: RoutingTable, snapshot_every: int = 1000, sync: bool = True):
         self.directory = directory
         self.tables = {spec.name: EmbeddingTable(spec) for spec in specs}
-        self.applied: dict[str, set[tuple[int, int]]] = {name: set() for name in self.tables}
+        self.applied = {name: AppliedKeys() for name in self.tables}
         self.shard = shard
         self.routing = routing
         self.snapshot_every = snapshot_every
