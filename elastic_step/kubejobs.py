@@ -104,7 +104,53 @@ def status_map(api, namespace: str, job: str):
     wanted = {job, dns_label(job)}
     mine = [m for m in maps if wanted & {(m.metadata.labels or {}).get("elastic-step/job"),
                                          (m.metadata.labels or {}).get("app.kubernetes.io/instance")}]
-    return max(mine, key=_created) if mine else None
+    bound = [m for m in mine if _owned_by_a_live_pod(api, namespace, m)]
+    # Best: the ConfigMap whose owner also owns the instance's worker pods (only a master makes
+    # them); then one owned by a live pod (while its workers are being made or replaced); a
+    # master that cannot own objects here (another namespace: owner references never cross one)
+    # publishes without an owner, and that is taken only when nothing bound is there.
+    workers = _worker_owners(api, namespace)
+    proven = [m for m in bound if _owner(m).uid in workers.get(_instance(m), set())]
+    return max(proven or bound or [m for m in mine if _named_as_made(m) and not _owner(m)], key=_created, default=None)
+
+
+def _instance(config_map) -> str | None:
+    return (config_map.metadata.labels or {}).get("app.kubernetes.io/instance")
+
+
+def _named_as_made(config_map) -> bool:
+    """A master names its status ConfigMap after its instance (manifests.JobNames.status_map)."""
+    return config_map.metadata.name == f"{_instance(config_map)}-status"
+
+
+def _owner(config_map):
+    return next((o for o in config_map.metadata.owner_references or [] if o.kind == "Pod"), None)
+
+
+def _owned_by_a_live_pod(api, namespace: str, config_map) -> bool:
+    """Named after its instance, and owned by a pod that exists with the UID its owner reference
+    names. Labels are anyone's to copy: a ConfigMap planted with a job's labels (newer, so once
+    taken for the job's own) fails this, or is outranked by the one whose owner made the workers."""
+    owner = _owner(config_map)
+    if owner is None or not _named_as_made(config_map):
+        return False
+    try:
+        return api.read_namespaced_pod(owner.name, namespace).metadata.uid == owner.uid
+    except Exception:
+        return False
+
+
+def _worker_owners(api, namespace: str) -> dict[str, set[str]]:
+    """instance -> the UIDs of the pods that own its worker pods (its master's)."""
+    try:
+        pods = api.list_namespaced_pod(namespace, label_selector=WORKER_SELECTOR).items
+    except Exception:
+        return {}
+    owners: dict[str, set[str]] = {}
+    for p in pods:
+        owners.setdefault((p.metadata.labels or {}).get("app.kubernetes.io/instance"), set()).update(
+            o.uid for o in p.metadata.owner_references or [] if o.kind == "Pod")
+    return owners
 
 
 def master_pod_of(config_map) -> str | None:

@@ -279,8 +279,9 @@ def test_the_cli_reads_a_published_job_and_asks_it_to_stop(tmp_path, fake):
     from elastic_step.backends.kubernetes.manifests import STOP_ANNOTATION
     from elastic_step.kubejobs import kubernetes_view, status_map
 
+    pod = fake.add_master_pod("train-step-1", "es:1")  # the CLI checks the status is its master's own
     backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"),
-                           master=MasterPod("train-step-1", "uid-m", "127.0.0.1", "ml"))
+                           master=MasterPod("train-step-1", pod.metadata.uid, "127.0.0.1", "ml"))
     status = {"job": "unit", "state": "running", "round": 2, "world_size": 2, "target_workers": 2, "workers_range": [1, 2],
               "epoch": 0, "epochs": 3, "rows_done": 50, "rows_total": 300, "step": 7, "loss": 0.5, "samples_per_s": 120.0,
               "workers": [{"id": "w0.1", "slot": 0, "rank": 0, "state": "live", "pod": "p0", "step": 7, "last_seen": time.time()},

@@ -7,6 +7,7 @@ never seen."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -84,4 +85,41 @@ def test_a_stop_is_read_even_when_the_status_update_fails(tmp_path, api):
 
     api.patch_namespaced_config_map = data_refused
     assert backend.publish({"status": {"state": "running", "step": 9}}) == {"stop"}
+    backend.shutdown(grace_s=0)
+
+
+def test_a_planted_newer_configmap_with_the_jobs_labels_is_not_taken_for_its_status(tmp_path, api):
+    import datetime
+
+    from kubernetes import client as k8s
+
+    from elastic_step.kubejobs import WORKER_SELECTOR, kubernetes_view, status_map
+
+    pod = api.add_master_pod("train-step-1", "es:1")
+    backend = unit_backend(tmp_path, api, PodSettings(namespace="ml", image="es:1"),
+                           master=MasterPod("train-step-1", pod.metadata.uid, "127.0.0.1", "ml"))
+    backend.launch(0, "w0.1")  # a worker pod, owned by the master pod (made on the backend's own thread)
+    deadline = time.monotonic() + 10
+    while not api.list_namespaced_pod("ml", label_selector=WORKER_SELECTOR).items and time.monotonic() < deadline:
+        time.sleep(0.02)
+    genuine = {"info": {"job": "unit", "backend": "kubernetes"}, "status": {"job": "unit", "state": "running", "step": 7, "workers": []}}
+    assert backend.publish(genuine) == set()
+    labels = dict(api.config_maps[backend.names.status_map].metadata.labels)
+    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+    fake_doc = json.dumps({"info": {"job": "unit", "backend": "kubernetes"}, "status": {"job": "unit", "state": "failed", "step": 0}})
+    owner = k8s.V1OwnerReference(api_version="v1", kind="Pod", name="train-step-1", uid=pod.metadata.uid)
+    planted = [
+        # the job's labels and its master as owner, another name
+        (f"{backend.names.instance}-status-2", labels, [owner]),
+        # an instance of its own, owned by the real master pod (whose UID anyone may read), with no workers
+        ("unit-evil-status", {**labels, "app.kubernetes.io/instance": "unit-evil"}, [owner]),
+        # the master's name, a UID that is not its pod's
+        ("unit-abc-status", {**labels, "app.kubernetes.io/instance": "unit-abc"},
+         [k8s.V1OwnerReference(api_version="v1", kind="Pod", name="train-step-1", uid="not-the-pods-uid")]),
+    ]
+    for name, its_labels, owners in planted:
+        api.create_namespaced_config_map("ml", k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(
+            name=name, labels=its_labels, owner_references=owners, creation_timestamp=later), data={STATUS_KEY: fake_doc}))
+    assert status_map(api, "ml", "unit").metadata.name == backend.names.status_map
+    assert kubernetes_view("unit", "ml", api=api)["summary"]["step"] == 7
     backend.shutdown(grace_s=0)
