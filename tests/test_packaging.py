@@ -74,7 +74,7 @@ def test_component_and_pipeline_yaml_ship_in_the_wheel(wheel):
         **source_files("elastic_step.pipelines", ["compiled/*.yaml", "argo/*.yaml"]),
     }
     # the files users load without the Python source: one per component, both pipelines, the Argo workflows
-    for component in ["prepare_data", "train_elastic", "evaluate_model", "export_model", "promote_model"]:
+    for component in ["prepare_data", "train_elastic", "evaluate_model", "export_model", "promote_model", "deploy_model"]:
         assert f"elastic_step/components/{component}/component.yaml" in data
     for compiled in ["compiled/training_pipeline.yaml", "compiled/retraining_pipeline.yaml", "argo/training-workflow.yaml"]:
         assert f"elastic_step/pipelines/{compiled}" in data
