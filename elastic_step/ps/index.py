@@ -23,6 +23,18 @@ class IdIndex:
         self.slots = np.full(1 << self.bits, EMPTY, dtype=np.int32)
         self.count = 0
 
+    @classmethod
+    def from_slots(cls, slots: np.ndarray, count: int) -> IdIndex:
+        """An index saved with its table (a snapshot): rebuilding 2.5M rows takes seconds, this
+        nothing. Refused unless it is a power of two long and holds exactly slots 0..count-1."""
+        bits = int(len(slots)).bit_length() - 1
+        held = slots[slots != EMPTY]
+        if len(slots) != 1 << bits or slots.dtype != np.int32 or len(held) != count or (count and held.max() >= count):
+            raise ValueError("a saved id index that does not fit its table")
+        index = cls()
+        index.bits, index.slots, index.count = bits, slots, count
+        return index
+
     @property
     def nbytes(self) -> int:
         return self.slots.nbytes

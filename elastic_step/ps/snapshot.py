@@ -1,7 +1,8 @@
 """A shard's snapshot: every table's rows, counters and applied batches, in one .npz file.
 
 Keys: `<table>.ids` (int64), `<table>.rows` (float32, weights and optimizer slots),
-`<table>.updates` (uint32), and the pushes this shard has applied (applied.py):
+`<table>.updates` (uint32), `<table>.index` (int32: the id index, so that loading does not
+rebuild it), and the pushes this shard has applied (applied.py):
 `<table>.applied_below` (k x 2 int64: task, watermark) and `<table>.applied_above` (k x 2
 int64: task, batch_seq). Loaded with allow_pickle=False: nothing in it is ever unpickled.
 
@@ -44,6 +45,6 @@ def load(path: str, table_names: list[str]) -> tuple[dict[str, dict[str, np.ndar
         for name in table_names:
             if f"{name}.ids" not in data:
                 continue
-            tables[name] = {key: data[f"{name}.{key}"] for key in ("ids", "rows", "updates")}
+            tables[name] = {key: data[f"{name}.{key}"] for key in ("ids", "rows", "updates", "index")}
             applied[name] = AppliedKeys.from_arrays(data[f"{name}.applied_below"], data[f"{name}.applied_above"])
     return tables, applied

@@ -104,20 +104,25 @@ class EmbeddingTable:
         return dict(zip(self.ids[: self.size].tolist(), self.updates[: self.size].tolist()))
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The held rows as arrays (views), for a snapshot."""
+        """The held rows and the id index as arrays (views), for a snapshot."""
         n = self.size
-        return {"ids": self.ids[:n], "rows": self.block[:n], "updates": self.updates[:n]}
+        return {"ids": self.ids[:n], "rows": self.block[:n], "updates": self.updates[:n], "index": self.index.slots}
 
-    def load(self, ids: np.ndarray, rows: np.ndarray, updates: np.ndarray) -> None:
-        """Replace the table's rows by a snapshot's."""
+    def load(self, ids: np.ndarray, rows: np.ndarray, updates: np.ndarray, index: np.ndarray | None = None) -> None:
+        """Replace the table's rows by a snapshot's (rebuilding the index if it has none)."""
         capacity = max(16, len(ids), self.spec.capacity)
+        if rows.shape != (len(ids), self.width) or updates.shape != ids.shape:
+            raise ValueError(f"table {self.spec.name}: a snapshot whose rows do not fit dim {self.spec.dim} and its optimizer")
         self.block = np.empty((capacity, self.width), np.float32)
         self.ids = np.empty(capacity, np.int64)
         self.updates = np.zeros(capacity, np.uint32)
         self.block[: len(ids)], self.ids[: len(ids)], self.updates[: len(ids)] = rows, ids, updates
         self.size = len(ids)
-        self.index = IdIndex(capacity)
-        self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
+        if index is not None:
+            self.index = IdIndex.from_slots(index, self.size)
+        else:
+            self.index = IdIndex(capacity)
+            self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
 
     def digest(self) -> str:
         """A hash of every held row, its slots and counter, in id order: equal tables, equal digests."""
