@@ -53,3 +53,12 @@ def test_a_job_without_checkpoints_ends_preempted_at_once():
     assert state.state == JobState.PREEMPTED and "--checkpoint-steps 0" in state.failure
     state.preempt(timeout_s=60)  # a second SIGTERM changes nothing
     assert len(state.events.of("preempted")) == 1
+
+
+def test_what_ends_a_job_after_its_sigterm_ends_it_preempted_not_failed():
+    state, _ = started()
+    train(state, 1)
+    state.preempt(timeout_s=60)
+    state.fail("every worker that held the model state of step 1 is gone")  # its workers were drained too
+    assert state.state == JobState.PREEMPTED and "no checkpoint after the SIGTERM: every worker" in state.failure
+    assert not state.events.of("job_failed")

@@ -149,6 +149,11 @@ class MasterState:
 
     def fail(self, reason: str) -> None:
         with self.lock:
+            if self.state == JobState.RUNNING and self.stop_request is not None and self.stop_request.cause is StopCause.PREEMPTION:
+                # After a SIGTERM to the master, what else ends the job is the preemption's doing (a
+                # node drain takes its workers too): it ends preempted, from its newest checkpoint.
+                self.state, self.failure = JobState.PREEMPTED, f"no checkpoint after the SIGTERM: {reason}"
+                self._event(EventKind.PREEMPTED, self.failure, step=self.ledger.applied_step)
             if self.state == JobState.RUNNING:
                 self.state = JobState.FAILED
                 self.failure = reason
