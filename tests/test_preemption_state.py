@@ -62,3 +62,16 @@ def test_what_ends_a_job_after_its_sigterm_ends_it_preempted_not_failed():
     state.fail("every worker that held the model state of step 1 is gone")  # its workers were drained too
     assert state.state == JobState.PREEMPTED and "no checkpoint after the SIGTERM: every worker" in state.failure
     assert not state.events.of("job_failed")
+
+
+def test_a_preemption_whose_workers_all_leave_too_ends_at_once():
+    from elastic_step.backends.api import WorkerExit
+
+    state, _ = started()
+    train(state, 1)
+    state.preempt(timeout_s=60)
+    members = list(state.ready_round.members)
+    state.on_exit(WorkerExit(members[0], "left on SIGTERM (exited with code 143)", 143, relaunch="free", left=True))
+    assert state.state == JobState.RUNNING  # one member still holds the model: its checkpoint may come
+    state.on_exit(WorkerExit(members[1], "left on SIGTERM (exited with code 143)", 143, relaunch="free", left=True))
+    assert state.state == JobState.PREEMPTED and "left too" in state.failure  # a node drain: nothing to wait for

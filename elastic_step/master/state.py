@@ -424,6 +424,11 @@ class MasterState:
 
     def on_exit(self, exit_: WorkerExit) -> None:
         self.membership.on_exit(exit_, self.over, self.round.members if self.round else [])
+        preempting = self.stop_request is not None and self.stop_request.cause is StopCause.PREEMPTION
+        holders = self.ready_round.members if self.ready_round else []
+        if preempting and not self.over and not any(self.membership.workers[w].alive for w in holders):
+            # Every worker that held the model left too (a node drain): no checkpoint can come now.
+            self.fail(f"every worker of round {self.ready_round_id} left too")
 
     def tick(self) -> None:
         with self.lock:
