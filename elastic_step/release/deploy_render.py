@@ -42,6 +42,7 @@ class DeploySettings:
     mlflow_uri: str = ""  # the registry as pods reach it (mlflow target); no password: that is in the Secret
     image: str = ""  # the mlflow target's image (elastic-step's own has mlflow and the frameworks)
     replicas: int = 1
+    port: int = SERVER_PORT  # the mlflow target's server port in its pod
     canary_percent: int = 10
     resources: dict = field(default_factory=lambda: {"requests": {"cpu": "500m", "memory": "1Gi"},
                                                      "limits": {"cpu": "2", "memory": "2Gi"}})
@@ -108,7 +109,7 @@ def model_service(model: ServedModel, settings: DeploySettings) -> dict:
         "metadata": {"name": settings.name, "namespace": settings.namespace, "labels": _labels(model, settings),
                      "annotations": {MODEL_ANNOTATION: model.name}},
         "spec": {"selector": {"app.kubernetes.io/instance": settings.name, "app.kubernetes.io/name": "elastic-step-model-server"},
-                 "ports": [{"name": "http", "port": 80, "targetPort": SERVER_PORT, "protocol": "TCP"}]},
+                 "ports": [{"name": "http", "port": 80, "targetPort": settings.port, "protocol": "TCP"}]},
     }
 
 
@@ -147,14 +148,14 @@ def _server_pod(model: ServedModel, settings: DeploySettings) -> dict:
             "name": "model-server",
             "image": settings.image,
             "command": ["python", "-m", "mlflow", "models", "serve", "-m", model.model_uri, "--env-manager", "local",
-                        "-h", "$(POD_IP)", "-p", str(SERVER_PORT)],
+                        "-h", "$(POD_IP)", "-p", str(settings.port)],
             "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                     {"name": "MLFLOW_TRACKING_URI", "value": settings.mlflow_uri},
                     {"name": "HOME", "value": "/tmp"}],
             # the store's and the registry's credentials (AWS_*, MLFLOW_TRACKING_USERNAME/PASSWORD)
             "envFrom": [{"secretRef": {"name": settings.storage_secret}}],
-            "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
-            "readinessProbe": {"httpGet": {"path": "/ping", "port": SERVER_PORT}, "periodSeconds": 5,
+            "ports": [{"name": "http", "containerPort": settings.port, "protocol": "TCP"}],
+            "readinessProbe": {"httpGet": {"path": "/ping", "port": settings.port}, "periodSeconds": 5,
                                "failureThreshold": 3},
             "resources": settings.resources,
             "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

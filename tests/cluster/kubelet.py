@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from kubernetes import client as k8s
 from kubernetes import watch
 
-from .podinputs import NODE, NODE_IP, PodInputs, StartError
+from .podinputs import NODE, NODE_IP, PodInputs, StartError, expand
 from .runtime import Image, ProcessRuntime
 
 log = logging.getLogger("cluster.kubelet")
@@ -431,7 +431,8 @@ class Kubelet:
                 path = os.path.join(source, m.get("subPath", "")).rstrip("/")
                 os.makedirs(path, exist_ok=True)  # a subPath that does not exist yet is created, as the kubelet does
                 binds.append((path, m["mountPath"], bool(m.get("readOnly"))))
-        argv = list(c.get("command") or []) + list(c.get("args") or [])
+        # $(VAR) in command and args is expanded from the container's env, as Kubernetes does
+        argv = [expand(a, env) for a in list(c.get("command") or []) + list(c.get("args") or [])]
         if not argv:
             raise StartError("CreateContainerError", f"container {c['name']}: no command (process images have no ENTRYPOINT)")
         limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
