@@ -2,7 +2,8 @@
 
 It serves the REST paths the elastic master and the kubelet stand-in call — pods (create, get,
 list, watch, delete, and the status, binding, log and eviction subresources), secrets, serviceaccounts (and
-their token subresource), configmaps, networkpolicies — storing each object as the JSON dict the
+their token subresource), configmaps, networkpolicies, and Argo's workflows and workflowtaskresults
+(`argoproj.io/v1alpha1`, which Argo's controller and executor call) — storing each object as the JSON dict the
 client sent, with `metadata.uid`, `creationTimestamp` and a cluster-wide `resourceVersion`.
 
 As the real server does:
@@ -50,7 +51,13 @@ RESOURCES = {
     ("", "serviceaccounts"): ("ServiceAccount", True),
     ("", "namespaces"): ("Namespace", False),
     ("networking.k8s.io", "networkpolicies"): ("NetworkPolicy", True),
+    # Argo's custom resources, as its CRDs install them (served, stored, not schema-validated here)
+    ("argoproj.io", "workflows"): ("Workflow", True),
+    ("argoproj.io", "workflowtaskresults"): ("WorkflowTaskResult", True),
+    ("scheduling.k8s.io", "priorityclasses"): ("PriorityClass", False),  # read by `elastic-step submit`'s checks
 }
+GROUP_VERSIONS = {"": "v1", "networking.k8s.io": "networking.k8s.io/v1", "argoproj.io": "argoproj.io/v1alpha1"}
+GROUP_OF = {plural: group for group, plural in RESOURCES}  # every plural served is in one group
 SUBRESOURCES = {("pods", "status"), ("pods", "binding"), ("pods", "log"), ("pods", "eviction"), ("serviceaccounts", "token")}
 
 
@@ -114,7 +121,8 @@ class ApiServer:
 
     # -- storage operations (the lock held by the caller) -----------------------------------------
     def _create(self, plural: str, namespace: str, body: dict) -> dict:
-        kind, namespaced = RESOURCES[("networking.k8s.io" if plural == "networkpolicies" else "", plural)]
+        group = GROUP_OF[plural]
+        kind, namespaced = RESOURCES[(group, plural)]
         store = self.store
         if body.get("kind") not in (None, kind):
             raise ApiError(400, "BadRequest", f"the object provided is a {body.get('kind')}, not a {kind}")
@@ -131,14 +139,14 @@ class ApiServer:
             meta["namespace"] = namespace
         if (plural, meta.get("namespace", ""), meta["name"]) in store.objects:
             raise ApiError(409, "AlreadyExists", f'{plural} "{meta["name"]}" already exists', {"name": meta["name"], "kind": plural})
-        body["kind"], body["apiVersion"] = kind, "networking.k8s.io/v1" if plural == "networkpolicies" else "v1"
+        body["kind"], body["apiVersion"] = kind, GROUP_VERSIONS.get(group, f"{group}/v1")
         if plural == "pods":
             self._admit_pod(namespace, body)
         if plural == "secrets" and body.get("stringData"):
             data = body.setdefault("data", {})
             for key, value in body.pop("stringData").items():
                 data[key] = base64.b64encode(value.encode()).decode()
-        if self.validate:
+        if self.validate and group != "argoproj.io":  # a CRD's schema is not in Kubernetes' own
             import kubernetes_validate
 
             try:
@@ -294,7 +302,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [p for p in parsed.path.split("/") if p]
         if parts[:2] == ["api", "v1"]:
             group, rest = "", parts[2:]
-        elif len(parts) >= 3 and parts[0] == "apis" and parts[2] == "v1":
+        elif len(parts) >= 3 and parts[0] == "apis" and (parts[2] == "v1" or GROUP_VERSIONS.get(parts[1]) == f"{parts[1]}/{parts[2]}"):
             group, rest = parts[1], parts[3:]
         else:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({parsed.path})")

@@ -1,12 +1,23 @@
 """Argo step pods for the cluster stand-in: the pod Argo's workflow controller (emissary executor)
 makes from one template of a rendered WorkflowTemplate, and the `argoexec` image it needs.
+Read from argoproj/argo-workflows v3.6 (workflow/controller/workflowpod.go `createWorkflowPod`,
+`addArchiveLocation`, `createSecretVolumesAndMounts`, workflow/util `GeneratePodName`).
 
 The shape is Argo's: an `init` container (argoexec: input artifacts into the `input-artifacts`
 volume, the executor into `var-run-argo`), then the `wait` container listed BEFORE `main`, and
-`main` — the template's container, its command wrapped by `/var/run/argo/argoexec emissary --`,
-each input artifact mounted at its path by subPath — with the workflow's service account.
-Not modelled: the Workflow object (no owner reference to it), output artifacts and parameters,
-archives (artifacts are folders), retries, podSpecPatch, Argo's own env (ARGO_*) beyond the template.
+`main` — the template's container (its `resources` as written), its command wrapped by
+`/var/run/argo/argoexec emissary --`, each input artifact mounted at its path by subPath — with the
+template's or else the workflow's `serviceAccountName` and `securityContext` (the pod's). Every
+container gets ARGO_TEMPLATE: the template without its input parameters, with its outputs and,
+when it has artifacts, its `archiveLocation`: the resolved artifact repository with the key format
+(`{{workflow.name}}/{{pod.name}}` by default) resolved; a variable left unresolved there is
+refused in Argo's words. The S3 keys the location names (`accessKeySecret`, `secretKeySecret`) are
+Secret volumes mounted in `init` and `wait` at /argo/secret/NAME, never env.
+With `workflow` (the Workflow object, workflow.py): the pod is owned by it (a controller
+ownerReference), named as Argo v2 names a node's pod (`WF-TEMPLATE-fnv32a(node name)`), and the
+executor gets ARGO_NODE_ID, ARGO_WORKFLOW_NAME/UID and ARGO_POD_NAME/UID to report its outputs.
+Not modelled: podSpecPatch, Argo's other env (ARGO_DEADLINE, progress), sidecars, volumes of the
+template, `archiveLogs`, artifact locations other than S3, `activeDeadlineSeconds`.
 """
 
 from __future__ import annotations
@@ -63,15 +74,118 @@ def task_arguments(spec: dict, template_name: str) -> dict[str, str]:
     return {}
 
 
+def fnv32a(text: str) -> int:
+    """FNV-1a, 32 bits: how Argo hashes a node's name into its ID and pod name."""
+    h = 0x811C9DC5
+    for byte in text.encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+def node_id(workflow_name: str, node_name: str) -> str:
+    return f"{workflow_name}-{fnv32a(node_name)}"
+
+
+def archive_location(repository: dict | None, variables: dict[str, str]) -> dict:
+    """ArtifactRepository.ToArtifactLocation with the key format resolved: an S3 repository's
+    bucket settings and `key`; {} when no repository is configured (the executor then says so)."""
+    if not repository:
+        return {}
+    if set(repository) - {"s3", "archiveLogs"}:
+        raise StepRefused(f"artifact repository {sorted(set(repository) - {'s3', 'archiveLogs'})} is not modelled (S3 only)")
+    s3 = dict(repository["s3"])
+    key = s3.pop("keyFormat", "") or "/".join(p for p in (s3.pop("keyPrefix", "").strip("/"), "{{workflow.name}}/{{pod.name}}") if p)
+    s3.pop("keyPrefix", None)
+    location = {"s3": {**s3, "key": substitute(key, variables)}}
+    unresolved = re.search(r"\{\{\s*([^}]*?)\s*\}\}", json.dumps(location))
+    if unresolved:
+        raise StepRefused(f"failed to resolve {{{{{unresolved.group(1)}}}}}")
+    return location
+
+
+def secret_volumes(location: dict) -> tuple[list[dict], list[dict]]:
+    """The Secret volumes (and their mounts at /argo/secret/NAME) of an archive location's keys."""
+    volumes: dict[str, dict] = {}
+    for selector in ((location.get("s3") or {}).get(k) for k in ("accessKeySecret", "secretKeySecret", "sessionTokenSecret")):
+        if selector and selector.get("name") and selector.get("key"):
+            volume = volumes.setdefault(selector["name"], {"name": selector["name"], "secret": {"secretName": selector["name"], "items": []}})
+            if selector["key"] not in [i["key"] for i in volume["secret"]["items"]]:
+                volume["secret"]["items"].append({"key": selector["key"], "path": selector["key"]})
+    return list(volumes.values()), [{"name": n, "mountPath": f"/argo/secret/{n}", "readOnly": True} for n in volumes]
+
+
 def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs: dict[str, str],
-             workflow_parameters: dict[str, str], artifacts: dict[str, dict]) -> dict:
+             workflow_parameters: dict[str, str], artifacts: dict[str, dict], *, workflow: dict | None = None,
+             node_name: str | None = None, repository: dict | None = None, local: dict[str, str] | None = None) -> dict:
     """The pod of one step, as the controller makes it. Its input parameters are what the DAG's
     task passes it, with the workflow's parameters (`argo submit -p`: `workflow_parameters`, over
     the template's defaults) and earlier tasks' outputs (`outputs`: "tasks.T.outputs.parameters.P"
     -> value) resolved; a declared input left unsupplied, or a reference left unresolved, is
     refused as Argo refuses it. `artifacts`: name -> {"bucket", "key", "endpoint"} of each input
-    artifact in the artifact repository."""
+    artifact in the artifact repository. `workflow`: the Workflow object that owns the pod;
+    `node_name`: the node it runs (`WF.train(1)`: a retry's second attempt); `repository`: the
+    resolved artifact repository (workflow.py `resolve_repository`); `local`: a retry's own
+    variables (`retries`, `lastRetry.*`)."""
     spec = template_doc["spec"]
+    template = resolved_template(spec, template_name, workflow_name, {**outputs, **(local or {})}, workflow_parameters)
+    node_name = node_name or f"{workflow_name}.{template_name}"
+    pod_name = f"{workflow_name}-{template_name}-{fnv32a(node_name)}" if workflow else \
+        f"{workflow_name}-{template_name}-{abs(hash((workflow_name, template_name))) % 10**10}"
+    main = template["container"]
+    main["name"] = "main"
+    main["command"] = ["/var/run/argo/argoexec", "emissary", "--loglevel", "info", "--"] + list(main.get("command") or [])
+    mounts = main.setdefault("volumeMounts", [])
+    mounts.append({"name": "var-run-argo", "mountPath": "/var/run/argo"})
+    input_artifacts = []
+    for artifact in (template.get("inputs") or {}).get("artifacts") or []:
+        mounts.append({"name": "input-artifacts", "mountPath": artifact["path"], "subPath": artifact["name"]})
+        input_artifacts.append({"name": artifact["name"], "path": artifact["path"], "s3": artifacts[artifact["name"]]})
+    executor_template = {"name": template_name, "inputs": {"artifacts": input_artifacts}, "outputs": template.get("outputs") or {}}
+    has_artifacts = bool(input_artifacts or executor_template["outputs"].get("artifacts"))
+    location = template.get("archiveLocation") or (archive_location(repository, {"workflow.name": workflow_name, "pod.name": pod_name})
+                                                   if workflow is not None and has_artifacts else None)
+    if location is not None:
+        executor_template["archiveLocation"] = location
+    executor_env = [{"name": "ARGO_TEMPLATE", "value": json.dumps(executor_template)}]
+    if workflow is not None:
+        executor_env += [{"name": "ARGO_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                         {"name": "ARGO_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                         {"name": "ARGO_WORKFLOW_NAME", "value": workflow_name},
+                         {"name": "ARGO_WORKFLOW_UID", "value": workflow["metadata"]["uid"]},
+                         {"name": "ARGO_NODE_ID", "value": node_id(workflow_name, node_name)}]
+    secrets, secret_mounts = secret_volumes(location or {})
+    argo_mounts = [{"name": "var-run-argo", "mountPath": "/var/run/argo"}] + secret_mounts
+    metadata = {"name": pod_name, "labels": {"workflows.argoproj.io/workflow": workflow_name, "workflows.argoproj.io/completed": "false",
+                                             **(spec.get("podMetadata") or {}).get("labels", {}),
+                                             **(template.get("metadata") or {}).get("labels", {})},
+                "annotations": {"workflows.argoproj.io/node-name": node_name}}
+    if workflow is not None:
+        metadata["annotations"]["workflows.argoproj.io/node-id"] = node_id(workflow_name, node_name)
+        metadata["ownerReferences"] = [{"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": workflow_name,
+                                        "uid": workflow["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+    pod_spec = {
+        "serviceAccountName": template.get("serviceAccountName") or spec.get("serviceAccountName") or "default",
+        "restartPolicy": "Never",
+        "initContainers": [{"name": "init", "image": ARGOEXEC_IMAGE, "command": ["argoexec", "init", "--loglevel", "info"],
+                            "env": executor_env,
+                            "volumeMounts": [{"name": "input-artifacts", "mountPath": "/argo/inputs/artifacts"}] + argo_mounts}],
+        "containers": [
+            {"name": "wait", "image": ARGOEXEC_IMAGE, "command": ["argoexec", "wait", "--loglevel", "info"],
+             "env": executor_env, "volumeMounts": argo_mounts},
+            main,
+        ],
+        "volumes": [{"name": "var-run-argo", "emptyDir": {}}, {"name": "input-artifacts", "emptyDir": {}}] + secrets,
+    }
+    security = template.get("securityContext") or spec.get("securityContext")
+    if security:
+        pod_spec["securityContext"] = security
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def resolved_template(spec: dict, template_name: str, workflow_name: str, outputs: dict[str, str],
+                      workflow_parameters: dict[str, str]) -> dict:
+    """The template with its inputs and the workflow's variables substituted, as executeTemplate
+    leaves it for the pod; refused in Argo's words where an input is missing or a reference stays."""
     template = copy.deepcopy(next(t for t in spec["templates"] if t["name"] == template_name))
     parameters = {p["name"]: str(p.get("value", "")) for p in (spec.get("arguments") or {}).get("parameters") or []}
     parameters.update(workflow_parameters)
@@ -90,38 +204,4 @@ def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs
     unresolved = PARAMETER_REFERENCE.search(json.dumps(template))
     if unresolved:
         raise StepRefused(f"templates.{template_name}: failed to resolve {unresolved.group(0)}")
-    main = template["container"]
-    main["name"] = "main"
-    main["command"] = ["/var/run/argo/argoexec", "emissary", "--loglevel", "info", "--"] + list(main.get("command") or [])
-    mounts = main.setdefault("volumeMounts", [])
-    mounts.append({"name": "var-run-argo", "mountPath": "/var/run/argo"})
-    input_artifacts = []
-    for artifact in (template.get("inputs") or {}).get("artifacts") or []:
-        mounts.append({"name": "input-artifacts", "mountPath": artifact["path"], "subPath": artifact["name"]})
-        input_artifacts.append({"name": artifact["name"], "path": artifact["path"], "s3": artifacts[artifact["name"]]})
-    executor_env = [{"name": "ARGO_TEMPLATE", "value": json.dumps({"name": template_name, "inputs": {"artifacts": input_artifacts}})}]
-    node = f"{workflow_name}-{template_name}-{abs(hash((workflow_name, template_name))) % 10**10}"
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": node, "labels": {"workflows.argoproj.io/workflow": workflow_name,
-                                              "workflows.argoproj.io/completed": "false",
-                                              **(spec.get("podMetadata") or {}).get("labels", {}),
-                                              **(template.get("metadata") or {}).get("labels", {})},
-                     "annotations": {"workflows.argoproj.io/node-name": f"{workflow_name}.{template_name}"}},
-        "spec": {
-            "serviceAccountName": template.get("serviceAccountName") or spec.get("serviceAccountName") or "default",
-            "restartPolicy": "Never",
-            "initContainers": [{"name": "init", "image": ARGOEXEC_IMAGE, "command": ["argoexec", "init", "--loglevel", "info"],
-                                "env": executor_env,
-                                "volumeMounts": [{"name": "input-artifacts", "mountPath": "/argo/inputs/artifacts"},
-                                                 {"name": "var-run-argo", "mountPath": "/var/run/argo"}]}],
-            "containers": [
-                {"name": "wait", "image": ARGOEXEC_IMAGE, "command": ["argoexec", "wait", "--loglevel", "info"],
-                 "env": executor_env, "volumeMounts": [{"name": "var-run-argo", "mountPath": "/var/run/argo"}]},
-                main,
-            ],
-            "volumes": [{"name": "var-run-argo", "emptyDir": {}}, {"name": "input-artifacts", "emptyDir": {}}],
-        },
-    }
-
+    return template
