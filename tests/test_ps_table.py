@@ -124,8 +124,8 @@ def test_snapshot_arrays_restore_an_equal_table():
         table.push(ids, grads)
     saved = {k: v.copy() for k, v in table.arrays().items()}
     copy, rebuilt = EmbeddingTable(spec), EmbeddingTable(spec)
-    copy.load(**saved)
-    rebuilt.load(**{k: v for k, v in saved.items() if k != "index"})
+    copy.load(**{k: v.copy() for k, v in saved.items()})
+    rebuilt.load(**{k: v.copy() for k, v in saved.items() if k != "index"})
     assert copy.digest() == rebuilt.digest() == table.digest()
     probe = np.arange(600)
     np.testing.assert_array_equal(copy.pull(probe), table.pull(probe))

@@ -31,7 +31,7 @@ from elastic_step.ps.ledger import Ledger, LedgerRecord, _fsync_dir, replay
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.table import EmbeddingTable
 
-SNAPSHOT_FILE = "snapshot.npz"
+SNAPSHOT_FILE = "snapshot.bin"
 LEDGER_FILE = "ledger.bin"
 ROUTING_FILE = "routing.json"
 

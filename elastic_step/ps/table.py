@@ -37,6 +37,10 @@ def initial_weights(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
     return ((unit * 2 - 1) * np.float32(spec.init_scale)).astype(np.float32)
 
 
+def _own_array(array: np.ndarray, dtype) -> bool:
+    return array.dtype == dtype and array.flags.c_contiguous and array.flags.writeable and array.flags.owndata
+
+
 class EmbeddingTable:
     def __init__(self, spec: TableSpec):
         self.spec = spec
@@ -113,11 +117,14 @@ class EmbeddingTable:
         capacity = max(16, len(ids), self.spec.capacity)
         if rows.shape != (len(ids), self.width) or updates.shape != ids.shape:
             raise ValueError(f"table {self.spec.name}: a snapshot whose rows do not fit dim {self.spec.dim} and its optimizer")
-        self.block = np.empty((capacity, self.width), np.float32)
-        self.ids = np.empty(capacity, np.int64)
-        self.updates = np.zeros(capacity, np.uint32)
-        self.block[: len(ids)], self.ids[: len(ids)], self.updates[: len(ids)] = rows, ids, updates
         self.size = len(ids)
+        if capacity == len(ids) and _own_array(rows, np.float32) and _own_array(ids, np.int64) and _own_array(updates, np.uint32):
+            self.block, self.ids, self.updates = rows, ids, updates  # a snapshot's fresh arrays: no copy
+        else:
+            self.block = np.empty((capacity, self.width), np.float32)
+            self.ids = np.empty(capacity, np.int64)
+            self.updates = np.zeros(capacity, np.uint32)
+            self.block[: self.size], self.ids[: self.size], self.updates[: self.size] = rows, ids, updates
         if index is not None:
             self.index = IdIndex.from_slots(index, self.size)
         else:
