@@ -140,7 +140,9 @@ def kill_recovery(root: str, token_file: str, rows: int, kills: int) -> None:
             client.pull("t", np.arange(10))  # retried until the relaunched shard answers
             times.append(time.perf_counter() - killed)
             after = client.call(shard.endpoint, {"op": "digest", "table": "t"})[0]["digest"]
-            print(f"  kill: first pull after {times[-1]:.2f} s, replayed {shard.ready()['replayed']} pushes, hash equal: {after == digest}")
+            ready = shard.ready()
+            print(f"  kill: first pull after {times[-1]:.2f} s (snapshot load {ready['load_s']:.2f} s, replay of {ready['replayed']} pushes "
+                  f"{ready['replay_s']:.2f} s), table hash equal to before the kill: {after == digest}")
         p95 = sorted(times)[max(0, int(np.ceil(0.95 * len(times))) - 1)]
         print(f"  SIGKILL -> first pull over {kills} kills: median {statistics.median(times):.2f} s, p95 {p95:.2f} s, max {max(times):.2f} s")
     finally:

@@ -4,9 +4,10 @@
 
 DIR holds `config.json` ({"tables": [TableSpec...], "routing": RoutingTable, "snapshot_every":
 n}), and the shard's snapshot, ledger and routing. The shard recovers first (snapshot, then the
-ledger's tail) and only then listens and writes `ready.json` (host, port, pid, epoch, replayed):
-whoever launched it waits for that file. The token comes from a file, never the command line;
-every request carries it and one without it is refused. SIGTERM takes a last snapshot and exits.
+ledger's tail) and only then listens and writes `ready.json` (host, port, pid, epoch, replayed,
+load_s, replay_s): whoever launched it waits for that file. The token comes from a file, never
+the command line; every request carries it and one without it is refused. SIGTERM takes a last
+snapshot and exits.
 
 Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py).
 """
@@ -140,7 +141,7 @@ def serve(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     host, port = server.server_address[:2]
-    _write_ready(args.dir, {"host": host, "port": port, "pid": os.getpid(), "epoch": state.routing.epoch, "replayed": replayed})
+    _write_ready(args.dir, {"host": host, "port": port, "pid": os.getpid(), "epoch": state.routing.epoch, "replayed": replayed, **state.recovery_s})
     server.serve_forever(poll_interval=0.2)
     server.server_close()
     state.snapshot()  # SIGTERM is a preemption: leave a snapshot with nothing left to replay

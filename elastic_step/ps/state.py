@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class ShardState:
         self.since_snapshot = 0
         self.lock = threading.Lock()
         self.ledger: Ledger | None = None
+        self.recovery_s: dict[str, float] = {}  # how long the last recovery took, by phase
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -60,14 +62,17 @@ class ShardState:
                 newer = RoutingTable.from_json(json.load(f))
             if newer.epoch > self.routing.epoch:
                 self.routing = newer
+        started = time.perf_counter()
         tables, applied = snapshot.load(self._path(SNAPSHOT_FILE), list(self.tables))
         for name, parts in tables.items():
             self.tables[name].load(**parts)
             self.applied[name] = applied[name]
+        loaded = time.perf_counter()
         replayed = 0
         for record in replay(self._path(LEDGER_FILE), lambda name: self.tables[name].spec.dim):
             replayed += self._apply(record)
         self.since_snapshot = replayed
+        self.recovery_s = {"load_s": round(loaded - started, 3), "replay_s": round(time.perf_counter() - loaded, 3)}
         self.ledger = Ledger(self._path(LEDGER_FILE), sync=self.sync)
         return replayed
 
