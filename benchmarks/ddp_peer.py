@@ -60,17 +60,20 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--pid-dir")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: each rank on the GPU of its LOCAL_RANK, NCCL, the epoch's batches on the GPU")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else torch.device("cpu")
     if args.pid_dir:
         with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
     model_def = load_model_definition(args.model_def)
     torch.manual_seed(0)
-    net = model_def.model()
-    ddp = DistributedDataParallel(net)
+    net = model_def.model().to(device)
+    ddp = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = model_def.optimizer(net)
     manifest = load_manifest(args.data)
     features, labels = batch_arrays(model_def, ShardReader(manifest).read_split("train"), manifest.features, manifest.label)
@@ -78,7 +81,7 @@ def main() -> None:
     step = 0
     checkpoint = os.path.join(args.checkpoint_dir, "latest.pt") if args.checkpoint_dir else None
     if checkpoint and os.path.exists(checkpoint):
-        state = torch.load(checkpoint, weights_only=True)
+        state = torch.load(checkpoint, weights_only=True, map_location=device)
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -87,6 +90,7 @@ def main() -> None:
     while step < steps_per_epoch * args.epochs:
         epoch, first = divmod(step, steps_per_epoch)
         xs, ys = epoch_batches(features, labels, epoch, rank, world, args.minibatch_size, steps_per_epoch)
+        xs, ys = xs.to(device), ys.to(device)  # once per epoch: a no-op on the CPU
         for index in range(first, steps_per_epoch):  # nothing but the step (and the peer's own log and checkpoint)
             optimizer.zero_grad()
             loss = model_def.loss(ddp(xs[index]), ys[index])

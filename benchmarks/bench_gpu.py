@@ -1,0 +1,119 @@
+"""The GPU device check (benchmarks/gpu_check.sh runs it with --device cuda on a GPU machine):
+digits with 2 workers on the device, one worker SIGKILLed mid-run, and
+
+- the audit of the disturbed run: every row of every epoch applied exactly once;
+- the recovery time, from the kill to the first step the smaller group applied (the master's
+  `recovered` event, rank 0's clock, this machine's);
+- the steady rows/s of an undisturbed run beside torchrun + DDP on the same device, model,
+  data and per-worker batch (benchmarks/ddp_peer.py);
+- the workers' NVML figures, as `elastic-step status --json` shows them.
+
+With --device cpu it runs the same measurement on the CPU (gloo), which is how the script itself
+is checked on a machine without a GPU; its figures then say nothing about GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import MODEL, elastic_step, machine, prepared_digits, read_steps, steady_rate, torchrun, wait_until
+
+
+def worker_env(device: str) -> dict[str, str]:
+    """NCCL sums the step buffer on GPUs (the Kubernetes backend sets the same on GPU pods)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if device == "cuda":
+        env["ELASTIC_STEP_COLLECTIVE_BACKEND"] = "nccl"
+    return env
+
+
+def train(data: str, job_dir: str, device: str, epochs: int, batch: int) -> subprocess.Popen:
+    return elastic_step("train", "--model-def", MODEL, "--data", data, "--job-dir", job_dir, "--workers", "1:2",
+                        "--epochs", str(epochs), "--minibatch-size", str(batch), "--device", device,
+                        "--audit", os.path.join(job_dir, "audit.jsonl"), "--checkpoint-steps", "0", "--no-progress",
+                        env=worker_env(device), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def status(job_dir: str) -> dict | None:
+    done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "status", "--job-dir", job_dir, "--json"],
+                          capture_output=True, text=True)
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def recovered_after(job_dir: str, moment: float) -> float | None:
+    with open(os.path.join(job_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    return next((e["step_time"] for e in events if e["event"] == "recovered" and e["step_time"] > moment), None)
+
+
+def disturbed_run(data: str, root: str, device: str, epochs: int, batch: int) -> dict:
+    """One worker SIGKILLed once the group trains at full size; recovery, audit and NVML."""
+    from elastic_step.audit import audit_report
+
+    job_dir = os.path.join(root, "disturbed")
+    job = train(data, job_dir, device, epochs, batch)
+    try:
+        seen = wait_until(lambda: (s := status(job_dir)) and s["world_size"] == 2 and s["samples_per_s"] > 0 and s,
+                          180, "the job did not reach 2 workers")
+        time.sleep(1.0)  # steady state
+        seen = status(job_dir) or seen
+        victim = next(w for w in seen["workers"] if w["rank"] == 1)
+        killed_at = time.time()
+        os.kill(victim["pid"], signal.SIGKILL)
+        recovery = wait_until(lambda: recovered_after(job_dir, killed_at), 60, "no recovery") - killed_at
+        code = job.wait(900)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    audit = audit_report(os.path.join(job_dir, "audit.jsonl"), data, epochs)
+    gpus = [g for w in seen["workers"] for g in (w.get("resources") or {}).get("gpus", [])]
+    return {"exit": code, "recovery_s": recovery, "audit": audit, "gpus": gpus}
+
+
+def steady_rates(data: str, root: str, device: str, epochs: int, batch: int) -> tuple[float, float]:
+    job_dir = os.path.join(root, "clean")
+    assert train(data, job_dir, device, epochs, batch).wait() == 0, f"elastic-step failed; see {job_dir}/logs"
+    ours = steady_rate(read_steps(os.path.join(job_dir, "metrics.jsonl")))
+    log = os.path.join(root, "ddp.jsonl")
+    peer = torchrun("--standalone", "--nproc-per-node", "2", os.path.join(os.path.dirname(__file__), "ddp_peer.py"),
+                    "--model-def", MODEL, "--data", data, "--epochs", str(epochs), "--minibatch-size", str(batch),
+                    "--device", device, "--step-log", log, env=worker_env(device),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert peer.wait() == 0, "torchrun peer failed"
+    return ours, steady_rate(read_steps(log))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--epochs", type=int, default=20, help="enough for the kill to land mid-run (default %(default)s)")
+    parser.add_argument("--minibatch-size", type=int, default=64)
+    parser.add_argument("--copies", type=int, default=20, help="digits rows repeated (with noise) this many times")
+    args = parser.parse_args()
+    print(f"gpu check: digits x{args.copies}, 2 workers, --device {args.device}, minibatch {args.minibatch_size}; {machine()}")
+    with tempfile.TemporaryDirectory() as root:
+        data = prepared_digits(root, args.copies)
+        disturbed = disturbed_run(data, root, args.device, args.epochs, args.minibatch_size)
+        ours, peer = steady_rates(data, root, args.device, args.epochs, args.minibatch_size)
+    audit = disturbed["audit"]
+    print(f"  one worker SIGKILLed: exit {disturbed['exit']}, recovery {disturbed['recovery_s']:.3f} s, audit "
+          f"{'exact' if audit['exact'] else 'NOT EXACT'} ({audit['rows_applied']} of {audit['rows_expected']} rows, "
+          f"{audit['missing']} missing, {audit['repeated']} repeated)")
+    print(f"  steady: elastic-step {ours:.0f} samples/s   torchrun+DDP {peer:.0f} samples/s   ratio {ours / peer:.3f}")
+    for gpu in disturbed["gpus"]:
+        print(f"  NVML (status --json): GPU {gpu['index']} {gpu.get('name', '')}: {gpu['utilization_percent']:.0f}% busy, "
+              f"{gpu['memory_used_bytes'] / 2**20:.0f} of {gpu['memory_total_bytes'] / 2**20:.0f} MiB")
+    if args.device == "cuda" and not disturbed["gpus"]:
+        print("  NVML: no GPU figures in status --json (is nvidia-ml-py installed?)")
+    if disturbed["exit"] != 0 or not audit["exact"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
