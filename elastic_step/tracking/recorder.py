@@ -13,6 +13,7 @@ import re
 import threading
 import time
 
+from elastic_step.durable import write_json_atomic
 from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore, parse_best_rule
 from elastic_step.tracking.run import RunOutcome, RunTracker, TrackingError, connect, default_tracking_uri
 from elastic_step.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardLog
@@ -35,12 +36,18 @@ def model_def_digest(model_def) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+# The MLflow run the job folder's newest attempt trains, written once the run is open and kept
+# after the master ends (master.json goes with it): how a retry of the same command finds its run.
+RUN_RECORD = "mlflow_run.json"
+
+
 def previous_attempt_run(job_dir: str) -> str | None:
-    """The MLflow run an earlier attempt in this job folder trained, as its master.json recorded it
-    (None when there was none, or the file is not one the master wrote)."""
+    """The MLflow run an earlier attempt in this job folder trained, as it recorded it (None when
+    there was none, or the file is not one an attempt wrote; the run is checked to be this job's
+    before it is continued)."""
     try:
-        with open(os.path.join(job_dir, "master.json"), encoding="utf-8") as f:
-            run_id = json.load(f)["mlflow"]["run_id"]
+        with open(os.path.join(job_dir, RUN_RECORD), encoding="utf-8") as f:
+            run_id = json.load(f)["run_id"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return run_id if isinstance(run_id, str) and RUN_ID.match(run_id) else None
@@ -80,6 +87,8 @@ class TrainingRecorder:
         # A retry of the same command continues the run its earlier attempt left unfinished.
         self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id, params=self.params,
                                           previous=previous_attempt_run(config.job_dir))
+        os.makedirs(config.job_dir, exist_ok=True)
+        write_json_atomic(os.path.join(config.job_dir, RUN_RECORD), {"run_id": self.run_id, "tracking_uri": self.shown_uri})
         self.checkpoints = CheckpointStore(self.tracker, os.path.join(config.job_dir, "checkpoints"), config.keep_checkpoints,
                                            keep_best=parse_best_rule(config.keep_best) if config.keep_best else None,
                                            sync_before_commit=[config.audit] if config.audit else [])
