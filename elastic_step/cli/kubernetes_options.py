@@ -16,7 +16,8 @@ def add_kubernetes_options(parser) -> None:
     k.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
     k.add_argument("--toleration", dest="tolerations", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
                    help="repeatable, e.g. nvidia.com/gpu:NoSchedule")
-    k.add_argument("--priority-class", help="PriorityClass of worker pods")
+    k.add_argument("--priority-class", help="PriorityClass of worker pods (the master's is its own pod's: "
+                                            "argo render --priority-class, submit --priority-class)")
     k.add_argument("--image-pull-secret", dest="image_pull_secrets", action="append", default=[], metavar="NAME",
                    help="repeatable")
     k.add_argument("--service-account", help="service account of worker pods, never the master's (default "
