@@ -1,4 +1,5 @@
-"""The task graph both pipelines share: prepare → train → evaluate → if blessed: export → promote.
+"""The task graph both pipelines share: prepare → train → evaluate → if blessed: export → promote
+(→ deploy the new champion, when the pipeline's serve_target asks for it).
 The gate and export load the trained weights into the network of the pipeline's own `model_def`
 parameter, the one train_elastic trained; never the training run's model_def in MLflow."""
 
@@ -6,7 +7,7 @@ from kfp import dsl, kubernetes
 from kfp.dsl import Dataset, Input, Model
 
 from elastic_step import defaults
-from elastic_step.components import evaluate_model, export_model, prepare_data, promote_model, train_elastic
+from elastic_step.components import deploy_model, evaluate_model, export_model, prepare_data, promote_model, train_elastic
 
 # A retried training task resumes its MLflow run from the newest checkpoint. KFP's retry cannot read
 # exit codes: it retries every failed attempt alike (a preemption, exit 75, as a failure, and bad
@@ -61,6 +62,10 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         rows_per_shard: int = defaults.ROWS_PER_SHARD,
         seed: int = defaults.SEED,
         job_dir: str = "",
+        serve_target: str = "",
+        serve_namespace: str = "",
+        serve_service_account: str = "",
+        serve_storage_secret: str = "",
     ):
         prepared = prepare_data(source=source, split=split, rows_per_shard=rows_per_shard, seed=seed)
         trained = train_elastic(
@@ -79,6 +84,8 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         released = (release_if_blessed if caching else release_if_blessed_uncached)(
             blessed=judged.outputs["blessed"], candidate=trained.outputs["model"], dataset=prepared.outputs["dataset"],
             registered_model=registered_model, model_def=model_def, mlflow_uri=mlflow_uri,
+            serve_target=serve_target, serve_namespace=serve_namespace, serve_service_account=serve_service_account,
+            serve_storage_secret=serve_storage_secret,
         )
         for task in (prepared, trained, judged):
             kubernetes.add_pod_label(task, *PART_OF)
@@ -89,13 +96,15 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
 
 
 def _release_if_blessed(caching: bool):
-    """export → promote, only when the gate blessed the candidate. A sub-pipeline so that the
+    """export → promote (→ deploy the new champion when `serve_target` is kserve or mlflow),
+    only when the gate blessed the candidate. A sub-pipeline so that the
     condition reads a plain input of its own (`blessed`): KFP's local runner cannot resolve a
     condition on a named output of a sibling task, and the graph is the same on a cluster."""
 
     @dsl.pipeline(name="release-if-blessed" if caching else "release-if-blessed-uncached")
     def release(blessed: bool, candidate: Input[Model], dataset: Input[Dataset], registered_model: str, model_def: str,
-                mlflow_uri: str):
+                mlflow_uri: str, serve_target: str, serve_namespace: str, serve_service_account: str,
+                serve_storage_secret: str):
         with dsl.If(blessed == True, name="blessed"):  # noqa: E712 (a KFP condition, not Python)
             exported = export_model(candidate=candidate, dataset=dataset, registered_model=registered_model,
                                     model_def=model_def, mlflow_uri=mlflow_uri,
@@ -105,6 +114,13 @@ def _release_if_blessed(caching: bool):
             for task in (exported, promoted):
                 kubernetes.add_pod_label(task, *PART_OF)
                 task.set_caching_options(caching)
+            with dsl.If(serve_target != "", name="serve"):  # "" (the default): promote only
+                deployed = deploy_model(registered_model=registered_model, version=promoted.outputs["champion_version"],
+                                        target=serve_target, namespace=serve_namespace,
+                                        service_account=serve_service_account, storage_secret=serve_storage_secret,
+                                        mlflow_uri=mlflow_uri)
+                kubernetes.add_pod_label(deployed, *PART_OF)
+                deployed.set_caching_options(False)  # a deploy acts on the cluster as it is now
 
     return release
 

@@ -84,4 +84,4 @@ def test_elastic_step_image_overrides_the_components_image_at_compile_time(tmp_p
                            "--components-out", str(tmp_path / "c")], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     text = (tmp_path / "p" / "training_pipeline.yaml").read_text()
-    assert text.count("image: registry.example.com/team/elastic-step:dev") == 5 and "ghcr.io" not in text
+    assert text.count("image: registry.example.com/team/elastic-step:dev") == 6 and "ghcr.io" not in text
