@@ -20,7 +20,7 @@ import numpy as np
 
 from elastic_step.protocol import LrScaling, RangeRecord, RendezvousReply, TaskStatus
 from elastic_step.worker.rows import Piece, TaskRows, shares
-from elastic_step.worker.step_api import RoundOutcome, TrainingStep
+from elastic_step.worker.step_api import RoundOutcome, StepHost, TrainingStep
 from elastic_step.worker.step_buffer import MAX_PIECES, StepBuffer
 from elastic_step.worker.timing import Phase, StepTimes
 
@@ -55,7 +55,7 @@ class _Gathered:
 
 
 class AllreduceStep(TrainingStep):
-    def __init__(self, host):
+    def __init__(self, host: StepHost):
         super().__init__(host)
         self._scratch: np.ndarray | None = None  # a second gradient buffer, for ranks that accumulate
 

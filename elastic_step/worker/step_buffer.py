@@ -92,14 +92,16 @@ class StepBuffer:
     def ranges_of(self, rank: int) -> list[RangeRecord]:
         """The ranges `rank` consumed in this micro-round, in order (its pieces fill its slots
         from the first; a count of 0 ends them)."""
-        slot = self._ranks + PER_RANK * rank + 1
+        data, first = self.data, self._ranks + PER_RANK * rank + 1
         ranges = []
-        for p in range(MAX_PIECES):
-            base = slot + _PIECE * p
-            task_id, offset, count = (decode_int(self.data[base + 2 * i], self.data[base + 2 * i + 1]) for i in range(3))
+        for base in range(first, first + _PIECE * MAX_PIECES, _PIECE):
+            count = decode_int(data[base + 4], data[base + 5])
             if count == 0:
                 break
-            ranges.append(RangeRecord(task_id=task_id, offset=offset, count=count))
+            # Built unvalidated: these are exact non-negative integers, decoded on every step; the
+            # master validates the step record that carries them.
+            ranges.append(RangeRecord.model_construct(task_id=decode_int(data[base], data[base + 1]),
+                                                      offset=decode_int(data[base + 2], data[base + 3]), count=count))
         return ranges
 
     def summary(self) -> np.ndarray:
