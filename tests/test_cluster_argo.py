@@ -1,9 +1,11 @@
 """The Argo path on the cluster stand-in (tests/cluster): the train step's pod is made from the
 shipped WorkflowTemplate, rendered as a platform engineer renders it for `backend=kubernetes`
-(`argo render --data-store s3://... --store-secret ... --store-endpoint ...`), the way Argo's
-controller makes it (an `init` container, the `wait` container listed before `main`, main's
-command wrapped by the executor, the workflow's service account), and the master in it trains on
-worker pods it creates through the API. Workers share nothing with the master pod: not its
+(`argo render --data-store s3://... --store-secret ... --store-endpoint ...`), submitted as a
+Workflow and run by the Argo stand-in's controller (tests/cluster/workflow.py) as Argo runs it: an
+`init` container, the `wait` container listed before `main`, main's command wrapped by the
+executor, the workflow's service account, the pod owned by the Workflow, retried as the template's
+`retryStrategy` says, its outputs uploaded by `wait` to the namespace's artifact repository. The
+master in it trains on worker pods it creates through the API. Workers share nothing with the master pod: not its
 image's first container, not its files (the dataset lives in a private bucket of an S3 server
 that they read with the credentials of the Secret the template names), not its token.
 
@@ -12,9 +14,13 @@ work with worker pods: the master refuses it before it creates anything."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import queue
 import shutil
+import tarfile
+import threading
 import time
 
 import pytest
@@ -23,7 +29,10 @@ from kubernetes import client as k8s
 
 from cluster import Cluster, role_rules, venv_image
 from cluster.argo import ARGOEXEC_IMAGE, StepRefused, argoexec_image, step_pod
+from cluster.argoretry import NodePhase, humanize_duration, parse_duration
 from cluster.masterpod import MasterPodOnNode
+from cluster.rbac import REPO, kustomize_namespace, read_manifests
+from cluster.workflow import DEFAULT_REPOSITORY_ANNOTATION, SkippingClock, WorkflowController
 from conftest import SLOW_MODEL
 from elastic_step.argo import RenderOptions
 from elastic_step.argo.render import render_texts
@@ -35,6 +44,8 @@ pytestmark = pytest.mark.e2e
 TEMPLATE = "training-workflowtemplate.yaml"
 STORE_SECRET = "training-data-store"  # keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, as --store-secret wants
 DATA_STORE = "s3://ml-data/elastic-step"
+ARGO_RBAC = os.path.join(REPO, "deploy", "argo")  # the executor's Role for the steps' account
+ARTIFACTS = "argo-artifacts"  # the namespace's artifact repository: a bucket, its keys in a Secret
 JOB_DIR = "/tmp/job"  # the train template's job folder (steps.Layout.job_dir): main's own /tmp
 # The run's parameters, as `argo submit -p NAME=VALUE` gives them; the others keep their defaults.
 PARAMETERS = {"model-def": "slow_digits", "workers": "2:4", "epochs": "3", "minibatch-size": "16", "minibatches-per-task": "2",
@@ -57,6 +68,8 @@ def cluster(tmp_path):
     images = {default_image(): project, ARGOEXEC_IMAGE: argoexec_image(str(tmp_path / "argoexec"))}
     with Cluster(str(tmp_path / "cluster"), images=images) as c:
         print(f"kubelet runtime: {c.kubelet.mode}")
+        for obj in kustomize_namespace(read_manifests(ARGO_RBAC), c.namespace):
+            c.authorizer.apply(obj)
         yield c
 
 
@@ -76,6 +89,30 @@ class StepOnNode(MasterPodOnNode):
         return self.cluster.kubelet.container_file(self.cluster.namespace, self.name, "main", pod_path)
 
 
+def add_artifact_repository(cluster: Cluster, s3: S3Server) -> None:
+    """The namespace's default artifact repository, as Argo's docs configure one: the
+    `artifact-repositories` ConfigMap (its default key named by the annotation), S3 keys in a Secret."""
+    s3.create_bucket(ARTIFACTS)
+    api = cluster.core()
+    api.create_namespaced_secret(cluster.namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=f"{ARTIFACTS}-s3"), string_data={
+        "accesskey": "AKIDTEST", "secretkey": "not-a-real-secret"}))
+    repository = {"s3": {"bucket": ARTIFACTS, "endpoint": s3.endpoint.removeprefix("http://"), "insecure": True,
+                         "accessKeySecret": {"name": f"{ARTIFACTS}-s3", "key": "accesskey"},
+                         "secretKeySecret": {"name": f"{ARTIFACTS}-s3", "key": "secretkey"}}}
+    api.create_namespaced_config_map(cluster.namespace, k8s.V1ConfigMap(
+        metadata=k8s.V1ObjectMeta(name="artifact-repositories", annotations={DEFAULT_REPOSITORY_ANNOTATION: "default-v1"}),
+        data={"default-v1": yaml.safe_dump(repository)}))
+
+
+def artifact_object(s3: S3Server, key: str) -> bytes:
+    return s3.client().get_object(Bucket=ARTIFACTS, Key=key)["Body"].read()
+
+
+def main_running(cluster: Cluster, pod: str) -> bool:
+    statuses = cluster.core().read_namespaced_pod(pod, cluster.namespace).status.container_statuses or []
+    return any(c.name == "main" and c.state.running for c in statuses)
+
+
 def job_objects(cluster: Cluster) -> list[str]:
     """Every pod, Secret and NetworkPolicy the job made (the master labels them as its own)."""
     return [o["metadata"]["name"] for plural in ("pods", "secrets", "networkpolicies") for o in cluster.objects(plural)
@@ -87,25 +124,47 @@ def worker_pods_made(cluster: Cluster) -> list[dict]:
             and e[4]["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "worker"]
 
 
-def test_the_argo_train_step_trains_on_worker_pods_that_share_nothing_with_it_through_killed_oom_killed_and_paused_workers(
+def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_nothing_with_it_through_killed_oom_killed_and_paused_workers(
         tmp_path, digits, s3, cluster):
+    """The train step of the shipped WorkflowTemplate run by the Argo stand-in's controller
+    (tests/cluster/workflow.py): its first attempt is SIGKILLed on the node as it starts (a node
+    failure: main's exit code 137), retried as the template's retryStrategy says, and the second
+    attempt trains through killed, OOM-killed and paused workers; its outputs end in the artifact
+    repository of the namespace (`artifact-repositories`), uploaded by the `wait` container."""
     document = rendered(data_store=DATA_STORE, store_secret=STORE_SECRET, store_endpoint=s3.endpoint,
                         worker_cpu="1", worker_memory="1Gi")
+    strategy = next(t for t in document["spec"]["templates"] if t["name"] == "train")["retryStrategy"]
     ns = cluster.namespace
     api = cluster.core()
     # What prepare-data left in the store (its own step is not run here), in a private bucket.
     s3.upload(digits, "ml-data", "elastic-step/wf-1/dataset")
     api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}))
-    pod = step_pod(document, "train", "wf-1", {}, PARAMETERS, {})
-    assert [c["name"] for c in pod["spec"]["containers"]] == ["wait", "main"]
-    main = pod["spec"]["containers"][1]
-    assert main["args"][main["args"].index("--data") + 1] == "s3://ml-data/elastic-step/wf-1/dataset"
-    # The operator's two additions to main's arguments (no workflow parameter reaches them): the
-    # audit file this test checks, and a heartbeat timeout that keeps the paused worker's wait short.
-    main["args"] += ["--audit", f"{JOB_DIR}/audit.jsonl", "--heartbeat-timeout", "4"]
-    api.create_namespaced_pod(ns, pod)
-    name = pod["metadata"]["name"]
+    add_artifact_repository(cluster, s3)
+    clock = SkippingClock()  # the backoff is asserted, not waited out
+    controller = WorkflowController(cluster, clock=clock.now, sleep=clock.sleep)
+    workflow = controller.submit(document, "wf-1", PARAMETERS)
+    attempts: queue.Queue = queue.Queue()
+
+    def prepare(pod: dict) -> None:
+        main = pod["spec"]["containers"][1]
+        assert main["args"][main["args"].index("--data") + 1] == "s3://ml-data/elastic-step/wf-1/dataset"
+        # The operator's two additions to main's arguments (no workflow parameter reaches them): the
+        # audit file this test checks, and a heartbeat timeout that keeps the paused worker's wait short.
+        main["args"] += ["--audit", f"{JOB_DIR}/audit.jsonl", "--heartbeat-timeout", "4"]
+
+    def on_attempt(index: int, pod: str) -> None:
+        if index == 0:  # the node fails under the first attempt as soon as its main runs
+            while not main_running(cluster, pod):
+                time.sleep(0.05)
+            cluster.kubelet.kill(ns, pod)
+        attempts.put(pod)
+
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(node=controller.run_step(workflow, "train", prepare=prepare,
+                                                                                      on_attempt=on_attempt)), daemon=True)
+    runner.start()
+    first, name = attempts.get(timeout=60), attempts.get(timeout=120)
     step = StepOnNode(cluster, name)
 
     started = time.monotonic()
@@ -119,20 +178,26 @@ def test_the_argo_train_step_trains_on_worker_pods_that_share_nothing_with_it_th
                        and s["rows_done"] > rows_at_kill)
     # Once the survivors train again, one first worker hangs (docker pause), one goes over its
     # memory limit (a kernel OOM kill), and the third (which holds the model state) stays.
-    first = [w for w in status["workers"] if w["state"] == "live" and w["id"].endswith(".1") and w["id"] != victim["id"] and w.get("pod")]
-    assert len(first) == 3, status["workers"]
-    hung, oom = first[0], first[1]
+    first_workers = [w for w in status["workers"] if w["state"] == "live" and w["id"].endswith(".1") and w["id"] != victim["id"] and w.get("pod")]
+    assert len(first_workers) == 3, status["workers"]
+    hung, oom = first_workers[0], first_workers[1]
     cluster.kubelet.pause(ns, hung["pod"])
     cluster.kubelet.fill_memory(ns, oom["pod"], 1200)
     step.wait(lambda s: not {hung["id"], oom["id"]} & {w["id"] for w in s["workers"] if w["state"] == "live"})
 
-    phase = step.wait_ended(180)
+    runner.join(240)
+    node = outcome["node"]
     log = step.log()
     worker_logs = {n: [line for line in text.decode(errors="replace").splitlines() if "error" in line.lower()][-2:]
                    for (_, n), text in cluster.kubelet.past_logs.items() if n != name}
-    assert phase == "Succeeded", f"{log}\nworker logs: {worker_logs}"
+    assert node.phase == NodePhase.SUCCEEDED, f"{node}\n{log}\nworker logs: {worker_logs}"
     assert "argoexec wait: main exited with 0" in log
     print(f"job done {time.monotonic() - started:.1f}s after it started")
+    # The retry, as the template's retryStrategy has it: main's 137 is retried after the backoff.
+    assert [(a.name, a.phase, a.exit_code, a.message) for a in node.attempts] == [
+        ("wf-1.train(0)", NodePhase.FAILED, "137", "main: Error (exit code 137)"), ("wf-1.train(1)", NodePhase.SUCCEEDED, "0", "")]
+    assert node.messages == [f"Backoff for {humanize_duration(parse_duration(strategy['backoff']['duration']))}", ""]
+    assert [a.pod for a in node.attempts] == [first, name]
 
     report = audit_report(step.path(f"{JOB_DIR}/audit.jsonl"), digits, int(PARAMETERS["epochs"]))
     assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
@@ -146,17 +211,32 @@ def test_the_argo_train_step_trains_on_worker_pods_that_share_nothing_with_it_th
     assert "OOMKilled" in died[oom["id"]]["reason"], died
     assert {e["worker"] for e in events if e["event"] == "relaunched"} == {victim["id"], hung["id"]}
 
+    # The step's outputs, as the wait container reported and uploaded them: the parameters the
+    # evaluate step takes, the metrics file and the model folder (tar+gzip, Argo's default).
+    parameters = {p["name"]: p["value"] for p in node.outputs["parameters"]}
+    assert f"mlflow: run {parameters['run_id']} at " in log and f"; model {parameters['model_uri']}\n" in log, parameters
+    keys = {a["name"]: a["s3"]["key"] for a in node.outputs["artifacts"]}
+    assert keys == {n: f"wf-1/{name}/{n}.tgz" for n in ("metrics", "model")}
+    with tarfile.open(fileobj=io.BytesIO(artifact_object(s3, keys["metrics"])), mode="r:gz") as tar:
+        assert json.load(tar.extractfile("metrics.json")) == result["test_metrics"]
+    with tarfile.open(fileobj=io.BytesIO(artifact_object(s3, keys["model"])), mode="r:gz") as tar:
+        model = step.path("/tmp/outputs/model")  # what main wrote, as the node holds it
+        assert sorted(tar.getnames()) == ["model"] + [f"model/{n}" for n in sorted(os.listdir(model))], tar.getnames()
+        with open(os.path.join(model, "model.bin"), "rb") as f:
+            assert tar.extractfile("model/model.bin").read() == f.read()
+
     # The workers run main's image (not the executor's, listed first), as their own account
-    # (not the workflow's), owned by the step's pod, with the store's credentials by reference.
+    # (not the workflow's), owned by the step's pod, with the store's credentials by reference;
+    # the step's pods are owned by the Workflow.
     master = api.read_namespaced_pod(name, ns)
-    workers = worker_pods_made(cluster)
+    assert [(r.kind, r.uid) for r in master.metadata.owner_references] == [("Workflow", workflow["metadata"]["uid"])]
+    workers = [w for w in worker_pods_made(cluster) if w["metadata"]["ownerReferences"][0]["uid"] == master.metadata.uid]
     assert len(workers) == 6, [w["metadata"]["name"] for w in workers]  # 4 and two replacements (none for the OOM)
     for worker in workers:
         container = worker["spec"]["containers"][0]
-        assert container["image"] == main["image"]
+        assert container["image"] == next(t for t in document["spec"]["templates"] if t["name"] == "train")["container"]["image"]
         assert container["resources"]["limits"]["memory"] == "1Gi"
         assert worker["spec"]["serviceAccountName"] != document["spec"]["serviceAccountName"]
-        assert [r["uid"] for r in worker["metadata"]["ownerReferences"]] == [master.metadata.uid]
         env = {e["name"]: e for e in container["env"]}
         assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "AWS_SECRET_ACCESS_KEY"}
         assert env["AWS_ENDPOINT_URL"]["value"] == s3.endpoint
@@ -165,7 +245,8 @@ def test_the_argo_train_step_trains_on_worker_pods_that_share_nothing_with_it_th
     assert cluster.refused() == set()
     used = cluster.used()
     assert {n for _, _, n in used} == {ns}
-    assert {(verb, resource) for verb, resource, _ in used} == role_rules()
+    # the master's calls and the executor's report, with the one account, as deploy/ grants them
+    assert {(verb, resource) for verb, resource, _ in used} == role_rules() | role_rules(ARGO_RBAC)
 
 
 def test_the_default_render_with_worker_pods_is_refused_before_anything_is_created(tmp_path, digits, s3, cluster):
@@ -181,7 +262,7 @@ def test_the_default_render_with_worker_pods_is_refused_before_anything_is_creat
     assert step.wait_ended(120) == "Failed", step.log()
     log = step.log()
     assert "argoexec wait: main exited with 2" in log, log
-    refusal = [line for line in log.splitlines() if "error:" in line]
+    refusal = [line for line in log.splitlines() if "error:" in line and not line.startswith("argoexec")]  # main's, not wait's
     assert len(refusal) == 1 and "--data '/tmp/inputs/dataset' is a local path" in refusal[0] and "--data-store" in refusal[0], log
     assert not os.path.exists(step.path(JOB_DIR))
     assert worker_pods_made(cluster) == [] and job_objects(cluster) == []

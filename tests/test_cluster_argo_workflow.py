@@ -23,7 +23,7 @@ from cluster.argo import ARGOEXEC_IMAGE, argoexec_image
 from cluster.argoretry import NodePhase
 from cluster.rbac import REPO, kustomize_namespace, read_manifests
 from cluster.runtime import Image, python_paths
-from cluster.workflow import DEFAULT_REPOSITORY_ANNOTATION, WorkflowController
+from cluster.workflow import DEFAULT_REPOSITORY_ANNOTATION, SkippingClock, WorkflowController
 from stores import S3Server
 
 pytestmark = pytest.mark.e2e
@@ -32,20 +32,6 @@ SHELL_IMAGE = "busybox:1.36"
 RUNNER = "elastic-step-runner"  # deploy/rbac's account, bound to deploy/argo's executor Role
 S3_KEYS = "argo-artifacts-s3"  # the repository's Secret, as Argo's docs name its keys
 NOT_CONFIGURED = "artifact storage is not configured; see the docs for setup instructions"
-
-
-class Clock:
-    """The controller's time: real, plus every backoff it was asked to wait out (not waited)."""
-
-    def __init__(self):
-        self.skipped, self.waits = 0.0, []
-
-    def now(self) -> float:
-        return time.time() + self.skipped
-
-    def sleep(self, seconds: float) -> None:
-        self.waits.append(seconds)
-        self.skipped += seconds
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +179,7 @@ def test_a_missing_output_is_an_error_of_the_executor_that_only_OnError_or_Alway
 
 
 def test_a_failed_main_is_retried_after_its_backoff_until_the_expression_says_no(cluster):
-    clock = Clock()
+    clock = SkippingClock()
     controller = WorkflowController(cluster, clock=clock.now, sleep=clock.sleep)
     retry = {"limit": 4, "expression": "lastRetry.exitCode != '2'", "backoff": {"duration": "5s", "factor": 3}}
     # exit 3 on the first attempt, 2 on the second: bad input, not worth a third

@@ -133,6 +133,21 @@ def main_exit_code(pod: dict) -> str | None:
     return None
 
 
+class SkippingClock:
+    """A controller's time for tests: real time plus every backoff it was asked to wait out,
+    which is recorded (`waits`) and skipped rather than slept."""
+
+    def __init__(self):
+        self.skipped, self.waits = 0.0, []
+
+    def now(self) -> float:
+        return time.time() + self.skipped
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.skipped += seconds
+
+
 class WorkflowController:
     def __init__(self, cluster, controller_namespace: str = "argo", clock=time.time, sleep=time.sleep):
         """`clock` and `sleep`: the controller's time (a test may pass a clock whose sleep only
@@ -157,9 +172,10 @@ class WorkflowController:
         return self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace or self.cluster.namespace, "workflows", body)
 
     def run_step(self, workflow: dict, template_name: str, task_outputs: dict[str, str] | None = None,
-                 input_artifacts: dict[str, dict] | None = None, on_attempt=None, timeout: float = 600) -> StepNode:
-        """Run one template of the Workflow to its end, retries included. `on_attempt(index,
-        pod_name)` is called once each attempt's pod is created (a test's hook)."""
+                 input_artifacts: dict[str, dict] | None = None, on_attempt=None, prepare=None, timeout: float = 600) -> StepNode:
+        """Run one template of the Workflow to its end, retries included. A test's hooks:
+        `prepare(pod)` may change each pod before it is created (what an operator's podSpecPatch
+        or a mutating webhook could do), `on_attempt(index, pod_name)` is called once it is."""
         namespace, name = workflow["metadata"]["namespace"], workflow["metadata"]["name"]
         spec = workflow["spec"]
         template = next(t for t in spec["templates"] if t["name"] == template_name)
@@ -176,6 +192,8 @@ class WorkflowController:
             except StepRefused as exc:
                 node.phase, node.message = NodePhase.ERROR, str(exc)
                 break
+            if prepare is not None:
+                prepare(pod)
             created = self.core.create_namespaced_pod(namespace, pod)
             attempt = Attempt(attempt_name, pod["metadata"]["name"], started=self.clock())
             node.attempts.append(attempt)
