@@ -6,7 +6,8 @@
    (its bytes per row do not depend on the count; stated as such). Each is built in a fresh
    process and measured as its RSS growth, besides the bytes the table accounts for.
 2. Pull + push rows/s of one client against one local shard process (Zipf ids, deduplicated),
-   with the fsync'd ledger and without it (--no-fsync): the ledger's cost. Also the same
+   with the fsync'd ledger and without it (--no-fsync): the ledger's cost; the same with the
+   pushes through a PushQueue (the next pull overlaps the last push's fsync); and the same
    ShardState in-process, without the network.
 3. SIGKILL -> first successful pull: a shard holding --kill-rows rows (snapshot + a ledger tail of
    pushes) is killed --kills times; the time from the kill until a client's pull succeeds
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import machine  # noqa: E402
 
 from elastic_step.ps.api import OptimizerKind, TableSpec  # noqa: E402
-from elastic_step.ps.client import PsClient  # noqa: E402
+from elastic_step.ps.client import PsClient, PushQueue  # noqa: E402
 from elastic_step.ps.ledger import LedgerRecord  # noqa: E402
 from elastic_step.ps.local import LocalShards  # noqa: E402
 from elastic_step.ps.routing import RoutingTable  # noqa: E402
@@ -91,16 +92,26 @@ def zipf_batches(count: int, batch: int, rows: int, seed: int = 0):
     return [np.unique(rng.zipf(1.2, batch) % rows) for _ in range(count)]
 
 
-def throughput(root: str, token_file: str, fsync: bool, batches: list[np.ndarray]) -> float:
-    shards = LocalShards(os.path.join(root, f"rate-{fsync}"), [TableSpec("t", 16)], 1, token_file, snapshot_every=10**9, fsync=fsync)
+def throughput(root: str, token_file: str, fsync: bool, batches: list[np.ndarray], queued: bool = False) -> float:
+    """Rows/s of pull + push; `queued`: pushes go through a PushQueue (the next pull overlaps
+    the last push's fsync), as a worker that computes while its push is made durable."""
+    folder = os.path.join(root, f"rate-{fsync}-{queued}")
+    shards = LocalShards(folder, [TableSpec("t", 16)], 1, token_file, snapshot_every=10**9, fsync=fsync)
     shards.start()
     try:
         client = PsClient(TOKEN, shards.routes)
+        pushes = PushQueue(PsClient(TOKEN, shards.routes)) if queued else None
         client.pull("t", batches[0])  # connect, warm up
         start = time.perf_counter()
         for seq, ids in enumerate(batches):
             rows = client.pull("t", ids)
-            client.push("t", 0, seq, 0, ids, rows * 0.01)
+            if pushes:
+                pushes.submit("t", 0, seq, 0, ids, rows * 0.01)
+            else:
+                client.push("t", 0, seq, 0, ids, rows * 0.01)
+        if pushes:
+            pushes.wait()
+            pushes.close()
         return sum(len(b) for b in batches) / (time.perf_counter() - start)
     finally:
         shards.stop()
@@ -173,6 +184,10 @@ def main() -> None:
         synced = throughput(root, token_file, True, batches)
         unsynced = throughput(root, token_file, False, batches)
         print(f"  with the fsync'd ledger: {synced:,.0f} rows/s; without fsync: {unsynced:,.0f} rows/s; ledger cost {1 - synced / unsynced:.1%}")
+        queued_synced = throughput(root, token_file, True, batches, queued=True)
+        queued_unsynced = throughput(root, token_file, False, batches, queued=True)
+        print(f"  pushes through a PushQueue (depth 2): fsync'd {queued_synced:,.0f} rows/s; without fsync: {queued_unsynced:,.0f} rows/s; "
+              f"ledger cost {1 - queued_synced / queued_unsynced:.1%}")
         print(f"  in-process ShardState (fsync'd ledger, no network): {in_process(root, batches):,.0f} rows/s")
         print(f"3. SIGKILL recovery, {args.kill_rows:,} rows")
         kill_recovery(root, token_file, args.kill_rows, args.kills)

@@ -1,6 +1,7 @@
 """A shard process's contract beyond exactly-once: requests under a stale routing epoch or for
 ids it does not own are refused and the client re-routes and retries; the job token is checked;
-a wildcard bind address is bad input; SIGTERM leaves a snapshot with nothing to replay."""
+a wildcard bind address is bad input; SIGTERM leaves a snapshot with nothing to replay; a push
+queue delivers every push once, in order."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import pytest
 
 from elastic_step.ps import wire
 from elastic_step.ps.api import PsError, Status, TableSpec
-from elastic_step.ps.client import PsClient
+from elastic_step.ps.client import PsClient, PushQueue
 from elastic_step.ps.local import LocalShards, write_config
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import READY_FILE
 from elastic_step.ps.state import LEDGER_FILE, SNAPSHOT_FILE
+from elastic_step.ps.table import EmbeddingTable
 
 TOKEN = "ps-shard-token"
 SPEC = TableSpec("emb", 4)
@@ -111,3 +113,22 @@ def test_sigterm_leaves_a_snapshot_and_an_empty_ledger(shards):
     shard.start()
     assert shard.wait_ready()["replayed"] == 0
     assert client.call(shard.endpoint, {"op": "digest", "table": SPEC.name})[0]["digest"] == digest
+
+
+def test_a_push_queue_delivers_every_push_once_in_order(shards):
+    client = PsClient(TOKEN, shards.routes)
+    pushes = PushQueue(PsClient(TOKEN, shards.routes))
+    expected = EmbeddingTable(SPEC)
+    for b in range(30):
+        ids = (np.arange(50) * (b % 7 + 1)) % 200
+        grads = np.full((50, SPEC.dim), 0.1 * (b + 1), np.float32)
+        pushes.submit(SPEC.name, 5, b, 0, ids, grads)
+        expected.push(ids, grads)
+    pushes.wait()
+    pushes.close()
+    np.testing.assert_array_equal(client.pull(SPEC.name, np.arange(200)), expected.pull(np.arange(200)))
+    broken = PushQueue(PsClient("wrong", shards.routes))
+    broken.submit(SPEC.name, 6, 0, 0, np.arange(3), np.ones((3, SPEC.dim), np.float32))
+    with pytest.raises(PsError, match="unauthorized"):
+        broken.wait()
+    broken.close()

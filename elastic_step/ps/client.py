@@ -14,7 +14,9 @@ acknowledges it without applying it again.
 
 from __future__ import annotations
 
+import queue
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -153,3 +155,46 @@ class PsClient:
     def close(self) -> None:
         for endpoint in list(self._connections):
             self._drop(endpoint)
+
+
+class PushQueue:
+    """Pushes sent in order on their own connection and thread, so that a worker computes (and
+    pulls) its next batch while the shards fsync the last one's ledger record; the shard's fsync
+    runs outside its lock, so the pull is not held up by it. At most `depth` pushes wait;
+    `wait()` returns once every submitted push is acknowledged. A push that fails for good is
+    raised by the next submit or wait. A pull may not yet see the pushes still in the queue."""
+
+    def __init__(self, client: PsClient, depth: int = 2):
+        self.client = client  # its own PsClient: a connection carries one request at a time
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._send, name="ps-push", daemon=True)
+        self.thread.start()
+
+    def submit(self, table: str, task: int, batch_seq: int, attempt: int, ids: np.ndarray, grads: np.ndarray) -> None:
+        self._raise()
+        self.queue.put((table, task, batch_seq, attempt, ids, grads))
+
+    def wait(self) -> None:
+        self.queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self.client.close()
+
+    def _send(self) -> None:
+        while (push := self.queue.get()) is not None:
+            try:
+                if self.error is None:
+                    self.client.push(*push)
+            except BaseException as exc:  # handed to the worker's thread by _raise
+                self.error = exc
+            finally:
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
