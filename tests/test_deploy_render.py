@@ -58,7 +58,7 @@ def test_the_inference_service_validates_against_kserves_own_crd_schema(store, c
     from elastic_step.release.served_model import resolve
 
     model = resolve(NAME, "champion", store["uri"])
-    isvc = inference_service(model, settings(), canary=canary)
+    isvc = inference_service(model, settings(), canary=canary, previous_version=store["v1"] if canary else "")
     schema = json.load(open(KSERVE_SCHEMA))
     jsonschema.Draft7Validator(schema).validate(isvc)
     assert never_pruned(isvc, schema) == []
@@ -72,6 +72,8 @@ def test_the_inference_service_validates_against_kserves_own_crd_schema(store, c
     assert {"elastic-step.io/registered-model": "Digits-Classifier", "elastic-step.io/model-version": store["v2"],
             "elastic-step.io/mlflow-run": run}.items() <= isvc["metadata"]["labels"].items()
     assert isvc["metadata"]["annotations"]["elastic-step.io/registered-model-name"] == NAME
+    # what a rollback returns to, named where `kubectl get isvc -o yaml` shows it
+    assert isvc["metadata"]["annotations"].get("elastic-step.io/previous-version") == (store["v1"] if canary else None)
 
 
 def test_kserve_schema_catches_what_kserve_would_refuse(store):

@@ -52,7 +52,7 @@ def render_objects(model: ServedModel, target: Target, settings: DeploySettings,
                    previous_version: str = "") -> list[dict]:
     """What a first deploy (canary False) or a canary (True) writes, in the order it is written."""
     if target is Target.KSERVE:
-        return [render.inference_service(model, settings, canary)]
+        return [render.inference_service(model, settings, canary, previous_version)]
     track = Track.CANARY if canary else Track.STABLE
     return [render.model_service(model, settings), render.model_deployment(model, settings, track, previous_version)]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from elastic_step.errors import ConfigError, JobFailed
 from elastic_step.release.deploy import DeployResult, failed, render_objects
-from elastic_step.release.deploy_render import VERSION_LABEL, DeploySettings, Target
+from elastic_step.release.deploy_render import PREVIOUS_VERSION_ANNOTATION, VERSION_LABEL, DeploySettings, Target
 from elastic_step.release.served_model import ServedModel
 
 
@@ -18,9 +18,10 @@ def apply_kserve(cluster, registered_model: str, model: ServedModel | None, sett
         if existing is None or not _previous_revision(existing):
             raise ConfigError(f"InferenceService {settings.namespace}/{settings.name} has no previous revision to roll back to")
         cluster.roll_back_inference_service(settings.name)
-        return DeployResult(Target.KSERVE, settings.name, settings.namespace, previous, existing["status"].get("url", ""),
+        before = existing["metadata"].get("annotations", {}).get(PREVIOUS_VERSION_ANNOTATION, "")
+        return DeployResult(Target.KSERVE, settings.name, settings.namespace, before, existing["status"].get("url", ""),
                             applied=True)
-    (obj,) = render_objects(model, Target.KSERVE, settings, canary=bool(previous))
+    (obj,) = render_objects(model, Target.KSERVE, settings, canary=bool(previous), previous_version=previous)
     written = cluster.write_inference_service(obj, existing)
     try:
         url = cluster.wait_inference_service(settings.name, written["metadata"].get("generation", 1), timeout)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from elastic_step.errors import ConfigError, JobFailed
 from elastic_step.release.deploy import DeployResult, _endpoint, failed, render_objects
-from elastic_step.release.deploy_render import DeploySettings, Target, Track, model_deployment
+from elastic_step.release.deploy_render import DeploySettings, Target, Track, model_deployment, model_service
 from elastic_step.release.served_model import ServedModel, resolve
 
 
@@ -28,9 +28,7 @@ def apply_mlflow(cluster, registered_model: str, model: ServedModel | None, sett
         except JobFailed as exc:
             raise failed(str(exc), "") from None
         return DeployResult(Target.MLFLOW, settings.name, settings.namespace, model.version, endpoint, applied=True)
-    objects = render_objects(model, Target.MLFLOW, settings, canary=True)
-    for obj in objects:
-        cluster.write(obj)
+    cluster.write(model_deployment(model, settings, Track.CANARY))  # the Service keeps naming what stable serves
     try:
         cluster.wait_deployment(settings.name, Track.CANARY, timeout)
     except JobFailed as exc:
@@ -41,6 +39,7 @@ def apply_mlflow(cluster, registered_model: str, model: ServedModel | None, sett
 
 def _to_stable(cluster, model: ServedModel, settings: DeploySettings, timeout: float, endpoint: str, previous: str):
     cluster.write(model_deployment(model, settings, Track.STABLE, previous_version=previous))
+    cluster.write(model_service(model, settings))
     cluster.wait_deployment(settings.name, Track.STABLE, timeout)
     cluster.delete_deployment(settings.name, Track.CANARY)
     return DeployResult(Target.MLFLOW, settings.name, settings.namespace, model.version, endpoint, previous, applied=True)

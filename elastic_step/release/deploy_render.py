@@ -66,7 +66,7 @@ def model_labels(model: ServedModel) -> dict[str, str]:
     return {MODEL_LABEL: label_value(model.name), VERSION_LABEL: model.version, RUN_LABEL: label_value(model.run_id)}
 
 
-def inference_service(model: ServedModel, settings: DeploySettings, canary: bool) -> dict:
+def inference_service(model: ServedModel, settings: DeploySettings, canary: bool, previous_version: str = "") -> dict:
     """KServe's InferenceService for `model`: storageUri from the registry, the service account
     that KServe's storage initializer reads the store's credentials through, and
     `canaryTrafficPercent` when a previous revision serves (KServe then keeps the rest of the
@@ -83,11 +83,14 @@ def inference_service(model: ServedModel, settings: DeploySettings, canary: bool
     }
     if canary:
         predictor["canaryTrafficPercent"] = settings.canary_percent
+    annotations = {MODEL_ANNOTATION: model.name}
+    if previous_version:
+        annotations[PREVIOUS_VERSION_ANNOTATION] = previous_version
     return {
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",
         "metadata": {"name": settings.name, "namespace": settings.namespace, "labels": _labels(model, settings),
-                     "annotations": {MODEL_ANNOTATION: model.name}},
+                     "annotations": annotations},
         "spec": {"predictor": predictor},
     }
 
