@@ -23,7 +23,7 @@ from cluster.argo import ARGOEXEC_IMAGE, argoexec_image
 from cluster.argoretry import NodePhase
 from cluster.rbac import REPO, kustomize_namespace, read_manifests
 from cluster.runtime import Image, python_paths
-from cluster.workflow import DEFAULT_REPOSITORY_ANNOTATION, SkippingClock, WorkflowController
+from cluster.workflow import DEFAULT_REPOSITORY_ANNOTATION, SkippingClock, WorkflowController, WorkflowFailed
 from stores import S3Server
 
 pytestmark = pytest.mark.e2e
@@ -153,6 +153,10 @@ def test_the_controllers_default_repository_serves_a_namespace_without_one_and_n
     assert f"executor error: {NOT_CONFIGURED}" in wait_log(cluster, nowhere.attempts[0].pod)
 
     add_repository(cluster, s3, namespace="argo", name="workflow-controller-configmap")
+    named = template("ref", WRITE, outputs)
+    named["spec"]["artifactRepositoryRef"] = {"configMap": "team-repositories", "key": "s3"}  # in neither namespace
+    with pytest.raises(WorkflowFailed, match='^failed to find any artifact repository for artifact repository ref "team-repositories#s3"$'):
+        controller.run_step(controller.submit(named, "wf-ref", {}), "step")
     node = controller.run_step(controller.submit(template("default", WRITE, outputs), "wf-default", {}), "step")
     assert node.phase == NodePhase.SUCCEEDED, wait_log(cluster, node.attempts[0].pod)
     assert node.outputs["artifacts"][0]["s3"]["key"] == f"wf-default/{node.attempts[0].pod}/report.tgz"  # Argo's default key format

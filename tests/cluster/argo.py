@@ -131,15 +131,7 @@ def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs
     node_name = node_name or f"{workflow_name}.{template_name}"
     pod_name = f"{workflow_name}-{template_name}-{fnv32a(node_name)}" if workflow else \
         f"{workflow_name}-{template_name}-{abs(hash((workflow_name, template_name))) % 10**10}"
-    main = template["container"]
-    main["name"] = "main"
-    main["command"] = ["/var/run/argo/argoexec", "emissary", "--loglevel", "info", "--"] + list(main.get("command") or [])
-    mounts = main.setdefault("volumeMounts", [])
-    mounts.append({"name": "var-run-argo", "mountPath": "/var/run/argo"})
-    input_artifacts = []
-    for artifact in (template.get("inputs") or {}).get("artifacts") or []:
-        mounts.append({"name": "input-artifacts", "mountPath": artifact["path"], "subPath": artifact["name"]})
-        input_artifacts.append({"name": artifact["name"], "path": artifact["path"], "s3": artifacts[artifact["name"]]})
+    main, input_artifacts = main_container(template, artifacts)
     executor_template = {"name": template_name, "inputs": {"artifacts": input_artifacts}, "outputs": template.get("outputs") or {}}
     has_artifacts = bool(input_artifacts or executor_template["outputs"].get("artifacts"))
     location = template.get("archiveLocation") or (archive_location(repository, {"workflow.name": workflow_name, "pod.name": pod_name})
@@ -155,14 +147,6 @@ def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs
                          {"name": "ARGO_NODE_ID", "value": node_id(workflow_name, node_name)}]
     secrets, secret_mounts = secret_volumes(location or {})
     argo_mounts = [{"name": "var-run-argo", "mountPath": "/var/run/argo"}] + secret_mounts
-    metadata = {"name": pod_name, "labels": {"workflows.argoproj.io/workflow": workflow_name, "workflows.argoproj.io/completed": "false",
-                                             **(spec.get("podMetadata") or {}).get("labels", {}),
-                                             **(template.get("metadata") or {}).get("labels", {})},
-                "annotations": {"workflows.argoproj.io/node-name": node_name}}
-    if workflow is not None:
-        metadata["annotations"]["workflows.argoproj.io/node-id"] = node_id(workflow_name, node_name)
-        metadata["ownerReferences"] = [{"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": workflow_name,
-                                        "uid": workflow["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
     pod_spec = {
         "serviceAccountName": template.get("serviceAccountName") or spec.get("serviceAccountName") or "default",
         "restartPolicy": "Never",
@@ -179,7 +163,35 @@ def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs
     security = template.get("securityContext") or spec.get("securityContext")
     if security:
         pod_spec["securityContext"] = security
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_metadata(spec, template, workflow, workflow_name, node_name, pod_name),
+            "spec": pod_spec}
+
+
+def main_container(template: dict, artifacts: dict[str, dict]) -> tuple[dict, list[dict]]:
+    """The template's container as `main` (wrapped by the emissary, input artifacts mounted by
+    subPath), and the input artifacts as the executor gets them."""
+    main = template["container"]
+    main["name"] = "main"
+    main["command"] = ["/var/run/argo/argoexec", "emissary", "--loglevel", "info", "--"] + list(main.get("command") or [])
+    mounts = main.setdefault("volumeMounts", [])
+    mounts.append({"name": "var-run-argo", "mountPath": "/var/run/argo"})
+    input_artifacts = []
+    for artifact in (template.get("inputs") or {}).get("artifacts") or []:
+        mounts.append({"name": "input-artifacts", "mountPath": artifact["path"], "subPath": artifact["name"]})
+        input_artifacts.append({"name": artifact["name"], "path": artifact["path"], "s3": artifacts[artifact["name"]]})
+    return main, input_artifacts
+
+
+def pod_metadata(spec: dict, template: dict, workflow: dict | None, workflow_name: str, node_name: str, pod_name: str) -> dict:
+    metadata = {"name": pod_name, "labels": {"workflows.argoproj.io/workflow": workflow_name, "workflows.argoproj.io/completed": "false",
+                                             **(spec.get("podMetadata") or {}).get("labels", {}),
+                                             **(template.get("metadata") or {}).get("labels", {})},
+                "annotations": {"workflows.argoproj.io/node-name": node_name}}
+    if workflow is not None:
+        metadata["annotations"]["workflows.argoproj.io/node-id"] = node_id(workflow_name, node_name)
+        metadata["ownerReferences"] = [{"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": workflow_name,
+                                        "uid": workflow["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+    return metadata
 
 
 def resolved_template(spec: dict, template_name: str, workflow_name: str, outputs: dict[str, str],

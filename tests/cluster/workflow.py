@@ -81,7 +81,8 @@ def resolve_repository(api: k8s.CoreV1Api, namespace: str, controller_namespace:
         if key in (config_map.get("data") or {}):
             return yaml.safe_load(config_map["data"][key]) or {}
     if ref:
-        raise WorkflowFailed(f'failed to find any artifact repository for artifact repository ref "{ref}"')
+        raise WorkflowFailed(f'failed to find any artifact repository for artifact repository ref '
+                             f'"{ref.get("configMap", "")}#{ref.get("key", "")}"')
     try:
         config = json.loads(api.read_namespaced_config_map("workflow-controller-configmap", controller_namespace,
                                                            _preload_content=False).data)
