@@ -108,8 +108,13 @@ class PsClient:
                 except OSError:
                     self._drop(endpoint)
                     failed.append(positions)
-            for endpoint, positions in sent:
-                answer = self._answer(endpoint)
+            for i, (endpoint, positions) in enumerate(sent):
+                try:
+                    answer = self._answer(endpoint)
+                except PsError:  # the replies not read yet would answer the next requests: drop them
+                    for unread, _ in sent[i + 1 :]:
+                        self._drop(unread)
+                    raise
                 if answer is not None and answer[0]["status"] == Status.OK:
                     yield positions, answer
                 else:
