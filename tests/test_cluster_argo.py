@@ -155,7 +155,9 @@ def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_no
 
     def on_attempt(index: int, pod: str) -> None:
         if index == 0:  # the node fails under the first attempt as soon as its main runs
+            deadline = time.monotonic() + 60
             while not main_running(cluster, pod):
+                assert time.monotonic() < deadline, f"{pod}: main did not start"
                 time.sleep(0.05)
             cluster.kubelet.kill(ns, pod)
         attempts.put(pod)
