@@ -37,7 +37,7 @@ from conftest import SLOW_MODEL
 from elastic_step.argo import RenderOptions
 from elastic_step.argo.render import render_texts
 from elastic_step.audit import audit_report
-from stores import S3Server, upload
+from stores import S3Server
 
 pytestmark = pytest.mark.e2e
 
@@ -180,7 +180,8 @@ def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_no
                        and s["rows_done"] > rows_at_kill)
     # Once the survivors train again, one first worker hangs (docker pause), one goes over its
     # memory limit (a kernel OOM kill), and the third (which holds the model state) stays.
-    first_workers = [w for w in status["workers"] if w["state"] == "live" and w["id"].endswith(".1") and w["id"] != victim["id"] and w.get("pod")]
+    first_workers = [w for w in status["workers"]
+                     if w["state"] == "live" and w["id"].endswith(".1") and w["id"] != victim["id"] and w.get("pod")]
     assert len(first_workers) == 3, status["workers"]
     hung, oom = first_workers[0], first_workers[1]
     cluster.kubelet.pause(ns, hung["pod"])

@@ -134,11 +134,12 @@ def test_outputs_are_uploaded_to_the_namespaces_artifact_repository_and_reported
             assert f.read().strip() == "4321"
     # The executor reported with the pod's own account, as deploy/argo's Role allows it, no more.
     runner = f"system:serviceaccount:{cluster.namespace}:{RUNNER}"
-    assert cluster.used(runner) == {("create", "workflowtaskresults", cluster.namespace), ("patch", "workflowtaskresults", cluster.namespace)}
+    assert cluster.used(runner) == {(verb, "workflowtaskresults", cluster.namespace) for verb in ("create", "patch")}
     stored = cluster.server.get("workflows", cluster.namespace, "wf-out")
     assert stored["status"]["phase"] == "Succeeded"
 
-    k8s.CustomObjectsApi(k8s.ApiClient(cluster.configuration())).delete_namespaced_custom_object("argoproj.io", "v1alpha1", cluster.namespace, "workflows", "wf-out")
+    workflows = k8s.CustomObjectsApi(k8s.ApiClient(cluster.configuration()))
+    workflows.delete_namespaced_custom_object("argoproj.io", "v1alpha1", cluster.namespace, "workflows", "wf-out")
     deadline = time.monotonic() + 10
     while (cluster.objects("pods") or cluster.objects("workflowtaskresults")) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -108,7 +108,8 @@ def secret_volumes(location: dict) -> tuple[list[dict], list[dict]]:
     volumes: dict[str, dict] = {}
     for selector in ((location.get("s3") or {}).get(k) for k in ("accessKeySecret", "secretKeySecret", "sessionTokenSecret")):
         if selector and selector.get("name") and selector.get("key"):
-            volume = volumes.setdefault(selector["name"], {"name": selector["name"], "secret": {"secretName": selector["name"], "items": []}})
+            volume = volumes.setdefault(selector["name"],
+                                        {"name": selector["name"], "secret": {"secretName": selector["name"], "items": []}})
             if selector["key"] not in [i["key"] for i in volume["secret"]["items"]]:
                 volume["secret"]["items"].append({"key": selector["key"], "path": selector["key"]})
     return list(volumes.values()), [{"name": n, "mountPath": f"/argo/secret/{n}", "readOnly": True} for n in volumes]

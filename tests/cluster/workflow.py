@@ -8,8 +8,9 @@ workflow/artifactrepositories; workflow/controller/workflowpod.go through argo.p
     node = controller.run_step(wf, "train", input_artifacts={...})                 # its pods, retried
 
 - The Workflow is an `argoproj.io/v1alpha1` object in the API server: its spec is the
-  WorkflowTemplate's, with the run's parameters as its arguments (what `argo submit --from
-  workflowtemplate/... -p` stores); each step pod is owned by it (deleting it deletes the pods, and
+  WorkflowTemplate's with the run's parameters as its arguments (for `argo submit --from
+  workflowtemplate/... -p`, Argo stores a `workflowTemplateRef` and the controller runs the merged
+  spec it keeps in `status.storedWorkflowTemplateSpec`: the same steps); each step pod is owned by it (deleting it deletes the pods, and
   through them the master's workers); the node tree ends in its `status.nodes`.
 - The artifact repository, resolved once per run as `artifactrepositories.Resolve` does: with
   `spec.artifactRepositoryRef` (configMap, key): that ConfigMap in the workflow's namespace, then
@@ -108,14 +109,16 @@ def infer_failed_reason(pod: dict) -> tuple[NodePhase, str]:
         state = c.get("state") or {}
         if state.get("waiting"):
             waiting = state["waiting"]
-            return NodePhase.ERROR, f"Pod failed before {c['name']} container starts due to {waiting.get('reason')}: {waiting.get('message')}"
+            return (NodePhase.ERROR,
+                    f"Pod failed before {c['name']} container starts due to {waiting.get('reason')}: {waiting.get('message')}")
         ended = state.get("terminated")
         if not ended:
             continue
         if ended["exitCode"] == 0:
             main_ok, wait_ok = main_ok or c["name"] == "main", wait_ok or c["name"] == "wait"
             continue
-        message = f"{c['name']}: {ended.get('reason')} (exit code {ended['exitCode']})" + (f": {ended['message']}" if ended.get("message") else "")
+        message = f"{c['name']}: {ended.get('reason')} (exit code {ended['exitCode']})"
+        message += f": {ended['message']}" if ended.get("message") else ""
         if c["name"] in ("init", "wait"):
             return NodePhase.ERROR, message
         if c["name"] == "main" or ended["exitCode"] not in (137, 143):
