@@ -5,9 +5,10 @@ expanded from its env as Kubernetes does, env values and the template's MLflow a
 when its readiness probe's GET answers 200, as the kubelet judges it. A server that never answers
 stays not Ready (Kubernetes would restart it in a loop; Ready it never is).
 
-Not modelled: the API server and RBAC (tests/test_deploy_cluster.py covers the checks made
-through the real client), more than one replica, and pod networking: every pod is 127.0.0.1, so
-two Deployments of one test must use two ports."""
+Every pod has an address of its own, as a pod IP is: 127.0.0.1 and a free port given to its
+server in place of the rendered `-p` (`address(deployment)`). Not modelled: the API server and
+RBAC (tests/test_deploy_cluster.py covers the checks made through the real client), more than one
+replica, and the Service's load balancing (a test asks each track's pod)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import httpx
 
 from elastic_step.errors import JobFailed
 from elastic_step.release.deploy_render import PREVIOUS_VERSION_ANNOTATION, VERSION_LABEL, Track
+from mlflow_server import free_port
 
 POD_IP = "127.0.0.1"
 
@@ -31,6 +33,7 @@ class FakeServingCluster:
         self.folder = folder
         self.objects: dict[tuple[str, str], dict] = {}  # (kind, name) -> the object as written
         self.pods: dict[str, subprocess.Popen] = {}  # Deployment name -> its pod's process
+        self.addresses: dict[str, str] = {}  # Deployment name -> its pod's http://IP:PORT
         self.calls: list[tuple[str, str]] = []
 
     def served_version(self, name: str):
@@ -57,7 +60,7 @@ class FakeServingCluster:
     def wait_deployment(self, name: str, track: Track, timeout: float) -> None:
         deployment = f"{name}-{track.value}"
         probe = self.objects[("Deployment", deployment)]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
-        url = f"http://{POD_IP}:{probe['httpGet']['port']}{probe['httpGet']['path']}"
+        url = self.address(deployment) + probe["httpGet"]["path"]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -74,10 +77,16 @@ class FakeServingCluster:
         argv = [arg.replace("$(POD_IP)", POD_IP) for arg in container["command"]]
         if argv[0] == "python":  # the image's interpreter: this environment's
             argv[0] = sys.executable
+        port = free_port()  # this pod's own address
+        argv[argv.index("-p") + 1] = str(port)
+        self.addresses[deployment] = f"http://{POD_IP}:{port}"
         process_env = {**os.environ, **env, "HOME": self.folder,
                        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
         log = open(os.path.join(self.folder, f"{deployment}.log"), "ab")
         return subprocess.Popen(argv, env=process_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def address(self, deployment: str) -> str:
+        return self.addresses[deployment]
 
     def _stop(self, deployment: str) -> None:
         process = self.pods.pop(deployment, None)
