@@ -90,18 +90,22 @@ class StepOnNode(MasterPodOnNode):
 
 
 def add_artifact_repository(cluster: Cluster, s3: S3Server) -> None:
-    """The namespace's default artifact repository, as Argo's docs configure one: the
-    `artifact-repositories` ConfigMap (its default key named by the annotation), S3 keys in a Secret."""
+    """The namespace's default artifact repository as deploy/argo ships it (the
+    `artifact-repositories` ConfigMap, its default key named by the annotation), with the bucket
+    and endpoint set to the tests' S3 server as a user's overlay sets them to theirs, and the
+    keys' Secret the user creates under the name it gives."""
+    shipped = next(o for o in read_manifests(ARGO_RBAC) if o["kind"] == "ConfigMap")
+    key = shipped["metadata"]["annotations"][DEFAULT_REPOSITORY_ANNOTATION]
+    repository = yaml.safe_load(shipped["data"][key])
+    repository["s3"].update(bucket=ARTIFACTS, endpoint=s3.endpoint.removeprefix("http://"), insecure=True)
     s3.create_bucket(ARTIFACTS)
     api = cluster.core()
-    api.create_namespaced_secret(cluster.namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=f"{ARTIFACTS}-s3"), string_data={
-        "accesskey": "AKIDTEST", "secretkey": "not-a-real-secret"}))
-    repository = {"s3": {"bucket": ARTIFACTS, "endpoint": s3.endpoint.removeprefix("http://"), "insecure": True,
-                         "accessKeySecret": {"name": f"{ARTIFACTS}-s3", "key": "accesskey"},
-                         "secretKeySecret": {"name": f"{ARTIFACTS}-s3", "key": "secretkey"}}}
-    api.create_namespaced_config_map(cluster.namespace, k8s.V1ConfigMap(
-        metadata=k8s.V1ObjectMeta(name="artifact-repositories", annotations={DEFAULT_REPOSITORY_ANNOTATION: "default-v1"}),
-        data={"default-v1": yaml.safe_dump(repository)}))
+    api.create_namespaced_secret(cluster.namespace, k8s.V1Secret(
+        metadata=k8s.V1ObjectMeta(name=repository["s3"]["accessKeySecret"]["name"]),
+        string_data={repository["s3"]["accessKeySecret"]["key"]: "AKIDTEST", repository["s3"]["secretKeySecret"]["key"]: "not-a-real-secret"}))
+    shipped["metadata"]["namespace"] = cluster.namespace
+    shipped["data"] = {key: yaml.safe_dump(repository)}
+    api.create_namespaced_config_map(cluster.namespace, shipped)
 
 
 def artifact_object(s3: S3Server, key: str) -> bytes:
@@ -219,7 +223,7 @@ def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_no
     parameters = {p["name"]: p["value"] for p in node.outputs["parameters"]}
     assert f"mlflow: run {parameters['run_id']} at " in log and f"; model {parameters['model_uri']}\n" in log, parameters
     keys = {a["name"]: a["s3"]["key"] for a in node.outputs["artifacts"]}
-    assert keys == {n: f"wf-1/{name}/{n}.tgz" for n in ("metrics", "model")}
+    assert keys == {n: f"elastic-step/wf-1/{name}/{n}.tgz" for n in ("metrics", "model")}  # deploy/argo's keyFormat
     with tarfile.open(fileobj=io.BytesIO(artifact_object(s3, keys["metrics"])), mode="r:gz") as tar:
         assert json.load(tar.extractfile("metrics.json")) == result["test_metrics"]
     with tarfile.open(fileobj=io.BytesIO(artifact_object(s3, keys["model"])), mode="r:gz") as tar:
