@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 from elastic_step.errors import ConfigError, JobFailed
-from elastic_step.release.deploy_render import PREVIOUS_VERSION_ANNOTATION, VERSION_LABEL, DeploySettings, Target, Track
+from elastic_step.release.deploy_render import (PREVIOUS_VERSION_ANNOTATION, SERVED_VERSION_ANNOTATION, VERSION_LABEL,
+                                                DeploySettings, Target, Track)
 
 KSERVE_GROUP, KSERVE_VERSION, KSERVE_PLURAL = "serving.kserve.io", "v1beta1", "inferenceservices"
 
@@ -96,6 +97,10 @@ class ServingCluster:
                 reason = ready.get("message") or ready.get("reason") or "not ready"
             time.sleep(1)
         raise JobFailed(f"InferenceService {name!r} was not Ready within {timeout:.0f}s: {reason}")
+
+    def mark_served(self, name: str, version: str) -> None:
+        patch = {"metadata": {"annotations": {SERVED_VERSION_ANNOTATION: version}}}
+        self.custom.patch_namespaced_custom_object(KSERVE_GROUP, KSERVE_VERSION, self.namespace, KSERVE_PLURAL, name, patch)
 
     def roll_back_inference_service(self, name: str) -> None:
         """All traffic back to the last rolled-out revision (KServe: canaryTrafficPercent 0)."""

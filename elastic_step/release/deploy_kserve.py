@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from elastic_step.errors import ConfigError, JobFailed
 from elastic_step.release.deploy import DeployResult, failed, render_objects
-from elastic_step.release.deploy_render import PREVIOUS_VERSION_ANNOTATION, VERSION_LABEL, DeploySettings, Target
+from elastic_step.release.deploy_render import PREVIOUS_VERSION_ANNOTATION, SERVED_VERSION_ANNOTATION, DeploySettings, Target
 from elastic_step.release.served_model import ServedModel
 
 
@@ -33,15 +33,16 @@ def apply_kserve(cluster, registered_model: str, model: ServedModel | None, sett
         if previous:
             cluster.roll_back_inference_service(settings.name)
         raise failed(str(exc), previous) from None
+    cluster.mark_served(settings.name, model.version)
     return DeployResult(Target.KSERVE, settings.name, settings.namespace, model.version, url, previous, [obj], True)
 
 
 def _rolled_out_version(existing: dict | None) -> str:
-    """The version a Ready InferenceService serves ("" when none does)."""
-    if not existing:
+    """The version whose revision KServe has rolled out ("" when none is): after a canary that
+    failed and was rolled back, the previous one, whatever the spec's labels say."""
+    if not existing or not existing.get("status", {}).get("components", {}).get("predictor", {}).get("latestRolledoutRevision"):
         return ""
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in existing.get("status", {}).get("conditions", []))
-    return existing["metadata"].get("labels", {}).get(VERSION_LABEL, "") if ready else ""
+    return existing["metadata"].get("annotations", {}).get(SERVED_VERSION_ANNOTATION, "")
 
 
 def _previous_revision(existing: dict) -> str:

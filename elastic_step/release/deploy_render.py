@@ -17,6 +17,9 @@ RUN_LABEL = f"{LABEL_PREFIX}/mlflow-run"
 TRACK_LABEL = f"{LABEL_PREFIX}/track"
 MODEL_ANNOTATION = f"{LABEL_PREFIX}/registered-model-name"  # the exact name, which a label may not hold
 PREVIOUS_VERSION_ANNOTATION = f"{LABEL_PREFIX}/previous-version"  # what a rollback returns to
+# The version whose revision takes the traffic: the labels name the spec's version, which may be a
+# canary that failed and was rolled back. Set once a rollout is Ready.
+SERVED_VERSION_ANNOTATION = f"{LABEL_PREFIX}/served-version"
 SERVER_PORT = 8080
 
 
@@ -84,8 +87,8 @@ def inference_service(model: ServedModel, settings: DeploySettings, canary: bool
     if canary:
         predictor["canaryTrafficPercent"] = settings.canary_percent
     annotations = {MODEL_ANNOTATION: model.name}
-    if previous_version:
-        annotations[PREVIOUS_VERSION_ANNOTATION] = previous_version
+    if previous_version:  # it serves until this revision is Ready
+        annotations[PREVIOUS_VERSION_ANNOTATION] = annotations[SERVED_VERSION_ANNOTATION] = previous_version
     return {
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",
