@@ -90,11 +90,11 @@ class TrainConfig:
         if self.global_batch_size < 0:
             raise ConfigError(f"--global-batch-size must be >= 0 (0: each worker applies --minibatch-size rows per step), "
                               f"got {self.global_batch_size}")
-        if self.lr_scaling not in {s.value for s in LrScaling}:
-            raise ConfigError(f"--lr-scaling {self.lr_scaling!r} is not one of {', '.join(s.value for s in LrScaling)}")
         self.device, self.precision = parse_choice(self.device), parse_precision(self.precision)
         if self.precision == Precision.FP16:  # refused here, before anything starts, as at each worker
             place(self.device, self.precision, gpus=1)
+        if self.lr_scaling not in {s.value for s in LrScaling}:
+            raise ConfigError(f"--lr-scaling {self.lr_scaling!r} is not one of {', '.join(s.value for s in LrScaling)}")
         if self.lr_scaling != LrScaling.NONE and self.global_batch_size:
             raise ConfigError(f"--lr-scaling {self.lr_scaling} has nothing to scale with --global-batch-size "
                               f"{self.global_batch_size}: every step applies the same rows; drop one of the two")

@@ -202,10 +202,6 @@ class TrainingMode(StrEnum):
     ALLREDUCE = "allreduce"  # every worker holds the model; one collective per step sums the gradients
 
 
-class Request(BaseModel):
-    """What a client sends: strict types, no unknown fields."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
 class DeviceChoice(StrEnum):
     """Where workers compute (--device); frameworks/device.py applies the one placement rule."""
 
@@ -222,6 +218,10 @@ class Precision(StrEnum):
     FP16 = "fp16"  # refused: a loss-scaled step that overflows is skipped, its rows lost (frameworks/device.py)
 
 
+class Request(BaseModel):
+    """What a client sends: strict types, no unknown fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class ErrorReply(BaseModel):
@@ -260,12 +260,12 @@ class JobSpec(BaseModel):
     global_batch_size: int = 0  # rows every step applies, whatever the group's size; 0: minibatch_size per rank
     lr_scaling: LrScaling = LrScaling.NONE
     mode: TrainingMode = TrainingMode.ALLREDUCE  # how workers combine their rows into steps
+    device: DeviceChoice = DeviceChoice.AUTO  # where each worker computes (frameworks/device.py)
+    precision: Precision = Precision.FP32
     full_batch: int = 0  # rows of a step of the full group (minibatch_size x MAX workers): lr_scaling's reference
     store_host: str
     store_port: int
     collective_timeout_s: float
-    device: DeviceChoice = DeviceChoice.AUTO  # where each worker computes (frameworks/device.py)
-    precision: Precision = Precision.FP32
     heartbeat_interval_s: float
     master_timeout_s: float
     features: list[str]
