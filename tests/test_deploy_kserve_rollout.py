@@ -3,7 +3,7 @@ wait) against KServe's controller as tests/kserve_fake.py plays it, with real mo
 the revisions: a first deploy is rolled out and answers with the registered version's
 predictions; a bad version's canary never becomes Ready, the traffic goes back to the rolled-out
 revision (canaryTrafficPercent 0) and the deploy fails with KServe's reason; a good canary takes
-all the traffic once Ready."""
+all the traffic once Ready; a rollback rolls the version it replaced out again."""
 
 from __future__ import annotations
 
@@ -78,3 +78,8 @@ def test_a_bad_canary_rolls_back_and_a_good_one_takes_all_the_traffic(store, kse
     assert spec["metadata"]["annotations"]["elastic-step.io/previous-version"] == store["good"]
     assert spec["status"]["components"]["predictor"]["latestRolledoutRevision"] == "digits-predictor-00003"
     np.testing.assert_allclose(answers(kserve.serving_address(), data), expected["better"], rtol=1e-5, atol=1e-6)
+
+    # --rollback: the version it replaced, rolled out again (a canary, then all the traffic)
+    back = apply_kserve(kserve, NAME, None, settings, 120, store["uri"])
+    assert (back.version, back.previous_version) == (store["good"], store["better"])
+    np.testing.assert_allclose(answers(kserve.serving_address(), data), expected["good"], rtol=1e-5, atol=1e-6)

@@ -7,20 +7,20 @@ from __future__ import annotations
 from elastic_step.errors import ConfigError, JobFailed
 from elastic_step.release.deploy import DeployResult, failed, render_objects
 from elastic_step.release.deploy_render import PREVIOUS_VERSION_ANNOTATION, SERVED_VERSION_ANNOTATION, DeploySettings, Target
-from elastic_step.release.served_model import ServedModel
+from elastic_step.release.served_model import ServedModel, resolve
 
 
 def apply_kserve(cluster, registered_model: str, model: ServedModel | None, settings: DeploySettings, timeout: float,
                  mlflow_uri: str | None) -> DeployResult:
     existing = cluster.inference_service(settings.name)
     previous = _rolled_out_version(existing)
-    if model is None:  # --rollback
-        if existing is None or not _previous_revision(existing):
+    if model is None:  # --rollback: the version this one replaced, rolled out again as a new revision
+        # (canaryTrafficPercent 0 only returns to the last rolled-out revision, which after a
+        # completed rollout is the current one: KServe's ksvc reconciler)
+        before = (existing or {}).get("metadata", {}).get("annotations", {}).get(PREVIOUS_VERSION_ANNOTATION, "")
+        if not before:
             raise ConfigError(f"InferenceService {settings.namespace}/{settings.name} has no previous revision to roll back to")
-        cluster.roll_back_inference_service(settings.name)
-        before = existing["metadata"].get("annotations", {}).get(PREVIOUS_VERSION_ANNOTATION, "")
-        return DeployResult(Target.KSERVE, settings.name, settings.namespace, before, existing["status"].get("url", ""),
-                            applied=True)
+        model = resolve(registered_model, before, mlflow_uri)
     (obj,) = render_objects(model, Target.KSERVE, settings, canary=bool(previous), previous_version=previous)
     written = cluster.write_inference_service(obj, existing)
     try:
