@@ -344,15 +344,8 @@ def test_the_store_listens_on_the_api_host_only():
 def test_the_api_server_answers_503_beyond_its_connection_limit(monkeypatch):
     monkeypatch.setitem(SERVER_LIMITS, "limit_concurrency", 2)
     job = Job()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = __import__("uvicorn").Server(server_config(create_app(job.state, TOKEN)))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.01)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    with served(job) as port:
+        url = f"http://127.0.0.1:{port}/v1"
         # two workers of the round wait at a rendezvous that cannot complete (long polls)
         job.state.request_regroup("test")
         job.state.tick()
@@ -366,9 +359,6 @@ def test_the_api_server_answers_503_beyond_its_connection_limit(monkeypatch):
         for t in waiting:
             t.join()
         assert httpx.get(f"{url}/status", headers=AUTH).status_code == 200
-    finally:
-        server.should_exit = True
-        thread.join(5)
 
 
 # -- bodies and connections, against the real server -----------------------------------------------
