@@ -39,8 +39,11 @@ def register_linear(uri: str, name: str, seed: int, signature: bool = True) -> s
     example = rows(3)
     traced = torch.jit.trace(net, torch.from_numpy(example))
     use_tracking_uri(uri)
-    mlflow.set_experiment("serving")
-    with mlflow.start_run():
+    # Not mlflow.set_experiment: it would leave the experiment active in this process, and MLflow
+    # then refuses to reopen a run of another experiment by its id (a later test's training step).
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name("serving")
+    with mlflow.start_run(experiment_id=experiment.experiment_id if experiment else client.create_experiment("serving")):
         info = mlflow.pytorch.log_model(
             traced, name="serving-model", serialization_format="pickle",
             signature=infer_signature(example, net(torch.from_numpy(example)).detach().numpy()) if signature else None,
