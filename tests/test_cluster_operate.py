@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-import yaml
 
 from cluster import Cluster, role_rules
 from cluster.rbac import REPO, kustomize_namespace, read_manifests
@@ -36,17 +35,7 @@ def kubeconfig(cluster: Cluster, folder, user: str, roles: bool) -> str:
             cluster.authorizer.apply(obj)
         cluster.authorizer.add_binding(cluster.namespace, {"kind": "Role", "name": "elastic-step-operator"},
                                        [{"kind": "User", "name": user}])
-    config = {
-        "apiVersion": "v1", "kind": "Config", "current-context": user,
-        "clusters": [{"name": "stand-in", "cluster": {"server": cluster.server.url, "certificate-authority": cluster.ca}}],
-        "users": [{"name": user, "user": {"token": cluster.authorizer.issue_token(user)}}],
-        "contexts": [{"name": user, "context": {"cluster": "stand-in", "user": user, "namespace": cluster.namespace}}],
-    }
-    path = os.path.join(str(folder), f"{user}.kubeconfig")
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f)
-    os.chmod(path, 0o600)
-    return path
+    return cluster.kubeconfig(folder, user, cluster.authorizer.issue_token(user))
 
 
 def as_user(config: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

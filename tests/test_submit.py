@@ -58,17 +58,7 @@ def kubeconfig(cluster: Cluster, folder, user: str = "admin") -> str:
         cluster.authorizer.add_role(cluster.namespace, "submitter", SUBMITTER_RULES)
         cluster.authorizer.add_binding(cluster.namespace, {"kind": "Role", "name": "submitter"}, [{"kind": "User", "name": user}])
         token = cluster.authorizer.issue_token(user)
-    config = {
-        "apiVersion": "v1", "kind": "Config", "current-context": user,
-        "clusters": [{"name": "stand-in", "cluster": {"server": cluster.server.url, "certificate-authority": cluster.ca}}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": user, "context": {"cluster": "stand-in", "user": user, "namespace": cluster.namespace}}],
-    }
-    path = os.path.join(str(folder), f"{user}.kubeconfig")
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f)
-    os.chmod(path, 0o600)
-    return path
+    return cluster.kubeconfig(folder, user, token)
 
 
 def elastic_step(config: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -180,6 +180,21 @@ class Cluster:
             elif self.server.get("serviceaccounts", namespace, obj["metadata"]["name"]) is None:
                 self.core().create_namespaced_service_account(namespace, obj)
 
+    def kubeconfig(self, folder, user: str, token: str) -> str:
+        """A kubeconfig file (mode 600) of `user` with `token`, its current context the job's
+        namespace: what kubectl and `elastic-step --backend kubernetes` read from a laptop."""
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": user,
+            "clusters": [{"name": "stand-in", "cluster": {"server": self.server.url, "certificate-authority": self.ca}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": user, "context": {"cluster": "stand-in", "user": user, "namespace": self.namespace}}],
+        }
+        path = os.path.join(str(folder), f"{user}.kubeconfig")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        os.chmod(path, 0o600)
+        return path
+
     def token_for(self, namespace: str, account: str) -> str:
         """A token of a ServiceAccount (a TokenRequest, as the kubelet makes for a pod)."""
         request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[]))
