@@ -26,6 +26,17 @@ TEST_SECRET = "testing-secret"
 REGION = "us-east-1"
 
 
+def die_with_parent() -> None:
+    """preexec_fn for a server the test process owns: the kernel SIGTERMs it when the test
+    process dies, even by SIGKILL (a timeout's kill -9), where no `stop()` or atexit runs and a
+    server in a session of its own would otherwise be left listening."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,6 +80,7 @@ class S3Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         _wait_http(self.endpoint + "/moto-api/", self.proc, self.log)
         return self
