@@ -94,24 +94,64 @@ def _published(api, namespace: str) -> dict[str, dict]:
 
 
 def status_map(api, namespace: str, job: str):
-    """The status ConfigMap of job `job` (its name or one instance of it), the newest where a
-    retried step made several; None when the job has none (it ended, or never started)."""
+    """The status ConfigMap of job `job` (its name, one instance of it, or the name it was given,
+    which several runs may share); None when the job has none (it ended, or never started).
+    Refuses a name that several running instances answer to, naming them: picking one (the
+    newest, as before) let `stop` stop someone else's run."""
     try:
         maps = api.list_namespaced_config_map(namespace, label_selector=STATUS_SELECTOR).items
     except Exception as exc:
         raise ElasticStepError(f"cannot read the jobs' status in namespace {namespace}: {getattr(exc, 'reason', None) or exc}; "
                                "check --namespace, and that you have deploy/operator's Role there (configmaps list, patch)") from None
-    wanted = {job, dns_label(job)}
-    mine = [m for m in maps if wanted & {(m.metadata.labels or {}).get("elastic-step/job"),
-                                         (m.metadata.labels or {}).get("app.kubernetes.io/instance")}]
-    bound = [m for m in mine if _owned_by_a_live_pod(api, namespace, m)]
+    mine = [m for m in maps if _answers_to(m, job)]
+    phases = {m.metadata.name: _owner_phase(api, namespace, m) for m in mine}
+    bound = [m for m in mine if phases[m.metadata.name] is not None]
     # Best: the ConfigMap whose owner also owns the instance's worker pods (only a master makes
     # them); then one owned by a live pod (while its workers are being made or replaced); a
     # master that cannot own objects here (another namespace: owner references never cross one)
     # publishes without an owner, and that is taken only when nothing bound is there.
     workers = _worker_owners(api, namespace)
     proven = [m for m in bound if _owner(m).uid in workers.get(_instance(m), set())]
-    return max(proven or bound or [m for m in mine if _named_as_made(m) and not _owner(m)], key=_created, default=None)
+    found = proven or bound or [m for m in mine if _named_as_made(m) and not _owner(m)]
+    # A retried step leaves its earlier attempt's pod (Argo and KFP keep it): a master killed
+    # before it could delete its status is no longer a candidate once its pod has ended.
+    running = [m for m in found if phases[m.metadata.name] not in ("Succeeded", "Failed")]
+    found = running or found
+    if len({_instance(m) for m in found}) > 1:
+        raise AmbiguousJob(job, namespace, [_candidate(m, namespace) for m in sorted(found, key=_created)])
+    return max(found, key=_created, default=None)
+
+
+class AmbiguousJob(ElasticStepError):
+    """A job name that several running jobs answer to: the caller names one of their instances."""
+
+    def __init__(self, job: str, namespace: str, candidates: list[str]):
+        self.candidates = candidates
+        super().__init__(f"{len(candidates)} jobs in namespace {namespace} answer to {job!r}: " + "; ".join(candidates)
+                         + "; name one by its instance (the first word of each)")
+
+
+def _answers_to(config_map, job: str) -> bool:
+    """`job` is the ConfigMap's job name, its instance, or the name its master was given."""
+    labels = config_map.metadata.labels or {}
+    if {job, dns_label(job)} & {labels.get("elastic-step/job"), labels.get("app.kubernetes.io/instance")}:
+        return True
+    try:
+        return json.loads(config_map.data[STATUS_KEY])["info"]["job"] == job
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _candidate(config_map, namespace: str) -> str:
+    """One line for a person choosing among jobs of the same name."""
+    try:
+        document = json.loads(config_map.data[STATUS_KEY])
+        state, started = document["status"].get("state", "?"), document["info"].get("started_at")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        state, started = "?", None
+    when = datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(timespec="seconds") \
+        if isinstance(started, (int, float)) else "?"
+    return f"{_instance(config_map)} ({state}, started {when}, master pod {master_pod_of(config_map) or '?'})"
 
 
 def _instance(config_map) -> str | None:
@@ -127,17 +167,19 @@ def _owner(config_map):
     return next((o for o in config_map.metadata.owner_references or [] if o.kind == "Pod"), None)
 
 
-def _owned_by_a_live_pod(api, namespace: str, config_map) -> bool:
-    """Named after its instance, and owned by a pod that exists with the UID its owner reference
-    names. Labels are anyone's to copy: a ConfigMap planted with a job's labels (newer, so once
-    taken for the job's own) fails this, or is outranked by the one whose owner made the workers."""
+def _owner_phase(api, namespace: str, config_map) -> str | None:
+    """The phase of the pod that owns `config_map`, when it is named after its instance and that
+    pod exists with the UID its owner reference names; else None. Labels are anyone's to copy:
+    a ConfigMap planted with a job's labels (newer, so once taken for the job's own) fails this,
+    or is outranked by the one whose owner made the workers."""
     owner = _owner(config_map)
     if owner is None or not _named_as_made(config_map):
-        return False
+        return None
     try:
-        return api.read_namespaced_pod(owner.name, namespace).metadata.uid == owner.uid
+        pod = api.read_namespaced_pod(owner.name, namespace)
     except Exception:
-        return False
+        return None
+    return ((pod.status.phase if pod.status else None) or "Pending") if pod.metadata.uid == owner.uid else None
 
 
 def _worker_owners(api, namespace: str) -> dict[str, set[str]]:
@@ -228,7 +270,7 @@ def stop_kubernetes(job: str, namespace: str | None, timeout_s: float, wait: boo
     pod = loaded["info"].get("master_pod")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        current = status_map(api, namespace, job)
+        current = status_map(api, namespace, _instance(found))  # this instance: the name may be taken again meanwhile
         if current is not None and current.metadata.name == found.metadata.name:
             published = published_job(current, namespace)
             if published["stop_refused"]:
@@ -274,6 +316,7 @@ def worker_pod(api, namespace: str, job: str, worker: str | None, previous: bool
             if job in ((p.metadata.labels or {}).get("elastic-step/job"), (p.metadata.labels or {}).get("app.kubernetes.io/instance"))]
     if not pods:
         raise ElasticStepError(f"no worker pods of job {job!r} in namespace {namespace}; see `elastic-step list --backend kubernetes`")
+    pods = _one_instance(api, namespace, job, pods)
     match = re.match(r"^w?(\d+)(?:\.(\d+))?$", worker or "w0")
     if not match:
         raise ElasticStepError(f"--worker {worker!r} names no worker; use an id (w1.2) or a slot (w1)")
@@ -295,6 +338,19 @@ def worker_pod(api, namespace: str, job: str, worker: str | None, previous: bool
             return slot[index - 1].metadata.name, False
         return chosen.metadata.name, True  # the kubelet's earlier container of this pod, if any
     return chosen.metadata.name, False
+
+
+def _one_instance(api, namespace: str, job: str, pods: list) -> list:
+    """The worker pods of the one instance `job` names: where several have pods (two runs of the
+    same name, or a retried step's earlier attempt), the one whose master publishes its status,
+    else a refusal naming them all."""
+    instances = {(p.metadata.labels or {}).get("app.kubernetes.io/instance") for p in pods}
+    if len(instances) == 1:
+        return pods
+    found = status_map(api, namespace, job)
+    if found is None:
+        raise AmbiguousJob(job, namespace, sorted(f"{i} (worker pods, no running master)" for i in instances))
+    return [p for p in pods if (p.metadata.labels or {}).get("app.kubernetes.io/instance") == _instance(found)]
 
 
 def submitted_master(api, namespace: str, job: str) -> str | None:

@@ -20,5 +20,9 @@ def create_backend(name: str, spec: LaunchSpec, config=None, **options) -> Backe
 
         if config is None:
             raise ConfigError("the kubernetes backend needs the job's settings (create_backend(..., config=...))")
-        return KubernetesBackend(spec, settings_from_config(config), config.job_name, **options)
+        from elastic_step.backends.kubernetes.manifests import cluster_job_name
+        from elastic_step.tracking.run import pipeline_run_id
+
+        name = cluster_job_name(config.job_name, pipeline_run_id(config.pipeline_run_id))
+        return KubernetesBackend(spec, settings_from_config(config), name, **options)
     raise ConfigError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")

@@ -132,7 +132,7 @@ def job_list_table(rows: list[dict], kubernetes: bool = False) -> Table:
         workers = f"{r.get('workers_live', 0)}/{r.get('target_workers') or '-'}"
         sps = f"{r['samples_per_s']:.0f}" if r.get("samples_per_s") is not None else "-"
         row(table, r["job"], r["state"], seconds(r.get("duration_s")), workers, epoch, progress, sps,
-                      r.get("namespace") if kubernetes else r.get("note") or r.get("job_dir", ""))
+                      f"{r.get('namespace')}/{r.get('instance')}" if kubernetes else r.get("note") or r.get("job_dir", ""))
     return table
 
 

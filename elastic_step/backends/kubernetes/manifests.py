@@ -27,6 +27,21 @@ def dns_label(text: str, max_len: int = 40) -> str:
     return label or "job"
 
 
+KFP_RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def cluster_job_name(job_name: str, pipeline_run: str) -> str:
+    """The job's name on the cluster (its `elastic-step/job` label, what `list` shows and `get`,
+    `stop` and `logs` take): its own name, then its pipeline run's, since every Argo job's folder
+    is `job` and every KFP task is named `train-elastic`. A KFP run id (a UUID) gives its first 8
+    hex digits; an Argo workflow's name its tail, where generateName puts the random part. A retry
+    of the step keeps the name (the run is the same); its instance tells the attempts apart."""
+    if not pipeline_run:
+        return dns_label(job_name)
+    run = pipeline_run[:8] if KFP_RUN_ID.fullmatch(pipeline_run) else dns_label(pipeline_run, 63)[-24:].strip("-")
+    return dns_label(f"{dns_label(job_name, 39 - len(run))}-{run}")
+
+
 @dataclass
 class JobNames:
     """Names and labels of one master's objects. `instance` tells two runs of the same job
