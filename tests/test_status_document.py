@@ -123,3 +123,24 @@ def test_a_planted_newer_configmap_with_the_jobs_labels_is_not_taken_for_its_sta
     assert status_map(api, "ml", "unit").metadata.name == backend.names.status_map
     assert kubernetes_view("unit", "ml", api=api)["summary"]["step"] == 7
     backend.shutdown(grace_s=0)
+
+
+def test_a_configmap_planted_under_the_jobs_status_name_before_its_master_made_it_is_replaced(tmp_path, api):
+    """The instance is in the job's Secret's name as soon as the master makes it, before the first
+    publish: a ConfigMap planted under its status name, carrying a stop request, was adopted (the
+    create's 409 read as a lost reply) and the stop taken."""
+    from kubernetes import client as k8s
+
+    state, backend, publisher = running_job(tmp_path, api)
+    name = backend.names.status_map
+    stranger = k8s.V1OwnerReference(api_version="v1", kind="Pod", name="someone-elses", uid="uid-x")
+    api.create_namespaced_config_map("ml", k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(
+        name=name, labels={"app.kubernetes.io/instance": backend.names.instance}, owner_references=[stranger],
+        annotations={STOP_ANNOTATION: "planted"}), data={STATUS_KEY: "{}"}))
+    publisher.publish_once()
+    publisher.publish_once()
+    assert not publisher.stop_taken
+    made = api.config_maps[name]
+    assert [o.uid for o in made.metadata.owner_references] == ["uid-m"] and STOP_ANNOTATION not in (made.metadata.annotations or {})
+    assert json.loads(made.data[STATUS_KEY])["info"]["job"] == "unit"
+    backend.shutdown(grace_s=0)

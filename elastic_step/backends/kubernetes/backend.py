@@ -334,8 +334,8 @@ class KubernetesBackend(Backend):
                                                               _request_timeout=self.timeout_s)
                 self.status_published = True
         except Exception as exc:
-            if getattr(exc, "status", None) == 409:  # made by an earlier call whose reply was lost: update it next time
-                self.status_published = True
+            if getattr(exc, "status", None) == 409:
+                return self._replace_found_status_map()
             if not self._publish_failing:
                 log.warning("cannot update the job's status ConfigMap %s in %s (%s): `elastic-step get --backend "
                             "kubernetes` shows older status until it works again", self.names.status_map, ns,
@@ -345,6 +345,21 @@ class KubernetesBackend(Backend):
         self._publish_failing = False
         annotations = (reply.metadata.annotations or {}) if reply.metadata else {}
         return {"stop"} if manifests.STOP_ANNOTATION in annotations else set()
+
+    def _replace_found_status_map(self) -> set[str]:
+        """A ConfigMap of this instance's status name was there before this master made one: an
+        earlier create whose reply was lost, or one planted (the instance shows in the job's
+        Secret as soon as it is made) with owners and annotations of its maker's choosing. Which,
+        nothing in it can prove, so it is deleted and made afresh at the next publish: the job's
+        status is only ever in an object this master created."""
+        log.warning("a ConfigMap %s was there before this master made it: replaced", self.names.status_map)
+        try:
+            self.api.delete_namespaced_config_map(self.names.status_map, self.settings.namespace,
+                                                  _request_timeout=self.timeout_s)
+        except Exception as exc:
+            if getattr(exc, "status", None) != 404:
+                log.warning("deleting ConfigMap %s failed: %s", self.names.status_map, exc)
+        return set()
 
     def _stop_requested_anyway(self) -> set[str]:
         """The update failed, but the operator's stop annotation must still be read: an empty patch
