@@ -22,11 +22,13 @@ from kubernetes import client as k8s
 from .apiserver import ApiServer
 from .kubelet import Kubelet
 from .runtime import DockerRuntime, Image, venv_image
+from .scheduling import SCHEDULER_RULES, SCHEDULER_USER, Scheduler, node_object
 from .rbac import DEPLOY_RBAC, REPO, SUPERUSER, Authorizer, kustomize_namespace, read_manifests, service_account_user
 
 __all__ = ["Cluster", "Image", "venv_image", "role_rules"]
 
-KUBELET_USER = "system:node:node-1"
+NODE = "node-1"
+KUBELET_USER = f"system:node:{NODE}"
 KUBELET_RULES = [  # what the kubelet stand-in calls (the Node authorizer's share of it)
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["update", "patch"]},
@@ -96,9 +98,10 @@ class Cluster:
     kustomization's own namespace by default); namespaces `default` and `other` exist too."""
 
     def __init__(self, root: str, namespace: str | None = None, images: dict[str, Image] | None = None,
-                 isolate: bool | None = None, docker=None):
+                 isolate: bool | None = None, docker=None, allocatable: dict[str, str] | None = None):
         """`docker`: a started runtime.DockerDaemon: containers run as Docker containers of their
-        image's `docker` image (`--network host`); else the process runtime."""
+        image's `docker` image (`--network host`); else the process runtime. `allocatable`: the
+        node's cpu/memory/pods (scheduling.DEFAULT_ALLOCATABLE for what is not given)."""
         from elastic_step.images import default_image
 
         self.root = str(root)
@@ -111,6 +114,8 @@ class Cluster:
         self.admin_token = self.authorizer.issue_token(SUPERUSER)
         self.server: ApiServer | None = None
         self.kubelet: Kubelet | None = None
+        self.scheduler: Scheduler | None = None
+        self.allocatable = allocatable
         self.service_account = ""  # the master's, from deploy/rbac
 
     # -- life ---------------------------------------------------------------------------------------
@@ -147,13 +152,28 @@ class Cluster:
                                runtime=DockerRuntime(self.docker) if self.docker is not None else None)
         self.server.log_reader = self.kubelet.read_log
         self.kubelet.start()
+        api.create_node(node_object(NODE, "127.0.0.1", self.allocatable))
+        self.authorizer.add_role("", "scheduler", SCHEDULER_RULES)
+        self.authorizer.add_binding("", {"kind": "ClusterRole", "name": "scheduler"}, [{"kind": "User", "name": SCHEDULER_USER}])
+        self.scheduler = Scheduler(self.core(self.authorizer.issue_token(SCHEDULER_USER)), NODE)
+        self.scheduler.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.kubelet is not None:
             self.kubelet.close()
         if self.server is not None:
             self.server.close()
+
+    def set_allocatable(self, **allocatable: str) -> None:
+        """Change what the node offers (`cpu="2"`, `memory="4Gi"`, `pods="3"`), as a node whose
+        capacity is taken or given back reports it: pods that no longer fit stay Pending."""
+        api = self.core()
+        node = api.read_node(NODE)
+        node.status.allocatable = {**node.status.allocatable, **allocatable}
+        api.replace_node_status(NODE, node)
 
     # -- talking to it ------------------------------------------------------------------------------
     def configuration(self, token: str | None = None) -> k8s.Configuration:

@@ -21,7 +21,7 @@ As the real server does:
 - created objects are validated against the Kubernetes OpenAPI schema (422 Invalid).
 
 Not modelled: admission webhooks, quotas, LimitRanges, PodSecurity admission, managed fields,
-server-side apply, strategic merge (PATCH is a JSON merge patch), set-based label selectors.
+server-side apply, strategic merge (PATCH is a JSON merge patch).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ RESOURCES = {
     ("", "configmaps"): ("ConfigMap", True),
     ("", "serviceaccounts"): ("ServiceAccount", True),
     ("", "namespaces"): ("Namespace", False),
+    ("", "nodes"): ("Node", False),  # the kubelet's one node, its allocatable read by the scheduler (scheduling.py)
     ("networking.k8s.io", "networkpolicies"): ("NetworkPolicy", True),
     # Argo's custom resources, as its CRDs install them (served, stored, not schema-validated here)
     ("argoproj.io", "workflows"): ("Workflow", True),
@@ -58,7 +59,7 @@ RESOURCES = {
 }
 GROUP_VERSIONS = {"": "v1", "networking.k8s.io": "networking.k8s.io/v1", "argoproj.io": "argoproj.io/v1alpha1"}
 GROUP_OF = {plural: group for group, plural in RESOURCES}  # every plural served is in one group
-SUBRESOURCES = {("pods", "status"), ("pods", "binding"), ("pods", "log"), ("pods", "eviction"), ("serviceaccounts", "token")}
+SUBRESOURCES = {("nodes", "status"), ("pods", "status"), ("pods", "binding"), ("pods", "log"), ("pods", "eviction"), ("serviceaccounts", "token")}
 
 
 class ApiServer:
@@ -330,6 +331,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
             req, query = self._route(method)
+            label_matches({}, query.get("labelSelector"))  # a selector that does not parse is a 400 before anything
             user = api.authorizer.user_of(self.headers.get("Authorization"))
             if user is None:
                 raise ApiError(401, "Unauthorized", "Unauthorized")
@@ -406,8 +408,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if obj["spec"].get("nodeName"):
                     raise ApiError(409, "Conflict", f'pod {req.name} is already assigned to node "{obj["spec"]["nodeName"]}"')
                 obj["spec"]["nodeName"] = target.get("name")
-                obj.setdefault("status", {}).setdefault("conditions", []).append(
-                    {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_text()})
+                status = obj.setdefault("status", {})
+                status["conditions"] = [c for c in status.get("conditions", []) if c["type"] != "PodScheduled"] + [
+                    {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_text()}]
                 store.commit("MODIFIED", plural, obj)
                 return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
             if sub == "token":

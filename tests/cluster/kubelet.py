@@ -1,5 +1,5 @@
-"""A kubelet (and scheduler) stand-in: binds pending pods to its one node and runs their
-containers, talking to the API server stand-in only through the real `kubernetes` client with its
+"""A kubelet stand-in: runs the containers of the pods the scheduler (scheduling.py) binds to
+its one node, talking to the API server stand-in only through the real `kubernetes` client with its
 own token, as a kubelet does — it sees the pods, Secrets and tokens the API gives it and nothing
 else, and writes every status change back through the API.
 
@@ -23,7 +23,7 @@ container's processes: `docker pause`), `resume(pod)`, `fill_memory(pod, MiB)` (
 inside the pod, up to a real OOM kill). Deleting the pod object through the API
 is an eviction or `kubectl delete`.
 Not modelled: restartPolicy Always/OnFailure (a container is not restarted), probes, init
-containers, node capacity and scheduling constraints, image pulls (an image is known or it is
+containers, image pulls (an image is known or it is
 ErrImagePull), CPU limits (OMP_NUM_THREADS still follows them), a writable root layer.
 """
 
@@ -232,9 +232,7 @@ class Kubelet:
 
     def _sync(self, pod: dict) -> None:
         meta, spec = pod["metadata"], pod.get("spec", {})
-        if not spec.get("nodeName"):
-            if not meta.get("deletionTimestamp"):
-                self._bind(pod)
+        if not spec.get("nodeName"):  # the scheduler's to bind (scheduling.py)
             return
         if spec["nodeName"] != NODE:
             return
@@ -260,15 +258,6 @@ class Kubelet:
                 return
             record.gone = True
         self._signal(record, signal.SIGKILL)  # force-deleted: nothing waits for it any more
-
-    def _bind(self, pod: dict) -> None:
-        body = k8s.V1Binding(metadata=k8s.V1ObjectMeta(name=pod["metadata"]["name"]),
-                             target=k8s.V1ObjectReference(kind="Node", name=NODE, api_version="v1"))
-        try:
-            self.api.create_namespaced_pod_binding(pod["metadata"]["name"], pod["metadata"]["namespace"], body, _preload_content=False)
-        except k8s.ApiException as exc:
-            if exc.status not in (404, 409):
-                log.warning("binding %s failed: %s %s", pod["metadata"]["name"], exc.status, exc.reason)
 
     def _monitor_loop(self) -> None:
         while not self.closed:

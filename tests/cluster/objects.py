@@ -1,11 +1,13 @@
 """The API server stand-in's objects: the store (objects, watch history, the resourceVersion
-clock), `Status` errors, label and field selectors, JSON merge patches."""
+clock), `Status` errors, label (labels.py) and field selectors, JSON merge patches."""
 
 from __future__ import annotations
 
 import copy
 import datetime
 import threading
+
+from .labels import SelectorError, selector_matches
 
 
 def now_text() -> str:
@@ -28,23 +30,11 @@ def not_found(plural: str, name: str) -> ApiError:
 
 
 def label_matches(labels: dict | None, selector: str | None) -> bool:
-    """Equality-based selectors: `k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-separated (ANDed)."""
-    labels = labels or {}
-    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key.strip()) == value.strip():
-                return False
-        elif "=" in term:
-            key, value = term.replace("==", "=").split("=", 1)
-            if labels.get(key.strip()) != value.strip():
-                return False
-        elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
+    """Equality- and set-based selectors (labels.py); one that does not parse is a 400."""
+    try:
+        return selector_matches(labels, selector)
+    except SelectorError as exc:
+        raise ApiError(400, "BadRequest", str(exc)) from None
 
 
 def field_matches(obj: dict, selector: str | None) -> bool:

@@ -1,13 +1,16 @@
 """What a container is given from its pod's spec, read through the API with the kubelet's
-credentials: volume files (Secret, projected service-account token, CA and namespace, ConfigMap,
-downward API; emptyDir folders; a hostPath is the node's folder itself) and env (values, `$(VAR)`, `fieldRef`, `secretKeyRef`,
-`resourceFieldRef`). What cannot be given is a StartError with the kubelet's reason."""
+credentials: volume files (Secret, projected service-account token, CA and namespace, ConfigMap
+with `data`, `binaryData`, `items` and `optional`, downward API; emptyDir folders; a hostPath is
+the node's folder itself) and env (`envFrom` ConfigMaps and Secrets with `prefix`, values,
+`$(VAR)`, `fieldRef`, `secretKeyRef`, `configMapKeyRef`, `resourceFieldRef`). What cannot be
+given is a StartError with the kubelet's reason."""
 
 from __future__ import annotations
 
 import base64
 import json
 import os
+import re
 
 from kubernetes import client as k8s
 
@@ -41,12 +44,16 @@ class PodInputs:
             data = self.secret(ns, source["secretName"], optional=source.get("optional", False))
             for key, value in data.items():
                 files[key] = (value, mode)
-        elif "configMap" in volume:  # the ConfigMap's keys (or the listed items) as files
+        elif "configMap" in volume:  # the ConfigMap's keys (data and binaryData, or the listed items) as files
             source = volume["configMap"]
             mode = source.get("defaultMode", 0o644)
-            data = self.config_map(ns, source["name"])
+            data = self.config_map_files(ns, source["name"], optional=source.get("optional", False))
             for item in source.get("items") or [{"key": k, "path": k} for k in data]:
-                files[item["path"]] = (data[item["key"]].encode(), item.get("mode", mode))
+                if item["key"] not in data:
+                    if source.get("optional"):
+                        continue
+                    raise StartError("CreateContainerConfigError", f'configmap "{source["name"]}" has no key "{item["key"]}"')
+                files[item["path"]] = (data[item["key"]], item.get("mode", mode))
         elif "projected" in volume:
             mode = volume["projected"].get("defaultMode", 0o644)
             for source in volume["projected"]["sources"]:
@@ -84,11 +91,21 @@ class PodInputs:
             raise StartError("CreateContainerConfigError", f'secret "{name}" not found') from None
         return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
 
-    def config_map(self, namespace: str, name: str) -> dict[str, str]:
+    def config_map(self, namespace: str, name: str, optional: bool = False) -> dict[str, str]:
+        return {k: v.decode() for k, v in self.config_map_files(namespace, name, optional, binary=False).items()}
+
+    def config_map_files(self, namespace: str, name: str, optional: bool = False, binary: bool = True) -> dict[str, bytes]:
+        """A ConfigMap's `data` (and `binaryData`, base64 in the API) as bytes; {} for a missing optional one."""
         try:
-            return json.loads(self.api.read_namespaced_config_map(name, namespace, _preload_content=False).data).get("data") or {}
-        except k8s.ApiException:
+            body = json.loads(self.api.read_namespaced_config_map(name, namespace, _preload_content=False).data)
+        except k8s.ApiException as exc:
+            if exc.status == 404 and optional:
+                return {}
             raise StartError("CreateContainerConfigError", f'configmap "{name}" not found') from None
+        files = {k: v.encode() for k, v in (body.get("data") or {}).items()}
+        if binary:
+            files.update({k: base64.b64decode(v) for k, v in (body.get("binaryData") or {}).items()})
+        return files
 
     def token(self, namespace: str, account: str) -> str:
         request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[], expiration_seconds=3607))
@@ -96,7 +113,8 @@ class PodInputs:
         return json.loads(reply.data)["status"]["token"]
 
     def env(self, pod: dict, container: dict) -> dict[str, str]:
-        env = {}
+        """`envFrom` first (in order, a later source winning), then `env`, which wins over both."""
+        env = self.env_from(pod["metadata"]["namespace"], container)
         for var in container.get("env") or []:
             if "valueFrom" not in var:
                 env[var["name"]] = expand(var.get("value", ""), env)
@@ -112,6 +130,15 @@ class PodInputs:
                         continue
                     raise StartError("CreateContainerConfigError", f'couldn\'t find key {ref["key"]} in Secret {ref["name"]}')
                 env[var["name"]] = data[ref["key"]].decode()
+            elif "configMapKeyRef" in source:
+                ref = source["configMapKeyRef"]
+                data = self.config_map(pod["metadata"]["namespace"], ref["name"], optional=ref.get("optional", False))
+                if ref["key"] not in data:
+                    if ref.get("optional"):
+                        continue
+                    raise StartError("CreateContainerConfigError", f'couldn\'t find key {ref["key"]} in ConfigMap '
+                                                                   f'{pod["metadata"]["namespace"]}/{ref["name"]}')
+                env[var["name"]] = data[ref["key"]]
             elif "resourceFieldRef" in source:
                 ref = source["resourceFieldRef"]
                 kind, _, res = ref["resource"].partition(".")
@@ -119,6 +146,24 @@ class PodInputs:
             else:
                 raise StartError("CreateContainerConfigError", f"env {var['name']}: unsupported source {sorted(source)}")
         return env
+
+    def env_from(self, namespace: str, container: dict) -> dict[str, str]:
+        """Every key of each `configMapRef`/`secretRef`, with its `prefix`; a key that is not a valid
+        variable name is skipped (the kubelet reports it as an event and starts the container)."""
+        env = {}
+        for source in container.get("envFrom") or []:
+            prefix = source.get("prefix", "")
+            if "configMapRef" in source:
+                ref = source["configMapRef"]
+                data = self.config_map(namespace, ref["name"], optional=ref.get("optional", False))
+            else:
+                ref = source["secretRef"]
+                data = {k: v.decode() for k, v in self.secret(namespace, ref["name"], optional=ref.get("optional", False)).items()}
+            env.update({prefix + k: v for k, v in data.items() if ENV_NAME.fullmatch(prefix + k)})
+        return env
+
+
+ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")  # what the API server accepts as an env var's name
 
 
 class StartError(Exception):
