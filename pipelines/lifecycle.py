@@ -24,8 +24,14 @@ MASTER_ENV = {"ELASTIC_STEP_POD_NAME": "metadata.name", "ELASTIC_STEP_POD_UID": 
 # no keys (workload identity, a public bucket) runs the pipeline as it is.
 STORE_SECRET = "mlpipeline-minio-artifact"
 STORE_SECRET_KEYS = {"accesskey": "AWS_ACCESS_KEY_ID", "secretkey": "AWS_SECRET_ACCESS_KEY"}
-# Every task's pod carries it: deploy/mlflow's NetworkPolicy admits these pods.
+# Every task's pod carries both: the project's label, and the one deploy/mlflow's NetworkPolicy
+# admits (step pods call MLflow; the train task's worker pods never carry it).
 PART_OF = ("app.kubernetes.io/part-of", "elastic-step")
+
+
+def label_step(task):
+    for key, value in (PART_OF, defaults.MLFLOW_CLIENT_LABEL):
+        kubernetes.add_pod_label(task, key, value)
 
 
 def as_elastic_master(task):
@@ -88,7 +94,7 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
             serve_storage_secret=serve_storage_secret,
         )
         for task in (prepared, trained, judged):
-            kubernetes.add_pod_label(task, *PART_OF)
+            label_step(task)
         for task in (prepared, trained, judged, released):
             task.set_caching_options(caching)
 
@@ -112,14 +118,14 @@ def _release_if_blessed(caching: bool):
             promoted = promote_model(registered_model=registered_model, version=exported.outputs["model_version"],
                                      mlflow_uri=mlflow_uri)
             for task in (exported, promoted):
-                kubernetes.add_pod_label(task, *PART_OF)
+                label_step(task)
                 task.set_caching_options(caching)
             with dsl.If(serve_target != "", name="serve"):  # "" (the default): promote only
                 deployed = deploy_model(registered_model=registered_model, version=promoted.outputs["champion_version"],
                                         target=serve_target, namespace=serve_namespace,
                                         service_account=serve_service_account, storage_secret=serve_storage_secret,
                                         mlflow_uri=mlflow_uri)
-                kubernetes.add_pod_label(deployed, *PART_OF)
+                label_step(deployed)
                 deployed.set_caching_options(False)  # a deploy acts on the cluster as it is now
 
     return release

@@ -186,7 +186,7 @@ def test_workers_have_their_own_service_account_with_no_rbac_and_no_token():
 
 def test_mlflow_allows_its_service_name_and_postgres_comes_from_a_secret():
     objects = deploy_objects()
-    container = next(o for w, o in objects if o["kind"] == "Deployment" and w == "deploy")["spec"]["template"]["spec"]["containers"][0]
+    container = next(o for w, o in objects if o["kind"] == "Deployment" and w == "deploy/mlflow")["spec"]["template"]["spec"]["containers"][0]
     allowed = next(a for a in container["args"] if a.startswith("--allowed-hosts="))
     assert "mlflow:5000" in allowed.split("=", 1)[1].split(",")
     postgres = next(o for w, o in objects if o["kind"] == "Deployment" and w.endswith("mlflow-postgres"))
@@ -250,7 +250,7 @@ def test_the_backend_refuses_a_loopback_master_outside_a_pod(tmp_path):
 
 def test_mlflow_requires_authentication_with_credentials_only_from_a_secret():
     objects = deploy_objects()
-    for where in ("deploy", "deploy/mlflow-postgres"):
+    for where in ("deploy/mlflow", "deploy/mlflow-postgres"):
         deployment = next(o for w, o in objects if o["kind"] == "Deployment" and w == where)
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         command = container["command"] + container.get("args", [])
@@ -271,19 +271,15 @@ def test_mlflow_requires_authentication_with_credentials_only_from_a_secret():
                     assert "value" not in e, f"{where}: {e['name']} is a literal"
 
 
-def test_mlflow_admits_only_elastic_step_pods():
+def test_mlflow_admits_only_step_pods_from_namespaces_that_run_jobs():
     objects = deploy_objects()
-    policy = next(o for w, o in objects if o["kind"] == "NetworkPolicy" and w == "deploy")
-    mlflow = next(o for w, o in objects if o["kind"] == "Deployment" and w == "deploy")
+    policy = next(o for w, o in objects if o["kind"] == "NetworkPolicy" and w == "deploy/mlflow")
+    mlflow = next(o for w, o in objects if o["kind"] == "Deployment" and w == "deploy/mlflow")
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= mlflow["spec"]["template"]["metadata"]["labels"].items()
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     [rule] = policy["spec"]["ingress"]
-    assert [p["podSelector"]["matchLabels"] for p in rule["from"]] == [{"app.kubernetes.io/part-of": "elastic-step"}]
+    [peer] = rule["from"]  # one peer: both selectors must match (two peers would admit either)
+    assert peer == {"namespaceSelector": {"matchLabels": {"elastic-step/jobs": "true"}},
+                    "podSelector": {"matchLabels": {"elastic-step/mlflow-client": "true"}}}
     assert rule["ports"] == [{"protocol": "TCP", "port": 5000}]
-    # The pods it admits carry that label: worker pods (the backend) and the Argo step pods.
-    from elastic_step.backends.kubernetes.manifests import JobNames
-
-    assert JobNames.for_job("j").labels("worker")["app.kubernetes.io/part-of"] == "elastic-step"
-    with open(os.path.join(ROOT, "pipelines", "argo", "training-workflowtemplate.yaml")) as f:
-        template = yaml.safe_load(f)
-    assert template["spec"]["podMetadata"]["labels"]["app.kubernetes.io/part-of"] == "elastic-step"
+    # Which pods carry the label is tested against the pods themselves: tests/test_security_deploy.py.

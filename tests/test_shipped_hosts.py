@@ -1,6 +1,6 @@
 """Every MLflow address a shipped file gives as a default (the Argo templates' `mlflow-uri`, the
 compiled KFP pipelines, the examples, the docs, deploy/) is the one deploy/ creates: the Service
-`mlflow` of deploy/mlflow in deploy/'s namespace, from one source in the code
+`mlflow` of deploy/mlflow in MLflow's own namespace (not the jobs'), from one source in the code
 (`elastic_step.defaults.MLFLOW_SERVICE_URI`). A user who applies deploy/ and runs a shipped
 pipeline with its defaults reaches that server, not a host nothing creates."""
 
@@ -31,12 +31,14 @@ def shipped_files() -> list[str]:
             and os.path.isfile(os.path.join(ROOT, p))]
 
 
-def test_the_default_mlflow_uri_is_deploys_service_in_deploys_namespace():
+def test_the_default_mlflow_uri_is_deploys_service_in_mlflows_own_namespace():
     with open(os.path.join(DEPLOY, "kustomization.yaml"), encoding="utf-8") as f:
+        jobs = yaml.safe_load(f)["namespace"]
+    with open(os.path.join(DEPLOY, "mlflow", "kustomization.yaml"), encoding="utf-8") as f:
         namespace = yaml.safe_load(f)["namespace"]
+    assert (defaults.DEPLOY_NAMESPACE, defaults.MLFLOW_NAMESPACE) == (jobs, namespace) and jobs != namespace
     with open(os.path.join(DEPLOY, "mlflow", "service.yaml"), encoding="utf-8") as f:
         service = next(o for o in yaml.safe_load_all(f) if o)
-    assert defaults.DEPLOY_NAMESPACE == namespace
     uri = urlparse(defaults.MLFLOW_SERVICE_URI)
     assert (uri.scheme, uri.hostname, uri.port) == (
         "http", f"{service['metadata']['name']}.{namespace}.svc.cluster.local", service["spec"]["ports"][0]["port"])

@@ -36,6 +36,8 @@ def check_quantity(flag: str, value: str) -> None:
         raise ConfigError(f"{flag} {value!r} is not a positive Kubernetes quantity (e.g. 500m or 2 for CPU, 512Mi or 4Gi "
                           "for memory)")
 LABELS = {"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/part-of": "elastic-step"}
+# Step pods only (podMetadata): deploy/mlflow's NetworkPolicy admits them; worker pods never call MLflow.
+STEP_POD_LABELS = {**LABELS, defaults.MLFLOW_CLIENT_LABEL[0]: defaults.MLFLOW_CLIENT_LABEL[1]}
 
 # Workflow parameters and their defaults: a run overrides any of them (`argo submit -p epochs=10`).
 PARAMETERS = {
@@ -182,7 +184,7 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         arguments=[Parameter(name=name, value=value) for name, value in parameters.items()],
         service_account_name=options.service_account,
         # Every step pod carries the project's labels: deploy/mlflow's NetworkPolicy admits them.
-        pod_metadata=m.Metadata(labels=LABELS),
+        pod_metadata=m.Metadata(labels=STEP_POD_LABELS),
         # Keep failed pods (their logs explain the failure); delete finished workflows after a while.
         pod_gc=m.PodGC(strategy="OnPodSuccess"),
         ttl_strategy=m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kubernetes import client as k8s
 
+from elastic_step import defaults
 from elastic_step.backends.kubernetes.manifests import RUN_AS
 from elastic_step.backends.kubernetes.options import SHARED_MOUNTS_ENV
 from elastic_step.errors import ConfigError
@@ -130,6 +131,11 @@ def labels(job: str, component: str) -> dict[str, str]:
             "app.kubernetes.io/component": component, JOB_LABEL: job}
 
 
+def master_labels(job: str) -> dict[str, str]:
+    """The master pod's: it calls MLflow, so deploy/mlflow's NetworkPolicy admits it by this label."""
+    return {**labels(job, "master"), defaults.MLFLOW_CLIENT_LABEL[0]: defaults.MLFLOW_CLIENT_LABEL[1]}
+
+
 def model_config_map(sub: Submission) -> k8s.V1ConfigMap:
     with open(sub.model_file, encoding="utf-8") as f:
         source = f.read()
@@ -196,7 +202,7 @@ def master_pod(sub: Submission) -> k8s.V1Pod:
                                                   seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")),
     )
     return k8s.V1Pod(api_version="v1", kind="Pod",
-                     metadata=k8s.V1ObjectMeta(name=sub.pod_name, labels=labels(sub.job, "master")), spec=spec)
+                     metadata=k8s.V1ObjectMeta(name=sub.pod_name, labels=master_labels(sub.job)), spec=spec)
 
 
 def objects(sub: Submission) -> list:
