@@ -23,9 +23,11 @@ demo: $(STAMP)
 	$(PY) -m elastic_step.pipelines.demo
 
 # Generated files are committed; a test fails when one is stale.
+# The committed files name the images in the project's registry; for a cluster's own registry, compile
+# or render into a folder of your own (README: "Images for a cluster").
 compile: $(STAMP)
-	$(PY) -m elastic_step.pipelines.compile
-	$(PY) -m elastic_step.cli argo render --pipeline all --out pipelines/argo
+	$(PY) -m elastic_step.pipelines.compile $(IMAGE_ARGS)
+	$(PY) -m elastic_step.cli argo render --pipeline all --out pipelines/argo $(IMAGE_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
@@ -33,14 +35,40 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache demo-output
 
-# Container images, tagged with the package version (elastic_step.images.default_image()).
-.PHONY: images image-smoke
+# Container images: IMAGE_REGISTRY/elastic-step-VARIANT:IMAGE_VERSION, the names elastic_step/images.py
+# gives (a test keeps the two in step). `make images` builds each variant under its local name
+# elastic-step-VARIANT:VERSION and tags it into IMAGE_REGISTRY; `make push IMAGE_REGISTRY=...` tags
+# the local builds into that registry and pushes them (log in first: docker login REGISTRY).
+# The torch image has CPU torch; the CUDA build: IMAGE_BUILD_ARGS='--build-arg TORCH_INDEX_URL=...cu126'.
+.PHONY: images push image-smoke
 IMAGE_REGISTRY ?= ghcr.io/elastic-step
 VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' elastic_step/__init__.py)
+IMAGE_VERSION ?= $(VERSION)
+IMAGE_VARIANTS = torch tensorflow
+IMAGE_BUILD_ARGS ?=
+DOCKER ?= docker
+IMAGE_ARGS = --image-registry $(IMAGE_REGISTRY) --image-version $(IMAGE_VERSION)
+extras_torch = torch
+extras_tensorflow = torch,tensorflow
+local_image = elastic-step-$(1):$(VERSION)
+registry_image = $(IMAGE_REGISTRY)/elastic-step-$(1):$(IMAGE_VERSION)
+
+define build_image
+	$(DOCKER) build -f images/Dockerfile --build-arg EXTRAS=$(extras_$(1)) $(IMAGE_BUILD_ARGS) -t $(call local_image,$(1)) .
+	$(DOCKER) tag $(call local_image,$(1)) $(call registry_image,$(1))
+
+endef
+define push_image
+	$(DOCKER) tag $(call local_image,$(1)) $(call registry_image,$(1))
+	$(DOCKER) push $(call registry_image,$(1))
+
+endef
 
 images:
-	docker build -f images/Dockerfile -t $(IMAGE_REGISTRY)/elastic-step-torch:$(VERSION) .
-	docker build -f images/Dockerfile --build-arg EXTRAS=torch,tensorflow -t $(IMAGE_REGISTRY)/elastic-step-tensorflow:$(VERSION) .
+	$(foreach v,$(IMAGE_VARIANTS),$(call build_image,$(v)))
+
+push:
+	$(foreach v,$(IMAGE_VARIANTS),$(call push_image,$(v)))
 
 # Builds the torch image with its own Docker daemon and trains in it; says SKIPPED where it cannot.
 image-smoke: $(STAMP)

@@ -68,9 +68,17 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
                seed: int = defaults.SEED, backend: str = defaults.BACKEND, mlflow_uri: str = "",
                experiment: str = defaults.EXPERIMENT, init_from: str = "", registered_model: str = "",
                warm_start_alias: str = "", pipeline_run_id: str = "", job_dir: str = "", job_name: str = "train-elastic",
-               storage_options: dict | None = None, priority_class: str = "") -> TrainStepResult:
+               storage_options: dict | None = None, priority_class: str = "", device: str = defaults.DEVICE,
+               precision: str = defaults.PRECISION, worker_cpu: str = "", worker_memory: str = "", worker_gpus: int = 0,
+               image: str = "", worker_service_account: str = "", node_selector: dict | str | None = None,
+               tolerations: list | str | None = None) -> TrainStepResult:
     """`storage_options`: fsspec options for `data`'s store (e.g. the endpoint of KFP's MinIO), applied
-    here and handed to the workers."""
+    here and handed to the workers. The worker pods' settings (`backend=kubernetes`; "" or empty: train's
+    defaults) are checked with the job's: bad ones fail before anything starts. `node_selector` and
+    `tolerations` come as KFP hands them over (a dict, a list, or their JSON: elastic_step.placement)."""
+    from elastic_step.placement import node_selector_items, toleration_items
+
+    selector, toleration = node_selector_items(node_selector), toleration_items(tolerations)  # refused before anything starts
     if storage_options:
         stores.set_storage_options(data, storage_options)
     init_from = init_from or warm_start_source(registered_model, warm_start_alias, mlflow_uri or None)
@@ -85,6 +93,9 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
         pipeline_run_id=pipeline_run_id,  # a retried task finds and resumes its run by it
         worker_env=stores.worker_env(),  # the store's location and options for the workers (never credentials)
         priority_class=priority_class or None,  # the worker pods'
+        device=device, precision=precision, worker_cpu=worker_cpu or None, worker_memory=worker_memory or None,
+        worker_gpus=worker_gpus, image=image or None, service_account=worker_service_account or None,
+        node_selector=selector, tolerations=toleration,
     )
     job = run_job(config)
     shutil.copytree(job.model_dir, model_dir, dirs_exist_ok=True)  # where the pipeline's artifact store looks

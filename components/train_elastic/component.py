@@ -31,6 +31,15 @@ def train_elastic(
     pipeline_run_id: str = "",
     job_dir: str = "",
     priority_class: str = "",
+    device: str = "auto",
+    precision: str = "fp32",
+    worker_cpu: str = "",
+    worker_memory: str = "",
+    worker_gpus: int = 0,
+    image: str = "",
+    worker_service_account: str = "",
+    node_selector: dict = {},
+    tolerations: list = [],
 ):
     """Train with an elastic group of workers; this step's process is the elastic master.
 
@@ -83,6 +92,23 @@ def train_elastic(
         priority_class: PriorityClass of the worker pods (`backend=kubernetes`; "" for the cluster's
             default). The task's own pod, the master, gets its priority from the namespace's or the
             cluster's default: KFP has no setting for a task pod's priority class.
+        device: Where each worker computes: `auto` (its GPU where it sees one, else the CPU), `cpu`,
+            or `cuda` (refused at the worker's pre-flight where no GPU is visible).
+        precision: The forward pass in `fp32` or `bf16` autocast (fp16 is refused: its loss scale
+            skips overflowed steps, losing rows). Recorded in MLflow.
+        worker_cpu: CPU of each worker pod, REQUEST or REQUEST:LIMIT (e.g. `2`, `500m:2`; "": none).
+        worker_memory: Memory of each worker pod, REQUEST or REQUEST:LIMIT (e.g. `4Gi`; "": none).
+        worker_gpus: `nvidia.com/gpu` of each worker pod (the cluster needs NVIDIA's device plugin).
+        image: The worker pods' image ("": this task's own image).
+        worker_service_account: The worker pods' service account ("": `elastic-step-worker` from
+            deploy/workers, which has no Role and mounts no token); never this task's own.
+        node_selector: Node labels each worker pod must match, e.g.
+            `{"cloud.google.com/gke-accelerator": "nvidia-l4"}` (a dict, or its JSON text in the KFP UI).
+            For this task's own pod, use `kfp.kubernetes.add_node_selector` on the task
+            (`elastic_step.components.train_elastic.placement.place_task` takes the same values).
+        tolerations: Taints each worker pod tolerates: Kubernetes tolerations, e.g.
+            `[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]`, or
+            `KEY[=VALUE][:EFFECT]` strings. For this task's own pod: `kfp.kubernetes.add_toleration`.
     """
     import sys
 
@@ -98,7 +124,9 @@ def train_elastic(
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, checkpoint_steps=checkpoint_steps, seed=seed,
             backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from,
             registered_model=registered_model, warm_start_alias=warm_start_alias, pipeline_run_id=pipeline_run_id,
-            job_dir=job_dir, priority_class=priority_class,
+            job_dir=job_dir, priority_class=priority_class, device=device, precision=precision, worker_cpu=worker_cpu,
+            worker_memory=worker_memory, worker_gpus=worker_gpus, image=image,
+            worker_service_account=worker_service_account, node_selector=node_selector, tolerations=tolerations,
         )
     except ElasticStepError as exc:  # one line, and the exit code of the table (75: preempted, 2: bad input)
         print(f"train_elastic: {exc}", file=sys.stderr)

@@ -17,6 +17,8 @@ from kubernetes.utils.quantity import parse_quantity
 
 from elastic_step import defaults
 from elastic_step.argo import steps
+from elastic_step.argo.security import restricted_pod
+from elastic_step.argo.workers import WorkerPods
 from elastic_step.errors import ConfigError
 from elastic_step.images import default_image
 from elastic_step.schedule import argo_cron, check_timezone
@@ -54,6 +56,8 @@ PARAMETERS = {
     "checkpoint-steps": str(defaults.CHECKPOINT_STEPS),
     "seed": str(defaults.SEED),
     "backend": defaults.BACKEND,
+    "device": defaults.DEVICE,
+    "precision": defaults.PRECISION,
     "experiment": defaults.EXPERIMENT,
     "registered-model": defaults.REGISTERED_MODEL,
     "floor": defaults.metric_pairs(defaults.FLOORS),
@@ -88,6 +92,11 @@ class RenderOptions:
     # steps' own; None: the workers get none (BestEffort pods, no memory limit).
     worker_cpu: str | None = None
     worker_memory: str | None = None
+    # GPUs, scheduling and identity of each worker pod, fixed here too (argo/workers.py).
+    worker_gpus: int = 0
+    worker_node_selector: tuple[str, ...] = ()
+    worker_tolerations: tuple[str, ...] = ()
+    worker_service_account: str | None = None
     # The PriorityClass of every pod: the step pods (the workflow's podPriorityClassName; the train
     # step's pod is the master) and the worker pods (train's --priority-class). None: the cluster's default.
     priority_class: str | None = None
@@ -105,15 +114,7 @@ class RenderOptions:
         for flag, value in (("--train-cpu", self.train_cpu), ("--train-memory", self.train_memory),
                             ("--step-cpu", self.step_cpu), ("--step-memory", self.step_memory)):
             check_quantity(flag, value)
-        for flag, value in (("--worker-cpu", self.worker_cpu), ("--worker-memory", self.worker_memory)):
-            if value is not None:  # REQUEST or REQUEST:LIMIT, as train's flags take them
-                request, colon, limit = str(value).partition(":")
-                for part in (request, limit) if colon else (request,):
-                    if not QUANTITY.match(part) or float(parse_quantity(part)) <= 0:
-                        raise ConfigError(f"{flag} {value!r} is not a positive Kubernetes quantity, or REQUEST:LIMIT of "
-                                          "two (e.g. 500m, 2 or 500m:2 for CPU; 512Mi, 4Gi or 2Gi:4Gi for memory)")
-                if colon and parse_quantity(request) > parse_quantity(limit):
-                    raise ConfigError(f"{flag} {value!r}: the request {request} is larger than the limit {limit}")
+        self.worker_pods.validate(check_name)
         if self.data_store is not None:
             if not DATA_STORE.match(self.data_store) or self.data_store.startswith("file:"):
                 raise ConfigError(f"--data-store {self.data_store!r} is not an object-store URI; give one like "
@@ -137,12 +138,24 @@ class RenderOptions:
         check_timezone(self.timezone)
 
     @property
+    def worker_pods(self) -> WorkerPods:
+        return WorkerPods(cpu=self.worker_cpu, memory=self.worker_memory, gpus=self.worker_gpus,
+                          node_selector=tuple(self.worker_node_selector), tolerations=tuple(self.worker_tolerations),
+                          service_account=self.worker_service_account, priority_class=self.priority_class)
+
+    @property
     def secret_name(self) -> str | None:
         return self.mlflow_secret.partition(":")[0] if self.mlflow_secret else None
 
     @property
     def secret_key(self) -> str:
         return (self.mlflow_secret or "").partition(":")[2] or "tracking-uri"
+
+
+def check_name(flag: str, name: str) -> None:
+    """A Kubernetes object name (DNS-1123 subdomain: service accounts, PriorityClasses)."""
+    if not DNS_1123_SUBDOMAIN.match(name) or len(name) > 253:
+        raise ConfigError(f"{flag} {name!r} is not a valid Kubernetes name (lower-case letters, digits, '-' and '.')")
 
 
 def template_name(pipeline: str) -> str:
@@ -190,11 +203,11 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         ttl_strategy=m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),
         volumes=volumes,
         pod_priority_class_name=options.priority_class,
+        security_context=restricted_pod(),  # PodSecurity `restricted` (argo/security.py)
     ) as template:
         prepare_c = steps.prepare_data(settings, layout, step)
         train_c = steps.train(settings, layout, options.train_retries, warm_start=pipeline == "retraining",
-                              resources=trainer, worker_cpu=options.worker_cpu, worker_memory=options.worker_memory,
-                              priority_class=options.priority_class)
+                              resources=trainer, workers=options.worker_pods)
         evaluate_c = steps.evaluate(settings, layout, step)
         export_c = steps.export(settings, layout, step)
         promote_c = steps.promote(settings, layout, step)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from hera.workflows import Artifact, Container, Env, FieldEnv, Parameter, Resources, SecretEnv
 from hera.workflows import models as m
 
+from elastic_step.argo.security import restricted_container
+from elastic_step.argo.workers import WorkerPods
 from elastic_step.exit_codes import argo_retry_expression
 
 ENTRYPOINT = "elastic-step"
@@ -146,6 +148,7 @@ def _container(name: str, settings: StepSettings, layout: Layout, args: list[str
         resources=resources.build(),
         volume_mounts=layout.volume_mounts(),
         retry_strategy=retry_strategy,
+        security_context=restricted_container(),  # PodSecurity `restricted` (argo/security.py)
     )
 
 
@@ -160,18 +163,16 @@ def prepare_data(settings: StepSettings, layout: Layout, resources: StepResource
 
 
 TRAIN_INPUTS = ["model-def", "workers", "spares", "epochs", "minibatch-size", "minibatches-per-task", "global-batch-size",
-                "lr-scaling", "checkpoint-steps", "seed", "backend", "experiment"]
+                "lr-scaling", "checkpoint-steps", "seed", "backend", "device", "precision", "experiment"]
 
 
 def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool, resources: StepResources,
-          worker_cpu: str | None = None, worker_memory: str | None = None, priority_class: str | None = None) -> Container:
+          workers: WorkerPods = WorkerPods()) -> Container:
     args = ["train", "--model-def", _param("model-def"), "--data", layout.dataset_in(), "--job-dir", layout.job_dir()]
     for name in TRAIN_INPUTS[1:]:
         args += [f"--{name}", _param(name)]
-    # Worker pod resources: fixed at render time (checked quantities), never a run's parameter.
-    for flag, value in (("--worker-cpu", worker_cpu), ("--worker-memory", worker_memory)):
-        if value is not None:
-            args += [flag, value]
+    # Worker pods' resources, scheduling and identity: fixed at render time, never a run's parameter.
+    args += workers.train_args()
     inputs = list(TRAIN_INPUTS)
     if warm_start:
         # Retraining starts from the current champion (from scratch while there is none yet); a
@@ -179,8 +180,6 @@ def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool
         # ARGO_WORKFLOW_NAME tag).
         args += ["--registered-model", _param("registered-model"), "--warm-start-alias", "champion"]
         inputs.append("registered-model")
-    if priority_class:  # the worker pods' (the step pods' own is the workflow's podPriorityClassName)
-        args += ["--priority-class", priority_class]
     args += ["--outputs", layout.outputs("train")]
     return _container("train", settings, layout, args, _inputs(layout, inputs, True),
                       _outputs(layout, "train", ["run_id", "model_uri"], {"metrics": "metrics.json", "model": "model"}),

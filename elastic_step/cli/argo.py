@@ -25,7 +25,13 @@ def register(sub) -> None:
     r.add_argument("--mlflow-credentials", metavar="NAME",
                    help="Secret with keys username and password of an MLflow user (deploy/mlflow's server needs "
                         "one): given to every step as MLFLOW_TRACKING_USERNAME/PASSWORD")
-    r.add_argument("--image", help="container image of every step (default: ELASTIC_STEP_IMAGE, else the project image)")
+    r.add_argument("--image", help="container image of every step and of the worker pods (default: ELASTIC_STEP_IMAGE, "
+                                   "else the project image)")
+    r.add_argument("--image-registry", metavar="REGISTRY",
+                   help="instead of --image: REGISTRY/elastic-step-torch:VERSION, the name `make push "
+                        "IMAGE_REGISTRY=REGISTRY` pushes (e.g. registry.example.com/team)")
+    r.add_argument("--image-version", metavar="VERSION",
+                   help="with --image-registry: the image's tag (default: this package's version)")
     r.add_argument("--train-retries", type=int, default=3, help="retries of the train step (default 3)")
     r.add_argument("--cron", default="0 3 * * *", help="CronWorkflow schedule, five fields (default '0 3 * * *')")
     r.add_argument("--timezone", default="UTC", help="CronWorkflow time zone (IANA name, default UTC)")
@@ -46,6 +52,18 @@ def register(sub) -> None:
     r.add_argument("--worker-memory", metavar="REQUEST[:LIMIT]",
                    help="memory of each worker pod, fixed in the template (e.g. 4Gi or 2Gi:4Gi; default: none, so "
                         "no limit)")
+    r.add_argument("--worker-gpus", type=int, default=0, metavar="N",
+                   help="nvidia.com/gpu of each worker pod, fixed in the template (default 0); the workers then "
+                        "compute on their GPU (the device workflow parameter, default auto)")
+    r.add_argument("--worker-node-selector", action="append", default=[], metavar="KEY=VALUE",
+                   help="a node label each worker pod must match, fixed in the template (repeatable; e.g. "
+                        "cloud.google.com/gke-accelerator=nvidia-l4)")
+    r.add_argument("--worker-toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
+                   help="a taint each worker pod tolerates, fixed in the template (repeatable; e.g. "
+                        "nvidia.com/gpu:NoSchedule)")
+    r.add_argument("--worker-service-account", metavar="NAME",
+                   help="service account of the worker pods (default: elastic-step-worker from deploy/workers: no "
+                        "Role, no token mounted); never the step pods' --service-account")
     r.add_argument("--priority-class", metavar="NAME",
                    help="PriorityClass of every pod the workflow makes: its step pods (the train step's is the "
                         "master) and the train step's worker pods; fixed in the template (default: none, the "
@@ -55,8 +73,15 @@ def register(sub) -> None:
 
 def run_render(args) -> int:
     from elastic_step.argo import PIPELINES, RenderOptions, render
+    from elastic_step.errors import ConfigError
+    from elastic_step.images import ImageNameError, chosen_image
 
-    extra = {"image": args.image} if args.image else {}
+    extra = {}
+    if args.image or args.image_registry or args.image_version:
+        try:
+            extra["image"] = chosen_image(args.image, args.image_registry, args.image_version)
+        except ImageNameError as exc:
+            raise ConfigError(f"--image-registry/--image-version: {exc}") from None
     options = RenderOptions(pvc=args.pvc, data_store=args.data_store, store_secret=args.store_secret,
                             store_endpoint=args.store_endpoint, mlflow_secret=args.mlflow_secret, mlflow_credentials=args.mlflow_credentials,
                             train_retries=args.train_retries,
@@ -64,7 +89,10 @@ def run_render(args) -> int:
                             history_limit=args.history_limit, service_account=args.service_account,
                             train_cpu=args.train_cpu, train_memory=args.train_memory, train_gpus=args.train_gpus,
                             step_cpu=args.step_cpu, step_memory=args.step_memory,
-                            worker_cpu=args.worker_cpu, worker_memory=args.worker_memory,
+                            worker_cpu=args.worker_cpu, worker_memory=args.worker_memory, worker_gpus=args.worker_gpus,
+                            worker_node_selector=tuple(args.worker_node_selector),
+                            worker_tolerations=tuple(args.worker_toleration),
+                            worker_service_account=args.worker_service_account,
                             priority_class=args.priority_class, **extra)
     pipelines = list(PIPELINES) if args.pipeline == "all" else [args.pipeline]
     for path in render(pipelines, args.out, options):
