@@ -7,6 +7,7 @@ from kfp import dsl, kubernetes
 from kfp.dsl import Dataset, Input, Model
 
 from elastic_step import defaults
+from elastic_step.images import IMAGE_USER
 from elastic_step.components import deploy_model, evaluate_model, export_model, prepare_data, promote_model, train_elastic
 
 # A retried training task resumes its MLflow run from the newest checkpoint. KFP's retry cannot read
@@ -32,6 +33,13 @@ PART_OF = ("app.kubernetes.io/part-of", "elastic-step")
 def label_step(task):
     for key, value in (PART_OF, defaults.MLFLOW_CLIENT_LABEL):
         kubernetes.add_pod_label(task, key, value)
+
+
+def run_as_image_user(task):
+    """PodSecurity `restricted` for the task's pod: the image's own non-root user. KFP 2.17's compiler
+    adds the rest itself (no privilege escalation, every capability dropped, RuntimeDefault seccomp),
+    which kfp-kubernetes cannot set and needs not."""
+    kubernetes.set_security_context(task, run_as_user=IMAGE_USER, run_as_group=IMAGE_USER, run_as_non_root=True)
 
 
 def as_elastic_master(task):
@@ -95,6 +103,7 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         )
         for task in (prepared, trained, judged):
             label_step(task)
+            run_as_image_user(task)
         for task in (prepared, trained, judged, released):
             task.set_caching_options(caching)
 
@@ -119,6 +128,7 @@ def _release_if_blessed(caching: bool):
                                      mlflow_uri=mlflow_uri)
             for task in (exported, promoted):
                 label_step(task)
+                run_as_image_user(task)
                 task.set_caching_options(caching)
             with dsl.If(serve_target != "", name="serve"):  # "" (the default): promote only
                 deployed = deploy_model(registered_model=registered_model, version=promoted.outputs["champion_version"],
@@ -126,6 +136,7 @@ def _release_if_blessed(caching: bool):
                                         service_account=serve_service_account, storage_secret=serve_storage_secret,
                                         mlflow_uri=mlflow_uri)
                 label_step(deployed)
+                run_as_image_user(deployed)
                 deployed.set_caching_options(False)  # a deploy acts on the cluster as it is now
 
     return release

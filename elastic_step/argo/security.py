@@ -28,3 +28,9 @@ def restricted_container() -> m.SecurityContext:
     return m.SecurityContext(run_as_non_root=True, run_as_user=IMAGE_USER, run_as_group=IMAGE_USER,
                              allow_privilege_escalation=False, capabilities=m.Capabilities(drop=["ALL"]),
                              seccomp_profile=RUNTIME_DEFAULT)
+
+
+# The workflow controller's `executor.securityContext` (workflow-controller-configmap, the `executor`
+# key) for a restricted namespace: Argo copies it onto every step pod's `init` and `wait` containers.
+EXECUTOR_SECURITY_CONTEXT = {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
