@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from elastic_step.errors import ElasticStepError, MasterUnreachable
-from elastic_step.protocol import API
+from elastic_step.operate.documents import checked_events, checked_status
+from elastic_step.protocol import API, Route
 
 
 class WrongToken(ElasticStepError):
@@ -147,19 +148,20 @@ class JobClient:
         return reply.json()
 
     def status(self) -> dict:
-        return self._call("GET", "/status")
+        return checked_status(self._call("GET", Route.STATUS), f"the reply of the master at {self.info['url']}")
 
     def events(self, since: int = 0) -> dict:
-        return self._call("GET", "/events", params={"since": since})
+        reply = self._call("GET", Route.EVENTS, params={"since": since})
+        return {**reply, "events": checked_events(reply.get("events"))}
 
     def history(self) -> dict:
-        return self._call("GET", "/history")
+        return self._call("GET", Route.HISTORY)
 
     def scale(self, workers: int) -> dict:
-        return self._call("POST", "/scale", {"workers": workers})
+        return checked_status(self._call("POST", Route.SCALE, {"workers": workers}), f"the master at {self.info['url']}")
 
     def stop(self) -> dict:
-        return self._call("POST", "/stop")
+        return checked_status(self._call("POST", Route.STOP), f"the master at {self.info['url']}")
 
     def close(self) -> None:
         self._http.close()

@@ -10,14 +10,13 @@ import time
 
 from elastic_step.errors import ElasticStepError, MasterUnreachable
 from elastic_step.jobclient import JobClient, WrongToken, check_own_folder, read_token_file
+from elastic_step.operate.documents import checked_events, checked_status
+from elastic_step.protocol import SHOWN_EVENTS, EventKind
 
 # What a job folder holds once `train` has started in it.
 JOB_MARKERS = ("master.json", "result.json", "status.json", "events.jsonl")
-# The membership events `get -e` shows (the rest, such as task hand-outs, are for the log).
-MEMBERSHIP_EVENTS = ("launched", "died", "dropped", "relaunched", "not_relaunched", "slot_exhausted", "left", "regrouped",
-                     "recovered", "scaled", "checkpoint", "stop_requested", "stopped", "preempted", "job_failed",
-                     "job_succeeded",
-                     "collective_failed", "master_paused")
+# The events `get -e` shows: those people are shown everywhere, and a slot's relaunched attempts.
+MEMBERSHIP_EVENTS = (EventKind.LAUNCHED, *SHOWN_EVENTS)
 
 
 class UnknownJob(ElasticStepError):
@@ -54,7 +53,7 @@ def read_events(job_dir: str) -> list[dict]:
                     continue  # a line torn by a killed master
     except OSError:
         pass
-    return events
+    return checked_events(events)
 
 
 def load_job(job_dir: str, with_events: bool = True, timeout_s: float = 5.0) -> dict:
@@ -62,7 +61,7 @@ def load_job(job_dir: str, with_events: bool = True, timeout_s: float = 5.0) -> 
     that is gone is no error when the job ended (its final status is in the folder)."""
     info = _read_json(os.path.join(job_dir, "master.json")) or {}
     result = _read_json(os.path.join(job_dir, "result.json"))
-    final = _read_json(os.path.join(job_dir, "status.json"))
+    final = _final_status(job_dir)
     if info and not (final or result):
         check_own_folder(job_dir)  # said as it is, rather than as a master that does not answer
         try:
@@ -77,7 +76,7 @@ def load_job(job_dir: str, with_events: bool = True, timeout_s: float = 5.0) -> 
             except WrongToken:
                 raise
             except MasterUnreachable as exc:
-                final = _read_json(os.path.join(job_dir, "status.json"))  # it may have ended just now
+                final = _final_status(job_dir)  # it may have ended just now
                 if final is None:
                     raise MasterUnreachable(
                         f"{exc}. It left no final status, so it did not end on its own (killed?): "
@@ -94,6 +93,13 @@ def load_job(job_dir: str, with_events: bool = True, timeout_s: float = 5.0) -> 
         status["state"] = result.get("state", "succeeded")
     return {"live": False, "status": status, "events": read_events(job_dir) if with_events else [], "info": info,
             "result": result}
+
+
+def _final_status(job_dir: str) -> dict | None:
+    """The status a master left as it ended (status.json), checked; None when there is none."""
+    path = os.path.join(job_dir, "status.json")
+    final = _read_json(path)
+    return checked_status(final, path) if final is not None else None
 
 
 def _age(then: float | None, now: float) -> float | None:

@@ -12,6 +12,7 @@ import time
 
 from elastic_step.backends.kubernetes.manifests import STATUS_KEY, STOP_ANNOTATION, dns_label
 from elastic_step.errors import ElasticStepError
+from elastic_step.operate.documents import checked_events, checked_status
 
 SELECTOR = "app.kubernetes.io/managed-by=elastic-step"
 STATUS_SELECTOR = SELECTOR + ",app.kubernetes.io/component=status"
@@ -205,10 +206,12 @@ def published_document(config_map, namespace: str) -> dict:
     try:
         document = json.loads(config_map.data[STATUS_KEY])
         document["status"], document["info"]  # noqa: B018  (both must be there)
-        return document
     except (KeyError, TypeError, ValueError) as exc:
         raise ElasticStepError(f"ConfigMap {config_map.metadata.name} in {namespace} holds no readable job status ({exc}); "
                                "it was changed by hand: its master rewrites it within seconds, try again") from None
+    document["status"] = checked_status(document["status"], f"ConfigMap {namespace}/{config_map.metadata.name}")
+    document["events"] = checked_events(document.get("events", []))
+    return document
 
 
 def published_job(config_map, namespace: str) -> dict:

@@ -405,6 +405,83 @@ class Empty(BaseModel):
     """The reply of a call that only reports something."""
 
 
+# ---- what /status and /events answer: read by `get`, `top`, `list`, the live page and the report --
+# The events people are shown (`get -e`, the live page, the KFP report): deaths, relaunches,
+# regroups, scaling, checkpoints and the job's end. The rest (joins, rounds proposed, task
+# failures) are for the master's log and events.jsonl.
+SHOWN_EVENTS: tuple[EventKind, ...] = (
+    EventKind.DIED, EventKind.DROPPED, EventKind.RELAUNCHED, EventKind.NOT_RELAUNCHED, EventKind.SLOT_EXHAUSTED,
+    EventKind.LEFT, EventKind.REGROUPED, EventKind.RECOVERED, EventKind.SCALED, EventKind.CHECKPOINT,
+    EventKind.COLLECTIVE_FAILED, EventKind.MASTER_PAUSED, EventKind.STOP_REQUESTED, EventKind.STOPPED,
+    EventKind.PREEMPTED, EventKind.JOB_FAILED, EventKind.JOB_SUCCEEDED,
+)
+
+
+class Status(BaseModel):
+    """A reply read back by a client: fields it does not know (from a newer master, or what a
+    backend adds) are kept, not refused, so an operator's older CLI still shows a newer job."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class EventRecord(Status):
+    """One event as events.jsonl, /events and the published status hold it: its kind and time,
+    a message for people, and the fields of its kind (worker, step, reason, seconds...)."""
+
+    time: float
+    event: EventKind
+    message: str = ""
+
+
+class EventsReply(Status):
+    events: list[EventRecord]
+    next: int = Field(ge=0)
+
+
+class WorkerStatus(Status):
+    """One worker in /status; the backend adds where it runs (pid, or pod, phase and node)."""
+
+    id: str
+    slot: int = Field(ge=0)
+    state: WorkerState
+    rank: int | None = None
+    spare: bool = False
+    step: int = -1
+    rows_applied: int = 0
+    exit: str | None = None
+    host: str | None = None
+    launched_at: float | None = None
+    last_seen: float | None = None
+    exited_at: float | None = None
+    resources: ResourceSample | None = None
+
+
+class JobStatus(Status):
+    """What /status answers, status.json keeps and the Kubernetes status ConfigMap publishes.
+    A job that ended before it ever reported keeps only its name and state."""
+
+    job: str
+    state: JobState
+    started_at: float | None = None
+    ended_at: float | None = None
+    stopping: bool = False
+    failure: str | None = None
+    round: int | None = None
+    round_ready: bool = False
+    world_size: int | None = None
+    target_workers: int | None = None
+    workers_range: tuple[int, int] | None = None
+    epoch: int | None = None
+    epochs: int | None = None
+    rows_done: int | None = None
+    rows_total: int | None = None
+    step: int | None = None
+    loss: float | None = None
+    samples_per_s: float | None = None
+    spares: int = 0
+    workers: list[WorkerStatus] = []
+
+
 def _protocol_digest() -> str:
     """A digest of every route and every message's schema: equal in two processes exactly when
     they speak the same protocol, whatever release number they carry."""

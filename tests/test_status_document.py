@@ -49,8 +49,9 @@ def api(tmp_path):
 def running_job(tmp_path, api):
     state, _ = make_state()
     join_all(state)  # a ready round: a stop can be taken
+    pod = api.add_master_pod("train-step-1", "es:1")  # its NetworkPolicy needs its labels
     backend = unit_backend(tmp_path, api, PodSettings(namespace="ml", image="es:1"),
-                           master=MasterPod("train-step-1", "uid-m", "127.0.0.1", "ml"), request_timeout_s=2.0)
+                           master=MasterPod("train-step-1", pod.metadata.uid, "127.0.0.1", "ml"), request_timeout_s=2.0)
     return state, backend, StatusPublisher(state, backend, state.events, {"job": "unit", "backend": "kubernetes"})
 
 
@@ -141,6 +142,6 @@ def test_a_configmap_planted_under_the_jobs_status_name_before_its_master_made_i
     publisher.publish_once()
     assert not publisher.stop_taken
     made = api.config_maps[name]
-    assert [o.uid for o in made.metadata.owner_references] == ["uid-m"] and STOP_ANNOTATION not in (made.metadata.annotations or {})
+    assert [o.uid for o in made.metadata.owner_references] == [backend.master.uid] and STOP_ANNOTATION not in (made.metadata.annotations or {})
     assert json.loads(made.data[STATUS_KEY])["info"]["job"] == "unit"
     backend.shutdown(grace_s=0)

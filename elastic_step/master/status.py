@@ -1,7 +1,10 @@
 """What /status says: the job, its round, its progress and every worker, as one JSON object.
-A function of the master's parts, called under its lock (so it reads one consistent moment)."""
+A function of the master's parts, called under its lock (so it reads one consistent moment),
+checked against protocol.JobStatus: what the master says is what every reader accepts."""
 
 from __future__ import annotations
+
+from elastic_step.protocol import JobStatus
 
 
 def job_status(master) -> dict:
@@ -10,7 +13,7 @@ def job_status(master) -> dict:
     done, total = master.dispatcher.epoch_progress()
     current = master.round
     membership = master.membership
-    return {
+    return JobStatus.model_validate({
         "job": master.spec.job_name,
         "state": master.state,
         "started_at": master.started_at,
@@ -31,7 +34,7 @@ def job_status(master) -> dict:
         "spares": membership.spares,
         "workers": [_worker(w, current, master.backend, membership.is_spare(w, current))
                     for w in membership.workers.values() if w.alive or w.exit_reason],
-    }
+    }).model_dump(mode="json")
 
 
 def _worker(w, current, backend, spare: bool) -> dict:

@@ -5,6 +5,9 @@ which a browser never sends to a server) and asks the read-only routes with it, 
 
 import base64
 import hashlib
+import json
+
+from elastic_step.protocol import SHOWN_EVENTS
 
 STYLE = r"""  body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2330; background: #f5f6f8; }
   header { background: #1d2330; color: #fff; padding: 12px 20px; display: flex; gap: 24px; align-items: baseline; flex-wrap: wrap; }
@@ -33,8 +36,7 @@ STYLE = r"""  body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d
 SCRIPT = r""""use strict";
 const API = "/v1";
 const REFRESH_MS = 2000;
-const SHOWN = ["died", "dropped", "relaunched", "not_relaunched", "slot_exhausted", "left", "regrouped", "recovered",
-               "scaled", "checkpoint", "stop_requested", "stopped", "preempted", "job_failed", "job_succeeded"];
+const SHOWN = {SHOWN_EVENTS};
 const token = new URLSearchParams(location.hash.slice(1)).get("token");
 const events = [];
 let nextEvent = 0;
@@ -196,6 +198,8 @@ if (!token) {
   refresh();
 }
 """
+# The event kinds the page lists, from the one place every view takes them (before the script's hash).
+SCRIPT = SCRIPT.replace("{SHOWN_EVENTS}", json.dumps([str(kind) for kind in SHOWN_EVENTS]))
 
 _DOCUMENT = r"""<!doctype html>
 <html lang="en">

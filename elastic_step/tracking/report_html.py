@@ -11,10 +11,10 @@ import html
 import json
 import os
 
+from elastic_step.protocol import SHOWN_EVENTS  # the kinds shown everywhere, from one place
+
 REPORT_NAME = "report.html"
 W, H, LEFT, BOTTOM = 640, 170, 56, 22
-SHOWN_EVENTS = ("died", "dropped", "relaunched", "not_relaunched", "slot_exhausted", "left", "regrouped", "recovered",
-                "scaled", "checkpoint", "stop_requested", "stopped", "preempted", "job_failed", "job_succeeded")
 BAR_COLORS = {"running": "#2f7d32", "died": "#b3261e", "left": "#8a6d00", "ended": "#1565c0"}
 
 
