@@ -38,29 +38,14 @@ import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .objects import ApiError, Store, field_matches, label_matches, merge_patch, not_found, now_text, status_body
+from . import discovery, tables
+from .discovery import GROUP_OF, GROUP_VERSIONS, RESOURCES, SUBRESOURCES
+from . import logs, protowire
+from .objects import ApiError, Store, field_matches, label_matches, not_found, now_text, status_body
+from .patches import apply_patch
 from .rbac import REVIEWS, Authorizer, Request, forbidden_message, review
 
 log = logging.getLogger("cluster.apiserver")
-
-# (group, plural) -> (kind, namespaced)
-RESOURCES = {
-    ("", "pods"): ("Pod", True),
-    ("", "secrets"): ("Secret", True),
-    ("", "configmaps"): ("ConfigMap", True),
-    ("", "serviceaccounts"): ("ServiceAccount", True),
-    ("", "namespaces"): ("Namespace", False),
-    ("", "nodes"): ("Node", False),  # the kubelet's one node, its allocatable read by the scheduler (scheduling.py)
-    ("networking.k8s.io", "networkpolicies"): ("NetworkPolicy", True),
-    # Argo's custom resources, as its CRDs install them (served, stored, not schema-validated here)
-    ("argoproj.io", "workflows"): ("Workflow", True),
-    ("argoproj.io", "workflowtaskresults"): ("WorkflowTaskResult", True),
-    ("scheduling.k8s.io", "priorityclasses"): ("PriorityClass", False),  # read by `elastic-step submit`'s checks
-}
-GROUP_VERSIONS = {"": "v1", "networking.k8s.io": "networking.k8s.io/v1", "argoproj.io": "argoproj.io/v1alpha1"}
-GROUP_OF = {plural: group for group, plural in RESOURCES}  # every plural served is in one group
-SUBRESOURCES = {("nodes", "status"), ("pods", "status"), ("pods", "binding"), ("pods", "log"), ("pods", "eviction"), ("serviceaccounts", "token")}
-
 
 class ApiServer:
     """The server; start() it, then point clients at `url` with a token from `authorizer`."""
@@ -121,9 +106,10 @@ class ApiServer:
             return copy.deepcopy(obj) if obj else None
 
     # -- storage operations (the lock held by the caller) -----------------------------------------
-    def _create(self, plural: str, namespace: str, body: dict) -> dict:
+    def _create(self, plural: str, namespace: str, body: dict, strict: bool = False) -> dict:
         group = GROUP_OF[plural]
-        kind, namespaced = RESOURCES[(group, plural)]
+        resource = RESOURCES[(group, plural)]
+        kind, namespaced = resource.kind, resource.namespaced
         store = self.store
         if body.get("kind") not in (None, kind):
             raise ApiError(400, "BadRequest", f"the object provided is a {body.get('kind')}, not a {kind}")
@@ -147,17 +133,29 @@ class ApiServer:
             data = body.setdefault("data", {})
             for key, value in body.pop("stringData").items():
                 data[key] = base64.b64encode(value.encode()).decode()
-        if self.validate and group != "argoproj.io":  # a CRD's schema is not in Kubernetes' own
-            import kubernetes_validate
-
-            try:
-                kubernetes_validate.validate(body, "1.30.0", strict=False)
-            except kubernetes_validate.ValidationError as exc:
-                raise ApiError(422, "Invalid", f'{kind} "{meta["name"]}" is invalid: {str(exc).splitlines()[0]}') from None
+        if self.validate and resource.schema:  # a CRD's schema is not in Kubernetes' own
+            validate(body, strict)
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = now_text()
         meta.pop("deletionTimestamp", None)
+        self._rbac_changed(body)
         return store.commit("ADDED", plural, body)
+
+    def _rbac_changed(self, obj: dict, deleted: bool = False) -> None:
+        """RBAC objects made through the API grant at once, as the RBAC authorizer's informers see them."""
+        if obj.get("apiVersion", "").startswith("rbac.authorization.k8s.io/"):
+            (self.authorizer.remove if deleted else self.authorizer.apply)(obj)
+
+    def _modified(self, plural: str, obj: dict) -> dict:
+        """An update's commit; an object being deleted whose last finalizer just went is removed."""
+        meta = obj["metadata"]
+        self._rbac_changed(obj)
+        finished = meta.get("deletionTimestamp") and not meta.get("finalizers") and (
+            plural != "pods" or meta.get("deletionGracePeriodSeconds") == 0)
+        self.store.commit("MODIFIED", plural, obj)
+        if finished:
+            return self._delete(plural, meta.get("namespace", ""), meta["name"], grace=0)
+        return obj
 
     def _admit_pod(self, namespace: str, pod: dict) -> None:
         spec = pod.setdefault("spec", {})
@@ -199,15 +197,23 @@ class ApiServer:
                 grace = 0
             if grace > 0:
                 meta = obj["metadata"]
-                if not meta.get("deletionTimestamp"):
-                    meta["deletionTimestamp"] = now_text()
+                if not meta.get("deletionTimestamp"):  # the time by which it is to be gone, as the server sets it
+                    meta["deletionTimestamp"] = now_text(after_s=grace)
                     meta["deletionGracePeriodSeconds"] = grace
                     store.commit("MODIFIED", plural, obj)
                 return copy.deepcopy(obj)  # the kubelet deletes it for good once its containers stopped
+        meta = obj["metadata"]
+        if meta.get("finalizers"):  # kept, marked, until its finalizers' controllers remove them
+            if not meta.get("deletionTimestamp") or meta.get("deletionGracePeriodSeconds") != 0:
+                meta.setdefault("deletionTimestamp", now_text())
+                meta["deletionGracePeriodSeconds"] = 0
+                store.commit("MODIFIED", plural, obj)
+            return copy.deepcopy(obj)
         if plural == "namespaces":
             for key in [k for k in store.objects if k[1] == name]:
                 self._delete(key[0], key[1], key[2], grace=0, orphan=True)
         store.commit("DELETED", plural, obj)
+        self._rbac_changed(obj, deleted=True)
         if not orphan:
             self._collect_garbage()
         return copy.deepcopy(obj)
@@ -238,6 +244,21 @@ class ApiServer:
             time.sleep(0.5)
             with self.store.cond:
                 self._collect_garbage()
+
+
+def validate(obj: dict, strict: bool = False) -> None:
+    """Against Kubernetes' schema: 422 Invalid; `strict` (`fieldValidation=Strict`, what kubectl's
+    default `--validate=strict` sends) refuses unknown fields too, with the server's 400."""
+    import kubernetes_validate
+
+    kind, name = obj.get("kind"), obj.get("metadata", {}).get("name")
+    try:
+        kubernetes_validate.validate(obj, discovery.SCHEMA_VERSION, strict=strict)
+    except kubernetes_validate.ValidationError as exc:
+        first = str(exc).splitlines()[0]
+        if strict and "Additional properties are not allowed" in first:
+            raise ApiError(400, "BadRequest", f"strict decoding error: unknown field in {kind}: {first}") from None
+        raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {first}') from None
 
 
 class _Server(ThreadingHTTPServer):
@@ -277,6 +298,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> dict:
         if not self._raw:
             return {}
+        if (self.headers.get("Content-Type") or "").startswith(protowire.PROTOBUF):
+            return protowire.decode(self._raw)
         try:
             return json.loads(self._raw)
         except json.JSONDecodeError as exc:
@@ -330,6 +353,8 @@ class _Handler(BaseHTTPRequestHandler):
         # Read the whole body first, whatever the answer: the connection is kept alive.
         self._raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
+            if self._discovery(method):
+                return
             req, query = self._route(method)
             label_matches({}, query.get("labelSelector"))  # a selector that does not parse is a 400 before anything
             user = api.authorizer.user_of(self.headers.get("Authorization"))
@@ -344,14 +369,40 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._review(user, req)
             if req.verb == "watch":
                 return self._watch(req, query)
+            if req.resource == "pods/log":
+                return self._log(req, query)
             code, body = self._dispatch(method, req, query)
-            if isinstance(body, bytes):
-                return self._send(code, body, "text/plain")
+            if tables.wants_table(self.headers.get("Accept")) and req.verb in ("get", "list") and body.get("kind") != "Status":
+                items = body["items"] if req.verb == "list" else [body]
+                body = tables.table(req.resource, items, body["metadata"].get("resourceVersion", ""), query.get("includeObject"))
             self._send(code, body)
         except ApiError as exc:
             self._send(exc.body["code"], exc.body)
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
             self.close_connection = True
+
+    def _discovery(self, method: str) -> bool:
+        """Discovery and OpenAPI (discovery.py): for any authenticated user, `/version` for anyone."""
+        path = urllib.parse.urlsplit(self.path).path
+        answer = discovery.serve(path, self.headers.get("Accept", ""), f"127.0.0.1:{self.server.api.port}") if method == "GET" else None
+        if answer is None:
+            return False
+        if path.rstrip("/") != "/version" and self.server.api.authorizer.user_of(self.headers.get("Authorization")) is None:
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        code, body = answer
+        self._send(code, body, "application/json" if code == 200 else "text/plain")
+        return True
+
+    def _log(self, req: Request, query: dict) -> None:
+        """pods/log (logs.py): one container's log, its previous instance's, the newest lines, followed."""
+        api = self.server.api
+        if api.log_reader is None:
+            raise ApiError(400, "BadRequest", f'pod "{req.name}" has no node to read logs from')
+        with api.store.cond:
+            pod = copy.deepcopy(api.store.objects.get(("pods", req.namespace, req.name)))
+        if pod is None:
+            raise not_found("pods", req.name)
+        logs.serve(self, api, pod, query)
 
     def _review(self, user: str, req: Request) -> None:
         """A review the caller asks about itself (rbac.review): only `create`, as the real server."""
@@ -365,13 +416,14 @@ class _Handler(BaseHTTPRequestHandler):
         key = (plural, req.namespace, req.name)
         with store.cond:
             if req.verb == "create" and not sub:
-                return 201, copy.deepcopy(api._create(plural, req.namespace, self._body()))
+                strict = query.get("fieldValidation") == "Strict"
+                return 201, copy.deepcopy(api._create(plural, req.namespace, self._body(), strict))
             if req.verb == "list":
                 items = [copy.deepcopy(o) for (p, ns, _), o in store.objects.items()
                          if p == plural and (not req.namespace or ns == req.namespace)
                          and label_matches(o["metadata"].get("labels"), query.get("labelSelector"))
                          and field_matches(o, query.get("fieldSelector"))]
-                kind = RESOURCES[(req.api_group, plural)][0]
+                kind = RESOURCES[(req.api_group, plural)].kind
                 return 200, {"kind": f"{kind}List", "apiVersion": "v1", "metadata": {"resourceVersion": str(store.rv)}, "items": items}
             obj = store.objects.get(key)
             if obj is None:
@@ -383,15 +435,6 @@ class _Handler(BaseHTTPRequestHandler):
                 grace = query.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
                 orphan = (query.get("propagationPolicy") or body.get("propagationPolicy")) == "Orphan"
                 return 200, api._delete(plural, req.namespace, req.name, None if grace is None else int(grace), orphan)
-            if sub == "log":
-                if api.log_reader is None:
-                    raise ApiError(400, "BadRequest", f'pod "{req.name}" has no node to read logs from')
-                text = api.log_reader(req.namespace, req.name)
-                if query.get("tailLines") is not None:  # the newest lines only, as the kubelet does
-                    tail = int(query["tailLines"])
-                    lines = text.splitlines(keepends=True)
-                    text = b"".join(lines[-tail:]) if tail > 0 else b""
-                return 200, text
             if sub == "eviction":
                 # The Eviction API (`kubectl drain`): the pod is marked as disrupted, then deleted gracefully.
                 grace = (self._body().get("deleteOptions") or {}).get("gracePeriodSeconds")
@@ -422,7 +465,7 @@ class _Handler(BaseHTTPRequestHandler):
             if req.verb in ("update", "patch"):
                 body = self._body()
                 if req.verb == "patch":
-                    body = merge_patch(obj, body)
+                    body = apply_patch(self.headers.get("Content-Type"), obj, body, obj["kind"])
                 sent_rv = body.get("metadata", {}).get("resourceVersion")
                 if req.verb == "update" and sent_rv and sent_rv != obj["metadata"]["resourceVersion"]:
                     raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{req.name}": the object has been '
@@ -435,7 +478,7 @@ class _Handler(BaseHTTPRequestHandler):
                     if plural == "pods":
                         body["status"] = obj.get("status", {})
                     obj = body
-                return 200, copy.deepcopy(store.commit("MODIFIED", plural, obj))
+                return 200, copy.deepcopy(api._modified(plural, obj))
         raise ApiError(405, "MethodNotAllowed", f"{req.verb} on {req.resource} is not supported")
 
     def _watch(self, req: Request, query: dict) -> None:
@@ -457,8 +500,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
 
+        as_table = tables.wants_table(self.headers.get("Accept"))
+
+        def printed(event: dict) -> dict:  # `kubectl get --watch`: each object a one-row Table
+            if not as_table or event["type"] in ("ERROR", "BOOKMARK"):
+                return event
+            obj = event["object"]
+            return {"type": event["type"], "object": tables.table(plural, [obj], obj["metadata"].get("resourceVersion", ""),
+                                                                  query.get("includeObject"))}
+
         def chunk(events: list[dict]) -> None:
-            data = b"".join(json.dumps(e).encode() + b"\n" for e in events)
+            data = b"".join(json.dumps(printed(e)).encode() + b"\n" for e in events)
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
 
@@ -493,7 +545,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if events:
                     chunk(events)
             if bookmarks:
-                chunk([{"type": "BOOKMARK", "object": {"kind": RESOURCES[(req.api_group, plural)][0], "apiVersion": "v1",
+                chunk([{"type": "BOOKMARK", "object": {"kind": RESOURCES[(req.api_group, plural)].kind, "apiVersion": "v1",
                                                         "metadata": {"resourceVersion": str(cursor)}}}])
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

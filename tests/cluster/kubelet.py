@@ -83,6 +83,7 @@ class PodRecord:
     grace_s: float = 30
     gone: bool = False  # the object is deleted from the API
     failed_to_start: str = ""
+    previous: dict[str, Container] = field(default_factory=dict)  # container name -> its instance before the last restart
     status_lock: threading.Lock = field(default_factory=threading.Lock)  # one status write at a time, from the newest facts
 
 
@@ -176,14 +177,26 @@ class Kubelet:
             raise FileNotFoundError(f"container {container} of {namespace}/{name} has not started")
         return os.path.join(c.folder, "tmp", os.path.relpath(path, "/tmp"))
 
-    def read_log(self, namespace: str, name: str) -> bytes:
+    def read_log(self, namespace: str, name: str, container: str | None = None, previous: bool = False) -> bytes:
+        """The pod's log (every container's, in order), or one container's (its previous instance's)."""
         from .apiserver import ApiError
 
         try:
             record = self.record(namespace, name)
         except KeyError:
             raise ApiError(400, "BadRequest", f'pod "{name}" has no running or finished container on this node') from None
-        return self._log_of(record)
+        if container is None:
+            return self._log_of(record)
+        if previous:
+            instance = record.previous.get(container)
+            if instance is None:
+                raise ApiError(400, "BadRequest", f'previous terminated container "{container}" in pod "{name}" not found')
+        else:
+            instance = next((c for c in record.init_containers + record.containers if c.name == container), None)
+            if instance is None:
+                raise ApiError(400, "BadRequest", f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating')
+        with open(instance.log_path, "rb") as f:
+            return f.read()
 
     @staticmethod
     def _log_of(record: PodRecord) -> bytes:

@@ -10,8 +10,9 @@ import threading
 from .labels import SelectorError, selector_matches
 
 
-def now_text() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def now_text(after_s: float = 0) -> str:
+    moment = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=after_s)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def status_body(code: int, reason: str, message: str, details: dict | None = None) -> dict:

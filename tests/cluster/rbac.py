@@ -133,6 +133,7 @@ class Authorizer:
         self.roles: dict[tuple[str, str], list[Rule]] = {}  # (namespace, name) -> rules; namespace "" = ClusterRole
         self.bindings: list[tuple[str, str, str, list[str]]] = []  # (namespace or "", role kind, role name, users)
         self.cluster_role_labels: dict[str, dict] = {}
+        self.named_bindings: dict[tuple[str, str, str], tuple] = {}  # (kind, namespace, name) -> its entry in bindings
         self.aggregations: dict[str, list[dict]] = {}  # ClusterRole -> its aggregationRule's matchLabels
         # The API server's bootstrap policy: every authenticated user may ask what it may do.
         self.add_role("", BASIC_USER, BASIC_USER_RULES)
@@ -160,7 +161,9 @@ class Authorizer:
                 if aggregation:
                     self.aggregations[name] = [s.get("matchLabels") or {} for s in aggregation]
 
-    def add_binding(self, namespace: str, role_ref: dict, subjects: list[dict]) -> None:
+    def add_binding(self, namespace: str, role_ref: dict, subjects: list[dict], name: str = "", kind: str = "") -> None:
+        """`name` and `kind` (RoleBinding, ClusterRoleBinding): a binding object, which replaces
+        the one of that name (an update through the API); without them, a grant of the cluster's own."""
         users = []
         for s in subjects or []:
             if s.get("kind") == "ServiceAccount":
@@ -169,8 +172,29 @@ class Authorizer:
                 users.append(s["name"])
             elif s.get("kind") == "Group":
                 users.append(GROUP_PREFIX + s["name"])
+        entry = (namespace, role_ref["kind"], role_ref["name"], users)
         with self.lock:
-            self.bindings.append((namespace, role_ref["kind"], role_ref["name"], users))
+            if name:
+                self._forget_binding((kind, namespace, name))
+                self.named_bindings[(kind, namespace, name)] = entry
+            self.bindings.append(entry)
+
+    def _forget_binding(self, key: tuple[str, str, str]) -> None:
+        old = self.named_bindings.pop(key, None)
+        self.bindings = [b for b in self.bindings if b is not old]
+
+    def remove(self, obj: dict) -> None:
+        """A Role, ClusterRole or binding deleted through the API: what it granted is gone."""
+        kind, meta = obj["kind"], obj["metadata"]
+        with self.lock:
+            if kind in ("Role", "ClusterRole"):
+                name = meta["name"]
+                self.roles.pop((meta.get("namespace", "") if kind == "Role" else "", name), None)
+                if kind == "ClusterRole":
+                    self.cluster_role_labels.pop(name, None)
+                    self.aggregations.pop(name, None)
+            else:
+                self._forget_binding((kind, meta.get("namespace", "") if kind == "RoleBinding" else "", meta["name"]))
 
     def apply(self, obj: dict) -> None:
         """Take in a Role, ClusterRole, RoleBinding or ClusterRoleBinding manifest."""
@@ -181,9 +205,9 @@ class Authorizer:
             self.add_role("", meta["name"], obj.get("rules") or [], meta.get("labels"),
                           (obj.get("aggregationRule") or {}).get("clusterRoleSelectors"))
         elif kind == "RoleBinding":
-            self.add_binding(meta["namespace"], obj["roleRef"], obj.get("subjects") or [])
+            self.add_binding(meta["namespace"], obj["roleRef"], obj.get("subjects") or [], meta["name"], kind)
         elif kind == "ClusterRoleBinding":
-            self.add_binding("", obj["roleRef"], obj.get("subjects") or [])
+            self.add_binding("", obj["roleRef"], obj.get("subjects") or [], meta["name"], kind)
 
     def allowed(self, user: str, req: Request) -> bool:
         if user == SUPERUSER:

@@ -1,0 +1,172 @@
+"""kubectl (the Debian package's, v1.32) as a real client of the cluster stand-in, beside the Python
+one: discovery and OpenAPI (what its RESTMapper, `explain` and `apply` read), `get -o wide|yaml`,
+`describe`, `delete`, `get --watch`, `logs` with `-c`, `--tail`, `-f` and `--previous`, `apply -f`
+and `apply -k deploy/` (client-side apply: a GET, then a create, or a strategic merge PATCH
+carrying the last-applied annotation; RBAC objects made this way grant at once), and `auth can-i`
+with and without `--list`, with the kubeconfig a user has (`Cluster.kubeconfig`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import textwrap
+import time
+
+import pytest
+import yaml
+
+from cluster import Cluster, REPO
+
+pytestmark = pytest.mark.e2e
+
+KUBECTL = shutil.which("kubectl")
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    if KUBECTL is None:
+        pytest.fail("kubectl is not installed (.ci/run installs Debian's kubectl)")
+    with Cluster(str(tmp_path / "cluster")) as c:
+        print(f"kubelet runtime: {c.kubelet.mode}")
+        yield c
+
+
+@pytest.fixture
+def kubectl(cluster, tmp_path):
+    """kubectl with the admin's kubeconfig; `config=` another user's."""
+    admin = cluster.kubeconfig(tmp_path, "admin", cluster.admin_token)
+
+    def run(*args, config=None, check=True, timeout=60, stdin=None):
+        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "KUBECONFIG": config or admin}
+        done = subprocess.run([KUBECTL, *args], env=env, capture_output=True, text=True, timeout=timeout, input=stdin)
+        if check:
+            assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
+        return done
+
+    return run
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not reached in {timeout}s")
+
+
+def test_discovery_and_openapi_from_kubernetes_own_schema(kubectl):
+    server = json.loads(kubectl("version", "-o", "json").stdout)["serverVersion"]
+    assert server["gitVersion"] == "v1.32.0"
+    names = kubectl("api-resources", "-o", "name").stdout.split()
+    assert {"pods", "configmaps", "nodes", "roles.rbac.authorization.k8s.io", "networkpolicies.networking.k8s.io",
+            "selfsubjectrulesreviews.authorization.k8s.io"} <= set(names)
+    assert "po" in kubectl("api-resources", "--api-group=").stdout  # short names from discovery
+    v2 = json.loads(kubectl("get", "--raw", "/openapi/v2").stdout)
+    assert v2["swagger"] == "2.0" and "io.k8s.api.core.v1.PodSpec" in v2["definitions"]
+    index = json.loads(kubectl("get", "--raw", "/openapi/v3").stdout)["paths"]
+    v3 = json.loads(kubectl("get", "--raw", index["apis/rbac.authorization.k8s.io/v1"]["serverRelativeURL"]).stdout)
+    assert v3["openapi"].startswith("3.") and "io.k8s.api.rbac.v1.Role" in v3["components"]["schemas"]
+    explained = kubectl("explain", "pod.spec.restartPolicy").stdout  # kubectl reads the v3 document itself
+    assert "FIELD: restartPolicy <string>" in explained and "OnFailure" in explained
+
+
+def test_get_describe_logs_watch_and_delete_a_pod(cluster, kubectl, tmp_path):
+    manifest = tmp_path / "two.yaml"
+    manifest.write_text(textwrap.dedent(f"""\
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: two, labels: {{app: two}}}}
+        spec:
+          restartPolicy: Never
+          terminationGracePeriodSeconds: 5
+          containers:
+          - name: counter
+            image: {cluster.project_image}
+            command: [python, -c, "import time\\nfor i in range(4):\\n print('line', i, flush=True); time.sleep(0.3)"]
+          - name: sleeper
+            image: {cluster.project_image}
+            command: [python, -c, "import signal, sys, time\\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\\nprint('up', flush=True)\\ntime.sleep(60)"]
+        """))
+    assert "pod/two created" in kubectl("apply", "-f", str(manifest)).stdout
+    watcher = subprocess.Popen([KUBECTL, "get", "pods", "--watch", "-o", "wide"], stdout=subprocess.PIPE, text=True,
+                               env={"PATH": os.environ["PATH"], "HOME": str(tmp_path),
+                                    "KUBECONFIG": str(tmp_path / "admin.kubeconfig")})
+    try:
+        followed = kubectl("logs", "two", "-c", "counter", "-f").stdout  # streams until the container ends
+        assert followed == "line 0\nline 1\nline 2\nline 3\n"
+        assert kubectl("logs", "two", "-c", "counter", "--tail", "1").stdout == "line 3\n"
+        unnamed = kubectl("logs", "two", check=False)  # kubectl names the first container and says so
+        assert unnamed.stdout.startswith("line 0") and 'Defaulted container "counter" out of: counter, sleeper' in unnamed.stderr
+        previous = kubectl("logs", "two", "-c", "counter", "--previous", check=False)
+        assert previous.returncode != 0 and 'previous terminated container "counter" in pod "two" not found' in previous.stderr
+
+        wide = kubectl("get", "pod", "two", "-o", "wide").stdout.splitlines()
+        assert wide[0].split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE", "NOMINATED", "NODE",
+                                   "READINESS", "GATES"]
+        assert wide[1].split()[:3] == ["two", "1/2", "Running"] and wide[1].split()[5:7] == ["127.0.0.1", "node-1"]
+        as_yaml = yaml.safe_load(kubectl("get", "pod", "two", "-o", "yaml").stdout)
+        assert as_yaml["spec"]["nodeName"] == "node-1" and as_yaml["metadata"]["uid"] == cluster.server.get("pods", cluster.namespace, "two")["metadata"]["uid"]
+        described = kubectl("describe", "pod", "two").stdout
+        assert "Node:             node-1/127.0.0.1" in described and "Reason:       Completed" in described
+
+        assert 'pod "two" deleted' in kubectl("delete", "pod", "two").stdout  # waits until it is gone
+        assert cluster.server.get("pods", cluster.namespace, "two") is None
+        assert kubectl("get", "pod", "two", check=False).returncode != 0
+    finally:
+        time.sleep(0.5)
+        watcher.terminate()
+    seen = [line.split() for line in watcher.communicate(timeout=10)[0].splitlines()]
+    statuses = [row[2] for row in seen[1:]]
+    assert seen[0][:3] == ["NAME", "READY", "STATUS"] and "Running" in statuses and "Terminating" in statuses
+
+
+def test_apply_k_deploy_and_rbac_made_through_the_api_grants_at_once(cluster, kubectl, tmp_path):
+    first = kubectl("apply", "-k", os.path.join(REPO, "deploy")).stdout
+    assert "role.rbac.authorization.k8s.io/elastic-step-master created" in first
+    again = kubectl("apply", "-k", os.path.join(REPO, "deploy")).stdout
+    assert all(line.endswith("unchanged") for line in again.splitlines()), again
+    role = cluster.server.get("roles", cluster.namespace, "elastic-step-master")
+    assert "kubectl.kubernetes.io/last-applied-configuration" in role["metadata"]["annotations"]
+
+    # A Role and RoleBinding applied for a service account of `other`: granted as soon as made, gone when deleted.
+    token = cluster.token_for("other", "default")
+    user = cluster.kubeconfig(tmp_path, "other-default", token)
+    assert kubectl("auth", "can-i", "list", "configmaps", "-n", "other", config=user, check=False).stdout.strip() == "no"
+    grant = tmp_path / "grant.yaml"
+    grant.write_text(textwrap.dedent("""\
+        apiVersion: rbac.authorization.k8s.io/v1
+        kind: Role
+        metadata: {name: reader, namespace: other}
+        rules: [{apiGroups: [""], resources: [configmaps], verbs: [get, list]}]
+        ---
+        apiVersion: rbac.authorization.k8s.io/v1
+        kind: RoleBinding
+        metadata: {name: reader, namespace: other}
+        roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: reader}
+        subjects: [{kind: ServiceAccount, name: default, namespace: other}]
+        """))
+    kubectl("apply", "-f", str(grant))
+    assert kubectl("auth", "can-i", "list", "configmaps", "-n", "other", config=user).stdout.strip() == "yes"
+    assert kubectl("get", "configmaps", "-n", "other", config=user).returncode == 0
+    # a strategic merge patch of the applied Role: the rule list is replaced, the annotation follows
+    grant.write_text(grant.read_text().replace("verbs: [get, list]", "verbs: [get]"))
+    assert "role.rbac.authorization.k8s.io/reader configured" in kubectl("apply", "-f", str(grant)).stdout
+    assert kubectl("auth", "can-i", "list", "configmaps", "-n", "other", config=user, check=False).stdout.strip() == "no"
+    kubectl("delete", "-f", str(grant))
+    assert kubectl("auth", "can-i", "get", "configmaps", "-n", "other", config=user, check=False).stdout.strip() == "no"
+
+
+def test_auth_can_i_with_and_without_list_for_the_masters_service_account(cluster, kubectl, tmp_path):
+    master = cluster.kubeconfig(tmp_path, "master", cluster.token_for(cluster.namespace, cluster.service_account))
+    assert kubectl("auth", "can-i", "create", "pods", config=master).stdout.strip() == "yes"
+    assert kubectl("auth", "can-i", "create", "pods", "-n", "other", config=master, check=False).stdout.strip() == "no"
+    assert kubectl("auth", "can-i", "delete", "nodes", config=master, check=False).stdout.strip() == "no"
+    listed = kubectl("auth", "can-i", "--list", config=master).stdout.splitlines()
+    assert listed[0].split()[:3] == ["Resources", "Non-Resource", "URLs"]
+    pods = [line for line in listed if line.split()[0] == "pods"]
+    assert pods and "create" in pods[0] and "delete" in pods[0]
+    assert not [line for line in listed if line.split()[0] in ("nodes", "*.*")]
