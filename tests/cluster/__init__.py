@@ -54,8 +54,9 @@ def role_rules(folder: str = DEPLOY_RBAC) -> set[tuple[str, str]]:
     return granted
 
 
-def make_certificates(folder: str) -> tuple[str, str, str]:
-    """A CA and a server certificate for 127.0.0.1 signed by it: (ca.crt, server.crt, server.key)."""
+def make_certificates(folder: str, addresses: list[str] | tuple[str, ...] = ()) -> tuple[str, str, str]:
+    """A CA and a server certificate for 127.0.0.1 (and `addresses`: where pods reach the API
+    server on a pod network) signed by it: (ca.crt, server.crt, server.key)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -76,7 +77,7 @@ def make_certificates(folder: str) -> tuple[str, str, str]:
     server = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
               .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-              .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+              .add_extension(x509.SubjectAlternativeName([*(x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", *addresses)),
                                                           x509.DNSName("kubernetes.default.svc")]), critical=False)
               .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -98,10 +99,14 @@ class Cluster:
     kustomization's own namespace by default); namespaces `default` and `other` exist too."""
 
     def __init__(self, root: str, namespace: str | None = None, images: dict[str, Image] | None = None,
-                 isolate: bool | None = None, docker=None, allocatable: dict[str, str] | None = None):
+                 isolate: bool | None = None, docker=None, allocatable: dict[str, str] | None = None,
+                 pod_network: bool = False, ipv6: bool = False):
         """`docker`: a started runtime.DockerDaemon: containers run as Docker containers of their
         image's `docker` image (`--network host`); else the process runtime. `allocatable`: the
-        node's cpu/memory/pods (scheduling.DEFAULT_ALLOCATABLE for what is not given)."""
+        node's cpu/memory/pods (scheduling.DEFAULT_ALLOCATABLE for what is not given).
+        `pod_network`: each pod in a network namespace and address of its own on the cluster's own
+        bridge, NetworkPolicies enforced (network.py, netpolicy.py; namespaces runtime only), `ipv6`
+        with IPv6 pod addresses first; pods reach the node's servers through `pod_url`."""
         from elastic_step.images import default_image
 
         self.root = str(root)
@@ -116,11 +121,18 @@ class Cluster:
         self.kubelet: Kubelet | None = None
         self.scheduler: Scheduler | None = None
         self.allocatable = allocatable
+        self.pod_network, self.ipv6 = pod_network, ipv6
+        self.network = None  # network.PodNetwork when pod_network
+        self.policy_agent = None
         self.service_account = ""  # the master's, from deploy/rbac
 
     # -- life ---------------------------------------------------------------------------------------
     def __enter__(self) -> "Cluster":
-        self.ca, cert, key = make_certificates(os.path.join(self.root, "pki"))
+        if self.pod_network:
+            from .network import PodNetwork
+
+            self.network = PodNetwork(ipv6=self.ipv6).start()
+        self.ca, cert, key = make_certificates(os.path.join(self.root, "pki"), self.network.gateways if self.network else ())
         self.server = ApiServer(self.authorizer, cert, key)
         self.server.start()
         api = self.core()
@@ -148,8 +160,9 @@ class Cluster:
         self.authorizer.add_role("", "kubelet", KUBELET_RULES)
         self.authorizer.add_binding("", {"kind": "ClusterRole", "name": "kubelet"}, [{"kind": "User", "name": KUBELET_USER}])
         self.kubelet = Kubelet(self.core(self.authorizer.issue_token(KUBELET_USER)), os.path.join(self.root, "node"),
-                               self.images, "127.0.0.1", self.server.port, isolate=self.isolate,
-                               runtime=DockerRuntime(self.docker) if self.docker is not None else None)
+                               self.images, self.network.gateway if self.network else "127.0.0.1", self.server.port,
+                               isolate=self.isolate, runtime=DockerRuntime(self.docker) if self.docker is not None else None,
+                               network=self.network, policy_agent=self._policy_agent())
         self.server.log_reader = self.kubelet.read_log
         self.kubelet.start()
         api.create_node(node_object(NODE, "127.0.0.1", self.allocatable))
@@ -162,10 +175,32 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.policy_agent is not None:
+            self.policy_agent.close()
         if self.kubelet is not None:
             self.kubelet.close()
+        if self.network is not None:
+            self.network.stop()
         if self.server is not None:
             self.server.close()
+
+    def _policy_agent(self):
+        """The pod network's NetworkPolicy agent, with its own token (netpolicy.AGENT_RULES)."""
+        if self.network is None:
+            return None
+        from .netpolicy import AGENT_RULES, AGENT_USER, PolicyAgent
+
+        self.network.expose(self.server.port)
+        self.authorizer.add_role("", "network-policy-agent", AGENT_RULES)
+        self.authorizer.add_binding("", {"kind": "ClusterRole", "name": "network-policy-agent"}, [{"kind": "User", "name": AGENT_USER}])
+        self.policy_agent = PolicyAgent(k8s.ApiClient(self.configuration(self.authorizer.issue_token(AGENT_USER))), self.network)
+        self.policy_agent.start()
+        return self.policy_agent
+
+    def pod_url(self, url: str) -> str:
+        """A node's loopback server (`http://127.0.0.1:PORT/...`: S3, MLflow) as pods call it:
+        unchanged on the node's network, through the gateway's relay on a pod network."""
+        return self.network.url(url) if self.network else url
 
     def set_allocatable(self, **allocatable: str) -> None:
         """Change what the node offers (`cpu="2"`, `memory="4Gi"`, `pods="3"`), as a node whose

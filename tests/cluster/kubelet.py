@@ -16,7 +16,8 @@ given from its spec is read by podinputs.py), each with:
   reported as `OOMKilled`, as a container runtime does;
 - its env from the spec only (downward-API `fieldRef`s and `secretKeyRef`s resolved) plus the
   image's ENV and the API service variables every container gets.
-The network is the node's (`--network host`: podIP = hostIP = 127.0.0.1).
+The network is the node's (`--network host`: podIP = hostIP = 127.0.0.1), or with a pod network
+(network.py) each pod's own namespace and address, NetworkPolicies enforced in it (netpolicy.py).
 
 What a test does to a node: `kill(pod)` (SIGKILL: `docker kill`), `pause(pod)` (SIGSTOP the
 container's processes: `docker pause`), `resume(pod)`, `fill_memory(pod, MiB)` (memory pressure
@@ -84,18 +85,21 @@ class PodRecord:
     gone: bool = False  # the object is deleted from the API
     failed_to_start: str = ""
     previous: dict[str, Container] = field(default_factory=dict)  # container name -> its instance before the last restart
+    net: object | None = None  # its network.PodNet on the pod network
     status_lock: threading.Lock = field(default_factory=threading.Lock)  # one status write at a time, from the newest facts
 
 
 class Kubelet:
     def __init__(self, api: k8s.CoreV1Api, root: str, images: dict[str, Image], service_host: str, service_port: int,
-                 isolate: bool | None = None, runtime=None):
+                 isolate: bool | None = None, runtime=None, network=None, policy_agent=None):
         self.api = api
         self.root = root
         self.images = images
         self.service_env = {"KUBERNETES_SERVICE_HOST": service_host, "KUBERNETES_SERVICE_PORT": str(service_port),
                             "KUBERNETES_PORT": f"tcp://{service_host}:{service_port}"}
         self.runtime = runtime or ProcessRuntime(isolate)  # or a DockerRuntime
+        self.network = network  # a network.PodNetwork: each pod its own namespace and address; else the node's network
+        self.policy_agent = policy_agent  # a netpolicy.PolicyAgent enforcing NetworkPolicies on that network
         self.inputs = PodInputs(api, memory_tmpfs=self.runtime.isolation in ("namespaces", "docker"))
         self.pods: dict[str, PodRecord] = {}  # uid -> record
         self.past_logs: dict[tuple[str, str], bytes] = {}  # (namespace, pod) -> the log's tail, once the pod is gone
@@ -307,6 +311,8 @@ class Kubelet:
                 except OSError:
                     pass
                 shutil.rmtree(record.folder, ignore_errors=True)
+                if self.network is not None:
+                    self.network.remove_pod(record.uid)
             return
         if changed:
             self._write_status(record)
@@ -339,7 +345,8 @@ class Kubelet:
             if current["metadata"]["uid"] != record.uid:
                 return
             status = current.setdefault("status", {})
-            status.update(hostIP=NODE_IP, podIP=NODE_IP, podIPs=[{"ip": NODE_IP}], startTime=status.get("startTime") or now_text())
+            ips = record.net.ips if record.net is not None else [NODE_IP]
+            status.update(hostIP=NODE_IP, podIP=ips[0], podIPs=[{"ip": a} for a in ips], startTime=status.get("startTime") or now_text())
             if waiting:
                 status["phase"] = "Pending"
                 status["containerStatuses"] = [
@@ -395,6 +402,8 @@ class Kubelet:
             if c["image"] not in self.images:
                 raise StartError("ErrImagePull", f'failed to pull image "{c["image"]}": not found')
         os.makedirs(os.path.join(record.folder, "volumes"), exist_ok=True)
+        if self.network is not None:
+            self._join_network(record, pod)
         fs_group = (spec.get("securityContext") or {}).get("fsGroup")
         volumes = {v["name"]: self.inputs.make_volume(os.path.join(record.folder, "volumes", v["name"]), pod, v, fs_group)
                    for v in spec.get("volumes") or []}
@@ -412,6 +421,19 @@ class Kubelet:
             self._write_status(record)
         for c in spec["containers"]:
             record.containers.append(self._run(record, pod, c, volumes))
+
+    def _join_network(self, record: PodRecord, pod: dict) -> None:
+        """The pod's sandbox: its namespace and address, its /etc/hosts (its name -> its address,
+        as the kubelet writes it), and the policies that select it enforced before anything runs."""
+        record.net = self.network.add_pod(record.uid)
+        pod.setdefault("status", {})["podIP"] = record.net.ip  # what the downward API's status.podIP gives
+        with open(os.path.join(record.folder, "hosts"), "w") as f:
+            f.write(f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{record.net.ip}\t{record.name}\n")
+        if self.policy_agent is not None:
+            try:
+                self.policy_agent.sync()
+            except Exception as exc:  # the agent's next round enforces it
+                log.warning("network policies for %s not synced yet: %s", record.name, exc)
 
     def _run(self, record: PodRecord, pod: dict, c: dict, volumes: dict[str, str]) -> Container:
         """One container of the pod, as its spec and its image say."""
@@ -438,7 +460,10 @@ class Kubelet:
         if not argv:
             raise StartError("CreateContainerError", f"container {c['name']}: no command (process images have no ENTRYPOINT)")
         limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+        if record.net is not None:
+            binds.append((os.path.join(record.folder, "hosts"), "/etc/hosts", True))
         started = self.runtime.run(os.path.join(record.folder, "containers", c["name"]), f"pod-{record.uid[:8]}-{c['name']}",
-                                   image, argv, env, binds, tmpfs, uid, gid, groups, c.get("workingDir") or image.workdir, limit)
+                                   image, argv, env, binds, tmpfs, uid, gid, groups, c.get("workingDir") or image.workdir, limit,
+                                   net=record.net, hostname=record.name if self.isolation == "namespaces" else None)
         return Container(record.uid, record.namespace, record.name, c["name"], c["image"], started.proc,
                          os.path.dirname(started.log_path), started.cgroup, now_text(), started.log_path)

@@ -12,11 +12,21 @@
   be a new top-level folder (/argo, /data) but never a new folder inside one of the node's;
 - chroots into it, drops to the pod's user and groups, changes to the working folder and execs.
 
+Started by `unshare --pid` (no fork), it forks the container's first process, which is PID 1 of
+the new PID namespace, mounts that namespace's own /proc and becomes the command: PID 1 with no
+init added, seeing only its container's processes. The parent stays on the node as the
+container's handle: it ignores SIGTERM (the kubelet's TERM is for the container, which as PID 1
+gets it only if it handles it), and passes on how the container ended (its exit code, or the
+signal that killed it, re-raised on itself). `unshare --fork` would do the same but, in
+util-linux 2.38, exits 1 whenever its child is killed by a signal, so an OOM kill read as exit 1.
+
 Usage: python podinit.py SPEC.json  (written by kubelet.py; see Kubelet._run)
 """
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -28,9 +38,25 @@ def mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL)
 
 
+def pass_on(child: int) -> None:
+    """The container's parent on the node: ends as its child ended."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):
+        if os.WTERMSIG(status) != signal.SIGKILL:  # SIGKILL's disposition cannot be set (nor ignored)
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
+    child = os.fork()
+    if child:
+        pass_on(child)
+    mount("-t", "proc", "proc", "/proc")  # the new PID namespace's own
     if spec.get("cgroup"):
         with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
@@ -88,6 +114,8 @@ def main(spec_path: str) -> None:
         mount("-o", "remount,bind,ro", mine)
     for entry in node_folders:
         subprocess.run(["mount", "-o", "remount,bind,ro", f"{root}/{entry}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if spec.get("hostname"):  # its own UTS namespace (`unshare --uts`): the pod's name, as Kubernetes sets it
+        socket.sethostname(spec["hostname"])
     os.chroot(root)
     os.setgroups(spec["groups"])
     os.setgid(spec["gid"])

@@ -179,13 +179,18 @@ def expand(value: str, env: dict[str, str]) -> str:
     return value
 
 
+def pod_ip(pod: dict) -> str:
+    """The pod's own address on the pod network (the kubelet sets it before the containers start), else the node's."""
+    return (pod.get("status") or {}).get("podIP") or NODE_IP
+
+
 def field_value(pod: dict, path: str) -> str:
     """A downward-API fieldPath: metadata.name/namespace/uid, labels['k'], annotations['k'],
     spec.nodeName, spec.serviceAccountName, status.podIP, status.hostIP."""
     meta, spec = pod["metadata"], pod.get("spec", {})
     fixed = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
              "spec.nodeName": spec.get("nodeName") or NODE, "spec.serviceAccountName": spec.get("serviceAccountName", ""),
-             "status.podIP": NODE_IP, "status.hostIP": NODE_IP, "status.podIPs": NODE_IP}
+             "status.podIP": pod_ip(pod), "status.hostIP": NODE_IP, "status.podIPs": pod_ip(pod)}
     if path in fixed:
         return fixed[path]
     for prefix, values in (("metadata.labels", meta.get("labels") or {}), ("metadata.annotations", meta.get("annotations") or {})):

@@ -83,6 +83,16 @@ def can_isolate() -> bool:
     return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
 
 
+def container_pid(proc: subprocess.Popen) -> int:
+    """The node's pid of a namespaces-runtime container's PID 1: the child of its podinit."""
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = f.read().split()
+    except OSError:
+        children = []
+    return int(children[0]) if children else proc.pid
+
+
 @dataclass
 class Started:
     proc: subprocess.Popen
@@ -102,8 +112,11 @@ class ProcessRuntime:
 
     def run(self, folder: str, cgroup_name: str, image: Image, argv: list[str], env: dict[str, str],
             binds: list[tuple[str, str, bool]], tmpfs: list[str], uid: int, gid: int, groups: list[int], cwd: str,
-            memory_limit: str | None) -> Started:
-        """Start one container; `folder` is its own (made here), `binds` (host, mount path, read-only)."""
+            memory_limit: str | None, net=None, hostname: str | None = None) -> Started:
+        """Start one container; `folder` is its own (made here), `binds` (host, mount path, read-only).
+        `net`: the pod's network.PodNet (the container joins its namespace), else the node's network.
+        In the namespaces runtime the container gets its own PID namespace (its command is PID 1,
+        no init added, /proc its own) and its own hostname (the pod's name)."""
         os.makedirs(folder)
         binds = [(host, target, True) for target, host in image.layers.items()] + binds
         cgroup = self._make_cgroup(cgroup_name, memory_limit)
@@ -112,13 +125,18 @@ class ProcessRuntime:
             tmp = os.path.join(folder, "tmp")  # its /tmp: private, on the node (`docker cp` can read it after exit)
             os.makedirs(tmp)
             os.chmod(tmp, 0o1777)
-            init = {"cgroup": cgroup, "tmp": tmp, "binds": binds, "image_paths": image.paths, "tmpfs": tmpfs, "homes": [(image.home, uid, gid)],
+            init = {"cgroup": cgroup, "tmp": tmp, "hostname": hostname, "binds": binds, "image_paths": image.paths, "tmpfs": tmpfs, "homes": [(image.home, uid, gid)],
                     "groups": groups, "uid": uid, "gid": gid, "cwd": cwd, "argv": argv, "env": env}
             with open(os.path.join(folder, "init.json"), "w") as f:
                 json.dump(init, f)
-            command = ["unshare", "--mount", "--propagation", "private", sys.executable, PODINIT, os.path.join(folder, "init.json")]
+            # podinit forks the container's PID 1 into the new PID namespace and stays as its parent
+            # on the node (see podinit.py: `unshare --fork` of util-linux 2.38 loses a signal's exit status).
+            command = [*(net.enter() if net is not None else []), "unshare", "--mount", "--propagation", "private", "--uts",
+                       "--pid", sys.executable, PODINIT, os.path.join(folder, "init.json")]
             workdir, preexec, process_env = folder, None, {"PATH": "/usr/bin:/bin"}
         else:
+            if net is not None:
+                raise RuntimeError("pods on networks of their own need the namespaces runtime (root and unshare)")
             # No mount namespace: an own working folder and HOME; mount paths rewritten in env.
             workdir = os.path.join(folder, "home")
             os.makedirs(workdir)
@@ -152,7 +170,7 @@ class ProcessRuntime:
         if self.isolation != "namespaces" or not cgroup:
             raise RuntimeError("filling a pod's memory needs the namespaces runtime and a memory cgroup")
         script = f"echo $$ > {cgroup}/cgroup.procs; exec head -c {megabytes * 2**20} /dev/zero > /dev/shm/.fill"
-        subprocess.Popen(["nsenter", "--target", str(proc.pid), "--mount", "--root", "--", "sh", "-c", script],
+        subprocess.Popen(["nsenter", "--target", str(container_pid(proc)), "--mount", "--root", "--", "sh", "-c", script],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def _make_cgroup(self, name: str, limit: str | None) -> str | None:
@@ -271,7 +289,9 @@ class DockerRuntime:
 
     def run(self, folder: str, cgroup_name: str, image: Image, argv: list[str], env: dict[str, str],
             binds: list[tuple[str, str, bool]], tmpfs: list[str], uid: int, gid: int, groups: list[int], cwd: str,
-            memory_limit: str | None) -> Started:
+            memory_limit: str | None, net=None, hostname: str | None = None) -> Started:
+        if net is not None:
+            raise RuntimeError("the Docker runtime runs pods on the host's network (--network host), not the pod network")
         if not image.docker:
             raise RuntimeError(f"image {image.name} has no Docker image to run")
         os.makedirs(folder)
@@ -287,7 +307,7 @@ class DockerRuntime:
                         raise RuntimeError(f"env {key}: a value with a newline cannot go into a Docker env file")
                     f.write(f"{key}={value}\n")
         command = ["docker", "run", "--name", name, "--network", "host", "--user", f"{uid}:{gid}", "--env-file", env_file,
-                   "--workdir", cwd, "--init", "--shm-size", "2g"]
+                   "--workdir", cwd, "--shm-size", "2g"]  # no --init: the command is PID 1, as in a plain image
         if not any(target.rstrip("/") == "/tmp" for _, target, _ in binds):  # else a volume is its /tmp
             command += ["-v", f"{tmp}:/tmp"]
         for group in groups:
