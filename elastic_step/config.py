@@ -79,6 +79,7 @@ class TrainConfig:
     image_pull_secrets: list[str] = field(default_factory=list)
     service_account: str | None = None
     pending_timeout: float = defaults.PENDING_TIMEOUT_S
+    master_network_policy: bool = True  # False: --no-master-network-policy, the explicit opt-out
 
     def __post_init__(self) -> None:
         self.min_workers, self.max_workers = parse_workers(self.workers)

@@ -61,9 +61,11 @@ def start_backend(cluster: Cluster, tmp_path, monkeypatch, namespace: str, accou
     token = tmp_path / "job-token"
     token.write_text("job-token-value")
     master = MasterPod(name="train-step", uid="", ip="127.0.0.1", namespace=namespace)
+    # No step pod is made here (these tests are about rights), so no policy can select the master:
+    # the explicit opt-out (test_kubernetes_backend.py tests the refusal without it).
     return KubernetesBackend(LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path)),
-                             PodSettings(namespace=namespace, image="registry.example/none:1"), "perm", master=master,
-                             watch_timeout_s=2)
+                             PodSettings(namespace=namespace, image="registry.example/none:1", master_network_policy=False),
+                             "perm", master=master, watch_timeout_s=2)
 
 
 def made_by_the_job(cluster: Cluster, namespace: str) -> list[str]:

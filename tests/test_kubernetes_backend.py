@@ -34,8 +34,9 @@ def test_evicted_preempted_and_vanished_pods_are_free_relaunches_and_shutdown_cl
     try:
         # The master URL leads nowhere: these workers only need to be running processes.
         spec = LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path), {"ELASTIC_STEP_TEST": "1"})
+        pod = fake.add_master_pod("m", "img:1")
         backend = KubernetesBackend(spec, PodSettings(namespace="ml", image="img:1"), "unit", api=fake,
-                                    master=MasterPod("m", "uid-m", "127.0.0.1", "ml"), watch_timeout_s=5)
+                                    master=MasterPod("m", pod.metadata.uid, "127.0.0.1", "ml"), watch_timeout_s=5)
         for slot in range(3):
             backend.launch(slot, f"w{slot}.1")
         deadline = time.monotonic() + 20
@@ -140,7 +141,9 @@ def test_with_image_and_no_uid_in_the_env_the_workers_are_still_owned_by_the_mas
 
 
 def test_workers_in_another_namespace_are_not_owned_across_it_and_the_master_deletes_them(tmp_path, fake, in_step_pod):
-    backend = unit_backend(tmp_path, fake, PodSettings(namespace="batch", image="registry.example/other:1"))
+    # No policy can select the master from the workers' namespace: started only when the user opts out.
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="batch", image="registry.example/other:1",
+                                                       master_network_policy=False))
     backend.launch(0, "w0.1")
     backend.calls.wait_idle(5)
     made = [fake.created[0].metadata, fake.secrets[backend.names.secret].metadata,
@@ -190,6 +193,53 @@ def test_the_job_network_policies_admit_only_its_own_workers_and_go_with_it(tmp_
     assert ("delete_network_policy", f"{backend.names.instance}-master") in fake.calls
 
 
+@pytest.mark.parametrize("case", ["unreadable pod", "unlabelled pod", "workers elsewhere", "outside a pod"])
+def test_a_job_whose_master_no_policy_can_select_is_refused_unless_the_user_opts_out(tmp_path, fake, monkeypatch,
+                                                                                     caplog, case):
+    """The master's port (its API and the token-less rendezvous store) is closed by the master's
+    own NetworkPolicy, which selects its pod by the pod's labels in the workers' namespace."""
+    for name in ("ELASTIC_STEP_POD_NAME", "KFP_POD_NAME", "ELASTIC_STEP_POD_UID", "KFP_POD_UID"):
+        monkeypatch.delenv(name, raising=False)
+    fake.add_master_pod("step", "es:1")
+    master, namespace, url = MasterPod("step", "", "127.0.0.1", "ml"), "ml", {}
+    if case == "unreadable pod":
+        master = MasterPod("gone", "", "127.0.0.1", "ml")
+    elif case == "unlabelled pod":  # only the label that changes during the pod's life
+        fake.pods["step"].pod.metadata.labels = {"workflows.argoproj.io/completed": "false"}
+    elif case == "workers elsewhere":
+        namespace = "batch"
+    else:  # on a laptop or a VM, the workers calling it at an address they reach
+        master, url = None, {"master_url": "http://10.1.2.3:9"}
+    made_before = (set(fake.secrets), set(fake.network_policies))
+    with pytest.raises(ConfigError) as refused:
+        KubernetesBackend(LaunchSpec(url.get("master_url", "http://127.0.0.1:9"), str(tmp_path / "token"), str(tmp_path)),
+                          PodSettings(namespace=namespace, image="es:1"), "unit", api=fake, master=master)
+    message = str(refused.value)
+    assert "\n" not in message and "master's NetworkPolicy cannot be made" in message
+    assert "--no-master-network-policy" in message and (set(fake.secrets), set(fake.network_policies)) == made_before
+    # The explicit opt-out: it starts, says so, and still closes what it can (the workers' policy).
+    (tmp_path / "token").write_text("s3cret")
+    backend = KubernetesBackend(LaunchSpec(url.get("master_url", "http://127.0.0.1:9"), str(tmp_path / "token"),
+                                           str(tmp_path)),
+                                PodSettings(namespace=namespace, image="es:1", master_network_policy=False), "unit",
+                                api=fake, master=master)
+    assert backend.network_policies == [f"{backend.names.instance}-workers"]
+    assert any("--no-master-network-policy: the master pod is open" in r.getMessage() for r in caplog.records)
+    backend.shutdown(grace_s=0)
+
+
+def test_the_opt_out_is_a_train_flag_and_off_by_default(tmp_path):
+    from elastic_step.backends.kubernetes.options import settings_from_config
+    from elastic_step.cli import build_parser
+    from elastic_step.cli.train import train_config
+
+    parser = build_parser()
+    common = ["train", "--backend", "kubernetes", "--model-def", "m", "--data", "s3://b/d", "--job-dir", str(tmp_path / "j")]
+    assert settings_from_config(train_config(parser.parse_args(common))).master_network_policy is True
+    opted = train_config(parser.parse_args([*common, "--no-master-network-policy"]))
+    assert settings_from_config(opted).master_network_policy is False
+
+
 # ---- a stalled API server never holds the master up -----------------------------------------------
 
 def test_a_stalled_api_server_blocks_no_caller_and_every_call_has_a_timeout(tmp_path, fake, in_step_pod):
@@ -236,7 +286,8 @@ def test_workers_take_the_store_credentials_from_the_masters_secrets_by_referenc
     assert env["AWS_ACCESS_KEY_ID"].value_from.secret_key_ref.to_dict() == {"name": "store-credentials", "key": "accesskey", "optional": None}
     assert env["AWS_SECRET_ACCESS_KEY"].value is None and env["AWS_SECRET_ACCESS_KEY"].value_from.secret_key_ref.key == "secretkey"
     assert "MLFLOW_TRACKING_PASSWORD" not in env and "AWS_SESSION_TOKEN" not in env
-    elsewhere = unit_backend(tmp_path, fake, PodSettings(namespace="batch", image=None), master=MasterPod("step", "", "127.0.0.1", "ml"))
+    elsewhere = unit_backend(tmp_path, fake, PodSettings(namespace="batch", image=None, master_network_policy=False),
+                             master=MasterPod("step", "", "127.0.0.1", "ml"))
     elsewhere.launch(0, "w0.1")
     elsewhere.shutdown(grace_s=0)
     assert "AWS_ACCESS_KEY_ID" not in {e.name for e in fake.created[-1].spec.containers[0].env}  # a Secret stays in its namespace
@@ -249,14 +300,15 @@ def test_the_status_configmap_is_created_then_updated_carries_a_stop_request_and
 
     from elastic_step.backends.kubernetes.manifests import STATUS_KEY, STOP_ANNOTATION
 
-    master = MasterPod("train-step-1", "uid-m", "127.0.0.1", "ml")
+    pod = fake.add_master_pod("train-step-1", "es:1")
+    master = MasterPod("train-step-1", pod.metadata.uid, "127.0.0.1", "ml")
     backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"), master=master, request_timeout_s=1.0)
     name = backend.names.status_map
     assert backend.publish({"status": {"state": "running", "step": 1}}) == set()
     made = fake.config_maps[name]
     assert made.metadata.labels["app.kubernetes.io/component"] == "status"
     assert made.metadata.labels["app.kubernetes.io/instance"] == backend.names.instance
-    assert [(o.kind, o.name, o.uid) for o in made.metadata.owner_references] == [("Pod", "train-step-1", "uid-m")]
+    assert [(o.kind, o.name, o.uid) for o in made.metadata.owner_references] == [("Pod", "train-step-1", pod.metadata.uid)]
     assert backend.publish({"status": {"state": "running", "step": 2}}) == set()
     assert json.loads(fake.config_maps[name].data[STATUS_KEY])["status"]["step"] == 2
     assert [c for c in fake.calls if c[1] == name] == [("create_config_map", name), ("patch_config_map", name)]

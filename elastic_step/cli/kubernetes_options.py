@@ -25,6 +25,11 @@ def add_kubernetes_options(parser) -> None:
     k.add_argument("--pending-timeout", type=float, default=defaults.PENDING_TIMEOUT_S,
                    help="seconds a pod may stay unschedulable or unable to pull its image before the job fails it "
                         "(default %(default)s)")
+    k.add_argument("--no-master-network-policy", dest="master_network_policy", action="store_false",
+                   help="start even where the master pod's own NetworkPolicy (only its workers reach its API and "
+                        "its unauthenticated rendezvous store) cannot be made: outside a pod, workers in another "
+                        "namespace, a master pod that cannot be read or has no labels. Only for a cluster that "
+                        "enforces no NetworkPolicies or a master isolated otherwise; without it such a job is refused")
     k.add_argument("--dry-run", action="store_true",
                    help="print the worker pod and Secret manifests as YAML and exit without training")
 

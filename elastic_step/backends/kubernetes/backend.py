@@ -19,6 +19,7 @@ from kubernetes import client as k8s
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
 from elastic_step.backends.kubernetes import manifests
 from elastic_step.backends.kubernetes.calls import REQUEST_TIMEOUT_S, PodCalls, delete_pod
+from elastic_step.backends.kubernetes.isolation import master_policy_labels
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings, master_pod_from_env, shared_mounts
 from elastic_step.backends.kubernetes.pod_states import is_stuck_waiting, judge, read_facts
 from elastic_step.backends.kubernetes.preflight import Preflight, is_kfp_task, missing_secret_env
@@ -94,6 +95,7 @@ class KubernetesBackend(Backend):
             missing_secret_env(main_container(own_pod), os.environ, self.master.namespace)
         self.image = self._worker_image(own_pod)
         self._check_service_account(own_pod)
+        self.master_labels = master_policy_labels(settings, self.master, own_pod)  # refused here unless opted out
         self.secret_env = self._store_credentials(own_pod)
         self.shared = manifests.shared_volumes_of(own_pod, main_container(own_pod) if own_pod is not None else None,
                                                   shared_mounts())
@@ -107,7 +109,7 @@ class KubernetesBackend(Backend):
         self.watcher = PodWatcher(self.api, settings.namespace, self.names.selector, watch_timeout_s,
                                   request_timeout_s=request_timeout_s)
         self._create_secret()
-        self._create_network_policies(own_pod)
+        self._create_network_policies()
         try:
             self.watcher.start()  # the first list, here: an API error surfaces before any worker
         except k8s.ApiException as exc:
@@ -199,10 +201,8 @@ class KubernetesBackend(Backend):
                 f"{exc.status} {exc.reason}; the master's service account needs the Role in deploy/rbac"
             ) from None
 
-    def _create_network_policies(self, own_pod: k8s.V1Pod | None) -> None:
-        same_namespace = own_pod is not None and self.master.namespace == self.settings.namespace
-        master_labels = (own_pod.metadata.labels or {}) if same_namespace else None
-        for policy in manifests.network_policies(self.names, self.master, self.settings.namespace, master_labels,
+    def _create_network_policies(self) -> None:
+        for policy in manifests.network_policies(self.names, self.master, self.settings.namespace, self.master_labels,
                                                  self.spec.master_ports or None):
             try:
                 self.networking.create_namespaced_network_policy(self.settings.namespace, policy,

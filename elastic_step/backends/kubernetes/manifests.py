@@ -276,12 +276,18 @@ def status_map(names: JobNames, master: MasterPod | None, namespace: str, docume
 VOLATILE_LABELS = ("workflows.argoproj.io/completed",)
 
 
+def master_selector(labels: dict[str, str] | None) -> dict[str, str]:
+    """What selects the master pod in its policy: its own labels (the step pod's, from Argo or
+    KFP) but those that change during its life. Empty: it cannot be selected."""
+    return {k: v for k, v in (labels or {}).items() if k not in VOLATILE_LABELS}
+
+
 def network_policies(names: JobNames, master: MasterPod | None, namespace: str, master_labels: dict[str, str] | None,
                      master_ports: list[int] | None = None) -> list[k8s.V1NetworkPolicy]:
     """The job's data plane, closed: its worker pods admit only each other (gloo picks its ports
     at random, so every port); the master pod admits only the job's worker pods (on its ports
-    when known). The master pod is selected by its own labels (the step pod's, from Argo or
-    KFP); without labels it cannot be selected and only the workers' policy is made."""
+    when known). The master pod is selected by its own labels (`master_selector`); without them
+    only the workers' policy is made (the backend refuses that unless the user opted out)."""
     workers = k8s.V1LabelSelector(match_labels=names.worker_labels)
     from_workers = [k8s.V1NetworkPolicyPeer(pod_selector=workers)]
     meta = lambda role: k8s.V1ObjectMeta(  # noqa: E731
@@ -292,7 +298,7 @@ def network_policies(names: JobNames, master: MasterPod | None, namespace: str, 
         spec=k8s.V1NetworkPolicySpec(pod_selector=workers, policy_types=["Ingress"],
                                      ingress=[k8s.V1NetworkPolicyIngressRule(_from=from_workers)]),
     )]
-    selector = {k: v for k, v in (master_labels or {}).items() if k not in VOLATILE_LABELS}
+    selector = master_selector(master_labels)
     if selector:
         ports = [k8s.V1NetworkPolicyPort(protocol="TCP", port=p) for p in master_ports or []] or None
         policies.append(k8s.V1NetworkPolicy(

@@ -52,6 +52,9 @@ class PodSettings:
     image_pull_secrets: list[str] = field(default_factory=list)
     service_account: str = WORKER_SERVICE_ACCOUNT
     pending_timeout_s: float = 300.0
+    # The master pod's own NetworkPolicy (only its workers reach its API and its store) is required:
+    # False is the user's explicit opt-out (`--no-master-network-policy`), never a silent fallback.
+    master_network_policy: bool = True
 
 
 def parse_quantity(option: str, text: str) -> float:
@@ -163,6 +166,7 @@ def settings_from_config(config) -> PodSettings:
         image_pull_secrets=list(config.image_pull_secrets),
         service_account=config.service_account or WORKER_SERVICE_ACCOUNT,
         pending_timeout_s=config.pending_timeout,
+        master_network_policy=config.master_network_policy,
     )
 
 
