@@ -4,6 +4,8 @@
    job goes on without it, the evaluation gate judges the model, and it becomes @champion.
 2. `retraining_pipeline`: warm-starts from @champion, is judged against it, and is promoted
    only if it is better — the demo says which, and why.
+3. The champion is served (`elastic-step serve`'s server, on 127.0.0.1) and answers a request of
+   a few test rows; the answers are printed beside the rows' labels.
 MLflow keeps everything in a local SQLite file; the summary ends with the command that opens
 the MLflow UI on those runs.
 """
@@ -57,10 +59,42 @@ def run_pipeline(pipeline, job_dir: str, mlflow_uri: str, inject_kill: bool, **p
     return result
 
 
-def exactly_once(job_dir: str, epochs: int) -> dict:
+def trained_data(job_dir: str) -> str:
+    """The prepared dataset the job trained on, as its model metadata records it."""
     with open(os.path.join(job_dir, "model", "model.json")) as f:
-        data = json.load(f)["data"]
-    return audit_report(os.path.join(job_dir, "audit.jsonl"), data, epochs=epochs)
+        return json.load(f)["data"]
+
+
+def exactly_once(job_dir: str, epochs: int) -> dict:
+    return audit_report(os.path.join(job_dir, "audit.jsonl"), trained_data(job_dir), epochs=epochs)
+
+
+def ask_the_champion(data: str, mlflow_uri: str, name: str = MODEL, rows: int = 8, log_dir: str = OUT) -> list[tuple[int, int]]:
+    """Serve models:/NAME@champion as `elastic-step serve` does, POST the first `rows` test rows
+    of `data` to its /invocations and return (predicted class, label) pairs."""
+    import httpx
+    import numpy as np
+
+    from elastic_step.data.manifest import load_manifest
+    from elastic_step.data.reader import ShardReader
+    from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
+    from elastic_step.release import serve
+
+    manifest = load_manifest(data)
+    reader = ShardReader(manifest)
+    try:
+        batch = reader.read("test", 0, 0, rows)
+    finally:
+        reader.close()
+    features, labels = batch_arrays(load_model_definition(SETTINGS["model_def"]), batch, manifest.features, manifest.label)
+    server = serve.start(f"models:/{name}@champion", mlflow_uri=mlflow_uri, log=open(os.path.join(log_dir, "serve.log"), "w"))
+    try:
+        answer = httpx.post(f"{server.url}/invocations", json={"inputs": np.asarray(features).tolist()}, timeout=60)
+        answer.raise_for_status()
+    finally:
+        server.stop()
+    predicted = np.asarray(answer.json()["predictions"]).argmax(axis=1)
+    return [(int(p), int(label)) for p, label in zip(predicted, np.asarray(labels).reshape(-1))]
 
 
 def main() -> int:
@@ -97,9 +131,13 @@ def main() -> int:
           f"{'promoted' if str(champion.run_id) == second['run_id'] else 'not promoted'}: "
           f"{gate.get('elastic_step.gate.reason', 'the gate left no reason')}")
     print(f"   champion:   {MODEL} version {champion.version} (run {champion.run_id})")
+    answers = ask_the_champion(trained_data(os.path.join(OUT, "train")), mlflow_uri)
+    right = sum(p == label for p, label in answers)
+    print(f"   served:     the champion answered {len(answers)} test rows over HTTP, {right} right: "
+          + ", ".join(f"{p} (label {label})" for p, label in answers))
     print(f"   took {time.time() - started:.0f}s; everything is in {OUT}")
     print(f"   open the MLflow UI on these runs:  mlflow ui --backend-store-uri {mlflow_uri}")
-    return 0 if audit["exact"] and first["killed"] else 1
+    return 0 if audit["exact"] and first["killed"] and answers else 1
 
 
 if __name__ == "__main__":

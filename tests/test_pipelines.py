@@ -14,7 +14,7 @@ from conftest import cli
 from mlflow.tracking import MlflowClient
 
 from elastic_step.audit import audit_report
-from elastic_step.pipelines.demo import kill_one_worker_mid_epoch
+from elastic_step.pipelines.demo import ask_the_champion, kill_one_worker_mid_epoch
 
 NAME = "digits-pipeline-test"
 EPOCHS = 6
@@ -90,6 +90,15 @@ def test_a_better_model_is_promoted_and_the_previous_champion_kept(pipeline_run)
     assert children[0].info.experiment_id == candidate.info.experiment_id
     assert {a.path for a in client.list_artifacts(children[0].info.run_id)} >= {"confusion_matrix.png"}
     assert children[0].info.artifact_uri.startswith(client.get_experiment(candidate.info.experiment_id).artifact_location)
+
+
+def test_the_new_champion_answers_a_request_as_make_demo_sends_it(pipeline_run, digits, tmp_path):
+    # `make demo` ends this way: the champion served by MLflow's model server on 127.0.0.1, a few
+    # test rows POSTed to it, its classes printed beside the labels.
+    answers = ask_the_champion(digits, pipeline_run["uri"], name=NAME, rows=16, log_dir=str(tmp_path))
+    assert len(answers) == 16 and all(0 <= predicted <= 9 for predicted, _ in answers)
+    right = sum(predicted == label for predicted, label in answers)
+    assert right >= 12, answers  # a champion blessed at accuracy >= 0.9 gets most of them right
 
 
 def test_a_worse_candidate_is_not_blessed_and_the_reason_names_the_metric(pipeline_run, tmp_path):
