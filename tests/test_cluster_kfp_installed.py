@@ -109,6 +109,11 @@ def install(cluster: Cluster, mode: Mode) -> None:
                                                                          data={"defaultPipelineRoot": "minio://mlpipeline/v2/artifacts"}))
 
 
+def main_log(cluster: Cluster, pod: str) -> str:
+    """The log of the pod's `main` (the launcher and the component it runs)."""
+    return cluster.core().read_namespaced_pod_log(pod, cluster.namespace, container="main")
+
+
 def published(log: str) -> dict:
     line = next(line for line in log.splitlines() if line.startswith("kfp-launcher: publish "))
     return json.loads(line.removeprefix("kfp-launcher: publish "))
@@ -146,7 +151,7 @@ def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3:
     victim = next(w for w in status["workers"] if w["rank"] == 1)
     cluster.kubelet.kill(ns, victim["pod"])  # SIGKILL
     phase = task.wait_ended(150)
-    log = task.log()
+    log = main_log(cluster, name)
     worker_logs = {n: [line for line in text.decode(errors="replace").splitlines() if "error" in line.lower()][-2:]
                    for (_, n), text in cluster.kubelet.past_logs.items() if n != name}
     assert phase == "Succeeded", f"{log}\nworker logs: {worker_logs}"
@@ -187,3 +192,31 @@ def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3:
     assert {n for _, _, n in used} == {ns}
     assert cluster.used(cluster.service_account_user) == set()  # deploy/rbac's own account played no part
     assert job_objects(cluster) == []
+
+
+def test_kfps_launcher_refuses_in_its_own_words_when_the_task_account_may_not_read_its_config_or_the_store_secret_is_missing(
+        tmp_path, s3):
+    mode = SINGLE_USER
+    with make_cluster(tmp_path, mode, s3) as cluster:
+        ns, api = mode.namespace, cluster.core()
+        cluster.apply(read_platform(mode.platform), ns)
+        cluster.apply(read_manifests(os.path.join(REPO, "deploy", "kfp", mode.overlay)), ns)
+
+        def failed_task(account: str) -> str:
+            driver = TaskDriver("train-elastic", f"{account[:5]}-{RUN_ID}", "minio://mlpipeline/v2/artifacts", PIPELINES["training"])
+            pod = driver.pod(driver.executor_input(PARAMETERS), account)
+            api.create_namespaced_pod(ns, pod)
+            task = StepOnNode(cluster, pod["metadata"]["name"])
+            assert task.wait_ended(60) == "Failed", cluster.core().read_namespaced_pod(pod["metadata"]["name"], ns).status
+            return [line for line in main_log(cluster, pod["metadata"]["name"]).splitlines() if line.startswith("failed to execute component")][0]
+
+        # pipeline-runner may read both, but KFP's store Secret is not there: the launcher says which.
+        assert failed_task(mode.account) == (
+            'failed to execute component: Failed to open bucket "mlpipeline": failed to retrieve credentials for bucket '
+            'mlpipeline: failed to get Bucket credentials from secret name="mlpipeline-minio-artifact" namespace="kubeflow": '
+            'secrets "mlpipeline-minio-artifact" not found')
+        # The namespace's `default` account may read neither: the launcher stops at its configuration.
+        assert failed_task("default") == (
+            'failed to execute component: configmaps "kfp-launcher" is forbidden: User "system:serviceaccount:kubeflow:default" '
+            'cannot get resource "configmaps" in API group "" in the namespace "kubeflow"')
+        assert cluster.used(service_account_user(ns, "default")) == set()

@@ -141,7 +141,8 @@ class TaskDriver:
         template = {"name": "system-container-impl", "container": main,
                     "metadata": {"labels": {"pipelines.kubeflow.org/v2_component": "true", **(metadata.get("labels") or {})}}}
         workflow = {"spec": {"serviceAccountName": service_account, "templates": [template]}}
-        pod = step_pod(workflow, "system-container-impl", f"{self.pipeline}-{self.run_id[:8]}", {}, {}, {})
+        # The run's Workflow is named after the pipeline with a short suffix, as KFP names it.
+        pod = step_pod(workflow, "system-container-impl", f"{self.pipeline}-{self.run_id[:5]}", {}, {}, {})
         pod["metadata"]["annotations"].update(metadata.get("annotations") or {})
         pod["spec"]["initContainers"].append({
             "name": "kfp-launcher", "image": LAUNCHER_IMAGE, "command": ["launcher-v2", "--copy", LAUNCHER_PATH],
