@@ -80,6 +80,7 @@ class TrainConfig:
     service_account: str | None = None
     pending_timeout: float = defaults.PENDING_TIMEOUT_S
     master_network_policy: bool = True  # False: --no-master-network-policy, the explicit opt-out
+    worker_store_secret: str | None = None  # the Secret worker pods read the data store with
 
     def __post_init__(self) -> None:
         self.min_workers, self.max_workers = parse_workers(self.workers)

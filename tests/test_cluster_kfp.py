@@ -36,6 +36,7 @@ RUN_ID = "5f0c1d2e-3b4a-4c5d-8e9f-0a1b2c3d4e5f"
 ARTIFACTS = "s3://mlpipeline/v2/artifacts"  # the pipeline root: KFP's artifact store is S3 (or MinIO)
 DATASET_KEY = f"v2/artifacts/elastic-step-training/{RUN_ID}/prepare-data/dataset"
 STORE_SECRET = "mlpipeline-minio-artifact"  # KFP's own, keys accesskey / secretkey
+WORKER_STORE_SECRET = "elastic-step-data-reader"  # what worker pods read the data with where the task's keys are KFP's
 PARAMETERS = {"backend": "kubernetes", "workers": "2:3", "epochs": 2, "minibatch_size": 16, "minibatches_per_task": 2,
               "checkpoint_steps": 0, "mlflow_uri": "sqlite:////tmp/mlflow.db", "job_dir": JOB_DIR}
 
@@ -64,6 +65,9 @@ def test_the_compiled_kfp_train_task_trains_on_worker_pods_that_read_the_dataset
     dataset_uri = s3.upload(digits, "mlpipeline", DATASET_KEY)  # private: a reader needs the Secret's keys
     api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "accesskey": "AKIDKFPTEST", "secretkey": "not-a-real-secret"}))
+    # The workers' own (docs/kubernetes.md: read-only keys for the dataset; the stand-in store has one user).
+    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=WORKER_STORE_SECRET), string_data={
+        "AWS_ACCESS_KEY_ID": "AKIDKFPTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}))
     pod, executor = task_pod("train-elastic", RUN_ID, PARAMETERS, {"dataset": dataset_uri}, ARTIFACTS,
                              cluster.service_account, env={"AWS_ENDPOINT_URL": s3.endpoint, "AWS_REGION": REGION})
     main = pod["spec"]["containers"][-1]
@@ -101,10 +105,11 @@ def test_the_compiled_kfp_train_task_trains_on_worker_pods_that_read_the_dataset
         assert worker["spec"]["serviceAccountName"] != cluster.service_account
         assert [r["uid"] for r in worker["metadata"]["ownerReferences"]] == [master.metadata.uid]
         wenv = {e["name"]: e for e in container["env"]}
-        # The store by its endpoint; its keys by reference to the Secret the task takes them from.
+        # The store by its endpoint; its keys by reference to the workers' own Secret, never KFP's whole-store one.
         assert wenv["AWS_ENDPOINT_URL"]["value"] == s3.endpoint
-        assert wenv["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "accesskey", "optional": True}
-        assert wenv["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "secretkey", "optional": True}
+        assert wenv["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": WORKER_STORE_SECRET, "key": "AWS_ACCESS_KEY_ID"}
+        assert wenv["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": WORKER_STORE_SECRET,
+                                                                              "key": "AWS_SECRET_ACCESS_KEY"}
     with open(task.path(f"{JOB_DIR}/events.jsonl")) as f:
         events = [json.loads(line) for line in f]
     assert [e for e in events if e["event"] == "died"] == []

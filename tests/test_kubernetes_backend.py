@@ -293,6 +293,47 @@ def test_workers_take_the_store_credentials_from_the_masters_secrets_by_referenc
     assert "AWS_ACCESS_KEY_ID" not in {e.name for e in fake.created[-1].spec.containers[0].env}  # a Secret stays in its namespace
 
 
+@pytest.mark.parametrize("named", [None, "digits-reader", "mlpipeline-minio-artifact"])
+def test_worker_pods_never_hold_kfps_whole_store_secret_unless_it_is_named(tmp_path, fake, caplog, named):
+    """The shipped KFP pipelines give the master KFP's own MinIO Secret (read and write on every
+    run's artifacts); its workers run user code, so they read the data with a per-dataset Secret."""
+    from kubernetes import client as k8s
+
+    kfp_key = lambda var, key: k8s.V1EnvVar(name=var, value_from=k8s.V1EnvVarSource(  # noqa: E731
+        secret_key_ref=k8s.V1SecretKeySelector(name="mlpipeline-minio-artifact", key=key, optional=True)))
+    main = k8s.V1Container(name="main", image="es:1", env=[kfp_key("AWS_ACCESS_KEY_ID", "accesskey"),
+                                                           kfp_key("AWS_SECRET_ACCESS_KEY", "secretkey")])
+    fake.add_master_pod("step", "es:1", containers=[main])
+    backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image=None, worker_store_secret=named),
+                           master=MasterPod("step", "", "127.0.0.1", "ml"))
+    backend.launch(0, "w0.1")
+    backend.shutdown(grace_s=0)
+    env = {e.name: e.value_from.secret_key_ref for e in fake.created[0].spec.containers[0].env if e.value_from}
+    secret, keys = {None: ("elastic-step-data-reader", ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")),
+                    "digits-reader": ("digits-reader", ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")),
+                    "mlpipeline-minio-artifact": ("mlpipeline-minio-artifact", ("accesskey", "secretkey"))}[named]
+    assert {var: (ref.name, ref.key) for var, ref in env.items()} == {
+        "AWS_ACCESS_KEY_ID": (secret, keys[0]), "AWS_SECRET_ACCESS_KEY": (secret, keys[1])}
+    warned = [r.getMessage() for r in caplog.records if "not those of KFP's" in r.getMessage()]
+    assert len(warned) == (1 if named is None else 0)
+
+
+def test_the_worker_store_secret_comes_from_the_flag_or_the_env_and_is_checked(tmp_path, monkeypatch):
+    from elastic_step.backends.kubernetes.options import settings_from_config
+    from elastic_step.cli import build_parser
+    from elastic_step.cli.train import train_config
+
+    common = ["train", "--backend", "kubernetes", "--model-def", "m", "--data", "s3://b/d", "--job-dir", str(tmp_path / "j")]
+    settings = lambda *extra: settings_from_config(train_config(build_parser().parse_args([*common, *extra])))  # noqa: E731
+    monkeypatch.delenv("ELASTIC_STEP_WORKER_STORE_SECRET", raising=False)
+    assert settings().worker_store_secret is None
+    assert settings("--worker-store-secret", "digits-reader").worker_store_secret == "digits-reader"
+    monkeypatch.setenv("ELASTIC_STEP_WORKER_STORE_SECRET", "team-reader")  # what a KFP task can set
+    assert settings().worker_store_secret == "team-reader"
+    with pytest.raises(ConfigError, match="--worker-store-secret 'Team_Reader' is not a Secret name"):
+        settings("--worker-store-secret", "Team_Reader")
+
+
 # ---- the status others read: a ConfigMap the master keeps, and the stop request on it --------------
 
 def test_the_status_configmap_is_created_then_updated_carries_a_stop_request_and_goes_with_the_job(tmp_path, fake):

@@ -193,3 +193,27 @@ def test_mlflows_policy_admits_the_step_pods_of_every_shipped_pipeline_and_never
     any_step = next(iter(steps.values()))
     for other in ("default", "kube-system", "mlflow"):
         assert not admitted(policy, namespace_labels({"metadata": {"name": other}}), any_step)
+
+
+# -- item: worker pods hold the keys to KFP's whole artifact store --------------------------------
+
+def test_the_shipped_data_reader_policy_only_reads_one_prefix_of_one_bucket():
+    """deploy/examples/data-reader-policy.json, the policy docs/kubernetes.md makes the default
+    worker Secret's user with (S3's and MinIO's policy language): reads, nothing else."""
+    import json
+
+    with open(os.path.join(DEPLOY, "examples", "data-reader-policy.json"), encoding="utf-8") as f:
+        policy = json.load(f)
+    statements = policy["Statement"]
+    assert all(s["Effect"] == "Allow" for s in statements)
+    actions = {a for s in statements for a in s["Action"]}
+    assert actions == {"s3:GetObject", "s3:ListBucket"}
+    objects = [r for s in statements if "s3:GetObject" in s["Action"] for r in s["Resource"]]
+    assert objects and all(r.count("/") >= 1 and r.endswith("/*") and "*" not in r[:-2] for r in objects), objects
+    listing = next(s for s in statements if "s3:ListBucket" in s["Action"])
+    assert listing["Condition"]["StringLike"]["s3:prefix"], "listing limited to the dataset's prefix"
+    with open(os.path.join(REPO, "docs", "kubernetes.md"), encoding="utf-8") as f:
+        docs = f.read()
+    from elastic_step.backends.kubernetes.store_access import DEFAULT_WORKER_STORE_SECRET
+
+    assert "data-reader-policy.json" in docs and f"create secret generic {DEFAULT_WORKER_STORE_SECRET}" in docs

@@ -153,5 +153,5 @@ def train_config(args) -> TrainConfig:
         worker_gpus=args.worker_gpus, node_selector=args.node_selector, tolerations=args.tolerations,
         priority_class=args.priority_class, image_pull_secrets=args.image_pull_secrets,
         service_account=args.service_account, pending_timeout=args.pending_timeout,
-        master_network_policy=args.master_network_policy,
+        master_network_policy=args.master_network_policy, worker_store_secret=args.worker_store_secret,
     )

@@ -24,6 +24,7 @@ from elastic_step.backends.kubernetes.options import MasterPod, PodSettings, mas
 from elastic_step.backends.kubernetes.pod_states import is_stuck_waiting, judge, read_facts
 from elastic_step.backends.kubernetes.preflight import Preflight, is_kfp_task, missing_secret_env
 from elastic_step.backends.kubernetes.rights import MASTER_CALLS, Guarded
+from elastic_step.backends.kubernetes.store_access import worker_store_env
 from elastic_step.backends.kubernetes.watch import PodWatcher
 from elastic_step.errors import ConfigError
 from elastic_step.images import default_image
@@ -176,11 +177,12 @@ class KubernetesBackend(Backend):
         container takes from Secrets (references to the same Secrets; a Secret is only
         visible in its own namespace)."""
         found = manifests.store_credentials_of(main_container(own_pod)) if own_pod is not None else []
-        if found and self.master.namespace != self.settings.namespace:
+        named = self.settings.worker_store_secret  # in the workers' namespace, wherever the master runs
+        if found and not named and self.master.namespace != self.settings.namespace:
             log.warning("worker pods in namespace %s cannot use the master's Secrets in %s: %s not given to them",
                         self.settings.namespace, self.master.namespace, ", ".join(e.name for e in found))
             return []
-        return found
+        return worker_store_env(found, named)  # never KFP's whole-store Secret unless named (store_access.py)
 
     def _check_service_account(self, own_pod: k8s.V1Pod | None) -> None:
         """Worker pods never run as the master: its service account may create pods and Secrets."""

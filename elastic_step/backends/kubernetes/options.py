@@ -55,6 +55,8 @@ class PodSettings:
     # The master pod's own NetworkPolicy (only its workers reach its API and its store) is required:
     # False is the user's explicit opt-out (`--no-master-network-policy`), never a silent fallback.
     master_network_policy: bool = True
+    # The Secret worker pods take the data store's keys from (store_access.py); None: the default.
+    worker_store_secret: str | None = None
 
 
 def parse_quantity(option: str, text: str) -> float:
@@ -146,6 +148,8 @@ def master_pod_from_env() -> MasterPod | None:
 
 def settings_from_config(config) -> PodSettings:
     """Every Kubernetes option of a TrainConfig, checked; raises ConfigError naming the option."""
+    from elastic_step.backends.kubernetes.store_access import WORKER_STORE_SECRET_ENV, check_secret_name
+
     cpu_request, cpu_limit = request_and_limit("--worker-cpu", config.worker_cpu)
     memory_request, memory_limit = request_and_limit("--worker-memory", config.worker_memory)
     if config.worker_gpus < 0:
@@ -167,6 +171,7 @@ def settings_from_config(config) -> PodSettings:
         service_account=config.service_account or WORKER_SERVICE_ACCOUNT,
         pending_timeout_s=config.pending_timeout,
         master_network_policy=config.master_network_policy,
+        worker_store_secret=check_secret_name(config.worker_store_secret or os.environ.get(WORKER_STORE_SECRET_ENV)),
     )
 
 
