@@ -270,3 +270,21 @@ def test_a_job_trains_with_its_policies_on_and_no_pod_outside_it_opens_its_ports
         assert master.wait_ended(240) == "Succeeded", master.log()
         report = audit_report(master.path(f"{JOB_DIR}/audit.jsonl"), digits, 3)
         assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
+
+
+def test_a_master_whose_pod_ip_is_ipv6_binds_and_advertises_it(tmp_path, digits):
+    """A dual-stack pod network with IPv6 first: the master's status.podIP is an IPv6 address,
+    which it listens on and gives its workers (a URL with the address in brackets), and the job
+    trains across pods over IPv6."""
+    with S3Server() as s3, job_cluster(tmp_path, ipv6=True) as cluster:
+        master = start_job(cluster, s3.endpoint, digits, "train-step-v6", epochs=1)
+        master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2, timeout=150)
+        pod_ip = cluster.core().read_namespaced_pod("train-step-v6", cluster.namespace).status.pod_ip
+        assert ipaddress.ip_address(pod_ip).version == 6, pod_ip
+        with open(master.path(f"{JOB_DIR}/master.json")) as f:
+            url = json.load(f)["url"]
+        assert url.startswith(f"http://[{pod_ip}]:"), url
+        assert int(url.rsplit(":", 1)[1]) in listening_ports(cluster, cluster.namespace, "train-step-v6")
+        assert master.wait_ended(240) == "Succeeded", master.log()
+        report = audit_report(master.path(f"{JOB_DIR}/audit.jsonl"), digits, 1)
+        assert report["exact"], report

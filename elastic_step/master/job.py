@@ -63,11 +63,17 @@ class JobResult:
         return self.__dict__
 
 
+def url_host(host: str) -> str:
+    """The host as a URL names it: an IPv6 address in brackets (RFC 3986)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def bind_socket(host: str, port: int, what: str) -> socket.socket:
     # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted connections of
     # sockets that say so, and without it every keep-alive reply waits ~40 ms (Nagle meets
     # delayed ACK). Accepted sockets inherit the listener's TCP_NODELAY as well.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # a pod's IPv6 address (status.podIP) too
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
@@ -233,7 +239,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     api_socket = bind_socket(config.host, config.port, "master API")
     running.callback(api_socket.close)
     store = RendezvousStore(config.host)  # hosts every round's rendezvous; listens on the API's host only
-    url = f"http://{config.host}:{api_socket.getsockname()[1]}"
+    url = f"http://{url_host(config.host)}:{api_socket.getsockname()[1]}"
     token = secrets.token_urlsafe(32)
     token_file = os.path.join(config.job_dir, "token")
     write_private(token_file, token)
