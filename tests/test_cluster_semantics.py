@@ -7,6 +7,8 @@ container rules."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import pytest
@@ -42,6 +44,10 @@ def pod(name, image, command=None, labels=None, requests=None, **spec):
                                         containers=[container], **spec))
 
 
+def message(refused) -> str:
+    return json.loads(refused.value.body)["message"]
+
+
 def finished(api, name, namespace):
     return wait_for(lambda: (p := api.read_namespaced_pod(name, namespace)).status.phase in ("Succeeded", "Failed") and p,
                     30, f"{name} finished")
@@ -65,7 +71,7 @@ def test_set_based_label_selectors_select_as_the_api_server_does(cluster):
     assert names("job=j1,tier notin (worker, master)") == []
     with pytest.raises(k8s.ApiException) as refused:
         api.list_namespaced_config_map(ns, label_selector="tier in (master")
-    assert refused.value.status == 400 and "unable to parse requirement" in refused.value.body
+    assert refused.value.status == 400 and "unable to parse requirement" in message(refused)
 
 
 def test_a_pod_that_does_not_fit_stays_unschedulable_until_capacity_returns(cluster):
@@ -133,3 +139,110 @@ def test_env_from_config_maps_and_secrets_config_map_keys_and_volumes(cluster):
     state = wait_for(lambda: (s := api.read_namespaced_pod("missing", ns).status).container_statuses and
                      s.container_statuses[0].state.waiting, 20, "missing key reported")
     assert state.reason == "CreateContainerConfigError" and "couldn't find key nope in ConfigMap" in state.message
+
+
+def test_finalizers_hold_a_deleted_object_and_deletion_timestamp_is_now_plus_grace(cluster):
+    api, ns = cluster.core(), cluster.namespace
+    held = k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="held", finalizers=["example.com/cleanup"]))
+    api.create_namespaced_config_map(ns, held)
+    api.delete_namespaced_config_map("held", ns)
+    marked = api.read_namespaced_config_map("held", ns)  # still there, marked, until its finalizer goes
+    assert marked.metadata.deletion_timestamp is not None and marked.metadata.finalizers == ["example.com/cleanup"]
+    api.patch_namespaced_config_map("held", ns, {"metadata": {"finalizers": None}})
+    with pytest.raises(k8s.ApiException) as gone:
+        api.read_namespaced_config_map("held", ns)
+    assert gone.value.status == 404
+
+    sleeper = ["python", "-c", "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                               "print('up', flush=True)\ntime.sleep(60)"]
+    api.create_namespaced_pod(ns, pod("graceful", cluster.project_image, sleeper, termination_grace_period_seconds=20))
+    wait_for(lambda: api.read_namespaced_pod("graceful", ns).status.phase == "Running", 30, "graceful running")
+    wait_for(lambda: b"up" in api.read_namespaced_pod_log("graceful", ns, _preload_content=False).data, 30, "graceful up")
+    asked = time.time()
+    deleting = api.delete_namespaced_pod("graceful", ns)
+    assert deleting.metadata.deletion_grace_period_seconds == 20
+    assert abs(deleting.metadata.deletion_timestamp.timestamp() - (asked + 20)) < 2.5
+    wait_for(lambda: cluster.server.get("pods", ns, "graceful") is None, 15, "graceful gone after SIGTERM")
+
+
+def test_pods_log_of_a_pod_with_several_containers_names_one(cluster):
+    api, ns = cluster.core(), cluster.namespace
+    body = pod("pair", cluster.project_image, ["python", "-c", "print('first')"])
+    body.spec.containers.append(k8s.V1Container(name="second", image=cluster.project_image, command=["python", "-c", "print('second')"]))
+    api.create_namespaced_pod(ns, body)
+    finished(api, "pair", ns)
+    with pytest.raises(k8s.ApiException) as unnamed:
+        api.read_namespaced_pod_log("pair", ns)
+    assert unnamed.value.status == 400
+    assert "a container name must be specified for pod pair, choose one of: [main second]" in message(unnamed)
+    assert api.read_namespaced_pod_log("pair", ns, container="second") == "second\n"
+    with pytest.raises(k8s.ApiException) as unknown:
+        api.read_namespaced_pod_log("pair", ns, container="third")
+    assert unknown.value.status == 400 and "container third is not valid for pod pair" in message(unknown)
+
+
+RESTRICTED = dict(
+    security_context=k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=1000,
+                                              seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")))
+
+
+def restricted_container(container):
+    container.security_context = k8s.V1SecurityContext(allow_privilege_escalation=False,
+                                                       capabilities=k8s.V1Capabilities(drop=["ALL"]))
+    return container
+
+
+def test_pod_security_admission_enforces_restricted_on_a_labelled_namespace(cluster):
+    api = cluster.core()
+    api.patch_namespace("other", {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    with pytest.raises(k8s.ApiException) as refused:
+        api.create_namespaced_pod("other", pod("bare", cluster.project_image, ["true"]))
+    assert refused.value.status == 403
+    assert ('pods "bare" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false '
+            '(container "main" must set securityContext.allowPrivilegeEscalation=false), unrestricted capabilities '
+            '(container "main" must set securityContext.capabilities.drop=["ALL"]), runAsNonRoot != true (pod or '
+            'container "main" must set securityContext.runAsNonRoot=true), seccompProfile (pod or container "main" '
+            'must set securityContext.seccompProfile.type to "RuntimeDefault" or "Localhost")') in message(refused)
+    host = pod("host", cluster.project_image, ["true"], volumes=[k8s.V1Volume(name="node", host_path=k8s.V1HostPathVolumeSource(path="/"))],
+               host_network=True, **RESTRICTED)
+    restricted_container(host.spec.containers[0])
+    with pytest.raises(k8s.ApiException) as refused:
+        api.create_namespaced_pod("other", host)
+    assert 'host namespaces (hostNetwork=true)' in message(refused)
+    assert 'restricted volume types (volumes ["node"] have restricted types)' in message(refused)
+
+    good = pod("good", cluster.project_image, ["python", "-c", "import os; print(os.getuid())"], **RESTRICTED)
+    restricted_container(good.spec.containers[0])
+    api.create_namespaced_pod("other", good)
+    done = finished(api, "good", "other")
+    assert done.status.phase == "Succeeded" and api.read_namespaced_pod_log("good", "other").strip() in ("1000", str(os.getuid()))
+    assert cluster.server.get("pods", cluster.namespace, "good") is None  # and the unlabelled namespace admits anything:
+    api.create_namespaced_pod(cluster.namespace, pod("bare", cluster.project_image, ["true"]))
+
+
+def test_the_masters_worker_pods_pass_restricted_pod_security():
+    from cluster.admission import pod_security_failures
+    from elastic_step.backends.kubernetes import manifests
+    from elastic_step.backends.kubernetes.options import PodSettings
+
+    settings = PodSettings(namespace="ml", image="img", cpu_request="1", memory_request="1Gi", memory_limit="1Gi")
+    worker = manifests.worker_pod(settings, manifests.JobNames.for_job("job"), None, "img", "w1.0", 0, "http://10.0.0.1:8080")
+    assert pod_security_failures(manifests.to_dict(worker)["spec"], "restricted") == []
+
+
+def test_resource_quota_refuses_pods_without_requests_and_beyond_the_quota(cluster):
+    api, ns = cluster.core(), cluster.namespace
+    api.create_namespaced_resource_quota(ns, k8s.V1ResourceQuota(metadata=k8s.V1ObjectMeta(name="compute"),
+                                                                 spec=k8s.V1ResourceQuotaSpec(hard={"requests.cpu": "2", "requests.memory": "2Gi"})))
+    with pytest.raises(k8s.ApiException) as refused:
+        api.create_namespaced_pod(ns, pod("bare", cluster.project_image, ["true"]))
+    assert refused.value.status == 403
+    assert ('pods "bare" is forbidden: failed quota: compute: must specify requests.cpu for: main; requests.memory for: main'
+            in message(refused))
+    sleeper = ["python", "-c", "import time; time.sleep(60)"]
+    api.create_namespaced_pod(ns, pod("first", cluster.project_image, sleeper, requests={"cpu": "1500m", "memory": "1Gi"}))
+    with pytest.raises(k8s.ApiException) as refused:
+        api.create_namespaced_pod(ns, pod("second", cluster.project_image, sleeper, requests={"cpu": "1", "memory": "1Gi"}))
+    assert ("exceeded quota: compute, requested: requests.cpu=1, used: requests.cpu=1500m, limited: requests.cpu=2"
+            in message(refused))
+    api.create_namespaced_pod(ns, pod("small", cluster.project_image, sleeper, requests={"cpu": "500m", "memory": "1Gi"}))

@@ -1,27 +1,34 @@
-"""A Kubernetes API server stand-in over HTTPS on 127.0.0.1, for the real `kubernetes` client.
+"""A Kubernetes API server stand-in over HTTPS on 127.0.0.1, for the real `kubernetes` client and
+for kubectl.
 
-It serves the REST paths the elastic master and the kubelet stand-in call — pods (create, get,
-list, watch, delete, and the status, binding, log and eviction subresources), secrets, serviceaccounts (and
-their token subresource), configmaps, networkpolicies, and Argo's workflows and workflowtaskresults
-(`argoproj.io/v1alpha1`, which Argo's controller and executor call) — storing each object as the JSON dict the
-client sent, with `metadata.uid`, `creationTimestamp` and a cluster-wide `resourceVersion`.
+It serves the resources of discovery.py (pods with their status, binding, log and eviction
+subresources, secrets, configmaps, serviceaccounts and their tokens, services, events, resource
+quotas, namespaces, nodes, network policies, priority classes, RBAC objects, Argo's workflows and
+task results), storing each object as the JSON dict the client sent, with `metadata.uid`,
+`creationTimestamp` and a cluster-wide `resourceVersion`; discovery and OpenAPI (discovery.py).
 
 As the real server does:
 - every request is authenticated by its bearer token and authorized by RBAC (rbac.py); a refusal
-  is a 403 `Status`; every (user, verb, resource, namespace) is recorded for assertions;
+  is a 403 `Status`; every (user, verb, resource, namespace) is recorded for assertions; Roles and
+  bindings created, changed or deleted through the API take effect at once;
 - a list answer carries the collection's resourceVersion; a watch (`?watch=true`) streams JSON
-  lines over a chunked response from that version, ends after `timeoutSeconds`, and answers a
-  version older than its compacted history with an `ERROR` event carrying `410 Gone`;
-- pod deletion is graceful; the Eviction API marks the pod DisruptionTarget first; (deletionTimestamp, then the kubelet's final delete) unless the grace
-  period is 0, the pod is unbound, or it has finished;
-- admission checks that the pod's ServiceAccount exists and mounts its token (the projected
-  `kube-api-access-*` volume) unless automounting is off;
+  lines over a chunked response from that version (watching.py), ends after `timeoutSeconds`,
+  and answers a version older than its compacted history with an `ERROR` event carrying `410 Gone`;
+  label selectors are equality- and set-based (labels.py); `Accept: ...;as=Table` gets the Table
+  kubectl prints (tables.py);
+- PATCH is a JSON merge, JSON or strategic merge patch by its Content-Type (patches.py);
+  `fieldValidation=Strict` refuses unknown fields; a protobuf body of the kinds kubectl's typed
+  clients send is read (protowire.py);
+- pod deletion is graceful (deletionTimestamp = now + grace, then the kubelet's final delete)
+  unless the grace period is 0, the pod is unbound, or it has finished; the Eviction API marks the
+  pod DisruptionTarget first; an object with finalizers stays, marked, until they are removed;
+- admission (admission.py): defaults, the pod's ServiceAccount and token, PodSecurity on a
+  labelled namespace, ResourceQuota;
 - the garbage collector deletes an object all of whose owners are gone, looking owners up by UID
   in the dependent's own namespace only (so a cross-namespace owner reference is dangling);
 - created objects are validated against the Kubernetes OpenAPI schema (422 Invalid).
 
-Not modelled: admission webhooks, quotas, LimitRanges, PodSecurity admission, managed fields,
-server-side apply, strategic merge (PATCH is a JSON merge patch).
+Not modelled: admission webhooks, LimitRanges, managed fields, server-side apply, impersonation.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ import base64
 import copy
 import json
 import logging
-import socket
 import ssl
 import threading
 import time
@@ -38,10 +44,10 @@ import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import discovery, tables
+from . import discovery, logs, protowire, tables, watching
 from .discovery import GROUP_OF, GROUP_VERSIONS, RESOURCES, SUBRESOURCES
-from . import logs, protowire
-from .objects import ApiError, Store, field_matches, label_matches, not_found, now_text, status_body
+from .admission import admit_pod
+from .objects import ApiError, Store, field_matches, label_matches, not_found, now_text
 from .patches import apply_patch
 from .rbac import REVIEWS, Authorizer, Request, forbidden_message, review
 
@@ -128,7 +134,7 @@ class ApiServer:
             raise ApiError(409, "AlreadyExists", f'{plural} "{meta["name"]}" already exists', {"name": meta["name"], "kind": plural})
         body["kind"], body["apiVersion"] = kind, GROUP_VERSIONS.get(group, f"{group}/v1")
         if plural == "pods":
-            self._admit_pod(namespace, body)
+            admit_pod(store, namespace, body)
         if plural == "secrets" and body.get("stringData"):
             data = body.setdefault("data", {})
             for key, value in body.pop("stringData").items():
@@ -156,33 +162,6 @@ class ApiServer:
         if finished:
             return self._delete(plural, meta.get("namespace", ""), meta["name"], grace=0)
         return obj
-
-    def _admit_pod(self, namespace: str, pod: dict) -> None:
-        spec = pod.setdefault("spec", {})
-        spec.setdefault("restartPolicy", "Always")
-        spec.setdefault("terminationGracePeriodSeconds", 30)
-        spec.setdefault("dnsPolicy", "ClusterFirst")
-        spec.setdefault("schedulerName", "default-scheduler")
-        account = spec.get("serviceAccountName") or "default"
-        spec["serviceAccountName"] = account
-        sa = self.store.objects.get(("serviceaccounts", namespace, account))
-        if sa is None:
-            raise ApiError(403, "Forbidden", f'pods "{pod["metadata"]["name"]}" is forbidden: error looking up service '
-                                             f'account {namespace}/{account}: serviceaccount "{account}" not found')
-        automount = spec.get("automountServiceAccountToken")
-        if automount is None:
-            automount = sa.get("automountServiceAccountToken", True)
-        if automount:
-            volume = f"kube-api-access-{uuid.uuid4().hex[:5]}"
-            spec.setdefault("volumes", []).append({"name": volume, "projected": {"defaultMode": 0o644, "sources": [
-                {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
-                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
-            ]}})
-            for container in spec.get("containers", []):
-                container.setdefault("volumeMounts", []).append(
-                    {"name": volume, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True})
-        pod["status"] = {"phase": "Pending", "qosClass": "Burstable"}
 
     def _delete(self, plural: str, namespace: str, name: str, grace: int | None = None, orphan: bool = False) -> dict:
         store = self.store
@@ -368,7 +347,7 @@ class _Handler(BaseHTTPRequestHandler):
             if (req.api_group, req.resource) in REVIEWS:
                 return self._review(user, req)
             if req.verb == "watch":
-                return self._watch(req, query)
+                return watching.serve(self, req, query)
             if req.resource == "pods/log":
                 return self._log(req, query)
             code, body = self._dispatch(method, req, query)
@@ -473,81 +452,12 @@ class _Handler(BaseHTTPRequestHandler):
                 if sub == "status":
                     obj["status"] = body.get("status", {})
                 else:
-                    body["metadata"] = {**obj["metadata"], **{k: v for k, v in body.get("metadata", {}).items()
-                                                            if k in ("labels", "annotations", "ownerReferences", "finalizers")}}
+                    # the writable metadata is the body's (a key left out is removed), the rest the server's
+                    writable = ("labels", "annotations", "ownerReferences", "finalizers")
+                    body["metadata"] = {**{k: v for k, v in obj["metadata"].items() if k not in writable},
+                                        **{k: v for k, v in body.get("metadata", {}).items() if k in writable}}
                     if plural == "pods":
                         body["status"] = obj.get("status", {})
                     obj = body
                 return 200, copy.deepcopy(api._modified(plural, obj))
         raise ApiError(405, "MethodNotAllowed", f"{req.verb} on {req.resource} is not supported")
-
-    def _watch(self, req: Request, query: dict) -> None:
-        store = self.server.api.store
-        plural = req.resource
-        timeout = float(query.get("timeoutSeconds") or 1800)
-        deadline = time.monotonic() + timeout
-        rv_text = query.get("resourceVersion") or "0"
-        selector, fields = query.get("labelSelector"), query.get("fieldSelector")
-        bookmarks = str(query.get("allowWatchBookmarks")).lower() in ("true", "1")
-
-        def wanted(entry) -> bool:
-            _, p, ns, _, obj = entry
-            return (p == plural and (not req.namespace or ns == req.namespace)
-                    and label_matches(obj["metadata"].get("labels"), selector) and field_matches(obj, fields))
-
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-
-        as_table = tables.wants_table(self.headers.get("Accept"))
-
-        def printed(event: dict) -> dict:  # `kubectl get --watch`: each object a one-row Table
-            if not as_table or event["type"] in ("ERROR", "BOOKMARK"):
-                return event
-            obj = event["object"]
-            return {"type": event["type"], "object": tables.table(plural, [obj], obj["metadata"].get("resourceVersion", ""),
-                                                                  query.get("includeObject"))}
-
-        def chunk(events: list[dict]) -> None:
-            data = b"".join(json.dumps(printed(e)).encode() + b"\n" for e in events)
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-            self.wfile.flush()
-
-        try:
-            with store.cond:
-                generation = store.generation
-                initial = []
-                if rv_text == "0":  # "any version": the current state as ADDED events first
-                    cursor = store.rv
-                    initial = [{"type": "ADDED", "object": copy.deepcopy(o)} for (p, ns, n), o in store.objects.items()
-                               if wanted((0, p, ns, "", o))]
-                else:
-                    cursor = int(rv_text)
-                    if cursor < store.oldest_rv:
-                        gone = status_body(410, "Expired", f"too old resource version: {cursor} ({store.oldest_rv})")
-                        initial = [{"type": "ERROR", "object": gone}]
-                        deadline = 0
-            if initial:
-                chunk(initial)
-            while time.monotonic() < deadline:
-                with store.cond:
-                    if store.generation != generation:
-                        self.close_connection = True
-                        self.connection.shutdown(socket.SHUT_RDWR)  # dropped mid-stream: no terminating chunk
-                        return
-                    pending = [e for e in store.history if e[0] > cursor]
-                    if not pending:
-                        store.cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
-                        continue
-                    cursor = pending[-1][0]
-                    events = [{"type": kind, "object": obj} for entry in pending if wanted(entry) for _, _, _, kind, obj in [entry]]
-                if events:
-                    chunk(events)
-            if bookmarks:
-                chunk([{"type": "BOOKMARK", "object": {"kind": RESOURCES[(req.api_group, plural)].kind, "apiVersion": "v1",
-                                                        "metadata": {"resourceVersion": str(cursor)}}}])
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
-            self.close_connection = True
