@@ -31,6 +31,10 @@ CHECKPOINT_STEPS = 100  # and at each epoch end; 0: never
 KEEP_CHECKPOINTS = 3
 EXPERIMENT = "elastic-step"  # the MLflow experiment
 MAX_RELAUNCHES = 3  # per worker slot
+# Relaunches after a departure (SIGTERM: an eviction, a preemption) are not charged against
+# MAX_RELAUNCHES, up to this many per slot; after that they are, so a slot whose worker is
+# SIGTERMed in a loop ends like one that crashes in a loop instead of relaunching forever.
+MAX_FREE_RELAUNCHES = 25
 MAX_TASK_FAILURES = 3  # a task that fails this often fails the job
 
 # -- clocks, in seconds -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from elastic_step import defaults
 from elastic_step.backends.api import Backend, WorkerExit
 from elastic_step.master.refusals import NotAMember
 from elastic_step.protocol import EventKind, ResourceSample, RoundState, StepRecord, WorkerState
@@ -54,6 +55,7 @@ class Slot:
     active: bool = True  # False once scaled in
     attempts: int = 0
     counted_relaunches: int = 0
+    free_relaunches: int = 0  # after departures, not charged (up to max_free_relaunches)
     worker_id: str | None = None
 
 
@@ -99,11 +101,13 @@ class Membership:
     `regroup(cause)` asks for a new round."""
 
     def __init__(self, backend: Backend, min_workers: int, max_workers: int, max_relaunches: int, timeouts,
-                 event: Callable[..., None], regroup: Callable[[str], None], spares: int = 0):
+                 event: Callable[..., None], regroup: Callable[[str], None], spares: int = 0,
+                 max_free_relaunches: int = defaults.MAX_FREE_RELAUNCHES):
         self.backend = backend
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.max_relaunches = max_relaunches
+        self.max_free_relaunches = max_free_relaunches
         self.timeouts = timeouts
         self.target = max_workers
         # Warm spares: slots beyond the target whose workers start, import, warm up and wait at
@@ -197,16 +201,20 @@ class Membership:
         slot = self.slots[worker.slot]
         if retiring or not slot.active or slot.worker_id != worker.id:
             return
+        # A departure's relaunch is free while the slot has free ones left, then charged like any other.
+        free = exit_.relaunch == "free" and slot.free_relaunches < self.max_free_relaunches
         if exit_.relaunch == "never":
             self._event(EventKind.NOT_RELAUNCHED, f"{worker.id} {exit_.reason}", worker=worker.id)
-        elif exit_.relaunch == "free" or slot.counted_relaunches < self.max_relaunches:
-            slot.counted_relaunches += exit_.relaunch == "count"
+        elif free or slot.counted_relaunches < self.max_relaunches:
+            slot.free_relaunches += free
+            slot.counted_relaunches += not free
             # counted: whether this relaunch is charged against --max-relaunches (slot_relaunches: the slot's charged ones so far)
-            self._event(EventKind.RELAUNCHED, worker=worker.id, slot=slot.index, counted=exit_.relaunch == "count",
+            self._event(EventKind.RELAUNCHED, worker=worker.id, slot=slot.index, counted=not free,
                         slot_relaunches=slot.counted_relaunches)
             self.launch(slot)
         else:
-            self._event(EventKind.SLOT_EXHAUSTED, f"slot {slot.index} used its {self.max_relaunches} relaunches")
+            also = f" and its {self.max_free_relaunches} free ones after departures" if exit_.relaunch == "free" else ""
+            self._event(EventKind.SLOT_EXHAUSTED, f"slot {slot.index} used its {self.max_relaunches} relaunches{also}")
 
     def drop(self, worker: WorkerInfo, reason: str) -> None:
         """A worker that is alive but useless (hung, or missing at rendezvous): kill it; its exit
@@ -255,7 +263,7 @@ class Membership:
             want = slot.index < target + self.spares
             if want and not slot.active:
                 slot.active = True
-                slot.counted_relaunches = 0
+                slot.counted_relaunches = slot.free_relaunches = 0
                 self.launch(slot)
             elif not want and slot.active:
                 slot.active = False
