@@ -173,16 +173,11 @@ class KubernetesBackend(Backend):
         return container.image
 
     def _store_credentials(self, own_pod: k8s.V1Pod | None) -> list[k8s.V1EnvVar]:
-        """Workers read the data themselves: they get the store credentials the master's own
-        container takes from Secrets (references to the same Secrets; a Secret is only
-        visible in its own namespace)."""
+        """Workers read the data themselves, with the keys store_access.py gives them (never KFP's
+        whole-store Secret unless it is named)."""
         found = manifests.store_credentials_of(main_container(own_pod)) if own_pod is not None else []
-        named = self.settings.worker_store_secret  # in the workers' namespace, wherever the master runs
-        if found and not named and self.master.namespace != self.settings.namespace:
-            log.warning("worker pods in namespace %s cannot use the master's Secrets in %s: %s not given to them",
-                        self.settings.namespace, self.master.namespace, ", ".join(e.name for e in found))
-            return []
-        return worker_store_env(found, named)  # never KFP's whole-store Secret unless named (store_access.py)
+        return worker_store_env(found, self.settings.worker_store_secret, self.master.namespace if found else "",
+                                self.settings.namespace)
 
     def _check_service_account(self, own_pod: k8s.V1Pod | None) -> None:
         """Worker pods never run as the master: its service account may create pods and Secrets."""

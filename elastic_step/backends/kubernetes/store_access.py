@@ -47,11 +47,17 @@ def secret_env(secret: str) -> list[k8s.V1EnvVar]:
         secret_key_ref=k8s.V1SecretKeySelector(name=secret, key=key))) for var, key in keys.items()]
 
 
-def worker_store_env(master_refs: list[k8s.V1EnvVar], named: str | None) -> list[k8s.V1EnvVar]:
-    """The store credentials of worker pods: `named`'s keys, else the master's references unless
-    they are KFP's whole-store Secret's (then the default per-dataset Secret's)."""
+def worker_store_env(master_refs: list[k8s.V1EnvVar], named: str | None, master_namespace: str,
+                     namespace: str) -> list[k8s.V1EnvVar]:
+    """The store credentials of worker pods in `namespace`: `named`'s keys, else the master's
+    references unless they are KFP's whole-store Secret's (then the default per-dataset Secret's).
+    A Secret is only visible in its own namespace: the master's are no use to workers elsewhere."""
     if named:
         return secret_env(named)
+    if master_refs and master_namespace != namespace:
+        log.warning("worker pods in namespace %s cannot use the master's Secrets in %s: %s not given to them",
+                    namespace, master_namespace, ", ".join(e.name for e in master_refs))
+        return []
     if any(e.value_from.secret_key_ref.name == KFP_STORE_SECRET for e in master_refs):
         log.warning("worker pods read the data with the keys of the Secret %s, not those of KFP's %s (which read and "
                     "write every pipeline's artifacts): create it with read-only keys for this dataset "
