@@ -246,3 +246,38 @@ def test_resource_quota_refuses_pods_without_requests_and_beyond_the_quota(clust
     assert ("exceeded quota: compute, requested: requests.cpu=1, used: requests.cpu=1500m, limited: requests.cpu=2"
             in message(refused))
     api.create_namespaced_pod(ns, pod("small", cluster.project_image, sleeper, requests={"cpu": "500m", "memory": "1Gi"}))
+
+
+def test_a_failed_container_restarts_in_place_with_its_count_and_last_state(cluster):
+    api, ns = cluster.core(), cluster.namespace
+    script = ("import os, sys\nruns = len(os.listdir('/state'))\nopen(f'/state/run{runs}', 'w').close()\n"
+              "print('run', runs, flush=True)\nsys.exit(3 if runs == 0 else 0)")
+    body = pod("flaky", cluster.project_image, ["python", "-c", script],
+               volumes=[k8s.V1Volume(name="state", empty_dir=k8s.V1EmptyDirVolumeSource())])
+    body.spec.restart_policy = "OnFailure"
+    body.spec.containers[0].volume_mounts = [k8s.V1VolumeMount(name="state", mount_path="/state")]
+    api.create_namespaced_pod(ns, body)
+    done = finished(api, "flaky", ns)
+    status = done.status.container_statuses[0]
+    assert done.status.phase == "Succeeded" and status.restart_count == 1
+    assert status.last_state.terminated.exit_code == 3 and status.last_state.terminated.reason == "Error"
+    assert status.state.terminated.exit_code == 0
+    assert api.read_namespaced_pod_log("flaky", ns) == "run 1\n"
+    assert api.read_namespaced_pod_log("flaky", ns, previous=True) == "run 0\n"
+
+
+def test_a_pod_the_node_evicts_fails_with_reason_evicted(cluster):
+    api, ns = cluster.core(), cluster.namespace
+    body = pod("evicted", cluster.project_image, ["python", "-c", "import time; time.sleep(60)"])
+    body.spec.restart_policy = "Always"  # an evicted pod is never restarted
+    api.create_namespaced_pod(ns, body)
+    wait_for(lambda: api.read_namespaced_pod("evicted", ns).status.phase == "Running", 30, "evicted running")
+    cluster.kubelet.evict(ns, "evicted", "memory")
+    done = finished(api, "evicted", ns)
+    assert (done.status.phase, done.status.reason) == ("Failed", "Evicted")
+    assert done.status.message.startswith("The node was low on resource: memory.")
+    assert [c.reason for c in done.status.conditions if c.type == "DisruptionTarget"] == ["TerminationByKubelet"]
+    node_side = cluster.kubelet.record(ns, "evicted").containers[0]  # not to be started again, whatever its policy
+    assert node_side.exit is not None and node_side.restart_at is None
+    kept = api.read_namespaced_pod("evicted", ns)  # the object stays until someone deletes it
+    assert kept.status.phase == "Failed" and kept.status.container_statuses[0].restart_count == 0

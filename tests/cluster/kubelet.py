@@ -23,8 +23,9 @@ What a test does to a node: `kill(pod)` (SIGKILL: `docker kill`), `pause(pod)` (
 container's processes: `docker pause`), `resume(pod)`, `fill_memory(pod, MiB)` (memory pressure
 inside the pod, up to a real OOM kill). Deleting the pod object through the API
 is an eviction or `kubectl delete`.
-Not modelled: restartPolicy Always/OnFailure (a container is not restarted), probes, init
-containers, image pulls (an image is known or it is
+Containers restart in place as `restartPolicy` says (restarts.py); `evict(pod)` is the eviction
+manager's verdict under node pressure (phase Failed, reason `Evicted`).
+Not modelled: probes, image pulls (an image is known or it is
 ErrImagePull), CPU limits (OMP_NUM_THREADS still follows them), a writable root layer.
 """
 
@@ -45,6 +46,7 @@ from kubernetes import client as k8s
 from kubernetes import watch
 
 from .podinputs import NODE, NODE_IP, PodInputs, StartError, expand
+from .restarts import back_off_message, restart_delay
 from .runtime import Image, ProcessRuntime
 
 log = logging.getLogger("cluster.kubelet")
@@ -68,6 +70,9 @@ class Container:
     log_path: str
     exit: tuple[int, str] | None = None  # (exit code, reason) once it ended
     finished_at: str = ""
+    restart_count: int = 0  # instances of this container before this one (restarts.py)
+    last: "Container | None" = None  # the instance before this one
+    restart_at: float | None = None  # when it ended and is to start again: the monotonic time it does
 
 
 @dataclass
@@ -85,6 +90,9 @@ class PodRecord:
     gone: bool = False  # the object is deleted from the API
     failed_to_start: str = ""
     previous: dict[str, Container] = field(default_factory=dict)  # container name -> its instance before the last restart
+    pod: dict = field(default_factory=dict)  # the spec it was started from, and its volumes: what a restart reruns
+    volumes: dict[str, str] = field(default_factory=dict)
+    evicted: str = ""  # the eviction manager's message once the node evicted it
     net: object | None = None  # its network.PodNet on the pod network
     status_lock: threading.Lock = field(default_factory=threading.Lock)  # one status write at a time, from the newest facts
 
@@ -157,6 +165,15 @@ class Kubelet:
 
     def resume(self, namespace: str, name: str) -> None:
         self._signal(self.record(namespace, name), signal.SIGCONT)
+
+    def evict(self, namespace: str, name: str, resource: str = "memory") -> None:
+        """The node's eviction manager under pressure of `resource`: the pod's containers are killed
+        and the pod is Failed with reason `Evicted` (the object stays until someone deletes it)."""
+        record = self.record(namespace, name)
+        record.evicted = f"The node was low on resource: {resource}. "
+        for c in record.containers:
+            c.restart_at = None
+        self._signal(record, signal.SIGKILL)  # the status is written once the kill is seen (_check)
 
     def fill_memory(self, namespace: str, name: str, megabytes: int) -> None:
         """Memory pressure inside a running pod (what `kubectl exec POD -- sh -c 'head -c ... >
@@ -300,6 +317,11 @@ class Kubelet:
                 c.finished_at = now_text()
                 self.runtime.remove_cgroup(c.cgroup)
                 changed = True
+                self._plan_restart(record, c)
+        for index, c in enumerate(record.containers):
+            if c.restart_at is not None and time.monotonic() >= c.restart_at and record.deleting_since is None and not record.gone:
+                record.containers[index] = self._restart(record, c)
+                changed = True
         if record.deleting_since is not None and time.monotonic() - record.deleting_since > record.grace_s:
             self._signal(record, signal.SIGKILL)
         if record.gone:
@@ -324,15 +346,40 @@ class Kubelet:
                     raise
             record.gone = True
 
+    # -- restarts in place (restarts.py) -------------------------------------------------------------
+    def _plan_restart(self, record: PodRecord, c: Container) -> None:
+        policy = record.pod.get("spec", {}).get("restartPolicy", "Always")
+        delay = restart_delay(policy, c.exit[0], c.restart_count)
+        if delay is not None and record.deleting_since is None and not record.gone and not record.evicted:
+            c.restart_at = time.monotonic() + delay
+
+    def _restart(self, record: PodRecord, ended: Container) -> Container:
+        spec = next(c for c in record.pod["spec"]["containers"] if c["name"] == ended.name)
+        fresh = self._run(record, record.pod, spec, record.volumes, ended.restart_count + 1)
+        fresh.restart_count, fresh.last = ended.restart_count + 1, ended
+        ended.restart_at = None
+        record.previous[ended.name] = ended
+        return fresh
+
     # -- statuses -----------------------------------------------------------------------------------
-    def _container_status(self, c: Container) -> dict:
+    @staticmethod
+    def _terminated(c: Container) -> dict:
+        return {"terminated": {"exitCode": c.exit[0], "reason": c.exit[1], "startedAt": c.started_at,
+                               "finishedAt": c.finished_at, "containerID": f"process://{c.proc.pid}"}}
+
+    def _container_status(self, c: Container, record: PodRecord | None = None) -> dict:
         status = {"name": c.name, "image": c.image, "imageID": f"process://{c.image}", "containerID": f"process://{c.proc.pid}",
-                  "restartCount": 0, "ready": c.exit is None, "started": c.exit is None}
+                  "restartCount": c.restart_count, "ready": c.exit is None, "started": c.exit is None}
         if c.exit is None:
             status["state"] = {"running": {"startedAt": c.started_at}}
+        elif c.restart_at is not None and record is not None:  # ended, to start again after its back-off
+            message = back_off_message(max(0.0, c.restart_at - time.monotonic()), c.name, record.name, record.namespace, record.uid)
+            status["state"] = {"waiting": {"reason": "CrashLoopBackOff", "message": message}}
+            status["lastState"] = self._terminated(c)
         else:
-            status["state"] = {"terminated": {"exitCode": c.exit[0], "reason": c.exit[1], "startedAt": c.started_at,
-                                              "finishedAt": c.finished_at, "containerID": f"process://{c.proc.pid}"}}
+            status["state"] = self._terminated(c)
+        if c.last is not None and "lastState" not in status:
+            status["lastState"] = self._terminated(c.last)
         return status
 
     def _write_status(self, record: PodRecord, waiting: tuple[str, str] | None = None) -> None:
@@ -356,14 +403,14 @@ class Kubelet:
             elif record.init_failed:
                 status["phase"] = "Failed"
             else:
-                exits = [c.exit for c in record.containers]
+                exits = [None if c.restart_at is not None else c.exit for c in record.containers]  # to restart: still running
                 if not exits:
                     status["phase"] = "Pending"  # init containers still running
                 elif all(e is not None for e in exits):
                     status["phase"] = "Succeeded" if all(e[0] == 0 for e in exits) else "Failed"
                 else:
                     status["phase"] = "Running"
-                status["containerStatuses"] = [self._container_status(c) for c in record.containers]
+                status["containerStatuses"] = [self._container_status(c, record) for c in record.containers]
             if record.init_containers:
                 status["initContainerStatuses"] = [self._container_status(c) for c in record.init_containers]
             ready = "True" if status["phase"] == "Running" else "False"
@@ -371,6 +418,11 @@ class Kubelet:
             conditions += [{"type": "Initialized", "status": "True", "lastTransitionTime": now_text()},
                            {"type": "Ready", "status": ready, "lastTransitionTime": now_text()},
                            {"type": "ContainersReady", "status": ready, "lastTransitionTime": now_text()}]
+            if record.evicted:  # the eviction manager's verdict: Failed, with its reason, never restarted
+                status.update(phase="Failed", reason="Evicted", message=record.evicted)
+                conditions = [c for c in conditions if c["type"] != "DisruptionTarget"] + [
+                    {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                     "message": record.evicted, "lastTransitionTime": now_text()}]
             status["conditions"] = conditions
             try:
                 self.api.replace_namespaced_pod_status(record.name, record.namespace, current, _preload_content=False)
@@ -419,6 +471,7 @@ class Kubelet:
                 record.init_failed = True
                 return
             self._write_status(record)
+        record.pod, record.volumes = pod, volumes  # what a restart in place runs again
         for c in spec["containers"]:
             record.containers.append(self._run(record, pod, c, volumes))
 
@@ -435,7 +488,7 @@ class Kubelet:
             except Exception as exc:  # the agent's next round enforces it
                 log.warning("network policies for %s not synced yet: %s", record.name, exc)
 
-    def _run(self, record: PodRecord, pod: dict, c: dict, volumes: dict[str, str]) -> Container:
+    def _run(self, record: PodRecord, pod: dict, c: dict, volumes: dict[str, str], restarts: int = 0) -> Container:
         """One container of the pod, as its spec and its image say."""
         spec = pod["spec"]
         security = spec.get("securityContext") or {}
@@ -462,7 +515,9 @@ class Kubelet:
         limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
         if record.net is not None:
             binds.append((os.path.join(record.folder, "hosts"), "/etc/hosts", True))
-        started = self.runtime.run(os.path.join(record.folder, "containers", c["name"]), f"pod-{record.uid[:8]}-{c['name']}",
+        # a restarted container is a new one: its own folder, log and name (its predecessor's log stays readable)
+        instance = c["name"] + (f"-{restarts}" if restarts else "")
+        started = self.runtime.run(os.path.join(record.folder, "containers", instance), f"pod-{record.uid[:8]}-{instance}",
                                    image, argv, env, binds, tmpfs, uid, gid, groups, c.get("workingDir") or image.workdir, limit,
                                    net=record.net, hostname=record.name if self.isolation == "namespaces" else None)
         return Container(record.uid, record.namespace, record.name, c["name"], c["image"], started.proc,
