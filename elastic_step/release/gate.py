@@ -17,6 +17,7 @@ from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.release.candidate import Candidate, load_candidate, predict_split
 from elastic_step.release.registry import CHAMPION, registry_client, version_by_alias
 from elastic_step.release.thresholds import Threshold, build_thresholds, parse_pairs, to_mlflow
+from elastic_step.tracking.handover import take_task_run
 from elastic_step.tracking.run import RunOutcome, run_outcome
 from elastic_step.tracking.uri import use_tracking_uri
 
@@ -95,8 +96,12 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
     champion_predictions = None if champion is None else as_predictions(champion_outputs, model_type)
 
     use_tracking_uri(client.tracking_uri)
+    # Under KFP's MLflow integration the evaluation is a child of this task's run (MLflow's
+    # start_run would otherwise reopen that run and re-parent it); elsewhere, of the candidate's.
+    task = take_task_run(client.tracking_uri)
     with mlflow.start_run(experiment_id=candidate.experiment_id, run_name=f"evaluate {registered_model}",
-                          tags={"mlflow.parentRunId": run_id, GATE_TAG: "evaluation"}) as run:
+                          tags={"mlflow.parentRunId": task.run_id if task else run_id, GATE_TAG: "evaluation",
+                                f"{GATE_TAG}.candidate_run_id": run_id}) as run:
         candidate_result = _evaluate(predictions, labels, model_type, label_list)
         champion_result = None
         if champion is not None:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from elastic_step.errors import ConfigError
+from elastic_step.tracking.handover import step_tracking_uri
 from elastic_step.tracking.run import TrackingError, connect
 
 CHAMPION = "champion"
@@ -13,7 +12,7 @@ PREVIOUS_CHAMPION = "previous-champion"
 
 def registry_client(mlflow_uri: str | None):
     """An MlflowClient for the pipeline's tracking server (the release steps share one)."""
-    uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = step_tracking_uri(mlflow_uri)  # in a pipeline step: only the URI that came with its credentials
     if not uri:
         raise ConfigError("no MLflow tracking URI: pass --mlflow-uri (the component's mlflow_uri) "
                           "or set MLFLOW_TRACKING_URI to the server the training step used")
@@ -29,7 +28,21 @@ def version_by_alias(client, name: str, alias: str):
     except MlflowException as exc:
         if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
             return None
+        if exc.error_code == "PERMISSION_DENIED" and not _model_exists(client, name):
+            return None  # MLflow's basic auth answers 403, not 404, for the alias of a model not made yet
         raise
+
+
+def _model_exists(client, name: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    return True
 
 
 def get_version(client, name: str, version: str):

@@ -15,6 +15,7 @@ import time
 
 from elastic_step.durable import write_json_atomic
 from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore, parse_best_rule
+from elastic_step.tracking.handover import step_tracking_uri, take_task_run
 from elastic_step.tracking.run import RunOutcome, RunTracker, TrackingError, connect, default_tracking_uri
 from elastic_step.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardLog
 from elastic_step.tracking.uri import redact
@@ -73,7 +74,8 @@ class TrainingRecorder:
         # One trainer, two users (epoch validation on the uploader thread, the final evaluation
         # and model logging on the main thread): each loads its weights and uses them under this.
         self.trainer_lock = threading.Lock()
-        self.uri = config.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(config.job_dir)
+        # A pipeline step without a URI, or with one that did not come with its credentials, is refused.
+        self.uri = step_tracking_uri(config.mlflow_uri) or default_tracking_uri(config.job_dir)
         self.shown_uri = redact(self.uri)  # what may be printed, logged or stored
         self.client = connect(self.uri, config.job_dir)
         # A SQLite store has no artifact server: artifacts go in a folder beside the database
@@ -81,11 +83,15 @@ class TrainingRecorder:
         artifacts = None
         if self.uri.startswith("sqlite:///"):
             artifacts = os.path.join(os.path.dirname(os.path.abspath(self.uri[len("sqlite:///"):])), "mlartifacts")
-        self.tracker = RunTracker(self.client, config.experiment, config.job_name, artifacts, config.pipeline_run_id)
+        # Under KFP's MLflow integration the run is a child of the task's run, in its experiment.
+        task = take_task_run(self.uri)
+        self.tracker = RunTracker(self.client, config.experiment, config.job_name, artifacts, config.pipeline_run_id,
+                                  experiment_id=task.experiment_id if task else None)
         self.params = job_params(config, manifest, model_def)
         # Reopening a run first checks that its data, model and task size are this job's.
         # A retry of the same command continues the run its earlier attempt left unfinished.
-        self.resumed = self.tracker.start(resume=config.resume, parent_run_id=config.parent_run_id, params=self.params,
+        parent = config.parent_run_id or (task.run_id if task else None)
+        self.resumed = self.tracker.start(resume=config.resume, parent_run_id=parent, params=self.params,
                                           previous=previous_attempt_run(config.job_dir))
         os.makedirs(config.job_dir, exist_ok=True)
         write_json_atomic(os.path.join(config.job_dir, RUN_RECORD), {"run_id": self.run_id, "tracking_uri": self.shown_uri})

@@ -134,13 +134,16 @@ def resume_mismatch(run_id: str, job_name: str, recorded: dict, current: dict) -
 
 
 class RunTracker:
-    def __init__(self, client, experiment: str, job_name: str, artifact_root: str | None = None, pipeline_run: str = ""):
+    def __init__(self, client, experiment: str, job_name: str, artifact_root: str | None = None, pipeline_run: str = "",
+                 experiment_id: str | None = None):
+        """`experiment_id`: the experiment a pipeline runner chose (KFP's MLflow integration: its
+        task run's), which `experiment`, the name, then does not override."""
         self.client = client
         self.job_name = job_name
         # A retried pipeline task finds its earlier run by its job and this pipeline run.
         self.pipeline_run = pipeline_run_id(pipeline_run)
         self.uploader = Uploader()
-        found = client.get_experiment_by_name(experiment)
+        found = client.get_experiment(experiment_id) if experiment_id else client.get_experiment_by_name(experiment)
         if found is None:
             self.experiment_id = client.create_experiment(experiment, artifact_location=artifact_root)
         else:
