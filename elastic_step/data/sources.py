@@ -1,6 +1,7 @@
 """Reading a `prepare-data` source as a stream of Arrow record batches, never the whole file.
 
-A source is a bundled scikit-learn dataset (`sklearn:digits`) or a CSV / Parquet / JSON-lines
+A source is a bundled scikit-learn dataset (`sklearn:digits`), a generated click log shaped like
+Criteo's (`synthetic:criteo?rows=N`, data/synthetic_ctr.py), or a CSV / Parquet / JSON-lines
 file at any fsspec URI, optionally compressed (`.csv.gz`, `.jsonl.zst`, ...). CSV and JSON lines
 go through pyarrow's streaming readers, Parquet row group by row group, so memory stays at about
 one block whatever the file's size. The stream counts the raw bytes it has consumed, which is
@@ -91,6 +92,18 @@ class SourceStream:
 
 def open_source(source: str) -> SourceStream:
     """Open `source` for streaming. Errors name the source and what to check."""
+    if source.startswith("synthetic:"):
+        from elastic_step.data import synthetic_ctr
+
+        spec = synthetic_ctr.parse_source(source)
+        done = [0]
+        guess = spec.rows * 380  # bytes per row in Arrow: 13 floats, 26 strings of 8 characters, 2 more
+
+        def counted():
+            for batch in synthetic_ctr.blocks(spec):
+                done[0] += batch.nbytes
+                yield batch
+        return SourceStream(source, synthetic_ctr.schema(), counted(), guess, lambda: done[0], guess)
     if source.startswith("sklearn:"):
         table = _sklearn_table(source[len("sklearn:"):])
         return SourceStream(source, table.schema, iter(table.to_batches()), table.nbytes, lambda: table.nbytes,
