@@ -12,6 +12,7 @@ and MLflow's client sends it itself.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -213,3 +214,24 @@ def test_which_runner_a_step_runs_under():
     # the URI that came with the credentials is the one used, given again or not
     env = {"KFP_POD_NAME": "p", "MLFLOW_TRACKING_URI": "http://mlflow:5000", "MLFLOW_TRACKING_PASSWORD": "s"}
     assert step_tracking_uri("", env) == "http://mlflow:5000" and step_tracking_uri("http://mlflow:5000/", env)
+
+
+def test_argo_steps_with_credentials_take_the_uri_from_the_credentials_secret_never_from_a_parameter():
+    import yaml
+
+    from elastic_step.argo import RenderOptions
+    from elastic_step.argo.render import render_texts
+
+    checked = 0
+    for name, text in render_texts(["training", "retraining"], RenderOptions(mlflow_credentials="mlflow-pipelines")).items():
+        doc = yaml.safe_load(text)
+        spec = doc["spec"].get("workflowSpec", doc["spec"])
+        assert "mlflow-uri" not in {p["name"] for p in spec.get("arguments", {}).get("parameters", [])}, name
+        for container in [t["container"] for t in spec.get("templates", []) if "container" in t]:
+            checked += 1
+            env = {e["name"]: e for e in container["env"]}
+            for variable, key in (("MLFLOW_TRACKING_URI", "uri"), ("MLFLOW_TRACKING_USERNAME", "username"),
+                                  ("MLFLOW_TRACKING_PASSWORD", "password")):
+                assert env[variable] == {"name": variable, "valueFrom": {"secretKeyRef": {"name": "mlflow-pipelines", "key": key}}}
+            assert "workflow.parameters" not in json.dumps([e for e in container["env"] if e["name"].startswith("MLFLOW_")])
+    assert checked >= 10  # every step of both pipelines

@@ -76,7 +76,7 @@ class RenderOptions:
     store_secret: str | None = None  # Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
     store_endpoint: str | None = None  # AWS_ENDPOINT_URL
     mlflow_secret: str | None = None  # NAME or NAME:KEY of a Secret holding the tracking URI
-    mlflow_credentials: str | None = None  # a Secret with `username` and `password` for MLflow's auth
+    mlflow_credentials: str | None = None  # a Secret with `username`, `password` and `uri` for MLflow's auth
     train_retries: int = 3
     cron: str = "0 3 * * *"
     timezone: str = "UTC"
@@ -183,7 +183,7 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
     step = steps.StepResources(cpu=options.step_cpu, memory=options.step_memory)
     trainer = steps.StepResources(cpu=options.train_cpu, memory=options.train_memory, gpus=options.train_gpus)
     parameters = dict(PARAMETERS)
-    if not options.mlflow_secret:
+    if settings.uri_from_parameter:
         parameters["mlflow-uri"] = MLFLOW_URI_DEFAULT
     volumes = None
     if options.pvc:

@@ -66,18 +66,28 @@ class StepSettings:
     """What every step container shares: the image and where the MLflow URI comes from."""
 
     image: str
-    mlflow_secret: str | None = None  # Secret name; None: the `mlflow-uri` workflow parameter
+    mlflow_secret: str | None = None  # Secret name; None: the credentials' Secret (key `uri`), else the `mlflow-uri` parameter
     mlflow_secret_key: str = "tracking-uri"
-    mlflow_credentials: str | None = None  # Secret with `username` and `password` of an MLflow user
+    mlflow_credentials: str | None = None  # Secret with `username` and `password` of an MLflow user (and `uri`)
     store_secret: str | None = None  # Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY of the data store
     store_endpoint: str | None = None  # AWS_ENDPOINT_URL (MinIO, any S3-compatible store)
+
+    @property
+    def uri_from_parameter(self) -> bool:
+        """Only without credentials: a parameter's URI must never receive a password."""
+        return not (self.mlflow_secret or self.mlflow_credentials)
 
     def env(self) -> list:
         # The steps read MLFLOW_TRACKING_URI (their --mlflow-uri default). ARGO_WORKFLOW_NAME tags the
         # MLflow runs, so a retried train step finds and resumes its own unfinished run.
         # ELASTIC_STEP_IMAGE makes worker pods launched by the train step use this same image.
+        # With credentials the URI never comes from a workflow parameter (whoever submits a run sets
+        # those, and could point the steps at a host that collects the password): it comes from the
+        # --mlflow-secret Secret, else from the credentials' own Secret (key `uri`).
         if self.mlflow_secret:
             uri = SecretEnv(name="MLFLOW_TRACKING_URI", secret_name=self.mlflow_secret, secret_key=self.mlflow_secret_key)
+        elif self.mlflow_credentials:
+            uri = SecretEnv(name="MLFLOW_TRACKING_URI", secret_name=self.mlflow_credentials, secret_key="uri")
         else:
             uri = Env(name="MLFLOW_TRACKING_URI", value="{{workflow.parameters.mlflow-uri}}")
         credentials = []

@@ -24,7 +24,9 @@ def register(sub) -> None:
                         "mlflow-uri workflow parameter")
     r.add_argument("--mlflow-credentials", metavar="NAME",
                    help="Secret with keys username and password of an MLflow user (deploy/mlflow's server needs "
-                        "one): given to every step as MLFLOW_TRACKING_USERNAME/PASSWORD")
+                        "one), given to every step as MLFLOW_TRACKING_USERNAME/PASSWORD, and uri, the server they "
+                        "are for (unless --mlflow-secret names another): with credentials there is no mlflow-uri "
+                        "workflow parameter, so whoever submits a run cannot send the password elsewhere")
     r.add_argument("--image", help="container image of every step and of the worker pods (default: ELASTIC_STEP_IMAGE, "
                                    "else the project image)")
     r.add_argument("--image-registry", metavar="REGISTRY",
