@@ -39,7 +39,9 @@ clean:
 # gives (a test keeps the two in step). `make images` builds each variant under its local name
 # elastic-step-VARIANT:VERSION and tags it into IMAGE_REGISTRY; `make push IMAGE_REGISTRY=...` tags
 # the local builds into that registry and pushes them (log in first: docker login REGISTRY).
-# The torch image has CPU torch; the CUDA build: IMAGE_BUILD_ARGS='--build-arg TORCH_INDEX_URL=...cu126'.
+# Each variant installs exactly images/lock/ (hashes checked; regenerate with images/lock.sh after
+# changing constraints.txt). CPU torch; a CUDA build needs its own lock (see images/lock.sh) and
+# IMAGE_BUILD_ARGS='--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 --build-arg LOCK=...'.
 .PHONY: images push image-smoke
 IMAGE_REGISTRY ?= ghcr.io/elastic-step
 VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' elastic_step/__init__.py)
