@@ -16,6 +16,16 @@ from elastic_step.audit import audit_report
 from elastic_step.data import synthetic_ctr as ctr
 
 DEEPFM = "elastic_step.model_zoo.deepfm_torch"
+DEEPFM_KERAS = "elastic_step.model_zoo.deepfm_keras"
+
+
+@pytest.fixture(scope="module")
+def clicks(tmp_path_factory) -> str:
+    data = tmp_path_factory.mktemp("ctr") / "data"
+    done = cli("prepare-data", "--source", "synthetic:criteo?rows=12000&seed=5", "--out", str(data),
+               "--categorical", "auto", "--rows-per-shard", "1000")
+    assert done.returncode == 0, done.stderr
+    return str(data)
 
 
 def table(spec: ctr.CtrSpec, with_truth: bool = False) -> pa.Table:
@@ -76,18 +86,24 @@ def test_a_bad_synthetic_source_is_one_line_and_writes_nothing(tmp_path, source,
     assert not (tmp_path / "out").exists()
 
 
-def test_deepfm_learns_the_clicks_through_a_sigkill_with_every_row_exactly_once(tmp_path, start_job):
-    data = tmp_path / "ctr"
-    done = cli("prepare-data", "--source", "synthetic:criteo?rows=12000&seed=5", "--out", str(data),
-               "--categorical", "auto", "--rows-per-shard", "1000")
-    assert done.returncode == 0, done.stderr
-    job = start_job("--model-def", DEEPFM, "--data", str(data), "--workers", "2:2", "--epochs", "3",
+def test_deepfm_learns_the_clicks_through_a_sigkill_with_every_row_exactly_once(clicks, start_job):
+    job = start_job("--model-def", DEEPFM, "--data", clicks, "--workers", "2:2", "--epochs", "3",
                     "--minibatch-size", "64", "--minibatches-per-task", "4")
     status = job.wait_for(lambda s: s["world_size"] == 2 and s["rows_done"] > 0.3 * s["rows_total"], timeout=300)
     job.kill_worker(status, rank=1)
     assert job.finish(timeout=600) == 0, job.output()
-    report = audit_report(job.audit, str(data), 3)
+    report = audit_report(job.audit, clicks, 3)
     assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
     test = job.result()["test_metrics"]
     assert test["auc"] > 0.65, test  # a ranking far better than chance
     assert test["log_loss"] == pytest.approx(test["loss"], rel=1e-4)  # the gate's metric is the loss it trained on
+
+
+def test_the_keras_deepfm_trains_on_the_same_features(clicks, start_job):
+    job = start_job("--model-def", DEEPFM_KERAS, "--data", clicks, "--workers", "1", "--epochs", "2",
+                    "--minibatch-size", "64", "--minibatches-per-task", "4")
+    assert job.finish(timeout=600) == 0, job.output()
+    report = audit_report(job.audit, clicks, 2)
+    assert report["exact"], report
+    test = job.result()["test_metrics"]
+    assert test["auc"] > 0.65, test
