@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-install
 EXTRAS ?= torch,tensorflow,dev
 
-.PHONY: install test demo bench compile clean
+.PHONY: install test demo bench compile clean cluster cluster-stop
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,15 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m elastic_step.pipelines.demo
+
+# The tests' cluster stand-in, for trying by hand (tests/cluster/local.py): API server, scheduler,
+# kubelet, S3 and MLflow on 127.0.0.1; it prints how to use it. `make cluster CLUSTER_DOCKER=1`: the Docker
+# runtime on the image `make image-smoke` builds. Ctrl-C or `make cluster-stop` stops it.
+cluster: $(STAMP)
+	PYTHONPATH=tests $(PY) -m cluster.local $(if $(CLUSTER_DOCKER),--docker)
+
+cluster-stop:
+	@if [ -f build/cluster/cluster.pid ]; then kill -TERM $$(cat build/cluster/cluster.pid); else echo "no local cluster runs (build/cluster/cluster.pid)"; fi
 
 # Generated files are committed; a test fails when one is stale.
 # The committed files name the images in the project's registry; for a cluster's own registry, compile

@@ -170,3 +170,50 @@ def test_auth_can_i_with_and_without_list_for_the_masters_service_account(cluste
     pods = [line for line in listed if line.split()[0] == "pods"]
     assert pods and "create" in pods[0] and "delete" in pods[0]
     assert not [line for line in listed if line.split()[0] in ("nodes", "*.*")]
+
+
+def test_make_cluster_comes_up_for_kubectl_and_stops_cleanly(tmp_path):
+    """`make cluster` (cluster/local.py): up, usable with the kubeconfig it writes, and gone,
+    every server with it, on SIGTERM (`make cluster-stop`)."""
+    if KUBECTL is None:
+        pytest.fail("kubectl is not installed (.ci/run installs Debian's kubectl)")
+    import signal
+    import sys
+
+    root = tmp_path / "local"
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.local", "--root", str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Stop it:"):
+                break
+        output = "".join(lines)
+        assert "Local cluster stand-in up" in output, output
+        kubeconfig = str(root / "admin.kubeconfig")
+        assert f"export KUBECONFIG={kubeconfig}" in output
+        assert oct(os.stat(kubeconfig).st_mode & 0o777) == "0o600" and oct(os.stat(root / "env").st_mode & 0o777) == "0o600"
+        settings = dict(line.split("=", 1) for line in (root / "env").read_text().splitlines())
+        assert settings["MLFLOW_TRACKING_USERNAME"] == "elastic-step" and settings["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")
+        assert settings["MLFLOW_TRACKING_PASSWORD"] not in output  # the secrets are in the private file only
+        run_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "KUBECONFIG": kubeconfig}
+        nodes = subprocess.run([KUBECTL, "get", "nodes"], env=run_env, capture_output=True, text=True, timeout=60)
+        assert nodes.returncode == 0 and "node-1   Ready" in nodes.stdout, nodes.stderr
+        secrets = subprocess.run([KUBECTL, "get", "secrets", "-o", "name"], env=run_env, capture_output=True, text=True, timeout=60)
+        assert {"secret/store-credentials", "secret/mlflow-credentials"} <= set(secrets.stdout.split())
+        pid = int((root / "cluster.pid").read_text())
+        assert pid == proc.pid
+        os.kill(pid, signal.SIGTERM)  # what `make cluster-stop` sends
+        assert proc.wait(60) == 0
+        assert not (root / "cluster.pid").exists()
+        import httpx
+
+        for url in (settings["MLFLOW_TRACKING_URI"] + "/health", settings["AWS_ENDPOINT_URL"]):
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url, timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
