@@ -87,3 +87,5 @@ def test_the_dockerfile_pins_its_base_by_digest_and_installs_only_hashed_files()
     commands = " ".join(line for line in dockerfile.replace("\\\n", " ").splitlines() if not line.lstrip().startswith("#"))
     installs = [re.split(r"&&|;", part)[0] for part in commands.split("pip install")[1:]]
     assert len(installs) == 3 and all("--require-hashes" in i or "--no-index" in i for i in installs), installs
+    # The build context (everything else excluded) carries the locks.
+    assert "!images/lock" in (ROOT / ".dockerignore").read_text().splitlines()
