@@ -23,24 +23,38 @@ def test_prepare_data_bad_split_and_unknown_dataset(tmp_path):
 
 
 def test_status_and_scale_of_a_running_job(digits, start_job):
+    """`status` is `get` by another name; JOB is positional, and --job-dir, as both took it before, still works."""
     job = start_job("--data", digits, "--workers", "2:3", "--epochs", "6", "--model-def", SLOW_MODEL, "--minibatch-size", "16")
     job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0)
-    text = cli("status", "--job-dir", job.job_dir)
+    text = cli("status", job.job_dir)
     assert text.returncode == 0, text.stderr
-    assert "running" in text.stdout and "w0.1" in text.stdout and "pid" in text.stdout
-    status = json.loads(cli("status", "--job-dir", job.job_dir, "--json").stdout)
-    pids = [w["pid"] for w in status["workers"]]
-    assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
-    refused = cli("scale", "--job-dir", job.job_dir, "--workers", "5")
-    assert refused.returncode != 0 and "2:3" in refused.stderr
+    assert "running" in text.stdout and "w0.1" in text.stdout and "PID" in text.stdout.upper()
+    view = json.loads(cli("status", "--job-dir", job.job_dir, "--json").stdout)
+    pids = [w["pid"] for w in view["workers"]]
+    assert pids and all(os.path.exists(f"/proc/{pid}") for pid in pids)
+    refused = cli("scale", job.job_dir, "--workers", "5")
+    assert refused.returncode == 2 and "2:3" in refused.stderr
     assert job.finish() == 0, job.output()
-    gone = cli("status", "--job-dir", job.job_dir)
+    ended = cli("status", job.job_dir)
+    assert ended.returncode == 0 and "succeeded" in ended.stdout, ended.stdout + ended.stderr
+    gone = cli("scale", job.job_dir, "--workers", "2")
     assert gone.returncode != 0 and "not running" in gone.stderr
 
 
 def test_status_of_a_folder_without_a_job(tmp_path):
     done = cli("status", "--job-dir", str(tmp_path))
-    assert done.returncode != 0 and "no running job" in done.stderr and str(tmp_path) in done.stderr
+    assert done.returncode == 2 and "no job" in done.stderr and str(tmp_path) in done.stderr
+    unnamed = cli("get")
+    assert unnamed.returncode == 2 and "name the job" in unnamed.stderr and len(unnamed.stderr.strip().splitlines()) == 1
+
+
+def test_the_cli_names_its_version_and_keeps_the_worker_command_out_of_its_help():
+    from elastic_step import __version__
+
+    assert cli("--version").stdout.strip() == f"elastic-step {__version__}"
+    listed = cli("--help").stdout
+    assert " get (status)" in listed and "\n    worker " not in listed
+    assert cli("worker", "--help").returncode == 0
 
 
 def test_warm_start_alias_trains_from_scratch_while_there_is_no_champion(digits, tmp_path):

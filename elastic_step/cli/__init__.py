@@ -19,9 +19,12 @@ COMMAND_MODULES = (data, train, submit, jobs, observe, logs, release, serve, arg
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from elastic_step import __version__
+
     parser = argparse.ArgumentParser(prog="elastic-step", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the master does")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"elastic-step {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(sub)
     return parser

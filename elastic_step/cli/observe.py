@@ -1,54 +1,108 @@
-"""`elastic-step get | list | top | stop`: watch a job (its summary, its workers with what each
-uses, its membership history) and stop it gracefully."""
+"""`elastic-step get | list | top | stop | ui`: watch a job (its summary, its workers with what
+each uses, its membership history) and stop it gracefully, whatever backend runs it: every
+command names the job the same way and asks elastic_step.operate, never the backend itself."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import time
 
+from elastic_step.operate import BACKENDS
+
 
 def register(sub) -> None:
-    p = sub.add_parser("get", help="show a job: summary, workers (CPU, memory, GPU, relaunches) and, with -e, its events")
-    p.add_argument("job", help="the job's folder (its --job-dir), or its name under --root")
-    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT"), help="folder holding job folders (default: $ELASTIC_STEP_ROOT)")
-    p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
-    p.add_argument("-e", "--events", action="store_true", help="also the membership events: deaths, relaunches, regroups, scaling, checkpoints")
-    add_backend(p, "JOB is the job's name (--job-name); its master's published status, with your own credentials")
+    p = sub.add_parser("get", aliases=["status"], help="show a job: summary, workers (CPU, memory, GPU, relaunches) and, "
+                       "with -e, its events (`status` is the same command)")
+    add_job(p, "show")
+    p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table", help="table for people (default), "
+                   "or the whole view as JSON or YAML for scripts")
+    p.add_argument("--json", dest="output", action="store_const", const="json", help=argparse.SUPPRESS)  # -o json, as `status` had it
+    p.add_argument("-e", "--events", action="store_true", help="also the membership events: deaths, relaunches, regroups, "
+                   "scaling, checkpoints")
     p.add_argument("--mlflow-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
-                   help="with --backend kubernetes: where to find a job that has ended (default: $MLFLOW_TRACKING_URI)")
+                   help="on Kubernetes: where to find a job that has ended, its status gone with it (default: $MLFLOW_TRACKING_URI)")
     p.set_defaults(func=get)
     p = sub.add_parser("list", help="list jobs: state, age, workers, epoch, progress, samples/s")
-    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT") or ".", help="folder holding job folders (default: $ELASTIC_STEP_ROOT, else .)")
-    p.add_argument("--backend", choices=("local", "kubernetes"), default="local")
-    p.add_argument("--namespace", help="with --backend kubernetes: the namespace (default: the current context's)")
-    p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    add_backend(p)
+    p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table", help="table (default), JSON or YAML")
     p.set_defaults(func=list_jobs)
     p = sub.add_parser("top", help="the worker table of a job (or one line per job), refreshed in place")
-    p.add_argument("job", nargs="?", help="the job's folder or name; without it, every job under --root")
-    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT") or ".")
+    add_job(p, "follow; without it, every job", optional=True)
     p.add_argument("-r", "--refresh", type=float, default=2.0, metavar="SECONDS", help="seconds between refreshes (default 2)")
     p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (default: until Ctrl-C)")
-    add_backend(p, "JOB is the job's name; without it, every job of the namespace")
     p.set_defaults(func=top)
     p = sub.add_parser("stop", help="stop a job gracefully: a final checkpoint, workers stopped; `train --resume` continues it")
-    p.add_argument("job", help="the job's folder or name")
-    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT"))
+    add_job(p, "stop")
     p.add_argument("--no-wait", dest="wait", action="store_false", help="return once the master took the request")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job to stop (default 600)")
-    add_backend(p, "JOB is the job's name; the request goes on its status ConfigMap, which its master reads")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="seconds to wait for the job to stop (default 600)")
     p.set_defaults(func=stop)
-    p = sub.add_parser("ui", help="the live page of a job on Kubernetes, served on this machine's loopback from its published status")
-    p.add_argument("job", help="the job's name (--job-name)")
-    p.add_argument("--namespace", help="the job's namespace (default: the current context's)")
-    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free one)")
+    p = sub.add_parser("ui", help="the live page of a job: its master's address, or on Kubernetes the page served on this "
+                       "machine's loopback from its published status")
+    add_job(p, "show")
+    p.add_argument("--port", type=int, default=0, help="on Kubernetes: the port on 127.0.0.1 to serve it on (default: any free one)")
     p.set_defaults(func=ui)
 
 
-def add_backend(p, kubernetes_help: str) -> None:
-    p.add_argument("--backend", choices=("local", "kubernetes"), default="local", help=f"kubernetes: {kubernetes_help}")
-    p.add_argument("--namespace", help="with --backend kubernetes: the job's namespace (default: the current context's)")
+def add_backend(p) -> None:
+    """--backend, -n/--namespace and --root, with their defaults from the environment."""
+    p.add_argument("--backend", choices=BACKENDS, default=os.environ.get("ELASTIC_STEP_BACKEND") or None,
+                   help="where the job runs: local (job folders on this machine) or kubernetes (read with your own "
+                        "credentials); default: $ELASTIC_STEP_BACKEND, else local where JOB is a job folder here (or "
+                        "no JOB is named), else kubernetes where you have a kubeconfig")
+    p.add_argument("-n", "--namespace", default=os.environ.get("ELASTIC_STEP_NAMESPACE"),
+                   help="on Kubernetes: the jobs' namespace (default: $ELASTIC_STEP_NAMESPACE, else your kubeconfig "
+                        "context's)")
+    p.add_argument("--root", default=os.environ.get("ELASTIC_STEP_ROOT"),
+                   help="local: the folder holding job folders, where a JOB given by name is looked for, and what "
+                        "`list` lists (default: $ELASTIC_STEP_ROOT, else .)")
+
+
+def add_job(p, what: str, optional: bool = False) -> None:
+    """The positional JOB every command takes, then --backend and where to look."""
+    p.add_argument("job", metavar="JOB", nargs="?", help=f"the job to {what}: locally its folder (--job-dir) or its name "
+                   "under --root; on Kubernetes its name, as `list` shows it, or its instance")
+    p.add_argument("--job-dir", dest="job_dir", help=argparse.SUPPRESS)  # what `status` and `scale` took before JOB
+    add_backend(p)
+    p.set_defaults(job_optional=optional)
+
+
+def backend_of(args) -> str:
+    """--backend, else where the job named is: a job folder here, else a cluster you can reach."""
+    if args.backend:
+        return args.backend
+    job = getattr(args, "job", None) or getattr(args, "job_dir", None)
+    if not job:
+        return "local"
+    from elastic_step.jobview import UnknownJob, find_job
+
+    try:
+        find_job(job, args.root)
+        return "local"
+    except UnknownJob:
+        pass
+    has_kubeconfig = os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config"))
+    return "kubernetes" if has_kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
+
+
+def job_of(args) -> str | None:
+    """JOB, or the --job-dir it replaces; a command that needs one and got none is refused."""
+    job = args.job or args.job_dir
+    if job is None and not args.job_optional:
+        from elastic_step.errors import ConfigError
+
+        raise ConfigError(f"name the job: `elastic-step {args.command} JOB` (its folder, or its name as `elastic-step list` "
+                          "shows it)")
+    return job
+
+
+def operator(args):
+    from elastic_step.operate import operator_for
+
+    args.backend = backend_of(args)
+    return operator_for(args.backend, root=args.root, namespace=args.namespace, mlflow_uri=getattr(args, "mlflow_uri", None))
 
 
 def dump(data, output: str) -> None:
@@ -63,7 +117,7 @@ def dump(data, output: str) -> None:
 def get(args) -> int:
     from elastic_step.cli.render import print_job
 
-    view = load_view(args, args.events)
+    view = operator(args).view(job_of(args), args.events)
     if args.output != "table":
         dump(view, args.output)
     else:
@@ -71,31 +125,14 @@ def get(args) -> int:
     return 0
 
 
-def load_view(args, with_events: bool) -> dict:
-    if args.backend == "kubernetes":
-        from elastic_step.kubejobs import kubernetes_view
-
-        return kubernetes_view(args.job, args.namespace, with_events, mlflow_uri=getattr(args, "mlflow_uri", None))
-    from elastic_step.jobview import find_job, job_view
-
-    return job_view(find_job(args.job, args.root), with_events=with_events)
-
-
 def list_jobs(args) -> int:
     from elastic_step.cli.render import print_job_list
 
-    if args.backend == "kubernetes":
-        from elastic_step.kubejobs import list_kubernetes
-
-        rows = list_kubernetes(args.namespace)
-    else:
-        from elastic_step.jobview import list_local
-
-        rows = list_local(args.root)
+    rows = operator(args).jobs()
     if args.output != "table":
         dump(rows, args.output)
     else:
-        print_job_list(rows, kubernetes=args.backend == "kubernetes")
+        print_job_list(rows)
     return 0
 
 
@@ -105,21 +142,17 @@ def top(args) -> int:
 
     from elastic_step.cli.render import job_list_table, job_tables
     from elastic_step.errors import ElasticStepError
-    from elastic_step.jobview import find_job, list_local
 
-    kubernetes = args.backend == "kubernetes"
-    if args.job and not kubernetes:
-        args.job = find_job(args.job, args.root)  # an unknown job is an error at once, not a frame
+    jobs = operator(args)
+    job = job_of(args)
+    if job:
+        job = jobs.locate(job)  # an unknown or ambiguous job is an error at once, not a frame
 
     def frame():
-        if not args.job:
-            if kubernetes:
-                from elastic_step.kubejobs import list_kubernetes
-
-                return job_list_table(list_kubernetes(args.namespace), kubernetes=True)
-            return job_list_table(list_local(args.root))
+        if not job:
+            return job_list_table(jobs.jobs())
         try:
-            return job_tables(load_view(args, with_events=False))
+            return job_tables(jobs.view(job))
         except ElasticStepError as exc:  # the job ended or its master went away meanwhile: say so, keep going
             from rich.text import Text
 
@@ -141,66 +174,19 @@ def top(args) -> int:
 
 
 def stop(args) -> int:
-    from elastic_step.errors import ElasticStepError
-    from elastic_step.jobclient import JobClient
-    from elastic_step.jobview import find_job, load_job
-
-    if args.backend == "kubernetes":
-        from elastic_step.kubejobs import stop_kubernetes
-
-        print(stop_kubernetes(args.job, args.namespace, args.timeout, wait=args.wait))
-        return 0
-    job_dir = find_job(args.job, args.root)
-    job = load_job(job_dir, with_events=False)
-    if not job["live"]:
-        state = (job["result"] or {}).get("state") or job["status"].get("state")
-        raise ElasticStepError(f"job {job['status'].get('job')} has ended ({state}); there is nothing to stop")
-    client = JobClient(job_dir)
-    try:
-        status = client.stop()
-    finally:
-        client.close()
-    print(f"stopping job {status['job']}: the workers checkpoint their next step, then stop", file=sys.stderr)
-    if not args.wait:
-        return 0
-    deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
-        try:
-            job = load_job(job_dir, with_events=False)
-        except ElasticStepError:
-            job = None  # between the master's end and its final status
-        if job is not None and not job["live"]:
-            result = job["result"] or {}
-            state = result.get("state") or job["status"].get("state")
-            if state == "stopped" and not result:
-                time.sleep(0.5)  # the master still records the stop in MLflow; result.json follows
-                continue
-            if state != "stopped":
-                raise ElasticStepError(f"job {status['job']} ended {state}, not stopped: {job['status'].get('failure', '')}")
-            print(f"job {status['job']} stopped at its checkpoint of step {result.get('checkpoint_step')}; "
-                  "`elastic-step train` with the same options and --resume continues it")
-            return 0
-        time.sleep(0.5)
-    raise ElasticStepError(f"job {status['job']} did not stop within {args.timeout:.0f}s; see `elastic-step get {job_dir} -e`")
+    print(operator(args).stop(job_of(args), args.timeout, args.wait, say=lambda text: print(text, file=sys.stderr)))
+    return 0
 
 
 def ui(args) -> int:
-    from elastic_step.errors import ElasticStepError
-    from elastic_step.kubejobs import core_api, current_namespace, published_document, published_job, status_map, where_of
     from elastic_step.pageserver import PageServer, PublishedStatus
 
-    api, namespace = core_api(), args.namespace or current_namespace()
-    found = status_map(api, namespace, args.job)
-    if found is None:
-        raise ElasticStepError(f"no running job {args.job!r} in namespace {namespace}; see `elastic-step list --backend kubernetes`")
-
-    def read() -> dict | None:
-        current = status_map(api, namespace, args.job)
-        return published_document(current, namespace) if current is not None else None
-
-    job = published_job(found, namespace)
-    server = PageServer(PublishedStatus(read), args.port)
-    print(f"live page of job {job['info'].get('job', args.job)} ({where_of(job['info'])}): {server.url}", flush=True)
+    page = operator(args).live_page(job_of(args))
+    if page.url:  # the master serves it itself
+        print(f"live page of {page.describe}: {page.url}", flush=True)
+        return 0
+    server = PageServer(PublishedStatus(page.read), args.port)
+    print(f"live page of {page.describe}: {server.url}", flush=True)
     print("Ctrl-C to stop", file=sys.stderr, flush=True)
     try:
         server.serve_forever(poll_interval=0.5)

@@ -122,7 +122,7 @@ def print_job(view: dict) -> None:
     Console(width=200, soft_wrap=False).print(job_tables(view))
 
 
-def job_list_table(rows: list[dict], kubernetes: bool = False) -> Table:
+def job_list_table(rows: list[dict]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("JOB", "STATE", "AGE", "WORKERS", "EPOCH", "PROGRESS", "SAMPLES/S", "WHERE"):
         table.add_column(column, no_wrap=True)
@@ -132,12 +132,12 @@ def job_list_table(rows: list[dict], kubernetes: bool = False) -> Table:
         workers = f"{r.get('workers_live', 0)}/{r.get('target_workers') or '-'}"
         sps = f"{r['samples_per_s']:.0f}" if r.get("samples_per_s") is not None else "-"
         row(table, r["job"], r["state"], seconds(r.get("duration_s")), workers, epoch, progress, sps,
-                      f"{r.get('namespace')}/{r.get('instance')}" if kubernetes else r.get("note") or r.get("job_dir", ""))
+                      r.get("where", ""))
     return table
 
 
-def print_job_list(rows: list[dict], kubernetes: bool = False) -> None:
+def print_job_list(rows: list[dict]) -> None:
     if not rows:
         print("no jobs")
         return
-    Console(width=200, soft_wrap=False).print(job_list_table(rows, kubernetes))
+    Console(width=200, soft_wrap=False).print(job_list_table(rows))
