@@ -46,7 +46,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")
     p.add_argument("--audit", help="write every applied row range as JSON lines to this file")
-    p.add_argument("--backend", default=defaults.BACKEND, help="where workers run: local processes or kubernetes pods "
+    p.add_argument("--backend", choices=("local", "kubernetes"), default=defaults.BACKEND, help="where workers run: local processes or kubernetes pods "
                                                               "(default %(default)s)")
     p.add_argument("--port", type=int, default=defaults.PORT, help="master API port (default: a free one)")
     p.add_argument("--host", default=defaults.HOST, help="address the master listens on (default %(default)s)")
