@@ -217,3 +217,26 @@ def test_make_cluster_comes_up_for_kubectl_and_stops_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cordon_drain_and_uncordon_the_node(cluster, kubectl):
+    """`kubectl cordon` keeps new pods Pending/Unschedulable, `drain` evicts the running ones
+    through the Eviction API (DisruptionTarget first), `uncordon` lets the pending ones run."""
+    sleeper = ["--restart=Never", f"--image={cluster.project_image}", "--command", "--", "python", "-c", "import time; time.sleep(60)"]
+    kubectl("run", "running", *sleeper)
+    wait_for(lambda: (cluster.server.get("pods", cluster.namespace, "running") or {}).get("status", {}).get("phase") == "Running",
+             what="running pod running")
+    kubectl("cordon", "node-1")
+    assert "Ready,SchedulingDisabled" in kubectl("get", "node", "node-1").stdout
+    kubectl("run", "waiting", "--restart=Never", f"--image={cluster.project_image}", "--command", "--", "python", "-c", "print('ran')")
+    waiting = wait_for(lambda: [c for c in (cluster.server.get("pods", cluster.namespace, "waiting").get("status") or {}).get("conditions", [])
+                                if c["type"] == "PodScheduled" and c["status"] == "False"], what="waiting pod unschedulable")
+    assert "1 node(s) were unschedulable" in waiting[0]["message"]
+    drained = kubectl("drain", "node-1", "--force", "--pod-selector", "run=running", "--grace-period=1", "--timeout=60s")
+    assert "pod/running evicted" in drained.stdout and "node/node-1 drained" in drained.stdout
+    evicted = [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[4]["metadata"]["name"] == "running"]
+    assert any(c["type"] == "DisruptionTarget" and c["reason"] == "EvictionByEvictionAPI"
+               for e in evicted for c in e.get("status", {}).get("conditions", []))
+    kubectl("uncordon", "node-1")
+    wait_for(lambda: (cluster.server.get("pods", cluster.namespace, "waiting") or {}).get("status", {}).get("phase") == "Succeeded",
+             what="waiting pod ran after uncordon")

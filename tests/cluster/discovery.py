@@ -65,6 +65,7 @@ RESOURCE_LIST = [
     Resource("", "nodes", "Node", False, ("no",)),  # the kubelet's one node, its allocatable read by the scheduler
     Resource("networking.k8s.io", "networkpolicies", "NetworkPolicy", True, ("netpol",)),
     Resource("scheduling.k8s.io", "priorityclasses", "PriorityClass", False, ("pc",)),  # read by `elastic-step submit`
+    Resource("policy", "poddisruptionbudgets", "PodDisruptionBudget", True, ("pdb",)),  # stored, not enforced by evictions
     Resource(_RBAC, "roles", "Role", True),
     Resource(_RBAC, "rolebindings", "RoleBinding", True),
     Resource(_RBAC, "clusterroles", "ClusterRole", False),
@@ -82,7 +83,7 @@ SUBRESOURCES = {
     ("pods", "status"): ("Pod", ("get", "patch", "update")),
     ("pods", "binding"): ("Binding", ("create",)),
     ("pods", "log"): ("Pod", ("get",)),
-    ("pods", "eviction"): ("Eviction", ("create",)),
+    ("pods", "eviction"): ("policy/v1/Eviction", ("create",)),  # `kubectl drain` looks for it here
     ("serviceaccounts", "token"): ("TokenRequest", ("create",)),
 }
 # The reviews a user asks about itself (rbac.REVIEWS): create-only, cluster-scoped.
@@ -133,8 +134,10 @@ def resource_list(group_version: str) -> dict | None:
         resources.append(entry)
         for (plural, sub), (kind, verbs) in SUBRESOURCES.items():
             if plural == r.plural:
-                resources.append({"name": f"{plural}/{sub}", "singularName": "", "namespaced": r.namespaced, "kind": kind,
-                                  "verbs": list(verbs)})
+                entry = {"name": f"{plural}/{sub}", "singularName": "", "namespaced": r.namespaced, "kind": kind, "verbs": list(verbs)}
+                if kind.count("/") == 2:  # a subresource of another group's kind
+                    entry["group"], entry["version"], entry["kind"] = kind.split("/")
+                resources.append(entry)
     for plural in REVIEW_GROUPS.get(group, []):
         kind = {"selfsubjectaccessreviews": "SelfSubjectAccessReview", "selfsubjectrulesreviews": "SelfSubjectRulesReview",
                 "selfsubjectreviews": "SelfSubjectReview"}[plural]

@@ -1,7 +1,7 @@
-"""Request bodies kubectl sends as `application/vnd.kubernetes.protobuf` (its typed clients do, for
-the reviews of `kubectl auth can-i` and the Eviction of `kubectl drain`), read into the JSON dict
-the server works on. Answers stay JSON: those clients accept `application/json` too and decode by
-the answer's Content-Type.
+"""Request bodies kubectl sends as `application/vnd.kubernetes.protobuf` (its typed clients do: the
+reviews of `kubectl auth can-i`, the Eviction or DeleteOptions of `kubectl drain`), read into the
+JSON dict the server works on. Answers stay JSON: those clients accept `application/json` too and
+decode by the answer's Content-Type.
 
 The wire format (k8s.io/apimachinery/pkg/runtime/serializer/protobuf): the magic `k8s\\0`, then a
 runtime.Unknown {typeMeta 1 {apiVersion 1, kind 2}, raw 2, contentEncoding 3, contentType 4}
@@ -28,6 +28,7 @@ MESSAGES = {
     "SelfSubjectRulesReview": {1: ("metadata", _OBJECT_META), 2: ("spec", {1: ("namespace", "string")})},
     "SelfSubjectReview": {1: ("metadata", _OBJECT_META)},
     "Eviction": {1: ("metadata", _OBJECT_META), 2: ("deleteOptions", _DELETE_OPTIONS)},
+    "DeleteOptions": _DELETE_OPTIONS,
 }
 
 
