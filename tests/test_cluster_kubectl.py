@@ -60,6 +60,7 @@ def wait_for(predicate, timeout=30.0, what="condition"):
 
 def test_discovery_and_openapi_from_kubernetes_own_schema(kubectl):
     server = json.loads(kubectl("version", "-o", "json").stdout)["serverVersion"]
+    assert [line.split()[:2] for line in kubectl("get", "namespaces").stdout.splitlines()][:2] == [["NAME", "STATUS"], ["default", "Active"]]
     assert server["gitVersion"] == "v1.32.0"
     names = kubectl("api-resources", "-o", "name").stdout.split()
     assert {"pods", "configmaps", "nodes", "roles.rbac.authorization.k8s.io", "networkpolicies.networking.k8s.io",
@@ -232,6 +233,8 @@ def test_cordon_drain_and_uncordon_the_node(cluster, kubectl):
     waiting = wait_for(lambda: [c for c in (cluster.server.get("pods", cluster.namespace, "waiting").get("status") or {}).get("conditions", [])
                                 if c["type"] == "PodScheduled" and c["status"] == "False"], what="waiting pod unschedulable")
     assert "1 node(s) were unschedulable" in waiting[0]["message"]
+    described = kubectl("describe", "pod", "waiting").stdout
+    assert "Warning  FailedScheduling" in described and "default-scheduler" in described, described
     drained = kubectl("drain", "node-1", "--force", "--pod-selector", "run=running", "--grace-period=1", "--timeout=60s")
     assert "pod/running evicted" in drained.stdout and "node/node-1 drained" in drained.stdout
     evicted = [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[4]["metadata"]["name"] == "running"]
@@ -240,3 +243,27 @@ def test_cordon_drain_and_uncordon_the_node(cluster, kubectl):
     kubectl("uncordon", "node-1")
     wait_for(lambda: (cluster.server.get("pods", cluster.namespace, "waiting") or {}).get("status", {}).get("phase") == "Succeeded",
              what="waiting pod ran after uncordon")
+
+
+def test_logs_previous_and_restarts_after_a_restart_in_place(cluster, kubectl, tmp_path):
+    manifest = tmp_path / "flaky.yaml"
+    manifest.write_text(textwrap.dedent(f"""\
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: flaky}}
+        spec:
+          restartPolicy: OnFailure
+          volumes: [{{name: state, emptyDir: {{}}}}]
+          containers:
+          - name: main
+            image: {cluster.project_image}
+            volumeMounts: [{{name: state, mountPath: /state}}]
+            command: [python, -c, "import os, sys\\nruns = len(os.listdir('/state'))\\nopen(f'/state/{{runs}}', 'w').close()\\nprint('run', runs)\\nsys.exit(3 if runs == 0 else 0)"]
+        """))
+    kubectl("apply", "-f", str(manifest))
+    wait_for(lambda: (cluster.server.get("pods", cluster.namespace, "flaky") or {}).get("status", {}).get("phase") == "Succeeded",
+             what="flaky succeeded")
+    row = kubectl("get", "pod", "flaky").stdout.splitlines()[1].split()
+    assert row[:4] == ["flaky", "0/1", "Completed", "1"] and row[4].startswith("(")  # RESTARTS: 1 (Ns ago)
+    assert kubectl("logs", "flaky").stdout == "run 1\n"
+    assert kubectl("logs", "flaky", "--previous").stdout == "run 0\n"

@@ -85,6 +85,8 @@ def test_a_pod_that_does_not_fit_stays_unschedulable_until_capacity_returns(clus
     assert waiting[0].reason == "Unschedulable" and "0/1 nodes are available: 1 Insufficient cpu." in waiting[0].message
     late = api.read_namespaced_pod("late", ns)
     assert late.status.phase == "Pending" and late.spec.node_name is None
+    events = api.list_namespaced_event(ns, field_selector=f"involvedObject.name=late,involvedObject.uid={late.metadata.uid}").items
+    assert [(e.type, e.reason, e.message) for e in events] == [("Warning", "FailedScheduling", waiting[0].message)]
 
     cluster.set_allocatable(cpu="4")  # capacity given back: the pending pod is bound and runs
     assert finished(api, "late", ns).status.phase == "Succeeded"

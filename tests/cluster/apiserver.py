@@ -135,6 +135,8 @@ class ApiServer:
         body["kind"], body["apiVersion"] = kind, GROUP_VERSIONS.get(group, f"{group}/v1")
         if plural == "pods":
             admit_pod(store, namespace, body)
+        if plural == "namespaces":
+            body["status"] = {"phase": "Active"}
         if plural == "secrets" and body.get("stringData"):
             data = body.setdefault("data", {})
             for key, value in body.pop("stringData").items():

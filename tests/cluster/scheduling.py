@@ -12,6 +12,7 @@ As kube-scheduler does (pkg/scheduler/framework/plugins):
 - NodeUnschedulable, NodeName and the pod's `nodeSelector` against the node's labels;
 - a pod that does not fit stays Pending with the condition `PodScheduled=False`, reason
   `Unschedulable` and the scheduler's message (`0/1 nodes are available: 1 Insufficient cpu.`),
+  also a `FailedScheduling` Warning event (what `kubectl describe pod` lists),
   and is tried again whenever a pod or the node changes (a pod ends, capacity returns);
 - higher `spec.priority` first, then the older pod.
 Not modelled: preemption (the message says no victims were found), taints and tolerations,
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
 from decimal import Decimal
 
 from kubernetes import client as k8s
@@ -39,6 +41,7 @@ SCHEDULER_RULES = [  # the share of system:kube-scheduler's ClusterRole this sch
     {"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/binding"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["update", "patch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 RESOURCES = ("cpu", "memory", "nvidia.com/gpu")
 DEFAULT_ALLOCATABLE = {"cpu": "64", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "0"}
@@ -195,6 +198,19 @@ class Scheduler:
              "lastTransitionTime": now_text()}]
         try:
             self.api.replace_namespaced_pod_status(pod["metadata"]["name"], pod["metadata"]["namespace"], pod, _preload_content=False)
+            self.api.create_namespaced_event(pod["metadata"]["namespace"], failed_scheduling_event(pod, message), _preload_content=False)
         except k8s.ApiException as exc:
             if exc.status not in (404, 409):
                 raise
+
+
+def failed_scheduling_event(pod: dict, message: str) -> dict:
+    """The Warning `kubectl describe pod` shows under Events for a pod that does not fit."""
+    meta, now = pod["metadata"], now_text()
+    return {"apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
+            "involvedObject": {"kind": "Pod", "apiVersion": "v1", "namespace": meta["namespace"], "name": meta["name"],
+                               "uid": meta["uid"], "resourceVersion": meta.get("resourceVersion", "")},
+            "type": "Warning", "reason": "FailedScheduling", "message": message, "count": 1,
+            "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "default-scheduler"},
+            "reportingComponent": "default-scheduler", "reportingInstance": "default-scheduler"}

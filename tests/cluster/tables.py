@@ -2,7 +2,8 @@
 as=Table;v=v1;g=meta.k8s.io`) when it prints `get` for a human, with the columns
 kube-apiserver's printers give (pkg/printers/internalversion/printers.go): a pod's NAME, READY,
 STATUS, RESTARTS, AGE and, at priority 1 (`-o wide`), IP, NODE, NOMINATED NODE, READINESS GATES;
-a node's; every other kind NAME and CREATED AT, as the default table convertor does.
+a node's, a namespace's and an event's; every other kind NAME and CREATED AT, as the default
+table convertor does.
 
 Each row carries the object as `includeObject` asks: `Metadata` (the default) a
 PartialObjectMetadata, `Object` the whole object, `None` nothing."""
@@ -98,12 +99,24 @@ def _column(name: str, kind: str = "string", priority: int = 0, fmt: str = "") -
     return {"name": name, "type": kind, "format": fmt, "description": name, "priority": priority}
 
 
+def _namespace_row(ns: dict) -> list:
+    return [ns["metadata"]["name"], (ns.get("status") or {}).get("phase", "Active"), age(ns["metadata"].get("creationTimestamp"))]
+
+
+def _event_row(event: dict) -> list:
+    involved = event.get("involvedObject") or {}
+    return [age(event.get("lastTimestamp")), event.get("type", ""), event.get("reason", ""),
+            f"{involved.get('kind', '').lower()}/{involved.get('name', '')}", event.get("message", "")]
+
+
 COLUMNS = {
     "pods": ([_column("Name", fmt="name"), _column("Ready"), _column("Status"), _column("Restarts"), _column("Age"),
               _column("IP", priority=1), _column("Node", priority=1), _column("Nominated Node", priority=1),
               _column("Readiness Gates", priority=1)], _pod_row),
     "nodes": ([_column("Name", fmt="name"), _column("Status"), _column("Roles"), _column("Age"), _column("Version"),
                _column("Internal-IP", priority=1)], _node_row),
+    "namespaces": ([_column("Name", fmt="name"), _column("Status"), _column("Age")], _namespace_row),
+    "events": ([_column("Last Seen"), _column("Type"), _column("Reason"), _column("Object"), _column("Message")], _event_row),
 }
 
 
