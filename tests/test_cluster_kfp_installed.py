@@ -104,6 +104,10 @@ def install(cluster: Cluster, mode: Mode) -> None:
     api = cluster.core()
     api.create_namespaced_secret(mode.namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "accesskey": "minio", "secretkey": "not-a-real-secret"}))
+    # The workers' own: read-only keys for the data (docs/kubernetes.md), never KFP's whole-store Secret.
+    api.create_namespaced_secret(mode.namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name="elastic-step-data-reader"),
+                                                              string_data={"AWS_ACCESS_KEY_ID": "minio",
+                                                                           "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}))
     if mode.launcher_config:
         api.create_namespaced_config_map(mode.namespace, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="kfp-launcher"),
                                                                          data={"defaultPipelineRoot": "minio://mlpipeline/v2/artifacts"}))
