@@ -28,11 +28,24 @@ STORE_SECRET_KEYS = {"accesskey": "AWS_ACCESS_KEY_ID", "secretkey": "AWS_SECRET_
 # Every task's pod carries both: the project's label, and the one deploy/mlflow's NetworkPolicy
 # admits (step pods call MLflow; the train task's worker pods never carry it).
 PART_OF = ("app.kubernetes.io/part-of", "elastic-step")
+# MLflow's address and user come together from one Secret in the run's namespace, by reference, on
+# every task that calls MLflow: the URI comes with the password, never from a parameter of the run
+# (a task refuses a `mlflow_uri` other than the Secret's), and the Secret's name is fixed here, not
+# chosen by whoever submits a run. Optional, for KFP's own MLflow integration, which sets these
+# variables itself; otherwise the train task's pre-flight names the missing Secret, and any task
+# left with no URI at all refuses in one line (exit 2).
+MLFLOW_SECRET = "mlflow-credentials"
+MLFLOW_SECRET_KEYS = {"uri": "MLFLOW_TRACKING_URI", "username": "MLFLOW_TRACKING_USERNAME",
+                      "password": "MLFLOW_TRACKING_PASSWORD"}
 
 
 def label_step(task):
     for key, value in (PART_OF, defaults.MLFLOW_CLIENT_LABEL):
         kubernetes.add_pod_label(task, key, value)
+
+
+def uses_mlflow(task):
+    kubernetes.use_secret_as_env(task, secret_name=MLFLOW_SECRET, secret_key_to_env=MLFLOW_SECRET_KEYS, optional=True)
 
 
 def run_as_image_user(task):
@@ -104,6 +117,8 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         for task in (prepared, trained, judged):
             label_step(task)
             run_as_image_user(task)
+        for task in (trained, judged):
+            uses_mlflow(task)
         for task in (prepared, trained, judged, released):
             task.set_caching_options(caching)
 
@@ -129,6 +144,7 @@ def _release_if_blessed(caching: bool):
             for task in (exported, promoted):
                 label_step(task)
                 run_as_image_user(task)
+                uses_mlflow(task)
                 task.set_caching_options(caching)
             with dsl.If(serve_target != "", name="serve"):  # "" (the default): promote only
                 deployed = deploy_model(registered_model=registered_model, version=promoted.outputs["champion_version"],
@@ -137,6 +153,7 @@ def _release_if_blessed(caching: bool):
                                         mlflow_uri=mlflow_uri)
                 label_step(deployed)
                 run_as_image_user(deployed)
+                uses_mlflow(deployed)
                 deployed.set_caching_options(False)  # a deploy acts on the cluster as it is now
 
     return release

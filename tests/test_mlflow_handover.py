@@ -235,3 +235,27 @@ def test_argo_steps_with_credentials_take_the_uri_from_the_credentials_secret_ne
                 assert env[variable] == {"name": variable, "valueFrom": {"secretKeyRef": {"name": "mlflow-pipelines", "key": key}}}
             assert "workflow.parameters" not in json.dumps([e for e in container["env"] if e["name"].startswith("MLFLOW_")])
     assert checked >= 10  # every step of both pipelines
+
+
+@pytest.mark.parametrize("pipeline", ["training_pipeline", "retraining_pipeline"])
+def test_compiled_kfp_tasks_take_mlflows_uri_and_user_from_one_fixed_secret(pipeline):
+    """kfp-kubernetes' secretAsEnv, as KFP's driver applies it: every task that calls MLflow gets
+    MLFLOW_TRACKING_URI, _USERNAME and _PASSWORD from the Secret `mlflow-credentials`, named by a
+    constant (runtimeValue), never by a run's parameter; the data step gets nothing of it."""
+    import yaml
+
+    from elastic_step.pipelines.compile import PIPELINES_DIR
+
+    docs = list(yaml.safe_load_all((PIPELINES_DIR / "compiled" / f"{pipeline}.yaml").read_text()))
+    executors = next(d for d in docs if "platforms" in d)["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    expected = {"uri": "MLFLOW_TRACKING_URI", "username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"}
+    with_mlflow = set()
+    for executor, config in executors.items():
+        for secret in config.get("secretAsEnv", []):
+            mapping = {k["secretKey"]: k["envVar"] for k in secret["keyToEnv"]}
+            if any(env.startswith("MLFLOW_") for env in mapping.values()):
+                assert mapping == expected and secret["optional"] is True, executor
+                assert secret["secretNameParameter"] == {"runtimeValue": {"constant": "mlflow-credentials"}}, executor
+                with_mlflow.add(executor)
+    assert with_mlflow == {f"exec-{t}" for t in ("train-elastic", "evaluate-model", "export-model", "promote-model",
+                                                  "deploy-model")}
