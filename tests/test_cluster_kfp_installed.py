@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 from kubernetes import client as k8s
@@ -48,6 +49,7 @@ RUN_ID = "7d1e2f3a-4b5c-4d6e-8f90-a1b2c3d4e5f6"
 STORE_SECRET = "mlpipeline-minio-artifact"  # KFP's own, keys accesskey / secretkey
 MINIO_SERVICE = "minio-service.kubeflow:9000"  # KFP's default MinIO endpoint
 BUCKET = "mlpipeline"
+MLFLOW_SECRET, MLFLOW_USER = "mlflow-credentials", "pipelines"  # the MLflow user's Secret: keys uri, username, password
 PIPELINES = {"training": os.path.join(REPO, "pipelines", "compiled", "training_pipeline.yaml"),
              "retraining": os.path.join(REPO, "pipelines", "compiled", "retraining_pipeline.yaml")}
 PARAMETERS = {"backend": "kubernetes", "model_def": "slow_digits", "workers": "2:3", "epochs": 2, "minibatch_size": 16,
@@ -76,10 +78,19 @@ def s3():
 
 @pytest.fixture(scope="module")
 def mlflow(tmp_path_factory):
-    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow")))
-    server.start()
+    """MLflow behind basic auth, as deploy/mlflow ships it, with the pipelines' own user."""
+    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow")), auth=True)
+    server.start(timeout=240)  # its auth app's first start migrates a user store: slow on a busy machine
+    server.pipelines_password = server.create_user(MLFLOW_USER)
     yield server
     server.stop()
+
+
+# The MLflow Secret on the task, as kfp-kubernetes compiles `use_secret_as_env(task, MLFLOW_SECRET,
+# {"uri": "MLFLOW_TRACKING_URI", "username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"})`.
+MLFLOW_SECRET_AS_ENV = {"secretAsEnv": [{"secretName": MLFLOW_SECRET, "keyToEnv": [
+    {"secretKey": "uri", "envVar": "MLFLOW_TRACKING_URI"}, {"secretKey": "username", "envVar": "MLFLOW_TRACKING_USERNAME"},
+    {"secretKey": "password", "envVar": "MLFLOW_TRACKING_PASSWORD"}]}]}
 
 
 def make_cluster(tmp_path, mode: Mode, s3: S3Server) -> Cluster:
@@ -96,9 +107,10 @@ def make_cluster(tmp_path, mode: Mode, s3: S3Server) -> Cluster:
     return Cluster(str(tmp_path / "cluster"), namespace=mode.namespace, images=images)
 
 
-def install(cluster: Cluster, mode: Mode) -> None:
+def install(cluster: Cluster, mode: Mode, mlflow: MlflowServer | None = None) -> None:
     """KFP's roles, then deploy/kfp/MODE (`kubectl apply -k`), then what KFP (or Kubeflow's
-    profile controller) puts in the namespace: the store's Secret and, in a profile, kfp-launcher."""
+    profile controller) puts in the namespace: the store's Secret and, in a profile, kfp-launcher;
+    and the MLflow user's Secret the platform engineer creates."""
     cluster.apply(read_platform(mode.platform), mode.namespace)
     cluster.apply(read_manifests(os.path.join(REPO, "deploy", "kfp", mode.overlay)), mode.namespace)
     api = cluster.core()
@@ -111,11 +123,27 @@ def install(cluster: Cluster, mode: Mode) -> None:
     if mode.launcher_config:
         api.create_namespaced_config_map(mode.namespace, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="kfp-launcher"),
                                                                          data={"defaultPipelineRoot": "minio://mlpipeline/v2/artifacts"}))
+    if mlflow is not None:
+        api.create_namespaced_secret(mode.namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=MLFLOW_SECRET), string_data={
+            "uri": mlflow.uri, "username": MLFLOW_USER, "password": mlflow.pipelines_password}))
 
 
 def main_log(cluster: Cluster, pod: str) -> str:
     """The log of the pod's `main` (the launcher and the component it runs)."""
     return cluster.core().read_namespaced_pod_log(pod, cluster.namespace, container="main")
+
+
+def wait_for(cluster: Cluster, task: StepOnNode, predicate, timeout: float) -> dict:
+    """The master's status once `predicate` holds; the task's own log if it ends first."""
+    deadline, status = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        if task.phase() in ("Succeeded", "Failed"):
+            raise AssertionError(f"the task ended ({task.phase()}) first; last status {status}\n{main_log(cluster, task.name)}")
+        status = task.status()
+        if status is not None and predicate(status):
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"not reached in {timeout}s; last status {status}\n{main_log(cluster, task.name)}")
 
 
 def published(log: str) -> dict:
@@ -135,7 +163,7 @@ def test_the_compiled_train_task_runs_as_installed_kfp_runs_it(tmp_path, digits,
 
 def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3: S3Server, mlflow: MlflowServer) -> None:
     ns, user = mode.namespace, service_account_user(mode.namespace, mode.account)
-    install(cluster, mode)
+    install(cluster, mode, mlflow)
     run_id = RUN_ID[:-2] + ("01" if pipeline == "training" else "02") + mode.name[:1]
     # The driver, with the run's account: the pipeline root from kfp-launcher, the executor input.
     root = pipeline_root(cluster.core(cluster.token_for(ns, mode.account)), ns)
@@ -143,15 +171,18 @@ def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3:
     driver = TaskDriver("train-elastic", run_id, root, PIPELINES[pipeline])
     dataset_uri = driver.upstream_uri("prepare-data", "dataset")
     s3.upload(digits, BUCKET, dataset_uri.removeprefix(f"minio://{BUCKET}/"))  # private: a reader needs the Secret's keys
-    executor = driver.executor_input({**PARAMETERS, "mlflow_uri": mlflow.uri, "experiment": f"kfp-{mode.name}-{pipeline}"})
-    pod = driver.pod(executor, mode.account, env={"AWS_ENDPOINT_URL": s3.endpoint, "AWS_REGION": REGION})
+    # No mlflow_uri: MLflow's URI and the user's credentials reach the pod only through its Secret.
+    executor = driver.executor_input({**PARAMETERS, "mlflow_uri": "", "experiment": f"kfp-{mode.name}-{pipeline}"})
+    pod = driver.pod(executor, mode.account, env={"AWS_ENDPOINT_URL": s3.endpoint, "AWS_REGION": REGION},
+                     platform_additions=MLFLOW_SECRET_AS_ENV)
+    assert mlflow.pipelines_password not in json.dumps(pod)
     cluster.core().create_namespaced_pod(ns, pod)
     name = pod["metadata"]["name"]
     task = StepOnNode(cluster, name)
 
     started = time.monotonic()
-    status = task.wait(lambda s: s["state"] == "running" and s["world_size"] >= 2
-                       and 0.1 < s["rows_done"] / s["rows_total"] < 0.5, timeout=150)
+    status = wait_for(cluster, task, lambda s: s["state"] == "running" and s["world_size"] >= 2
+                      and 0.1 < s["rows_done"] / s["rows_total"] < 0.5, timeout=150)
     victim = next(w for w in status["workers"] if w["rank"] == 1)
     cluster.kubelet.kill(ns, victim["pod"])  # SIGKILL
     phase = task.wait_ended(150)
@@ -169,7 +200,10 @@ def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3:
     assert [e["worker"] for e in died] == [victim["id"]], died
     workers = worker_pods_made(cluster)
     assert len(workers) >= 3, [w["metadata"]["name"] for w in workers]  # two or more, and the killed one's successor
-    assert all(w["spec"]["serviceAccountName"] != mode.account for w in workers)
+    for worker in workers:
+        assert worker["spec"]["serviceAccountName"] != mode.account
+        # The workers never call MLflow: they get neither the password nor a reference to it.
+        assert "MLFLOW_TRACKING_PASSWORD" not in {e["name"] for e in worker["spec"]["containers"][0].get("env") or []}
 
     # The launcher uploaded the outputs under the run's root, and published them.
     outputs = published(log)
@@ -185,8 +219,9 @@ def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3:
     assert b"<html" in s3.client().get_object(Bucket=BUCKET, Key=f"{prefix}/report")["Body"].read().lower()
     import mlflow as mlflow_client
 
-    run = mlflow_client.MlflowClient(mlflow.uri).get_run(model["metadata"]["mlflow_run_id"])
-    assert run.info.status == "FINISHED"
+    with mock.patch.dict(os.environ, mlflow.credentials_env(MLFLOW_USER, mlflow.pipelines_password)):
+        run = mlflow_client.MlflowClient(mlflow.uri).get_run(model["metadata"]["mlflow_run_id"])
+    assert run.info.status == "FINISHED", run.info
 
     # Under KFP's own roles and deploy/kfp/MODE only: nothing refused; the launcher's reads made
     # with the task's own account; no object of the job left.
