@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     daemon, images = docker_runtime() if args.docker else (None, None)
     s3, mlflow = S3Server().start(), MlflowServer(os.path.join(root, "mlflow"), auth=True)
     try:
-        mlflow.start()
+        mlflow.start(timeout=240)  # a loaded machine takes its time over the first start
         password = mlflow.create_user("elastic-step")
         for kind in ("experiment", "registered_model"):
             mlflow.grant("elastic-step", kind, "*", "MANAGE")
