@@ -10,7 +10,7 @@ import datetime
 import json
 import time
 
-from elastic_step.backends.kubernetes.manifests import STATUS_KEY, STOP_ANNOTATION, dns_label
+from elastic_step.backends.kubernetes.manifests import SCALE_ANNOTATION, STATUS_KEY, STOP_ANNOTATION, dns_label
 from elastic_step.errors import ElasticStepError
 from elastic_step.operate.documents import checked_events, checked_status
 
@@ -291,6 +291,25 @@ def stop_kubernetes(job: str, namespace: str | None, timeout_s: float, wait: boo
                                    f"and `kubectl logs -n {namespace} {pod}`")
         time.sleep(1.0)
     raise ElasticStepError(f"job {job} did not stop within {timeout_s:.0f}s; see `elastic-step get --backend kubernetes {job} -e`")
+
+
+def scale_kubernetes(job: str, namespace: str, workers: int, api) -> str:
+    """Ask job `job`'s master for `workers` workers (an annotation on its status ConfigMap, which it
+    reads within seconds), within the range it published."""
+    found = status_map(api, namespace, job)
+    if found is None:
+        raise ElasticStepError(f"no running job {job!r} in namespace {namespace}; there is nothing to scale")
+    status = published_job(found, namespace)["status"]
+    low, high = status.get("workers_range") or (1, workers)
+    if status.get("state") in ENDED or not low <= workers <= high:
+        raise ElasticStepError(f"job {job} cannot run {workers} workers: " + (f"it has ended ({status['state']})"
+                               if status.get("state") in ENDED else f"--workers {workers} is outside its range {low}:{high}"))
+    try:
+        api.patch_namespaced_config_map(found.metadata.name, namespace, {"metadata": {"annotations": {SCALE_ANNOTATION: str(workers)}}})
+    except Exception as exc:
+        raise ElasticStepError(f"cannot ask job {job} to scale: {getattr(exc, 'reason', None) or exc} on ConfigMap "
+                               f"{found.metadata.name}; you need deploy/operator's Role in {namespace} (configmaps patch)") from None
+    return f"asked job {job} for {workers} workers; its master takes the request within seconds"
 
 
 def _phase(api, namespace: str, pod: str) -> str | None:

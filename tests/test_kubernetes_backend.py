@@ -345,27 +345,27 @@ def test_the_status_configmap_is_created_then_updated_carries_a_stop_request_and
     master = MasterPod("train-step-1", pod.metadata.uid, "127.0.0.1", "ml")
     backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"), master=master, request_timeout_s=1.0)
     name = backend.names.status_map
-    assert backend.publish({"status": {"state": "running", "step": 1}}) == set()
+    assert backend.publish({"status": {"state": "running", "step": 1}}) == {}
     made = fake.config_maps[name]
     assert made.metadata.labels["app.kubernetes.io/component"] == "status"
     assert made.metadata.labels["app.kubernetes.io/instance"] == backend.names.instance
     assert [(o.kind, o.name, o.uid) for o in made.metadata.owner_references] == [("Pod", "train-step-1", pod.metadata.uid)]
-    assert backend.publish({"status": {"state": "running", "step": 2}}) == set()
+    assert backend.publish({"status": {"state": "running", "step": 2}}) == {}
     assert json.loads(fake.config_maps[name].data[STATUS_KEY])["status"]["step"] == 2
     assert [c for c in fake.calls if c[1] == name] == [("create_config_map", name), ("patch_config_map", name)]
     # `elastic-step stop --backend kubernetes` leaves an annotation; the next publish finds it.
     fake.patch_namespaced_config_map(name, "ml", {"metadata": {"annotations": {STOP_ANNOTATION: "now"}}})
-    assert backend.publish({"status": {"state": "running", "step": 3}}) == {"stop"}
+    assert backend.publish({"status": {"state": "running", "step": 3}}).keys() == {"stop"}
     # A stalled API server costs stale status, not the job: publish returns at its timeout.
     fake.stall_s = 30.0
     fake.patch_namespaced_config_map = lambda *a, **kw: fake._timed("patch_config_map", kw, stalls=True)
     started = time.monotonic()
-    assert backend.publish({"status": {"state": "running", "step": 4}}) == set()
+    assert backend.publish({"status": {"state": "running", "step": 4}}) == {}
     assert time.monotonic() - started < 5
     fake.stall_s = 0
     backend.shutdown(grace_s=0)
     assert name not in fake.config_maps
-    assert backend.publish({"status": {"state": "succeeded"}}) == set() and name not in fake.config_maps  # nothing outlives the job
+    assert backend.publish({"status": {"state": "succeeded"}}) == {} and name not in fake.config_maps  # nothing outlives the job
 
 
 def test_the_cli_reads_a_published_job_and_asks_it_to_stop(tmp_path, fake):

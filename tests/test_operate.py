@@ -62,7 +62,8 @@ def test_a_job_on_kubernetes_is_read_and_steered_through_the_interface(tmp_path)
         while not api.list_namespaced_pod("ml", label_selector="app.kubernetes.io/component=worker").items:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        status = {"job": "unit", "state": "running", "step": 4, "workers": [{"id": "w0.1", "slot": 0, "state": "live"}]}
+        status = {"job": "unit", "state": "running", "step": 4, "workers_range": [1, 2],
+                  "workers": [{"id": "w0.1", "slot": 0, "state": "live"}]}
         backend.publish({"info": {"job": "unit", "backend": "kubernetes"}, "status": status,
                          "events": [{"time": 1.0, "event": "checkpoint", "step": 4}]})
         jobs = KubernetesJobs("ml", api=api)
@@ -74,7 +75,7 @@ def test_a_job_on_kubernetes_is_read_and_steered_through_the_interface(tmp_path)
         assert view["summary"]["step"] == 4 and [e["event"] for e in view["events"]] == ["checkpoint"]
         page = jobs.live_page("unit")
         assert page.url is None and json.loads(json.dumps(page.read()))["status"]["step"] == 4
-        with pytest.raises(ElasticStepError, match="scale on Kubernetes is not supported"):
+        with pytest.raises(ElasticStepError, match="outside its range 1:2"):
             jobs.scale("unit", 3)
         assert "asked job unit to stop" in jobs.stop("unit", 5, wait=False, say=print)
         with pytest.raises(ElasticStepError, match="no worker pods of job 'nope'"):

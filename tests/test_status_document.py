@@ -74,7 +74,7 @@ def test_an_event_flood_is_published_within_the_limit_and_a_stop_is_still_seen(t
 
 def test_a_stop_is_read_even_when_the_status_update_fails(tmp_path, api):
     state, backend, publisher = running_job(tmp_path, api)
-    assert backend.publish({"status": {"state": "running"}}) == set()
+    assert backend.publish({"status": {"state": "running"}}) == {}
     name = backend.names.status_map
     api.patch_namespaced_config_map(name, "ml", {"metadata": {"annotations": {STOP_ANNOTATION: "now"}}})
     original = api.patch_namespaced_config_map
@@ -85,7 +85,7 @@ def test_a_stop_is_read_even_when_the_status_update_fails(tmp_path, api):
         return original(name, namespace, body, **kwargs)
 
     api.patch_namespaced_config_map = data_refused
-    assert backend.publish({"status": {"state": "running", "step": 9}}) == {"stop"}
+    assert backend.publish({"status": {"state": "running", "step": 9}}).keys() == {"stop"}
     backend.shutdown(grace_s=0)
 
 
@@ -104,7 +104,7 @@ def test_a_planted_newer_configmap_with_the_jobs_labels_is_not_taken_for_its_sta
     while not api.list_namespaced_pod("ml", label_selector=WORKER_SELECTOR).items and time.monotonic() < deadline:
         time.sleep(0.02)
     genuine = {"info": {"job": "unit", "backend": "kubernetes"}, "status": {"job": "unit", "state": "running", "step": 7, "workers": []}}
-    assert backend.publish(genuine) == set()
+    assert backend.publish(genuine) == {}
     labels = dict(api.config_maps[backend.names.status_map].metadata.labels)
     later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
     fake_doc = json.dumps({"info": {"job": "unit", "backend": "kubernetes"}, "status": {"job": "unit", "state": "failed", "step": 0}})
@@ -144,4 +144,25 @@ def test_a_configmap_planted_under_the_jobs_status_name_before_its_master_made_i
     made = api.config_maps[name]
     assert [o.uid for o in made.metadata.owner_references] == [backend.master.uid] and STOP_ANNOTATION not in (made.metadata.annotations or {})
     assert json.loads(made.data[STATUS_KEY])["info"]["job"] == "unit"
+    backend.shutdown(grace_s=0)
+
+
+def test_scale_on_kubernetes_reaches_the_master_through_its_status_configmap(tmp_path, api):
+    """`elastic-step scale JOB --workers N --backend kubernetes`: the request is an annotation the
+    master's next publish takes in, once per value; a number outside the job's range is refused
+    by the operator's command, before anything is asked."""
+    from elastic_step.errors import ElasticStepError
+    from elastic_step.operate.kubernetes import KubernetesJobs
+
+    state, backend, publisher = running_job(tmp_path, api)  # workers 2:3, 3 running
+    publisher.publish_once()
+    jobs = KubernetesJobs("ml", api=api)
+    with pytest.raises(ElasticStepError, match="outside its range 2:3"):
+        jobs.scale(backend.names.instance, 5)
+    assert "asked job" in jobs.scale(backend.names.instance, 2)
+    publisher.publish_once()
+    assert state.membership.target == 2 and [e["target"] for e in state.events.of(EventKind.SCALED)] == [2]
+    publisher.publish_once()  # the annotation stays: the same request is not taken twice
+    assert len(state.events.of(EventKind.SCALED)) == 1
+    assert json.loads(api.config_maps[backend.names.status_map].data[STATUS_KEY])["status"]["target_workers"] == 2
     backend.shutdown(grace_s=0)

@@ -63,8 +63,9 @@ class Backend(abc.ABC):
     # own API serve `get`, `top` and `stop`, and nothing needs publishing.
     publishes_status = False
 
-    def publish(self, document: dict) -> set[str]:
+    def publish(self, document: dict) -> dict[str, str]:
         """Show the job's status (`document`: its info, status and membership events) where this
-        backend's users read it; returns the operator's requests left there ({"stop"}). Called
-        from the master's publishing thread, never under its lock; it may wait for the network."""
-        return set()
+        backend's users read it; returns the operator's requests left there, by name ("stop":
+        when, "workers": how many). Called from the master's publishing thread, never under its
+        lock; it may wait for the network."""
+        return {}

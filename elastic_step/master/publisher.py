@@ -51,6 +51,7 @@ class StatusPublisher:
         self.interval_s = interval_s
         self.stop_taken = False
         self.stop_refused = ""  # why a requested stop cannot be done, for the operator's `stop`
+        self.workers_taken: str | None = None  # the operator's last `scale` request taken in
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="status-publisher", daemon=True)
 
@@ -87,3 +88,14 @@ class StatusPublisher:
             except ValueError as exc:  # the job has ended, or it takes no checkpoints
                 self.stop_refused = str(exc)
                 log.warning("the operator asked for a stop, which cannot be done: %s", exc)
+        if requests.get("workers") not in (None, self.workers_taken):
+            self._scale(requests["workers"])
+
+    def _scale(self, requested: str) -> None:
+        """The operator's `scale`: taken once per value (the annotation stays until the next)."""
+        self.workers_taken = requested
+        try:
+            self.state.scale(int(requested))
+            log.info("scaled to %s workers by the operator (the job's status ConfigMap)", requested)
+        except ValueError as exc:  # not a number, outside the job's range, or the job has ended
+            log.warning("the operator asked for %r workers, which cannot be done: %s", requested, exc)

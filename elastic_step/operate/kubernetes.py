@@ -42,8 +42,9 @@ class KubernetesJobs(JobOperator):
         return stop_kubernetes(job, self.namespace, timeout_s, wait=wait, api=self.api)
 
     def scale(self, job: str, workers: int) -> str:
-        raise ElasticStepError(f"scale on Kubernetes is not supported yet: job {job}'s master takes only a stop from its "
-                               "status ConfigMap; set --workers MIN:MAX when the job starts so it grows and shrinks itself")
+        from elastic_step.kubejobs import scale_kubernetes
+
+        return scale_kubernetes(job, self.namespace, workers, api=self.api)
 
     def log_lines(self, job: str, request: LogRequest) -> Iterator[str]:
         from elastic_step.kubejobs import WORKER_CONTAINER, master_pod, pod_log, worker_pod

@@ -39,6 +39,12 @@ def read_token(spec: LaunchSpec) -> str:
         return f.read().strip()
 
 
+def _requests(config_map: k8s.V1ConfigMap) -> dict[str, str]:
+    """The operator's requests on the status ConfigMap (its annotations), by name."""
+    annotations = (config_map.metadata.annotations or {}) if config_map.metadata else {}
+    return {name: annotations[key] for name, key in manifests.REQUEST_ANNOTATIONS.items() if key in annotations}
+
+
 def main_container(pod: k8s.V1Pod) -> k8s.V1Container | None:
     """The master's own container: `main` (Argo's and KFP's name for the step's container; Argo
     lists its `wait` sidecar first), else the pod's only container."""
@@ -313,7 +319,7 @@ class KubernetesBackend(Backend):
     # -- the status others read ---------------------------------------------------------------------
     publishes_status = True
 
-    def publish(self, document: dict) -> set[str]:
+    def publish(self, document: dict) -> dict[str, str]:
         """Create, then update, the job's status ConfigMap (`elastic-step get|top|stop --backend
         kubernetes` read it with their own credentials); a stop request is its annotation. A
         failing API costs a warning (once per outage) and stale status, never the job."""
@@ -321,7 +327,7 @@ class KubernetesBackend(Backend):
 
         ns, text = self.settings.namespace, json.dumps(document, default=str)
         if self._shut_down:
-            return set()
+            return {}
         try:
             if self.status_published:
                 reply = self.api.patch_namespaced_config_map(self.names.status_map, ns, {"data": {manifests.STATUS_KEY: text}},
@@ -338,12 +344,11 @@ class KubernetesBackend(Backend):
                             "kubernetes` shows older status until it works again", self.names.status_map, ns,
                             getattr(exc, "reason", None) or exc)
             self._publish_failing = True
-            return self._stop_requested_anyway() if self.status_published else set()
+            return self._requested_anyway() if self.status_published else {}
         self._publish_failing = False
-        annotations = (reply.metadata.annotations or {}) if reply.metadata else {}
-        return {"stop"} if manifests.STOP_ANNOTATION in annotations else set()
+        return _requests(reply)
 
-    def _replace_found_status_map(self) -> set[str]:
+    def _replace_found_status_map(self) -> dict[str, str]:
         """A ConfigMap of this instance's status name was there before this master made one: an
         earlier create whose reply was lost, or one planted (the instance shows in the job's
         Secret as soon as it is made) with owners and annotations of its maker's choosing. Which,
@@ -356,18 +361,17 @@ class KubernetesBackend(Backend):
         except Exception as exc:
             if getattr(exc, "status", None) != 404:
                 log.warning("deleting ConfigMap %s failed: %s", self.names.status_map, exc)
-        return set()
+        return {}
 
-    def _stop_requested_anyway(self) -> set[str]:
-        """The update failed, but the operator's stop annotation must still be read: an empty patch
+    def _requested_anyway(self) -> dict[str, str]:
+        """The update failed, but the operator's requests must still be read: an empty patch
         changes nothing and answers the ConfigMap as it is (the Role grants patch, not get)."""
         try:
             reply = self.api.patch_namespaced_config_map(self.names.status_map, self.settings.namespace, {},
                                                          _request_timeout=self.timeout_s)
         except Exception:
-            return set()
-        annotations = (reply.metadata.annotations or {}) if reply.metadata else {}
-        return {"stop"} if manifests.STOP_ANNOTATION in annotations else set()
+            return {}
+        return _requests(reply)
 
     def _delete_made(self) -> None:
         """The job's Secret, NetworkPolicies and status ConfigMap."""

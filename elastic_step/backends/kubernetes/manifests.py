@@ -261,6 +261,9 @@ def shared_volumes_of(pod: k8s.V1Pod | None, container: k8s.V1Container | None,
 # request from outside the job reaches it), and where `stop` leaves its request.
 STATUS_KEY = "status.json"
 STOP_ANNOTATION = "elastic-step/stop-requested"
+SCALE_ANNOTATION = "elastic-step/workers-requested"  # `scale`: the number of workers the operator asks for
+# The operator's requests, by the name the master takes them under.
+REQUEST_ANNOTATIONS = {"stop": STOP_ANNOTATION, "workers": SCALE_ANNOTATION}
 
 
 def status_map(names: JobNames, master: MasterPod | None, namespace: str, document: str) -> k8s.V1ConfigMap:
