@@ -4,16 +4,16 @@ is not involved), against a stand-in CoreV1Api that keeps real V1Pod objects."""
 
 from __future__ import annotations
 
-import argparse
 import datetime
 
 import pytest
 from kubernetes import client as k8s
 
 from elastic_step.backends.kubernetes.manifests import JobNames
-from elastic_step.cli.logs import kubernetes_logs
 from elastic_step.errors import ElasticStepError
 from elastic_step.kubejobs import list_kubernetes, worker_pod
+from elastic_step.operate import LogRequest
+from elastic_step.operate.kubernetes import KubernetesJobs
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 
@@ -76,18 +76,18 @@ def test_a_worker_or_its_slot_or_its_earlier_attempt_names_a_pod(api):
         worker_pod(api, "ml", "digits", "w1.7", False)
 
 
-def args(**kw) -> argparse.Namespace:
-    base = dict(job="digits", namespace="ml", worker="w1", master=False, previous=False, tail=None, timestamps=False, follow=False)
-    return argparse.Namespace(**{**base, **kw})
+def log_lines(api, **request) -> list[str]:
+    """`elastic-step logs digits --backend kubernetes ...`, as the CLI asks for it."""
+    return list(KubernetesJobs("ml", api=api).log_lines("digits", LogRequest(**request)))
 
 
-def test_logs_reads_pods_log_with_tail_since_and_timestamps(api, capsys):
+def test_logs_reads_pods_log_with_tail_since_and_timestamps(api):
     api.logs[("digits-abc-w1-1", False)] = "started\nTraceback (most recent call last):\nKilled\n"
-    assert kubernetes_logs(args(previous=True, tail=2, timestamps=True), since_s=300, api=api) == 0
-    assert capsys.readouterr().out == "started\nTraceback (most recent call last):\nKilled\n"
+    assert log_lines(api, worker="w1", previous=True, tail=2, timestamps=True, since_s=300) == [
+        "started", "Traceback (most recent call last):", "Killed"]
     assert api.calls[-1] == {"name": "digits-abc-w1-1", "container": "worker", "previous": False, "timestamps": True,
                              "tail_lines": 2, "since_seconds": 300}
     with pytest.raises(ElasticStepError, match="no earlier container"):
-        kubernetes_logs(args(worker="w0", previous=True), since_s=None, api=api)
+        log_lines(api, worker="w0", previous=True)
     with pytest.raises(ElasticStepError, match="no running job 'digits' with a master pod.*kubectl logs"):
-        kubernetes_logs(args(master=True, worker=None), since_s=None, api=api)
+        log_lines(api, worker=None)
