@@ -284,3 +284,28 @@ def test_the_kfp_example_takes_the_uri_from_the_same_secret_as_the_password(tmp_
     assert {k["envVar"]: k["secretKey"] for k in secret["keyToEnv"]} == {
         "MLFLOW_TRACKING_URI": "uri", "MLFLOW_TRACKING_USERNAME": "username", "MLFLOW_TRACKING_PASSWORD": "password"}
     assert "MLFLOW_TRACKING_URI" not in json.dumps(next(d for d in docs if "deploymentSpec" in d))  # no literal env
+
+
+def test_local_workers_never_get_the_masters_mlflow_credentials(tmp_path, monkeypatch):
+    """The worker command is replaced by one that writes its environment to the worker's log."""
+    import os
+    import time
+
+    from elastic_step.backends.api import LaunchSpec
+    from elastic_step.backends.local import LocalBackend
+    from elastic_step.protocol import WorkerEnv
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "pipelines")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "a-password")
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "a-token")
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\nenv\n")
+    fake_python.chmod(0o755)
+    backend = LocalBackend(LaunchSpec("http://127.0.0.1:1", str(tmp_path / "token"), str(tmp_path)), python=str(fake_python))
+    backend.launch(0, "w0.1")
+    deadline = time.monotonic() + 30
+    while not backend.poll() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    environment = open(os.path.join(tmp_path, "logs", "w0.1.log")).read()
+    assert f"{WorkerEnv.WORKER_ID.value}=w0.1" in environment.splitlines()  # it is the worker's environment
+    assert "a-password" not in environment and "a-token" not in environment and "MLFLOW_TRACKING_USERNAME" not in environment

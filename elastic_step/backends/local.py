@@ -42,6 +42,9 @@ def last_words(log_path: str, limit: int = 300) -> str:
     return f": {lines[-1][:limit]}" if lines else ""
 
 
+MLFLOW_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
 class LocalBackend(Backend):
     """The master calls launch, stop, poll and describe holding its lock, which its API waits
     on: starting a process (a fork, an exec, its log file opened) happens on this backend's own
@@ -88,7 +91,8 @@ class LocalBackend(Backend):
                     proc.kill()
 
     def _start(self, worker_id: str) -> subprocess.Popen:
-        env = dict(os.environ)
+        # Workers never call MLflow: the master's MLflow credentials stay with the master.
+        env = {k: v for k, v in os.environ.items() if k not in MLFLOW_CREDENTIALS}
         env.update(self.spec.env)
         env.update(
             {
