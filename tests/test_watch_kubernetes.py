@@ -11,9 +11,10 @@ from kubernetes import client as k8s
 
 from elastic_step.backends.kubernetes.manifests import JobNames
 from elastic_step.errors import ElasticStepError
-from elastic_step.kubejobs import list_kubernetes, worker_pod
+from elastic_step.kubejobs import list_kubernetes
 from elastic_step.operate import LogRequest
 from elastic_step.operate.kubernetes import KubernetesJobs
+from elastic_step.operate.pods import worker_pod
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 

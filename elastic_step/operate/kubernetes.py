@@ -47,7 +47,7 @@ class KubernetesJobs(JobOperator):
         return scale_kubernetes(job, self.namespace, workers, api=self.api)
 
     def log_lines(self, job: str, request: LogRequest) -> Iterator[str]:
-        from elastic_step.kubejobs import WORKER_CONTAINER, master_pod, pod_log, worker_pod
+        from elastic_step.operate.pods import WORKER_CONTAINER, master_pod, pod_log, worker_pod
 
         if request.worker is None:
             pod, container = master_pod(self.api, self.namespace, job)
