@@ -158,3 +158,37 @@ def test_snapshot_and_restore_keep_applied_rows_and_return_the_rest():
     assert restored.epoch_progress() == (6, 40)
     todo = drain(restored)
     assert sorted(ranges(t for t in todo if t.epoch == 0)) == [(0, 6, 8), (0, 8, 10), (1, 0, 4), (1, 4, 8), (1, 8, 10)]
+
+
+def test_a_million_tasks_are_implicit_in_the_shard_sizes_and_cost_under_100_bytes_each():
+    import tracemalloc
+
+    tracemalloc.start()
+    d = Dispatcher([1000] * 1000, [f"part-{i:05d}" for i in range(1000)], rows_per_task=1, epochs=1, shuffle=True)
+    ledger = Ledger(d)
+    apply_all(d, ledger, [d.next_task("w") for _ in range(10_000)])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak / 1_000_000 <= 100, f"{peak / 1_000_000:.0f} bytes per task"
+    assert d.epoch_progress() == (10_000, 1_000_000)
+
+
+def test_finished_tasks_let_go_as_objects_are_still_known_snapshotted_and_voidable(monkeypatch):
+    import elastic_step.master.dispatcher as dispatcher
+
+    monkeypatch.setattr(dispatcher, "FINISHED_KEPT", 0)  # every finished task's object goes at once
+    d = Dispatcher([10, 7], ["f1", "f2"], rows_per_task=3, epochs=2, shuffle=True, seed=3)
+    ledger = Ledger(d)
+    first, second, third = d.next_task("a"), d.next_task("a"), d.next_task("b")
+    ledger.ingest(1, [Consumed(first.id, 0, first.count), Consumed(third.id, 0, 1)])
+    ledger.ingest(2, [Consumed(second.id, 0, second.count)])
+    assert d.tasks[first.id].applied == first.count and (d.tasks[first.id].shard, d.tasks[first.id].start) == (first.shard, first.start)
+    assert ledger.void_after(1) == second.count  # a let-go task put back in flight by a voided step
+    assert d.tasks[second.id].applied == 0
+    d.return_all()  # `third` splits: its applied row stays, the rest goes back
+    restored = Dispatcher([10, 7], ["f1", "f2"], rows_per_task=3, epochs=2, shuffle=True, seed=3)
+    restored.restore(json.loads(json.dumps(d.snapshot())))
+    assert restored.epoch_progress() == d.epoch_progress() == (first.count + 1, 34)
+    left = sorted((t.shard, r) for t in drain(restored) if t.epoch == 0 for r in range(t.start, t.start + t.count))
+    done = {(first.shard, r) for r in range(first.start, first.start + first.count)} | {(third.shard, third.start)}
+    assert left == sorted({(s, r) for s, n in enumerate([10, 7]) for r in range(n)} - done)
