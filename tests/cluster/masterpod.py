@@ -8,6 +8,7 @@ import json
 import time
 
 import httpx
+from kubernetes import client as k8s
 
 from elastic_step.protocol import API
 
@@ -39,7 +40,18 @@ class MasterPodOnNode:
         return self.cluster.core().read_namespaced_pod(self.name, self.cluster.namespace).status.phase
 
     def log(self) -> str:
-        return self.cluster.core().read_namespaced_pod_log(self.name, self.cluster.namespace)
+        """Every container's log, init containers first (`kubectl logs --all-containers`): the API
+        answers one container at a time when a pod has several (Argo's `wait` beside `main`)."""
+        api, ns = self.cluster.core(), self.cluster.namespace
+        spec = api.read_namespaced_pod(self.name, ns).spec
+        texts = []
+        for container in (spec.init_containers or []) + spec.containers:
+            try:
+                texts.append(api.read_namespaced_pod_log(self.name, ns, container=container.name))
+            except k8s.ApiException as exc:  # a container that never started has no log
+                if exc.status != 400:
+                    raise
+        return "".join(texts)
 
     def wait_ended(self, timeout: float) -> str:
         """The pod's phase once it has ended (or whatever it is when `timeout` runs out)."""
