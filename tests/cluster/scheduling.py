@@ -135,7 +135,7 @@ class Scheduler:
     def _watch_loop(self, lister) -> None:
         """Any change of a pod or the node is a reason to try the pending pods again."""
         while not self.closed:
-            w = watch.Watch()
+            w = watch.Watch(return_type="object")  # the event itself is all it needs: no model objects built
             self._watches.append(w)
             try:
                 for _ in w.stream(lister, timeout_seconds=60):
