@@ -10,13 +10,16 @@ for the kinds read; other fields are skipped, as an older client's would be)."""
 
 from __future__ import annotations
 
+import base64
+
 from .objects import ApiError
 
 MAGIC = b"k8s\x00"
 PROTOBUF = "application/vnd.kubernetes.protobuf"
 
 # message -> {field number: (json name, sub-message or a scalar type)}
-_OBJECT_META = {1: ("name", "string"), 3: ("namespace", "string")}
+_OBJECT_META = {1: ("name", "string"), 3: ("namespace", "string"), 11: ("labels", ("map", "string")),
+                12: ("annotations", ("map", "string"))}
 _RESOURCE_ATTRIBUTES = {1: ("namespace", "string"), 2: ("verb", "string"), 3: ("group", "string"), 4: ("version", "string"),
                         5: ("resource", "string"), 6: ("subresource", "string"), 7: ("name", "string")}
 _NON_RESOURCE_ATTRIBUTES = {1: ("path", "string"), 2: ("verb", "string")}
@@ -29,6 +32,10 @@ MESSAGES = {
     "SelfSubjectReview": {1: ("metadata", _OBJECT_META)},
     "Eviction": {1: ("metadata", _OBJECT_META), 2: ("deleteOptions", _DELETE_OPTIONS)},
     "DeleteOptions": _DELETE_OPTIONS,
+    # `kubectl create secret` and `kubectl create namespace` (k8s.io/api/core/v1 generated.proto)
+    "Secret": {1: ("metadata", _OBJECT_META), 2: ("data", ("map", "bytes")), 3: ("type", "string"),
+               4: ("stringData", ("map", "string"))},
+    "Namespace": {1: ("metadata", _OBJECT_META)},
 }
 
 
@@ -70,6 +77,11 @@ def _message(data: bytes, layout: dict) -> dict:
         name, kind = layout[number]
         if isinstance(kind, dict):
             out[name] = _message(value, kind)
+        elif isinstance(kind, tuple):  # a map: repeated entries {key 1, value 2}; bytes as JSON's base64
+            entry = {n: v for n, _, v in _fields(value)}
+            raw = entry.get(2, b"")
+            out.setdefault(name, {})[entry.get(1, b"").decode()] = (
+                base64.b64encode(raw).decode() if kind[1] == "bytes" else raw.decode())
         elif kind == "int":
             out[name] = value - (1 << 64) if value >= 1 << 63 else value
         else:
