@@ -67,7 +67,8 @@ class WorkerPods:
 
 def check_request_limit(flag: str, value: str) -> None:
     """REQUEST or REQUEST:LIMIT of positive Kubernetes quantities, the request not above the limit."""
-    from elastic_step.argo.documents import QUANTITY
+    from elastic_step.argo.documents import QUANTITY  # here: documents imports this module
+
 
     request, colon, limit = value.partition(":")
     for part in (request, limit) if colon else (request,):
