@@ -103,8 +103,16 @@ def log_of(cluster, name: str, namespace: str) -> str:
 
 def probe(cluster, name: str, targets: list[str], namespace: str | None = None, labels: dict | None = None) -> dict:
     """What a pod of `labels` in `namespace` can open, as PROBE reports it."""
+    start_probe(cluster, name, targets, namespace, labels)
+    return probe_result(cluster, name, namespace)
+
+
+def start_probe(cluster, name: str, targets: list[str], namespace: str | None = None, labels: dict | None = None) -> None:
+    cluster.core().create_namespaced_pod(namespace or cluster.namespace, python_pod(cluster, name, PROBE, targets, labels))
+
+
+def probe_result(cluster, name: str, namespace: str | None = None) -> dict:
     api, namespace = cluster.core(), namespace or cluster.namespace
-    api.create_namespaced_pod(namespace, python_pod(cluster, name, PROBE, targets, labels))
     pod = wait_for(lambda: (p := api.read_namespaced_pod(name, namespace)).status.phase in ("Succeeded", "Failed") and p, 60, f"{name} done")
     out = log_of(cluster, name, namespace)
     assert pod.status.phase == "Succeeded", out
@@ -236,6 +244,11 @@ def start_job(cluster, s3: str, digits, name: str, workers: str = "2", epochs: i
     return MasterOnPodNetwork(cluster, name)
 
 
+def url_port(master) -> int:
+    with open(master.path(f"{JOB_DIR}/master.json")) as f:
+        return int(json.load(f)["url"].rsplit(":", 1)[1])
+
+
 def listening_ports(cluster, namespace: str, pod: str) -> set[int]:
     """The TCP ports a pod listens on at its own address (`ss` in its network namespace)."""
     net = cluster.network.pods[cluster.core().read_namespaced_pod(pod, namespace).metadata.uid]
@@ -244,41 +257,58 @@ def listening_ports(cluster, namespace: str, pod: str) -> set[int]:
 
 
 def test_a_job_trains_with_its_policies_on_and_no_pod_outside_it_opens_its_ports(tmp_path, digits):
+    """The job's policies, as nftables rules in each pod's namespace, keep a pod without the
+    job's labels, or a worker of another job, off the master's API, its rendezvous store and
+    the workers' collective ports; the job trains to an exact audit."""
     with S3Server() as s3, job_cluster(tmp_path) as cluster:
         ns = cluster.namespace
-        master = start_job(cluster, s3.endpoint, digits, "train-step-net", epochs=3)
+        master = start_job(cluster, s3.endpoint, digits, "train-step-net", epochs=10)  # long enough to probe it while it runs
         status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2 and s["rows_done"] > 0, timeout=150)
         master_ip = cluster.core().read_namespaced_pod("train-step-net", ns).status.pod_ip
         policies = {p.metadata.name: p for p in cluster.networking().list_namespaced_network_policy(ns).items}
         master_policy = next(p for p in policies.values() if p.metadata.name.endswith("master"))
         master_ports = [p.port for p in master_policy.spec.ingress[0].ports]
         assert len(master_ports) == 2  # the API and the rendezvous store
-        worker = status["workers"][0]["pod"]
+        worker = next(w["pod"] for w in status["workers"] if w["state"] == "live" and w.get("pod"))
         worker_pod = cluster.core().read_namespaced_pod(worker, ns)
-        collective = sorted(listening_ports(cluster, ns, worker))
-        assert collective, "the worker listens on no port of its own address"
-        targets = [f"{master_ip}:{p}" for p in master_ports] + [f"{worker_pod.status.pod_ip}:{p}" for p in collective]
-        another_job = {**worker_pod.metadata.labels, "elastic-step/job": "another", "app.kubernetes.io/instance": "another-1a2b3c"}
-        for name, labels in (("unlabelled", {}), ("another-jobs-worker", another_job)):
-            seen = probe(cluster, name, targets, labels=labels)
-            assert {seen[t] for t in targets} == {"timeout"}, (name, seen)
-        # They are open to the job itself: from inside the worker's own pod, each answers.
         net = cluster.network.pods[worker_pod.metadata.uid]
-        inside = subprocess.run([*net.enter(), "python3", "-c", PROBE, *targets], capture_output=True, text=True, check=True).stdout
-        assert {json.loads(inside)[t] for t in targets} == {"open"}, inside
+
+        def listening() -> list[str]:
+            """The master's ports and the worker's collective ports that listen now (`ss` in each
+            pod's namespace: connecting to gloo's port would break the worker's group)."""
+            ports = listening_ports(cluster, ns, "train-step-net")
+            return ([f"{master_ip}:{p}" for p in master_ports if p in ports]
+                    + [f"{worker_pod.status.pod_ip}:{p}" for p in sorted(listening_ports(cluster, ns, worker))])
+
+        targets = listening()
+        assert targets[:2] == [f"{master_ip}:{p}" for p in master_ports] and len(targets) > 2, targets  # the master's two, the worker's own
+        another_job = {**worker_pod.metadata.labels, "elastic-step/job": "another", "app.kubernetes.io/instance": "another-1a2b3c"}
+        strangers = {"unlabelled": {}, "another-jobs-worker": another_job}
+        for name, labels in strangers.items():
+            start_probe(cluster, name, targets, labels=labels)
+        for name in strangers:
+            seen = probe_result(cluster, name)
+            assert {seen[t] for t in targets} == {"timeout"}, (name, seen)
+        assert listening() == targets  # listening all along: the timeouts were the policies' drops
+        # The job's own worker opens the master's API (its policy admits the job's workers).
+        api_target = f"{master_ip}:{url_port(master)}"
+        inside = subprocess.run([*net.enter(), "python3", "-c", PROBE, api_target], capture_output=True, text=True, check=True).stdout
+        assert json.loads(inside)[api_target] == "open", inside
+
 
         assert master.wait_ended(240) == "Succeeded", master.log()
-        report = audit_report(master.path(f"{JOB_DIR}/audit.jsonl"), digits, 3)
+        report = audit_report(master.path(f"{JOB_DIR}/audit.jsonl"), digits, 10)
         assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
+
 
 
 def test_a_master_whose_pod_ip_is_ipv6_binds_and_advertises_it(tmp_path, digits):
     """A dual-stack pod network with IPv6 first: the master's status.podIP is an IPv6 address,
-    which it listens on and gives its workers (a URL with the address in brackets), and the job
-    trains across pods over IPv6."""
+    which it listens on and gives its worker (in brackets in its URL); the job trains across
+    pods over IPv6, its policies enforced for both families."""
     with S3Server() as s3, job_cluster(tmp_path, ipv6=True) as cluster:
-        master = start_job(cluster, s3.endpoint, digits, "train-step-v6", epochs=1)
-        master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2, timeout=150)
+        master = start_job(cluster, s3.endpoint, digits, "train-step-v6", workers="1", epochs=1)
+        master.wait(lambda s: s["state"] == "running" and s["rows_done"] > 0, timeout=150)
         pod_ip = cluster.core().read_namespaced_pod("train-step-v6", cluster.namespace).status.pod_ip
         assert ipaddress.ip_address(pod_ip).version == 6, pod_ip
         with open(master.path(f"{JOB_DIR}/master.json")) as f:
