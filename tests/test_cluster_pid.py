@@ -87,33 +87,37 @@ def test_a_containers_first_process_is_pid_1_and_no_pod_reads_another_pods_envir
         assert seen["leaked"] == [], seen
 
 
-def test_a_worker_as_pid_1_leaves_on_sigterm_and_a_master_as_pid_1_exits_preempted(tmp_path, digits):
-    """The runtime's SIGTERM reaches PID 1 only through its own handler: a worker leaves at once (exit 143, an event `left`, no relaunch charged),
-    its rows go back to the queue (the job still ends with an exact audit); a master's pod
-    deleted exits 75 well within its grace."""
+def job_cluster(tmp_path) -> Cluster:
     layer = tmp_path / "image-layer"
     layer.mkdir()
     shutil.copy(SLOW_MODEL, layer / "slow_digits.py")
-    with S3Server() as s3, namespaces_cluster(tmp_path, images={TEST_IMAGE: venv_image(TEST_IMAGE, extra_path=[str(layer)])}) as cluster:
-        api, ns = cluster.core(), cluster.namespace
-        store_secret(api, ns)
-        data = upload(s3.endpoint, digits, "training-data", "digits")
+    return namespaces_cluster(tmp_path, images={TEST_IMAGE: venv_image(TEST_IMAGE, extra_path=[str(layer)])})
 
-        def job(name: str, workers: str, epochs: int) -> MasterOnNode:
-            args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3.endpoint}", "--model-def", "slow_digits",
-                    "--job-dir", JOB_DIR, "--audit", f"{JOB_DIR}/audit.jsonl", "--workers", workers, "--epochs", str(epochs),
-                    "--minibatch-size", "16", "--minibatches-per-task", "2", "--checkpoint-steps", "0", "--worker-cpu", "1",
-                    "--worker-memory", "1Gi", "--no-progress"]
-            api.create_namespaced_pod(ns, master_pod(cluster, name, args))
-            return MasterOnNode(cluster, name)
 
-        master = job("train-step-term", "2", 2)
+def start_job(cluster, s3: str, digits, name: str, workers: str, epochs: int) -> MasterOnNode:
+    api, ns = cluster.core(), cluster.namespace
+    store_secret(api, ns)
+    data = upload(s3, digits, "training-data", "digits")
+    args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3}", "--model-def", "slow_digits",
+            "--job-dir", JOB_DIR, "--audit", f"{JOB_DIR}/audit.jsonl", "--workers", workers, "--epochs", str(epochs),
+            "--minibatch-size", "16", "--minibatches-per-task", "2", "--checkpoint-steps", "0", "--worker-cpu", "1",
+            "--worker-memory", "1Gi", "--no-progress"]
+    api.create_namespaced_pod(ns, master_pod(cluster, name, args))
+    return MasterOnNode(cluster, name)
+
+
+def test_a_worker_as_pid_1_leaves_on_sigterm_and_its_rows_go_back_to_the_queue(tmp_path, digits):
+    """The runtime's SIGTERM (`docker kill --signal TERM`, an eviction's first step) reaches a
+    worker as PID 1 through its own handler: it leaves at once (exit 143, an event `left`, not
+    `died`), and its rows go back to the queue (the job ends with an exact audit). A pod deleted
+    through the API is seen by the master, which deletes it at once with grace 0 (the backend's
+    "deleted by someone else"): the signal alone shows PID 1's part."""
+    with S3Server() as s3, job_cluster(tmp_path) as cluster:
+        ns = cluster.namespace
+        master = start_job(cluster, s3.endpoint, digits, "train-step-term", "2", 2)
         status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2 and s["rows_done"] > 0, timeout=150)
-        leaver = status["workers"][0]
+        leaver = next(w for w in status["workers"] if w["state"] == "live" and w.get("pod"))
         record = cluster.kubelet.record(ns, leaver["pod"])
-        # `docker kill --signal TERM`: the runtime's SIGTERM, as the kubelet sends it first on an
-        # eviction. (A pod deleted through the API is seen by the master, which deletes it at once
-        # with grace 0: the backend's "deleted by someone else"; the signal alone shows PID 1's part.)
         signalled_at = time.monotonic()
         cluster.kubelet.kill(ns, leaver["pod"], signal.SIGTERM)
         while record.containers[0].exit is None and time.monotonic() - signalled_at < 30:
@@ -130,8 +134,14 @@ def test_a_worker_as_pid_1_leaves_on_sigterm_and_a_master_as_pid_1_exits_preempt
         report = audit_report(master.path(f"{JOB_DIR}/audit.jsonl"), digits, 2)
         assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
 
-        preempted = job("train-step-preempted", "1", 20)
-        preempted.wait(lambda s: s["state"] == "running" and s["rows_done"] > 0, timeout=150)
+
+def test_a_master_as_pid_1_exits_preempted_within_its_grace_period(tmp_path, digits):
+    """The kubelet's SIGTERM on a graceful deletion of the master's pod (30 s grace) reaches PID 1
+    only through its own handler: the master exits 75 (preempted), well within the grace."""
+    with S3Server() as s3, job_cluster(tmp_path) as cluster:
+        api, ns = cluster.core(), cluster.namespace
+        preempted = start_job(cluster, s3.endpoint, digits, "train-step-preempted", "1", 20)
+        preempted.wait(lambda s: s["state"] == "running", timeout=150)
         deleted_at = time.monotonic()
         api.delete_namespaced_pod("train-step-preempted", ns)
         record = cluster.kubelet.record(ns, "train-step-preempted")
