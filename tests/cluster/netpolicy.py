@@ -12,8 +12,8 @@ The semantics are networking.k8s.io/v1's:
 - ports are numbers or a container's named port, with `endPort`; protocol TCP unless said;
 - replies to a pod's own connections and its loopback are never filtered (conntrack), as with
   every policy plugin.
-Egress rules are not enforced: neither deploy/ nor the backend ships one (`egress_policies`
-tells a test that one would go unenforced).
+Egress rules are not enforced: neither deploy/ nor the backend ships one (the agent logs a
+warning naming any policy with egress, so a test that adds one sees it goes unenforced).
 
 The agent reads pods, namespaces and policies through the API with its own token (a ClusterRole
 of list verbs, as Felix has), on every pod start (before the pod's containers run) and every
@@ -156,6 +156,7 @@ class PolicyAgent:
         self.network = network
         self.interval = interval
         self.applied: dict[str, str] = {}  # netns -> its ruleset now
+        self.warned: set[str] = set()  # policies with egress, warned about once
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="network-policy-agent")
@@ -174,6 +175,12 @@ class PolicyAgent:
             pods = self._list(self.core.list_pod_for_all_namespaces)
             namespaces = {n["metadata"]["name"]: n for n in self._list(self.core.list_namespace)}
             policies = self._list(self.networking.list_network_policy_for_all_namespaces)
+            for policy in egress_policies(policies):
+                if policy["metadata"]["uid"] in self.warned:
+                    continue
+                self.warned.add(policy["metadata"]["uid"])
+                log.warning("NetworkPolicy %s/%s: egress is not enforced by this agent", policy["metadata"]["namespace"],
+                            policy["metadata"]["name"])
             local = dict(self.network.pods)  # uid -> PodNet of the pods on this node's network
             peers = Peers(pods, {uid: net.ips for uid, net in local.items()}, namespaces)
             for pod in pods:
