@@ -66,7 +66,7 @@ class StepSettings:
     """What every step container shares: the image and where the MLflow URI comes from."""
 
     image: str
-    mlflow_secret: str | None = None  # Secret name; None: the credentials' Secret (key `uri`), else the `mlflow-uri` parameter
+    mlflow_secret: str | None = None  # Secret of the URI; None: the credentials' (key `uri`), else `mlflow-uri`
     mlflow_secret_key: str = "tracking-uri"
     mlflow_credentials: str | None = None  # Secret with `username` and `password` of an MLflow user (and `uri`)
     store_secret: str | None = None  # Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY of the data store
