@@ -19,6 +19,7 @@ from common import MODEL, elastic_step, machine, prepared_digits, read_steps, st
 MODELS = {
     "small": MODEL,  # 17k parameters: a step of a few ms, so per-step overhead shows
     "wide": os.path.join(os.path.dirname(os.path.abspath(__file__)), "wide_digits.py"),  # 8.6M: a 34 MB gradient
+    "mlp512": os.path.join(os.path.dirname(os.path.abspath(__file__)), "mlp512_digits.py"),  # 64-512-512-10: 300k
 }
 ROUND_TIMES = re.compile(r"round \d+: (\d+) steps, [\d.]+ ms per step: (.*)$")
 
@@ -79,7 +80,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating; medians are compared")
     parser.add_argument("--copies", type=int, default=40, help="digits rows repeated (with noise) this many times")
     parser.add_argument("--model", choices=sorted(MODELS), default="small",
-                        help="small: a step of a few ms; wide: a 34 MB gradient (use fewer --copies)")
+                        help="small: a step of a few ms; mlp512: 64-512-512-10, 300k parameters (the goodput "
+                             "benchmark's); wide: a 34 MB gradient (use fewer --copies)")
     args = parser.parse_args()
     print(f"throughput: {args.model} digits MLP (x{args.copies} rows), minibatch {args.minibatch_size} per worker, {args.epochs} epochs, "
           f"{args.repeats} alternating runs each; {machine()}")

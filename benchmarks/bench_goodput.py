@@ -1,0 +1,253 @@
+"""Goodput under a steady rate of disturbance: the same job run clean, then disturbed; goodput is
+the clean wall time divided by the disturbed wall time, both from the first applied step to the
+last, over the same rows. Targets: >= 0.90 under a worker SIGKILL every 10 s, and lost time
+(1 - goodput) at most a quarter of the peer's.
+
+Disturbances (each in a run of its own):
+  kill10, kill30  a live worker, drawn at random, SIGKILLed every 10 s (30 s);
+  term10          a live worker SIGTERMed every 10 s (an eviction of one pod);
+  master60        the job's launcher SIGTERMed every 60 s (a preemption of the step) and the same
+                  command run again at once, as a pipeline's retry runs it.
+
+elastic-step: `train --workers 2:3` (the group shrinks and grows back), checkpoints only when
+preempted. Peer: torchrun as a one-node user runs it (`--standalone --max-restarts`) + DDP
+(`ddp_peer.py`), a checkpoint every 50 steps from which every restart resumes. Both: the MLP
+64 -> 512 -> 512 -> 10 (`mlp512_digits.py`), the same data, 3 workers of 64 rows per step.
+
+Runs alternate (ours, peer, ours, peer): on a shared machine the rate moves from one minute to
+the next, so the load average is printed beside every figure."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import elastic_step, machine, prepared_digits, read_steps, torchrun, wait_until
+
+MLP512 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mlp512_digits.py")
+WORKERS = 3
+MINIBATCH = 64
+PEER_CHECKPOINT_EVERY = 50
+RETRIES = 5  # a job that fails under disturbance is run again (it resumes), as a pipeline's retry does
+
+
+@dataclasses.dataclass(frozen=True)
+class Disturbance:
+    target: str  # "worker" or "master"
+    signal: signal.Signals
+    period_s: float
+
+
+DISTURBANCES = {
+    "kill10": Disturbance("worker", signal.SIGKILL, 10.0),
+    "kill30": Disturbance("worker", signal.SIGKILL, 30.0),
+    "term10": Disturbance("worker", signal.SIGTERM, 10.0),
+    "master60": Disturbance("master", signal.SIGTERM, 60.0),
+}
+
+
+def live_pids_with_env(marker: bytes) -> list[int]:
+    """Live (not zombie) processes whose environment holds `marker` (NAME=VALUE)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[-1].split()[0] != "Z":
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+class ElasticStep:
+    name = "elastic-step"
+
+    def __init__(self, data: str, epochs: int, job_dir: str):
+        self.job_dir = job_dir
+        # A checkpoint every 50 steps, as the peer's: what a retry resumes from if every worker
+        # that held the model is killed before a replacement has it (a preemption checkpoints too).
+        self.args = ["train", "--model-def", MLP512, "--data", data, "--job-dir", job_dir, "--workers", f"2:{WORKERS}",
+                     "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "16",
+                     "--checkpoint-steps", str(PEER_CHECKPOINT_EVERY), "--max-relaunches", "1000", "--no-progress"]
+
+    def start(self) -> subprocess.Popen:
+        with open(os.path.join(self.job_dir, "output.log"), "ab") as out:
+            return elastic_step(*self.args, stdout=out, stderr=subprocess.STDOUT)
+
+    def steps(self) -> list[dict]:
+        path = os.path.join(self.job_dir, "metrics.jsonl")
+        return read_steps(path) if os.path.exists(path) else []
+
+    def workers(self) -> list[int]:
+        return live_pids_with_env(f"ELASTIC_STEP_TOKEN_FILE={os.path.join(self.job_dir, 'token')}".encode())
+
+
+class TorchrunDDP:
+    name = "torchrun+DDP"
+
+    def __init__(self, data: str, epochs: int, job_dir: str):
+        self.job_dir = job_dir
+        self.log, self.pids, ckpt = (os.path.join(job_dir, n) for n in ("steps.jsonl", "pids", "ckpt"))
+        for path in (self.pids, ckpt):
+            os.makedirs(path, exist_ok=True)
+        self.args = ["--standalone", "--nproc-per-node", str(WORKERS), "--max-restarts", "1000",
+                     os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_peer.py"), "--model-def", MLP512,
+                     "--data", data, "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--step-log", self.log,
+                     "--checkpoint-dir", ckpt, "--checkpoint-every", str(PEER_CHECKPOINT_EVERY), "--pid-dir", self.pids]
+
+    def start(self) -> subprocess.Popen:
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+        with open(os.path.join(self.job_dir, "output.log"), "ab") as out:
+            return torchrun(*self.args, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def steps(self) -> list[dict]:
+        return read_steps(self.log) if os.path.exists(self.log) else []
+
+    def workers(self) -> list[int]:
+        pids = []
+        for name in os.listdir(self.pids):
+            try:
+                with open(os.path.join(self.pids, name)) as f:
+                    pid = int(f.read())
+                os.kill(pid, 0)
+                pids.append(pid)
+            except (OSError, ValueError):
+                continue
+        return pids
+
+
+def wall(steps: list[dict]) -> float:
+    """From the first applied step to the last (a disturbed peer redoes steps after each restart:
+    its log's last line is still the job's end)."""
+    times = [s["time"] for s in steps]
+    return max(times) - min(times)
+
+
+def output_tail(job_dir: str) -> str:
+    with open(os.path.join(job_dir, "output.log"), errors="replace") as f:
+        return " | ".join(f.read().splitlines()[-5:])
+
+
+def first_step(system, proc: subprocess.Popen) -> float | None:
+    steps = system.steps()
+    if not steps and proc.poll() is not None:
+        raise RuntimeError(f"{system.name} exited {proc.returncode} before its first step")
+    return steps[0]["time"] if steps else None
+
+
+def run_job(system, disturbance: Disturbance | None, seed: int, timeout_s: float) -> tuple[float, int, int]:
+    """Run the job to its end under `disturbance` (None: clean); its wall time, the number of
+    disturbances applied and of retries after a failure (each resumes from the newest checkpoint)."""
+    rng = random.Random(seed)
+    proc = system.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        first = wait_until(lambda: first_step(system, proc), 300, f"{system.name} applied no step")
+        next_at, count, retries, preempted = (first + disturbance.period_s if disturbance else None), 0, 0, False
+        while True:
+            code = proc.poll()
+            if code == 0:
+                break
+            if code is not None:
+                if not preempted:  # a failure: retried a bounded number of times, never when clean
+                    retries += 1
+                    if disturbance is None or retries > RETRIES:
+                        raise RuntimeError(f"{system.name} exited {code}: {output_tail(system.job_dir)}")
+                proc, preempted = system.start(), False  # the retry: the same command again
+            elif next_at is not None and time.time() >= next_at:
+                next_at += disturbance.period_s
+                if disturbance.target == "master":
+                    proc.send_signal(disturbance.signal)
+                    proc.wait(120)
+                    preempted = True
+                    count += 1
+                elif victims := system.workers():
+                    os.kill(rng.choice(victims), disturbance.signal)
+                    count += 1
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{system.name} did not finish in {timeout_s:.0f}s")
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return wall(system.steps()), count, retries
+
+
+def load() -> str:
+    return "load {:.1f}".format(os.getloadavg()[0])
+
+
+def measure(kind, data: str, epochs: int, name: str, disturbance: Disturbance | None, root: str, seed: int,
+            timeout_s: float) -> tuple[float, int, int, str]:
+    job_dir = os.path.join(root, f"{kind.name}-{name}-{seed}")
+    shutil.rmtree(job_dir, ignore_errors=True)
+    os.makedirs(job_dir)
+    seconds, count, retries = run_job(kind(data, epochs, job_dir), disturbance, seed, timeout_s)
+    return seconds, count, retries, load()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--disturbances", nargs="+", choices=sorted(DISTURBANCES), default=["kill10", "kill30", "term10", "master60"])
+    parser.add_argument("--copies", type=int, default=40, help="digits rows repeated (with noise) this many times")
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each; goodput medians are compared")
+    parser.add_argument("--no-peer", action="store_true", help="elastic-step only")
+    parser.add_argument("--quick", action="store_true", help="4 epochs, a worker SIGKILL every 10 s only")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one job may take")
+    parser.add_argument("--keep", metavar="DIR", help="put the data and the jobs' folders (events, logs) here and keep them")
+    args = parser.parse_args()
+    if args.quick:
+        args.copies, args.epochs, args.disturbances = 40, 4, ["kill10"]
+    kinds = [ElasticStep] + ([] if args.no_peer else [TorchrunDDP])
+    print(f"goodput: MLP 64-512-512-10, digits x{args.copies}, {args.epochs} epochs, {WORKERS} workers x {MINIBATCH} rows; "
+          f"{args.repeats} alternating runs; {machine()}", flush=True)
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as root:
+        data = prepared_digits(root, args.copies)
+        clean = {k.name: [] for k in kinds}
+        for seed in range(args.repeats):
+            for kind in kinds:
+                seconds, _, _, at = measure(kind, data, args.epochs, "clean", None, root, seed, args.timeout)
+                clean[kind.name].append(seconds)
+                print(f"  clean  {kind.name:13s} {seconds:7.2f} s  ({at})", flush=True)
+        for name in args.disturbances:
+            goodput: dict[str, list[float]] = {k.name: [] for k in kinds}
+            lost: dict[str, list[float]] = {k.name: [] for k in kinds}
+            for seed in range(args.repeats):
+                for kind in kinds:
+                    seconds, count, retries, at = measure(kind, data, args.epochs, name, DISTURBANCES[name], root, seed,
+                                                          args.timeout)
+                    base = clean[kind.name][seed]
+                    goodput[kind.name].append(base / seconds)
+                    lost[kind.name].append((seconds - base) / max(count, 1))
+                    print(f"  {name:6s} {kind.name:13s} {seconds:7.2f} s, {count} disturbances: goodput {base / seconds:.3f}, "
+                          f"{(seconds - base) / max(count, 1):.2f} s lost per disturbance, {retries} retries after a failure  "
+                          f"({at})", flush=True)
+            ours = statistics.median(goodput[ElasticStep.name])
+            line = f"  => {name}: elastic-step goodput {ours:.3f} ({statistics.median(lost[ElasticStep.name]):.2f} s per disturbance)"
+            if not args.no_peer:
+                theirs = statistics.median(goodput[TorchrunDDP.name])
+                share = (1 - ours) / (1 - theirs) if theirs < 1 else float("nan")
+                line += (f"; torchrun+DDP {theirs:.3f} ({statistics.median(lost[TorchrunDDP.name]):.2f} s per disturbance); "
+                         f"lost time ours/theirs {share:.2f} (target <= 0.25)")
+            print(line + ("  (target >= 0.90)" if name == "kill10" else ""), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
