@@ -1,7 +1,7 @@
 """The tutorials in docs/tutorials/ as a platform engineer follows them, on the cluster stand-in.
 
 Each ```bash block of a tutorial starts with a marker line: `# played` (optionally `# played: WHY
-PARTLY`) — run here, as written, with bash in a scratch folder that holds only a link to deploy/,
+PARTLY`) — run here, as written, with bash in a scratch folder that links only deploy/ and .venv,
 with the Debian package's kubectl and a kubeconfig of the stand-in's admin (`Cluster.kubeconfig`),
 and the **Expected output** ```text block under it checked line by line against what it printed;
 or `# not played: REASON` — needs a registry, Docker, or KFP's or Argo's own server; listed with
