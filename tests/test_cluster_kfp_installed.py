@@ -14,7 +14,10 @@ container with the pod's own token: it reads `kfp-launcher` and the Secret
 `minio://mlpipeline/v2/artifacts/PIPELINE/RUN/prepare-data/dataset` from KFP's default endpoint
 `minio-service.kubeflow:9000` (the tests' S3 server stands behind that Service), runs the
 component, and uploads its outputs where KFP puts them. The master in it trains on worker pods;
-one worker is SIGKILLed mid-training; every row is applied exactly once.
+one worker is SIGKILLed mid-training; every row is applied exactly once. MLflow runs behind basic
+auth as deploy/mlflow ships it; its URI and the pipelines user's credentials reach the task only
+through a Secret (kfp-kubernetes secret-as-env: the compiled pipeline's own where it ships one,
+else added as a platform engineer adds it), and never reach the worker pods.
 
 What a platform engineer adds to the task, as the component's docstring says: the store endpoint
 for the workers as env (`set_env_variable`). Not modelled: MLMD and the cache (the launcher logs
@@ -107,10 +110,9 @@ def make_cluster(tmp_path, mode: Mode, s3: S3Server) -> Cluster:
     return Cluster(str(tmp_path / "cluster"), namespace=mode.namespace, images=images)
 
 
-def install(cluster: Cluster, mode: Mode, mlflow: MlflowServer | None = None) -> None:
+def install(cluster: Cluster, mode: Mode) -> None:
     """KFP's roles, then deploy/kfp/MODE (`kubectl apply -k`), then what KFP (or Kubeflow's
-    profile controller) puts in the namespace: the store's Secret and, in a profile, kfp-launcher;
-    and the MLflow user's Secret the platform engineer creates."""
+    profile controller) puts in the namespace: the store's Secret and, in a profile, kfp-launcher."""
     cluster.apply(read_platform(mode.platform), mode.namespace)
     cluster.apply(read_manifests(os.path.join(REPO, "deploy", "kfp", mode.overlay)), mode.namespace)
     api = cluster.core()
@@ -123,14 +125,28 @@ def install(cluster: Cluster, mode: Mode, mlflow: MlflowServer | None = None) ->
     if mode.launcher_config:
         api.create_namespaced_config_map(mode.namespace, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="kfp-launcher"),
                                                                          data={"defaultPipelineRoot": "minio://mlpipeline/v2/artifacts"}))
-    if mlflow is not None:
-        api.create_namespaced_secret(mode.namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=MLFLOW_SECRET), string_data={
-            "uri": mlflow.uri, "username": MLFLOW_USER, "password": mlflow.pipelines_password}))
 
 
 def main_log(cluster: Cluster, pod: str) -> str:
     """The log of the pod's `main` (the launcher and the component it runs)."""
     return cluster.core().read_namespaced_pod_log(pod, cluster.namespace, container="main")
+
+
+def mlflow_secret(cluster: Cluster, driver: TaskDriver, mlflow: MlflowServer) -> dict | None:
+    """The MLflow user's Secret, as the platform engineer creates it: under the name and keys the
+    compiled task takes MLFLOW_TRACKING_URI from, if the pipeline ships that; else under
+    MLFLOW_SECRET, and the `kfp-kubernetes` config that gives it to the task (returned)."""
+    executor = driver.spec["components"][driver.component_name]["executorLabel"]
+    config = (driver.platform.get("deploymentSpec") or {}).get("executors", {}).get(executor) or {}
+    shipped = next((e for e in config.get("secretAsEnv") or []
+                    if "MLFLOW_TRACKING_URI" in [k["envVar"] for k in e["keyToEnv"]]), None)
+    entry = shipped or MLFLOW_SECRET_AS_ENV["secretAsEnv"][0]
+    values = {"MLFLOW_TRACKING_URI": mlflow.uri, "MLFLOW_TRACKING_USERNAME": MLFLOW_USER,
+              "MLFLOW_TRACKING_PASSWORD": mlflow.pipelines_password}
+    cluster.core().create_namespaced_secret(cluster.namespace, k8s.V1Secret(
+        metadata=k8s.V1ObjectMeta(name=entry["secretName"]),
+        string_data={k["secretKey"]: values[k["envVar"]] for k in entry["keyToEnv"] if k["envVar"] in values}))
+    return None if shipped else MLFLOW_SECRET_AS_ENV
 
 
 def wait_for(cluster: Cluster, task: StepOnNode, predicate, timeout: float) -> dict:
@@ -163,7 +179,7 @@ def test_the_compiled_train_task_runs_as_installed_kfp_runs_it(tmp_path, digits,
 
 def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3: S3Server, mlflow: MlflowServer) -> None:
     ns, user = mode.namespace, service_account_user(mode.namespace, mode.account)
-    install(cluster, mode, mlflow)
+    install(cluster, mode)
     run_id = RUN_ID[:-2] + ("01" if pipeline == "training" else "02") + mode.name[:1]
     # The driver, with the run's account: the pipeline root from kfp-launcher, the executor input.
     root = pipeline_root(cluster.core(cluster.token_for(ns, mode.account)), ns)
@@ -174,7 +190,7 @@ def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3:
     # No mlflow_uri: MLflow's URI and the user's credentials reach the pod only through its Secret.
     executor = driver.executor_input({**PARAMETERS, "mlflow_uri": "", "experiment": f"kfp-{mode.name}-{pipeline}"})
     pod = driver.pod(executor, mode.account, env={"AWS_ENDPOINT_URL": s3.endpoint, "AWS_REGION": REGION},
-                     platform_additions=MLFLOW_SECRET_AS_ENV)
+                     platform_additions=mlflow_secret(cluster, driver, mlflow))
     assert mlflow.pipelines_password not in json.dumps(pod)
     cluster.core().create_namespaced_pod(ns, pod)
     name = pod["metadata"]["name"]
