@@ -44,7 +44,7 @@ import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import discovery, logs, protowire, tables, watching
+from . import discovery, garbage, logs, protowire, tables, watching
 from .discovery import GROUP_OF, GROUP_VERSIONS, RESOURCES, SUBRESOURCES
 from .admission import admit_pod
 from .objects import ApiError, Store, field_matches, label_matches, not_found, now_text
@@ -142,7 +142,7 @@ class ApiServer:
             for key, value in body.pop("stringData").items():
                 data[key] = base64.b64encode(value.encode()).decode()
         if self.validate and resource.schema:  # a CRD's schema is not in Kubernetes' own
-            validate(body, strict)
+            discovery.validate(body, strict)
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = now_text()
         meta.pop("deletionTimestamp", None)
@@ -196,50 +196,14 @@ class ApiServer:
         store.commit("DELETED", plural, obj)
         self._rbac_changed(obj, deleted=True)
         if not orphan:
-            self._collect_garbage()
+            garbage.collect(self)
         return copy.deepcopy(obj)
-
-    def _collect_garbage(self) -> None:
-        """Delete every object whose owners are all absent from its own namespace."""
-        store = self.store
-        while True:
-            uids = {}
-            for (_, ns, _), o in store.objects.items():
-                uids.setdefault(ns, set()).add(o["metadata"].get("uid"))
-            doomed = []
-            for (plural, ns, name), o in store.objects.items():
-                refs = o["metadata"].get("ownerReferences") or []
-                if refs and not any(r.get("uid") in uids.get(ns, set()) for r in refs) and not o["metadata"].get("deletionTimestamp"):
-                    doomed.append((plural, ns, name))
-            if not doomed:
-                return
-            for plural, ns, name in doomed:
-                log.info("garbage collector: deleting %s %s/%s (owner gone from its namespace)", plural, ns, name)
-                self._delete(plural, ns, name, orphan=True)
-                obj = store.objects.get((plural, ns, name))
-                if obj is not None and obj["metadata"].get("deletionTimestamp"):
-                    continue  # a running pod: the kubelet finishes the deletion
 
     def _gc_loop(self) -> None:
         while not self.closed:
             time.sleep(0.5)
             with self.store.cond:
-                self._collect_garbage()
-
-
-def validate(obj: dict, strict: bool = False) -> None:
-    """Against Kubernetes' schema: 422 Invalid; `strict` (`fieldValidation=Strict`, what kubectl's
-    default `--validate=strict` sends) refuses unknown fields too, with the server's 400."""
-    import kubernetes_validate
-
-    kind, name = obj.get("kind"), obj.get("metadata", {}).get("name")
-    try:
-        kubernetes_validate.validate(obj, discovery.SCHEMA_VERSION, strict=strict)
-    except kubernetes_validate.ValidationError as exc:
-        first = str(exc).splitlines()[0]
-        if strict and "Additional properties are not allowed" in first:
-            raise ApiError(400, "BadRequest", f"strict decoding error: unknown field in {kind}: {first}") from None
-        raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {first}') from None
+                garbage.collect(self)
 
 
 class _Server(ThreadingHTTPServer):

@@ -27,6 +27,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from .objects import ApiError
+
 KUBERNETES_VERSION = "1.32.0"  # the schema release served; kubectl v1.32 is within its skew
 SCHEMA_VERSION = "1.30.0"  # what created objects are validated against (kubernetes_validate)
 
@@ -143,6 +145,21 @@ def resource_list(group_version: str) -> dict | None:
                 "selfsubjectreviews": "SelfSubjectReview"}[plural]
         resources.append({"name": plural, "singularName": kind.lower(), "namespaced": False, "kind": kind, "verbs": ["create"]})
     return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}
+
+
+def validate(obj: dict, strict: bool = False) -> None:
+    """Against Kubernetes' schema: 422 Invalid; `strict` (`fieldValidation=Strict`, what kubectl's
+    default `--validate=strict` sends) refuses unknown fields too, with the server's 400."""
+    import kubernetes_validate
+
+    kind, name = obj.get("kind"), obj.get("metadata", {}).get("name")
+    try:
+        kubernetes_validate.validate(obj, SCHEMA_VERSION, strict=strict)
+    except kubernetes_validate.ValidationError as exc:
+        first = str(exc).splitlines()[0]
+        if strict and "Additional properties are not allowed" in first:
+            raise ApiError(400, "BadRequest", f"strict decoding error: unknown field in {kind}: {first}") from None
+        raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {first}') from None
 
 
 # -- OpenAPI ------------------------------------------------------------------------------------------
