@@ -24,8 +24,8 @@ As the real server does:
   pod DisruptionTarget first; an object with finalizers stays, marked, until they are removed;
 - admission (admission.py): defaults, the pod's ServiceAccount and token, PodSecurity on a
   labelled namespace, ResourceQuota;
-- the garbage collector deletes an object all of whose owners are gone, looking owners up by UID
-  in the dependent's own namespace only (so a cross-namespace owner reference is dangling);
+- the garbage collector (garbage.py) deletes an object all of whose owners are gone, looking owners
+  up by UID in the dependent's own namespace only (so a cross-namespace owner reference is dangling);
 - created objects are validated against the Kubernetes OpenAPI schema (422 Invalid).
 
 Not modelled: admission webhooks, LimitRanges, managed fields, server-side apply, impersonation.
