@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from cluster import Cluster, REPO
+from elastic_step import defaults
 from cluster.rbac import read_platform
 
 pytestmark = pytest.mark.e2e
@@ -138,13 +139,18 @@ def can_i(cluster: Cluster, tmp_path, namespace: str, account: str, *what: str) 
 def check_mlflow_and_image(cluster: Cluster, name: str, namespace: str, tmp_path) -> None:
     """What every tutorial makes the same way: MLflow's admin Secret, the pipelines' MLflow user's
     Secret in the steps' namespace, and a FROM line on the name `make push` pushes."""
+    files = tmp_path / "work" / "secrets"
     admin = secret_keys(cluster, "mlflow", "mlflow-auth")
     assert set(admin) == {"admin-username", "admin-password", "flask-secret-key"} and len(admin["admin-password"]) >= 24
+    assert admin["admin-password"] == (files / "mlflow-auth" / "admin-password").read_text()
+    assert oct((files / "mlflow-auth" / "admin-password").stat().st_mode & 0o777) == "0o600"  # umask 077
     assert cluster.server.get("networkpolicies", "mlflow", "mlflow") is not None
     user = secret_keys(cluster, namespace, "mlflow-credentials")
-    from elastic_step import defaults
-
-    assert user["uri"] == defaults.MLFLOW_SERVICE_URI and user["username"] == "pipelines" and len(user["password"]) >= 24
+    # The uri is the default every shipped file names (deploy/mlflow's Service), and the password the
+    # one the (not played) create_user step gives MLflow: the same file.
+    assert user == {"uri": defaults.MLFLOW_SERVICE_URI, "username": "pipelines",
+                    "password": (files / "mlflow-user" / "password").read_text()}
+    assert len(user["password"]) >= 24
     pushed = subprocess.run(["make", "-n", "push", "IMAGE_REGISTRY=registry.example.com/team"], cwd=REPO,
                             capture_output=True, text=True, check=True).stdout
     assert f"push {dockerfile_from(name)}" in pushed, pushed
