@@ -38,7 +38,11 @@ RUN_ID = "5f0c1d2e-3b4a-4c5d-8e9f-0a1b2c3d4e5f"
 STORE_SECRET = "mlpipeline-minio-artifact"  # KFP's own, keys accesskey / secretkey
 WORKER_STORE_SECRET = "elastic-step-data-reader"  # what worker pods read the data with where the task's keys are KFP's
 PARAMETERS = {"backend": "kubernetes", "workers": "2:3", "epochs": 2, "minibatch_size": 16, "minibatches_per_task": 2,
-              "checkpoint_steps": 0, "mlflow_uri": "sqlite:////tmp/mlflow.db", "job_dir": JOB_DIR}
+              "checkpoint_steps": 0, "mlflow_uri": "", "job_dir": JOB_DIR}
+# The MLflow Secret the compiled task takes its tracking URI from. This test is about deploy/'s own
+# account, so its run stays in the pod (a SQLite file); MLflow behind auth, reached through this
+# Secret: tests/test_cluster_kfp_installed.py.
+MLFLOW_SECRET = {"uri": "sqlite:////tmp/mlflow.db"}
 
 
 @pytest.fixture
@@ -68,6 +72,7 @@ def test_the_compiled_kfp_train_task_trains_on_worker_pods_that_read_the_dataset
     # The workers' own (docs/kubernetes.md: read-only keys for the dataset; the stand-in store has one user).
     api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=WORKER_STORE_SECRET), string_data={
         "AWS_ACCESS_KEY_ID": "AKIDKFPTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}))
+    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name="mlflow-credentials"), string_data=MLFLOW_SECRET))
     root = pipeline_root(cluster.core(cluster.token_for(ns, cluster.service_account)), ns)
     driver = TaskDriver("train-elastic", RUN_ID, root)
     dataset_uri = driver.upstream_uri("prepare-data", "dataset")
