@@ -47,7 +47,8 @@ def overlay(folder: str) -> tuple[str, list[dict]]:
     return namespace, read_manifests(folder)
 
 
-def start_backend(cluster: Cluster, tmp_path, monkeypatch, namespace: str, account: str, kfp: bool = False):
+def start_backend(cluster: Cluster, tmp_path, monkeypatch, namespace: str, account: str, kfp: bool = False,
+                  pod: str = "train-step"):
     """The master's Kubernetes backend as it starts in a step pod of `account`: in-cluster
     configuration with that account's token (the real client), its pod's identity from the env."""
     folder = cluster.service_account_folder(str(tmp_path / f"sa-{account}"), namespace, account)
@@ -60,7 +61,7 @@ def start_backend(cluster: Cluster, tmp_path, monkeypatch, namespace: str, accou
         monkeypatch.delenv("KFP_POD_NAME", raising=False)
     token = tmp_path / "job-token"
     token.write_text("job-token-value")
-    master = MasterPod(name="train-step", uid="", ip="127.0.0.1", namespace=namespace)
+    master = MasterPod(name=pod, uid="", ip="127.0.0.1", namespace=namespace)
     # No step pod is made here (these tests are about rights), so no policy can select the master:
     # the explicit opt-out (test_kubernetes_backend.py tests the refusal without it).
     return KubernetesBackend(LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path)),
@@ -262,35 +263,41 @@ def test_deploys_elastic_step_runner_may_make_the_kfp_launchers_reads(tmp_path, 
         assert rights == {("get", "configmaps", "kfp-launcher"), ("get", "secrets", "mlpipeline-minio-artifact")}
 
 
-def test_a_master_whose_optional_mlflow_secret_is_missing_is_refused_naming_it(tmp_path, monkeypatch):
-    """KFP's `use_secret_as_env(..., optional=True)`: without the Secret the pod starts with no
-    MLflow credentials. The master sees its pod spec name the variable and its own environment
-    lack it, and names the Secret before anything is created."""
+def test_an_optional_mlflow_secret_that_is_missing_is_let_through_and_a_required_one_is_refused_naming_it(tmp_path, monkeypatch):
+    """KFP's `use_secret_as_env(..., optional=True)` (the compiled pipelines' own): without the
+    Secret Kubernetes starts the pod with the variable unset, which is right for an MLflow
+    without auth, so the master starts. A reference not marked optional that this process lacks
+    is refused in one line naming the Secret and key, before anything is created."""
     with Cluster(str(tmp_path / "cluster")) as cluster:
         ns = cluster.namespace
-        optional = k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name="mlflow-pipelines", key="password",
-                                                                             optional=True))
-        cluster.core().create_namespaced_pod(ns, k8s.V1Pod(  # the step's pod, as the API server holds it
-            metadata=k8s.V1ObjectMeta(name="train-step"),
-            spec=k8s.V1PodSpec(restart_policy="Never", service_account_name=cluster.service_account, containers=[
-                k8s.V1Container(name="main", image="registry.example/none:1",
-                                env=[k8s.V1EnvVar(name="MLFLOW_TRACKING_PASSWORD", value_from=optional)])])))
+
+        def step_pod(name: str, optional: bool | None) -> None:  # the step's pod, as the API server holds it
+            ref = k8s.V1SecretKeySelector(name="mlflow-pipelines", key="password", optional=optional)
+            cluster.core().create_namespaced_pod(ns, k8s.V1Pod(
+                metadata=k8s.V1ObjectMeta(name=name),
+                spec=k8s.V1PodSpec(restart_policy="Never", service_account_name=cluster.service_account, containers=[
+                    k8s.V1Container(name="main", image="registry.example/none:1", env=[k8s.V1EnvVar(
+                        name="MLFLOW_TRACKING_PASSWORD", value_from=k8s.V1EnvVarSource(secret_key_ref=ref))])])))
+
+        step_pod("optional-step", optional=True)
+        step_pod("required-step", optional=None)
         monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)  # what the kubelet leaves out
+        monkeypatch.setenv("ELASTIC_STEP_POD_NAMESPACE", ns)
+        monkeypatch.setenv("ELASTIC_STEP_POD_NAME", "optional-step")
+        start_backend(cluster, tmp_path, monkeypatch, ns, cluster.service_account, pod="optional-step").shutdown(grace_s=0)
+        check_before_start(ns)  # the in-cluster configuration start_backend set
+        assert made_by_the_job(cluster, ns) == []
+
         expected = ("the Secret 'mlflow-pipelines' (key 'password') that gives this pod MLFLOW_TRACKING_PASSWORD is "
                     f"missing from namespace {ns}: create it with the MLflow user's credentials (docs/kubernetes.md, "
                     "MLflow on the cluster)")
+        monkeypatch.setenv("ELASTIC_STEP_POD_NAME", "required-step")
         with pytest.raises(ConfigError) as refused:
-            start_backend(cluster, tmp_path, monkeypatch, ns, cluster.service_account)
+            start_backend(cluster, tmp_path, monkeypatch, ns, cluster.service_account, pod="required-step")
         assert str(refused.value) == expected
-        assert made_by_the_job(cluster, ns) == []
-        monkeypatch.setenv("ELASTIC_STEP_POD_NAME", "train-step")
-        monkeypatch.setenv("ELASTIC_STEP_POD_NAMESPACE", ns)
         with pytest.raises(ConfigError) as early:
             check_before_start(ns)
         assert str(early.value) == expected
-        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "given-by-the-kubelet")  # the Secret is there
-        check_before_start(ns)
-        start_backend(cluster, tmp_path, monkeypatch, ns, cluster.service_account).shutdown(grace_s=0)
         assert made_by_the_job(cluster, ns) == []
 
 

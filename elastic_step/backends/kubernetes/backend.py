@@ -98,7 +98,7 @@ class KubernetesBackend(Backend):
         self._check_reachable()
         self._check_permissions()
         own_pod = self._read_own_pod()
-        if own_pod is not None:  # an MLflow Secret marked optional and missing: named now, not at the first call
+        if own_pod is not None:  # a required MLflow Secret this process lacks: named now, not at the first call
             missing_secret_env(main_container(own_pod), os.environ, self.master.namespace)
         self.image = self._worker_image(own_pod)
         self._check_service_account(own_pod)

@@ -12,9 +12,12 @@ refuses in one line when that Secret is missing. Only the object's metadata is f
 (PartialObjectMetadata): the master never holds the store's keys. Of the launcher's provider
 configuration only the provider's `default` credentials are read, not per-bucket overrides.
 
-And MLflow's credentials: a pod whose MLflow variables come from a Secret marked optional (KFP's
-`use_secret_as_env(..., optional=True)`) starts without them when the Secret is missing, and
-would fail at its first MLflow call; the master names that Secret instead (`missing_secret_env`).
+And MLflow's Secret (`missing_secret_env`): an MLflow variable the pod spec takes from a Secret
+that this process lacks is refused in one line naming the Secret and key, unless the reference is
+marked optional (KFP's `use_secret_as_env(..., optional=True)`, the compiled pipelines' own):
+Kubernetes then starts the pod without the variable, which is what a run against an MLflow
+without auth, its URI given as mlflow_uri, wants. A step left with no URI at all is refused by
+tracking/handover.py; one left without its user meets MLflow's own 401.
 
 `check_before_start` runs all of it before the job opens its MLflow run; the backend runs the
 same checks again before it creates anything, whoever constructs it."""
@@ -165,11 +168,16 @@ class Preflight:
 
 
 def missing_secret_env(container: k8s.V1Container | None, environ: Mapping[str, str], namespace: str) -> None:
-    """Refuse when an MLflow variable the pod spec takes from an optional Secret is absent from
-    this process's environment: the kubelet left it out because the Secret (or its key) is missing."""
+    """Refuse when an MLflow variable the pod spec requires from a Secret is absent from this
+    process's environment; one from a Secret or key marked optional is only logged, as Kubernetes
+    leaves such a variable unset by design (credentials are not needed everywhere)."""
     for env in (container.env or []) if container is not None else []:
         ref = env.value_from.secret_key_ref if env.value_from is not None else None
-        if ref is None or not ref.optional or not env.name.startswith("MLFLOW_") or env.name in environ:
+        if ref is None or not env.name.startswith("MLFLOW_") or env.name in environ:
+            continue
+        if ref.optional:
+            log.info("%s is unset: its Secret %r (key %r), marked optional, is absent from namespace %s",
+                     env.name, ref.name, ref.key, namespace)
             continue
         raise ConfigError(
             f"the Secret {ref.name!r} (key {ref.key!r}) that gives this pod {env.name} is missing from namespace "
