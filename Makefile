@@ -33,10 +33,11 @@ cluster-stop:
 
 # Generated files are committed; a test fails when one is stale.
 # The committed files name the images in the project's registry; for a cluster's own registry, compile
-# or render into a folder of your own (README: "Images for a cluster").
+# or render into a folder of your own (README: "Images for a cluster"). The Argo templates take MLflow's
+# URI and user from the Secret mlflow-credentials (elastic_step.defaults.MLFLOW_CREDENTIALS_SECRET).
 compile: $(STAMP)
 	$(PY) -m elastic_step.pipelines.compile $(IMAGE_ARGS)
-	$(PY) -m elastic_step.cli argo render --pipeline all --out pipelines/argo $(IMAGE_ARGS)
+	$(PY) -m elastic_step.cli argo render --pipeline all --out pipelines/argo --mlflow-credentials mlflow-credentials $(IMAGE_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

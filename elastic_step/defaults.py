@@ -68,12 +68,15 @@ MIN_GAINS = {"accuracy": 0.0}  # ... and beat the champion by these
 # Jobs and MLflow live in namespaces of their own: the rights a job's master or an operator holds
 # in the jobs' namespace (pods, Secrets, ConfigMaps, NetworkPolicies) reach nothing of MLflow's
 # (its auth settings, its admin Secret, its NetworkPolicy).
-# Every shipped default that names a cluster address (the Argo templates' `mlflow-uri`, the
-# examples, the docs) is this one; tests/test_shipped_hosts.py holds it to deploy/ and fails on
+# Every shipped default that names a cluster address (the docs' `mlflow-credentials` Secret, the
+# examples) is this one; tests/test_shipped_hosts.py holds it to deploy/ and fails on
 # any other MLflow host in a shipped file.
 DEPLOY_NAMESPACE = "ml"  # the jobs': deploy/kustomization.yaml's `namespace:`
 MLFLOW_NAMESPACE = "mlflow"  # deploy/mlflow/kustomization.yaml's `namespace:`
 MLFLOW_SERVICE_URI = f"http://mlflow.{MLFLOW_NAMESPACE}.svc.cluster.local:5000"  # deploy/mlflow's Service
+# The Secret, in the jobs' namespace, that the shipped pipelines (KFP's compiled ones and the Argo
+# templates) take MLflow's `uri`, `username` and `password` from (docs/kubernetes.md makes it).
+MLFLOW_CREDENTIALS_SECRET = "mlflow-credentials"
 # deploy/mlflow's NetworkPolicy admits pods that carry MLFLOW_CLIENT_LABEL (the pipelines' step pods,
 # whose master or step code calls MLflow; never worker pods, which do not) in namespaces that carry
 # JOBS_NAMESPACE_LABEL (deploy/'s own; label a KFP namespace that runs jobs yourself).

@@ -32,9 +32,9 @@ PART_OF = ("app.kubernetes.io/part-of", "elastic-step")
 # every task that calls MLflow: the URI comes with the password, never from a parameter of the run
 # (a task refuses a `mlflow_uri` other than the Secret's), and the Secret's name is fixed here, not
 # chosen by whoever submits a run. Optional, for KFP's own MLflow integration, which sets these
-# variables itself; otherwise the train task's pre-flight names the missing Secret, and any task
-# left with no URI at all refuses in one line (exit 2).
-MLFLOW_SECRET = "mlflow-credentials"
+# variables itself, and for an MLflow without auth named by `mlflow_uri`; a task left with no URI
+# at all refuses in one line (exit 2).
+MLFLOW_SECRET = defaults.MLFLOW_CREDENTIALS_SECRET
 MLFLOW_SECRET_KEYS = {"uri": "MLFLOW_TRACKING_URI", "username": "MLFLOW_TRACKING_USERNAME",
                       "password": "MLFLOW_TRACKING_PASSWORD"}
 

@@ -1,5 +1,5 @@
-"""Every MLflow address a shipped file gives as a default (the Argo templates' `mlflow-uri`, the
-compiled KFP pipelines, the examples, the docs, deploy/) is the one deploy/ creates: the Service
+"""Every MLflow address a shipped file gives as a default (the compiled KFP pipelines, the
+examples, the docs, deploy/) is the one deploy/ creates: the Service
 `mlflow` of deploy/mlflow in MLflow's own namespace (not the jobs'), from one source in the code
 (`elastic_step.defaults.MLFLOW_SERVICE_URI`). A user who applies deploy/ and runs a shipped
 pipeline with its defaults reaches that server, not a host nothing creates."""
@@ -63,7 +63,26 @@ def test_no_shipped_file_names_another_mlflow_host():
                     if f"{host}{port or ''}" != expected:
                         found.append(f"{path}:{number}: {match.group(0)}")
     assert found == [], f"MLflow hosts other than deploy/'s {expected}: " + "; ".join(found)
-    # The shipped defaults do name it.
+    # The docs that make the MLflow Secret the shipped templates read do name it.
+    with open(os.path.join(ROOT, "docs", "kubernetes.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert defaults.MLFLOW_SERVICE_URI in text
+    assert f"kubectl create secret generic {defaults.MLFLOW_CREDENTIALS_SECRET} " in text
+
+
+def test_the_shipped_argo_templates_take_mlflow_from_the_secret_the_docs_make():
+    """A user who applies deploy/mlflow and makes `mlflow-credentials` (docs/kubernetes.md) gets a
+    working run from the shipped templates: every step takes MLflow's URI, user and password from
+    that Secret, the same name and keys as the compiled KFP pipelines, and no workflow parameter
+    can point the password at another server."""
+    keys = {"MLFLOW_TRACKING_URI": "uri", "MLFLOW_TRACKING_USERNAME": "username", "MLFLOW_TRACKING_PASSWORD": "password"}
     for template in ("training-workflowtemplate.yaml", "retraining-workflowtemplate.yaml"):
         with open(os.path.join(ROOT, "pipelines", "argo", template), encoding="utf-8") as f:
-            assert defaults.MLFLOW_SERVICE_URI in f.read(), template
+            doc = yaml.safe_load(f)
+        assert "mlflow-uri" not in {p["name"] for p in doc["spec"]["arguments"]["parameters"]}, template
+        steps = [t for t in doc["spec"]["templates"] if "container" in t]
+        assert steps, template
+        for step in steps:
+            env = {e["name"]: e for e in step["container"]["env"]}
+            refs = {name: env[name]["valueFrom"]["secretKeyRef"] for name in keys}
+            assert refs == {name: {"name": defaults.MLFLOW_CREDENTIALS_SECRET, "key": key} for name, key in keys.items()}
