@@ -18,6 +18,7 @@ from kubernetes import watch
 from cluster import Cluster, role_rules
 from cluster.runtime import can_isolate
 from elastic_step.backends.kubernetes import client as es_client
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -49,16 +50,6 @@ def pod(name, labels=None, image="registry.example/none:1", command=None, owner=
 
 def owner_ref(obj):
     return [k8s.V1OwnerReference(api_version="v1", kind="Pod", name=obj.metadata.name, uid=obj.metadata.uid)]
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached in {timeout}s")
 
 
 def test_in_cluster_client_creates_lists_watches_and_deletes_over_https(cluster, master_api):

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from cluster import Cluster, REPO
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -46,16 +47,6 @@ def kubectl(cluster, tmp_path):
         return done
 
     return run
-
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not reached in {timeout}s")
 
 
 def test_discovery_and_openapi_from_kubernetes_own_schema(kubectl):
@@ -226,12 +217,12 @@ def test_cordon_drain_and_uncordon_the_node(cluster, kubectl):
     sleeper = ["--restart=Never", f"--image={cluster.project_image}", "--command", "--", "python", "-c", "import time; time.sleep(60)"]
     kubectl("run", "running", *sleeper)
     wait_for(lambda: (cluster.server.get("pods", cluster.namespace, "running") or {}).get("status", {}).get("phase") == "Running",
-             what="running pod running")
+             timeout=30, what="running pod running")
     kubectl("cordon", "node-1")
     assert "Ready,SchedulingDisabled" in kubectl("get", "node", "node-1").stdout
     kubectl("run", "waiting", "--restart=Never", f"--image={cluster.project_image}", "--command", "--", "python", "-c", "print('ran')")
     waiting = wait_for(lambda: [c for c in (cluster.server.get("pods", cluster.namespace, "waiting").get("status") or {}).get("conditions", [])
-                                if c["type"] == "PodScheduled" and c["status"] == "False"], what="waiting pod unschedulable")
+                                if c["type"] == "PodScheduled" and c["status"] == "False"], timeout=30, what="waiting pod unschedulable")
     assert "1 node(s) were unschedulable" in waiting[0]["message"]
     described = kubectl("describe", "pod", "waiting").stdout
     assert "Warning  FailedScheduling" in described and "default-scheduler" in described, described
@@ -242,7 +233,7 @@ def test_cordon_drain_and_uncordon_the_node(cluster, kubectl):
                for e in evicted for c in e.get("status", {}).get("conditions", []))
     kubectl("uncordon", "node-1")
     wait_for(lambda: (cluster.server.get("pods", cluster.namespace, "waiting") or {}).get("status", {}).get("phase") == "Succeeded",
-             what="waiting pod ran after uncordon")
+             timeout=30, what="waiting pod ran after uncordon")
 
 
 def test_logs_previous_and_restarts_after_a_restart_in_place(cluster, kubectl, tmp_path):
@@ -262,7 +253,7 @@ def test_logs_previous_and_restarts_after_a_restart_in_place(cluster, kubectl, t
         """))
     kubectl("apply", "-f", str(manifest))
     wait_for(lambda: (cluster.server.get("pods", cluster.namespace, "flaky") or {}).get("status", {}).get("phase") == "Succeeded",
-             what="flaky succeeded")
+             timeout=30, what="flaky succeeded")
     row = kubectl("get", "pod", "flaky").stdout.splitlines()[1].split()
     assert row[:4] == ["flaky", "0/1", "Completed", "1"] and row[4].startswith("(")  # RESTARTS: 1 (Ns ago)
     assert kubectl("logs", "flaky").stdout == "run 1\n"

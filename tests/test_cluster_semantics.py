@@ -15,6 +15,7 @@ import pytest
 from kubernetes import client as k8s
 
 from cluster import Cluster
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -24,16 +25,6 @@ def cluster(tmp_path):
     with Cluster(str(tmp_path / "cluster"), allocatable={"cpu": "2", "memory": "4Gi"}) as c:
         print(f"kubelet runtime: {c.kubelet.mode}")
         yield c
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached in {timeout}s")
 
 
 def pod(name, image, command=None, labels=None, requests=None, **spec):
