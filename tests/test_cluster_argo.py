@@ -34,6 +34,7 @@ from cluster.masterpod import MasterPodOnNode
 from cluster.rbac import REPO, kustomize_namespace, read_manifests
 from cluster.workflow import DEFAULT_REPOSITORY_ANNOTATION, SkippingClock, WorkflowController
 from conftest import SLOW_MODEL
+from elastic_step import defaults
 from elastic_step.argo import RenderOptions
 from elastic_step.argo.render import render_texts
 from elastic_step.audit import audit_report
@@ -49,12 +50,22 @@ ARTIFACTS = "argo-artifacts"  # the namespace's artifact repository: a bucket, i
 JOB_DIR = "/tmp/job"  # the train template's job folder (steps.Layout.job_dir): main's own /tmp
 # The run's parameters, as `argo submit -p NAME=VALUE` gives them; the others keep their defaults.
 PARAMETERS = {"model-def": "slow_digits", "workers": "2:4", "epochs": "3", "minibatch-size": "16", "minibatches-per-task": "2",
-              "checkpoint-steps": "0", "backend": "kubernetes", "mlflow-uri": "sqlite:////tmp/mlflow.db"}
+              "checkpoint-steps": "0", "backend": "kubernetes"}
+# The MLflow Secret the shipped templates take MLflow's URI and user from (no workflow parameter
+# names a server), made as docs/kubernetes.md makes it; the URI is a store inside the step's pod.
+MLFLOW_CREDENTIALS = {"uri": "sqlite:////tmp/mlflow.db", "username": "pipelines", "password": "not-a-real-password"}
 
 
 def rendered(**options) -> dict:
-    """The training WorkflowTemplate as `elastic-step argo render` writes it."""
+    """The training WorkflowTemplate as `elastic-step argo render` writes it, with MLflow's
+    credentials from the Secret the shipped templates name (`make compile`'s render)."""
+    options.setdefault("mlflow_credentials", defaults.MLFLOW_CREDENTIALS_SECRET)
     return yaml.safe_load(render_texts(["training"], RenderOptions(**options))[TEMPLATE])
+
+
+def add_mlflow_credentials(cluster: Cluster) -> None:
+    cluster.core().create_namespaced_secret(cluster.namespace, k8s.V1Secret(
+        metadata=k8s.V1ObjectMeta(name=defaults.MLFLOW_CREDENTIALS_SECRET), string_data=MLFLOW_CREDENTIALS))
 
 
 @pytest.fixture
@@ -144,6 +155,7 @@ def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_no
     s3.upload(digits, "ml-data", "elastic-step/wf-1/dataset")
     api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}))
+    add_mlflow_credentials(cluster)
     add_artifact_repository(cluster, s3)
     clock = SkippingClock()  # the backoff is asserted, not waited out
     controller = WorkflowController(cluster, clock=clock.now, sleep=clock.sleep)
@@ -261,6 +273,7 @@ def test_the_default_render_with_worker_pods_is_refused_before_anything_is_creat
     which no worker pod can read. The master says so and exits 2 (Argo does not retry it)."""
     document = rendered()
     s3.upload(digits, "artifacts", "wf-2/prepare-data/dataset", public=True)
+    add_mlflow_credentials(cluster)
     ns = cluster.namespace
     pod = step_pod(document, "train", "wf-2", {}, PARAMETERS,
                    {"dataset": {"bucket": "artifacts", "key": "wf-2/prepare-data/dataset", "endpoint": s3.endpoint}})
