@@ -48,6 +48,7 @@ def test_dry_run_prints_a_secret_a_network_policy_and_a_pod_per_slot_that_valida
     labels = pod["metadata"]["labels"]
     assert labels["app.kubernetes.io/name"] == "elastic-step" and labels["app.kubernetes.io/component"] == "worker"
     assert labels["elastic-step/job"] == "my-job" and labels["elastic-step/replica-index"] == "2"
+    assert labels["sidecar.istio.io/inject"] == "false"  # no Envoy sidecar in a Kubeflow profile namespace
     spec, container = pod["spec"], pod["spec"]["containers"][0]
     assert spec["restartPolicy"] == "Never" and container["command"] == ["elastic-step", "worker"]
     assert container["image"] == "reg.example/es:1"

@@ -133,6 +133,9 @@ def threads_for(settings: PodSettings) -> str:
     return str(max(1, int(parse_quantity(settings.cpu_limit))))
 
 
+ISTIO_INJECT_LABEL = "sidecar.istio.io/inject"
+
+
 def worker_pod(
     settings: PodSettings,
     names: JobNames,
@@ -159,7 +162,11 @@ def worker_pod(
     }
     if settings.gpus:
         env[WorkerEnv.COLLECTIVE_BACKEND.value] = "nccl"
-    labels = {**names.labels("worker"), "elastic-step/replica-index": str(slot), "elastic-step/worker-id": dns_label(worker_id.replace(".", "-"))}
+    labels = {**names.labels("worker"), "elastic-step/replica-index": str(slot), "elastic-step/worker-id": dns_label(worker_id.replace(".", "-")),
+              # In a namespace with Istio injection on (Kubeflow's profiles), a worker opts out: an
+              # Envoy sidecar would never exit, so the pod would never end, and it would intercept
+              # the gloo ports the group connects to directly.
+              ISTIO_INJECT_LABEL: "false"}
     container = k8s.V1Container(
         name="worker",
         image=image,
