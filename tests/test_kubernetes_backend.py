@@ -278,6 +278,7 @@ def test_workers_take_the_store_credentials_from_the_masters_secrets_by_referenc
         k8s.V1EnvVar(name="AWS_SESSION_TOKEN", value="a-literal"),  # never copied into another pod's spec
     ])
     fake.add_master_pod("step", "es:1", containers=[k8s.V1Container(name="wait", image="argoexec"), main])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "from-the-secret")  # as the kubelet sets it in the master's container
     master = MasterPod("step", "", "127.0.0.1", "ml")
     backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image=None), master=master)
     backend.launch(0, "w0.1")
