@@ -87,7 +87,7 @@ class ElasticStep:
 
     def start(self) -> subprocess.Popen:
         with open(os.path.join(self.job_dir, "output.log"), "ab") as out:
-            return elastic_step(*self.args, stdout=out, stderr=subprocess.STDOUT)
+            return elastic_step(*self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def steps(self) -> list[dict]:
         path = os.path.join(self.job_dir, "metrics.jsonl")
@@ -113,7 +113,7 @@ class TorchrunDDP:
     def start(self) -> subprocess.Popen:
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
         with open(os.path.join(self.job_dir, "output.log"), "ab") as out:
-            return torchrun(*self.args, env=env, stdout=out, stderr=subprocess.STDOUT)
+            return torchrun(*self.args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def steps(self) -> list[dict]:
         return read_steps(self.log) if os.path.exists(self.log) else []
@@ -183,9 +183,14 @@ def run_job(system, disturbance: Disturbance | None, seed: int, timeout_s: float
                 raise TimeoutError(f"{system.name} did not finish in {timeout_s:.0f}s")
             time.sleep(0.05)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() != 0:  # the launcher and whatever it started (its session): nothing outlives a failed run
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait()
+            for pid in system.workers():  # torchrun starts each worker in a session of its own
+                os.kill(pid, signal.SIGKILL)
     return wall(system.steps()), count, retries
 
 
@@ -213,6 +218,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one job may take")
     parser.add_argument("--keep", metavar="DIR", help="put the data and the jobs' folders (events, logs) here and keep them")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still cleans up
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
     if args.quick:
         args.copies, args.epochs, args.disturbances = 40, 4, ["kill10"]
     kinds = [ElasticStep] + ([] if args.no_peer else [TorchrunDDP])
