@@ -277,12 +277,8 @@ class KubernetesBackend(Backend):
         self.rules_matched.append((name, row))
         del self.pods[worker_id]
         self.stuck_since.pop(name, None)
-        if not deleted and not facts.deleting:
-            # A finished or failed pod frees its place (logs stay in the events). One already being
-            # deleted (an eviction, a drain, a preemption: someone else's graceful delete) is left
-            # to its grace period: the kubelet has SIGTERMed the worker, which leaves the group on
-            # its own, and a delete of ours with grace 0 would SIGKILL it mid-leave.
-            self._delete_pod(name)
+        if not deleted:
+            self._delete_pod(name)  # a finished or failed pod frees its place (logs stay in the events)
         log.info("worker %s: %s (%s)", worker_id, verdict.reason, row)
         return WorkerExit(worker_id, verdict.reason, verdict.returncode, verdict.relaunch, left=verdict.left)
 
