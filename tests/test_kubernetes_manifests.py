@@ -8,13 +8,13 @@ import glob
 import os
 import shutil
 import subprocess
-import sys
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from conftest import cli
+from kfp_example import compiled_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEPLOY = os.path.join(ROOT, "deploy")
@@ -196,16 +196,7 @@ def test_mlflow_allows_its_service_name_and_postgres_comes_from_a_secret():
 
 
 def test_the_kfp_example_sets_the_masters_downward_api_env(tmp_path):
-    module = tmp_path / "pipe.py"
-    module.write_text(
-        "import sys\nsys.path.insert(0, %r)\n" % os.path.join(DEPLOY, "examples")
-        + "from kfp import compiler, dsl\nfrom kfp_master_env import as_elastic_master\n"
-        "@dsl.component(base_image='python:3.11')\ndef step():\n    pass\n"
-        "@dsl.pipeline\ndef pipe():\n    as_elastic_master(step())\n"
-        "compiler.Compiler().compile(pipe, sys.argv[1])\n")
-    out = tmp_path / "pipe.yaml"
-    subprocess.run([sys.executable, str(module), str(out)], check=True, capture_output=True)
-    text = out.read_text()
+    text = yaml.safe_dump_all(compiled_example(tmp_path))
     for name in ("ELASTIC_STEP_POD_NAME", "ELASTIC_STEP_POD_UID", "ELASTIC_STEP_POD_IP", "status.podIP"):
         assert name in text
 

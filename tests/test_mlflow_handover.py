@@ -262,23 +262,9 @@ def test_compiled_kfp_tasks_take_mlflows_uri_and_user_from_one_fixed_secret(pipe
 
 
 def test_the_kfp_example_takes_the_uri_from_the_same_secret_as_the_password(tmp_path):
-    import os
-    import subprocess
-    import sys
+    from kfp_example import compiled_example
 
-    import yaml
-
-    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "examples")
-    module = tmp_path / "pipe.py"
-    module.write_text(
-        "import sys\nsys.path.insert(0, %r)\n" % examples
-        + "from kfp import compiler, dsl\nfrom kfp_master_env import as_elastic_master\n"
-        "@dsl.component(base_image='python:3.11')\ndef step():\n    pass\n"
-        "@dsl.pipeline\ndef pipe():\n    as_elastic_master(step())\n"
-        "compiler.Compiler().compile(pipe, sys.argv[1])\n")
-    out = tmp_path / "pipe.yaml"
-    subprocess.run([sys.executable, str(module), str(out)], check=True, capture_output=True)
-    docs = [d for d in yaml.safe_load_all(out.read_text()) if d]
+    docs = compiled_example(tmp_path)
     [executor] = next(d for d in docs if "platforms" in d)["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values()
     [secret] = executor["secretAsEnv"]
     assert {k["envVar"]: k["secretKey"] for k in secret["keyToEnv"]} == {

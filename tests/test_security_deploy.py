@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 
 import yaml
 from kubernetes import client as k8s
@@ -28,6 +27,7 @@ from cluster import Cluster
 from cluster.rbac import REPO
 from elastic_step.backends.kubernetes.manifests import JobNames, worker_pod
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+from kfp_example import compiled_example
 
 DEPLOY = os.path.join(REPO, "deploy")
 KUBECTL = shutil.which("kubectl") or "kubectl"  # on the machine image: the real client the cluster tests use
@@ -158,16 +158,7 @@ def step_pod_labels(capsys) -> dict[str, dict]:
 
 def kfp_example_labels(tmp_path) -> dict:
     """deploy/examples/kfp_master_env.py's task, compiled by KFP's own compiler."""
-    module = tmp_path / "pipe.py"
-    module.write_text(
-        "import sys\nsys.path.insert(0, %r)\n" % os.path.join(DEPLOY, "examples")
-        + "from kfp import compiler, dsl\nfrom kfp_master_env import as_elastic_master\n"
-        "@dsl.component(base_image='python:3.11')\ndef step():\n    pass\n"
-        "@dsl.pipeline\ndef pipe():\n    as_elastic_master(step())\n"
-        "compiler.Compiler().compile(pipe, sys.argv[1])\n")
-    out = tmp_path / "pipe.yaml"
-    subprocess.run([sys.executable, str(module), str(out)], check=True, capture_output=True)
-    platform = next(d for d in yaml.safe_load_all(out.read_text()) if d and "platforms" in d)
+    platform = next(d for d in compiled_example(tmp_path) if "platforms" in d)
     [executor] = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values()
     return executor["podMetadata"]["labels"]
 
