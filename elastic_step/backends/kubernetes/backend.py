@@ -355,13 +355,16 @@ class KubernetesBackend(Backend):
         nothing in it can prove, so it is deleted and made afresh at the next publish: the job's
         status is only ever in an object this master created."""
         log.warning("a ConfigMap %s was there before this master made it: replaced", self.names.status_map)
+        self._delete_status_map()
+        return {}
+
+    def _delete_status_map(self) -> None:
         try:
             self.api.delete_namespaced_config_map(self.names.status_map, self.settings.namespace,
                                                   _request_timeout=self.timeout_s)
         except Exception as exc:
-            if getattr(exc, "status", None) != 404:
+            if getattr(exc, "status", None) != 404:  # already gone is what was asked
                 log.warning("deleting ConfigMap %s failed: %s", self.names.status_map, exc)
-        return {}
 
     def _requested_anyway(self) -> dict[str, str]:
         """The update failed, but the operator's requests must still be read: an empty patch
@@ -377,12 +380,7 @@ class KubernetesBackend(Backend):
         """The job's Secret, NetworkPolicies and status ConfigMap."""
         self._delete_secret()
         if self.status_published:
-            try:
-                self.api.delete_namespaced_config_map(self.names.status_map, self.settings.namespace,
-                                                      _request_timeout=self.timeout_s)
-            except Exception as exc:
-                if getattr(exc, "status", None) != 404:
-                    log.warning("deleting ConfigMap %s failed: %s", self.names.status_map, exc)
+            self._delete_status_map()
             self.status_published = False
         for name in self.network_policies:
             try:
