@@ -165,6 +165,7 @@ def summary(job: dict, job_dir: str, now: float | None = None) -> dict:
         "world_size": status.get("world_size"),
         "target_workers": status.get("target_workers"),
         "workers_range": status.get("workers_range"),
+        "spares": status.get("spares") or 0,
         "epoch": status["epoch"] + 1 if status.get("epoch") is not None else None,
         "epochs": epochs,
         "rows_done": status.get("rows_done"),

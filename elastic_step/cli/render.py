@@ -42,7 +42,8 @@ def summary_lines(s: dict) -> list[str]:
     loss = f"loss {s['loss']:.4f}" if s.get("loss") is not None else "loss -"
     if s.get("epochs"):
         lines.append(f"duration {seconds(s['duration_s'])}  round {s['round']}  workers {s['world_size']}/{s['target_workers']} "
-                     f"(range {':'.join(map(str, s['workers_range'] or []))})  epoch {s['epoch']}/{s['epochs']}  {progress}")
+                     f"(range {':'.join(map(str, s['workers_range'] or []))})" + (f"  spares {s['spares']}" if s.get("spares") else "")
+                     + f"  epoch {s['epoch']}/{s['epochs']}  {progress}")
         lines.append(f"step {s['step']}  {loss}  {s['samples_per_s'] or 0:.0f} samples/s")
     else:
         lines.append(f"duration {seconds(s['duration_s'])}  step {s.get('step')}")
