@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from processes import die_with_parent
+
 AUTH_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "mlflow" / "auth-config.yaml"
 
 
@@ -90,7 +92,8 @@ class MlflowServer:
     def start(self, timeout: float = 90.0) -> None:
         self.log = open(os.path.join(self.root, "server.log"), "a")
         self.proc = subprocess.Popen(self._command(), env=self._environment(),
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -16,6 +16,8 @@ import time
 
 import httpx
 
+from processes import die_with_parent
+
 # gcsfs reads this once, at import: without it, it probes every bucket for a hierarchical namespace
 # through Google's control API, which an emulator does not serve.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -24,17 +26,6 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 TEST_KEY_ID = "testing-key-id"
 TEST_SECRET = "testing-secret"
 REGION = "us-east-1"
-
-
-def die_with_parent() -> None:
-    """preexec_fn for a server the test process owns: the kernel SIGTERMs it when the test
-    process dies, even by SIGKILL (a timeout's kill -9), where no `stop()` or atexit runs and a
-    server in a session of its own would otherwise be left listening."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def free_port() -> int:
