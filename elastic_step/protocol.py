@@ -200,6 +200,7 @@ class TrainingMode(StrEnum):
     same update."""
 
     ALLREDUCE = "allreduce"  # every worker holds the model; one collective per step sums the gradients
+    PS = "ps"  # embedding tables on parameter-server shards (elastic_step/ps); dense weights by allreduce
 
 
 class DeviceChoice(StrEnum):
@@ -271,6 +272,7 @@ class JobSpec(BaseModel):
     features: list[str]
     label: str
     checkpoint_steps: int = 0  # rank 0 checkpoints every K steps and at each epoch end; 0: never
+    ps_routing: dict = {}  # mode ps: the shards' RoutingTable (epoch, owners, endpoints) as JSON
 
 
 class GpuSample(Request):
