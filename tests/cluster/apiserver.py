@@ -62,6 +62,7 @@ class ApiServer:
         self.audit: list[tuple[str, str, str, str, bool]] = []  # (user, verb, resource, namespace, allowed)
         self.validate = validate
         self.log_reader = None  # (namespace, pod) -> bytes, set by the kubelet: `pods/log`
+        self.installed: set[str] = set()  # the groups of optional CRDs installed (discovery.Resource.optional)
         self.closed = False
         self.ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.ssl.load_cert_chain(certfile, keyfile)
@@ -83,6 +84,10 @@ class ApiServer:
         self.httpd.server_close()
 
     # -- what a test does to the server itself ----------------------------------------------------
+    def install(self, group: str) -> None:
+        """Serve an optional CRD's group from now on, as `kubectl apply` of its CRD does."""
+        self.installed.add(group)
+
     def compact(self) -> None:
         """Forget the watch history and drop every open watch: resuming gets 410 Gone."""
         with self.store.cond:
@@ -145,6 +150,8 @@ class ApiServer:
             discovery.validate(body, strict)
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = now_text()
+        if resource.generation:
+            meta["generation"] = 1
         meta.pop("deletionTimestamp", None)
         self._rbac_changed(body)
         return store.commit("ADDED", plural, body)
@@ -278,6 +285,9 @@ class _Handler(BaseHTTPRequestHandler):
         namespace = ""
         if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) != 2:
             namespace, rest = rest[1], rest[2:]
+        optional = RESOURCES.get((group, rest[0] if rest else ""))
+        if optional is not None and optional.optional and group not in self.server.api.installed:
+            rest = []  # a CRD not installed: its group is not served
         if not rest or ((group, rest[0]) not in RESOURCES and (group, rest[0]) not in REVIEWS):
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({parsed.path})")
         plural, name = rest[0], rest[1] if len(rest) > 1 else ""
@@ -329,7 +339,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _discovery(self, method: str) -> bool:
         """Discovery and OpenAPI (discovery.py): for any authenticated user, `/version` for anyone."""
         path = urllib.parse.urlsplit(self.path).path
-        answer = discovery.serve(path, self.headers.get("Accept", ""), f"127.0.0.1:{self.server.api.port}") if method == "GET" else None
+        answer = discovery.serve(path, self.headers.get("Accept", ""), f"127.0.0.1:{self.server.api.port}",
+                                 frozenset(self.server.api.installed)) if method == "GET" else None
         if answer is None:
             return False
         if path.rstrip("/") != "/version" and self.server.api.authorizer.user_of(self.headers.get("Authorization")) is None:
@@ -423,6 +434,10 @@ class _Handler(BaseHTTPRequestHandler):
                     body["metadata"] = {**{k: v for k, v in obj["metadata"].items() if k not in writable},
                                         **{k: v for k, v in body.get("metadata", {}).items() if k in writable}}
                     if plural == "pods":
+                        body["status"] = obj.get("status", {})
+                    if RESOURCES[(req.api_group, plural)].generation:  # spec changes count; status is /status's
+                        generation = obj["metadata"].get("generation", 1)
+                        body["metadata"]["generation"] = generation + (body.get("spec") != obj.get("spec"))
                         body["status"] = obj.get("status", {})
                     obj = body
                 return 200, copy.deepcopy(api._modified(plural, obj))

@@ -44,6 +44,10 @@ class Resource:
     verbs: tuple[str, ...] = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
     categories: tuple[str, ...] = ()
     schema: bool = True  # validated against Kubernetes' schema (a CRD's is not in it)
+    # spec/status split: metadata.generation counts spec changes, and an update of the object
+    # keeps its status (written through /status only), as for Deployments and CRs with a status
+    generation: bool = False
+    optional: bool = False  # a CRD served only once a test installs it (ApiServer.installed)
 
     @property
     def group_version(self) -> str:
@@ -75,6 +79,12 @@ RESOURCE_LIST = [
     # Argo's custom resources, as its CRDs install them (served, stored, not schema-validated here)
     Resource("argoproj.io", "workflows", "Workflow", True, ("wf",), "v1alpha1", schema=False),
     Resource("argoproj.io", "workflowtaskresults", "WorkflowTaskResult", True, (), "v1alpha1", schema=False),
+    # Deployments and their ReplicaSets (run by apps.py's controllers when a test starts them)
+    Resource("apps", "deployments", "Deployment", True, ("deploy",), categories=("all",), generation=True),
+    Resource("apps", "replicasets", "ReplicaSet", True, ("rs",), categories=("all",), generation=True),
+    # KServe's InferenceService, as its CRD installs it: absent until a test installs it (kserve.py)
+    Resource("serving.kserve.io", "inferenceservices", "InferenceService", True, ("isvc",), "v1beta1", schema=False,
+             generation=True, optional=True),
 ]
 RESOURCES = {(r.group, r.plural): r for r in RESOURCE_LIST}
 GROUP_OF = {r.plural: r.group for r in RESOURCE_LIST}  # every plural served is in one group
@@ -87,14 +97,19 @@ SUBRESOURCES = {
     ("pods", "log"): ("Pod", ("get",)),
     ("pods", "eviction"): ("policy/v1/Eviction", ("create",)),  # `kubectl drain` looks for it here
     ("serviceaccounts", "token"): ("TokenRequest", ("create",)),
+    ("deployments", "status"): ("Deployment", ("get", "patch", "update")),
+    ("replicasets", "status"): ("ReplicaSet", ("get", "patch", "update")),
+    ("inferenceservices", "status"): ("InferenceService", ("get", "patch", "update")),
 }
 # The reviews a user asks about itself (rbac.REVIEWS): create-only, cluster-scoped.
 REVIEW_GROUPS = {"authorization.k8s.io": ["selfsubjectaccessreviews", "selfsubjectrulesreviews"],
                  "authentication.k8s.io": ["selfsubjectreviews"]}
 
 
-def served_group_versions() -> list[str]:
-    return sorted({*GROUP_VERSIONS.values(), *(f"{g}/v1" for g in REVIEW_GROUPS)} - {"v1"})
+def served_group_versions(installed: frozenset[str] = frozenset()) -> list[str]:
+    """`installed`: the groups of optional CRDs a test installed."""
+    built_in = {r.group_version for r in RESOURCE_LIST if not r.optional or r.group in installed}
+    return sorted({*built_in, *(f"{g}/v1" for g in REVIEW_GROUPS)} - {"v1"})
 
 
 # -- discovery documents ----------------------------------------------------------------------------
@@ -110,19 +125,19 @@ def api_versions(server_address: str) -> dict:
             "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server_address}]}
 
 
-def api_group_list() -> dict:
+def api_group_list(installed: frozenset[str] = frozenset()) -> dict:
     groups = []
-    for group_version in served_group_versions():
+    for group_version in served_group_versions(installed):
         group, version_name = group_version.split("/")
         entry = {"groupVersion": group_version, "version": version_name}
         groups.append({"name": group, "versions": [entry], "preferredVersion": entry})
     return {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
 
 
-def resource_list(group_version: str) -> dict | None:
+def resource_list(group_version: str, installed: frozenset[str] = frozenset()) -> dict | None:
     """The APIResourceList of a group version; None if it is not served."""
     group = group_version.rpartition("/")[0] if "/" in group_version else ""
-    if group_version not in served_group_versions() + ["v1"]:
+    if group_version not in served_group_versions(installed) + ["v1"]:
         return None
     resources = []
     for r in RESOURCE_LIST:
@@ -235,7 +250,8 @@ def _definition_name(r: Resource) -> str | None:
 def openapi_v2() -> bytes:
     paths = {}
     for r in RESOURCE_LIST:
-        paths.update(_paths(r))
+        if not r.optional:  # an installed CRD's schema is not published here
+            paths.update(_paths(r))
     doc = {"swagger": "2.0", "info": {"title": "Kubernetes", "version": f"v{KUBERNETES_VERSION}"}, "paths": paths,
            "definitions": definitions(), "securityDefinitions": {"BearerToken": {"type": "apiKey", "name": "authorization",
                                                                                   "in": "header"}}}
@@ -266,7 +282,8 @@ def _v3_operation(operation: dict) -> dict:
 @functools.lru_cache(maxsize=None)
 def openapi_v3(group_version: str) -> bytes | None:
     """The OpenAPI 3.0 document of `api/v1` or `apis/GROUP/VERSION`; None if not served."""
-    served = [r for r in RESOURCE_LIST if ("api/" + r.version if not r.group else f"apis/{r.group_version}") == group_version]
+    served = [r for r in RESOURCE_LIST if not r.optional
+              and ("api/" + r.version if not r.group else f"apis/{r.group_version}") == group_version]
     if not served:
         return None
     paths = {}
@@ -280,13 +297,14 @@ def openapi_v3(group_version: str) -> bytes | None:
 
 def openapi_v3_index() -> dict:
     paths = {}
-    for gv in dict.fromkeys("api/v1" if not r.group else f"apis/{r.group_version}" for r in RESOURCE_LIST):
+    for gv in dict.fromkeys("api/v1" if not r.group else f"apis/{r.group_version}" for r in RESOURCE_LIST if not r.optional):
         digest = hashlib.sha512(openapi_v3(gv)).hexdigest()[:128].upper()
         paths[gv] = {"serverRelativeURL": f"/openapi/v3/{gv}?hash={digest}"}
     return {"paths": paths}
 
 
-def serve(path: str, accept: str, server_address: str) -> tuple[int, dict | bytes] | None:
+def serve(path: str, accept: str, server_address: str,
+          installed: frozenset[str] = frozenset()) -> tuple[int, dict | bytes] | None:
     """The answer to a discovery or OpenAPI path (None: not one of them)."""
     path = "/" + path.strip("/")
     if path == "/version":
@@ -294,9 +312,9 @@ def serve(path: str, accept: str, server_address: str) -> tuple[int, dict | byte
     if path == "/api":
         return 200, api_versions(server_address)
     if path == "/apis":
-        return 200, api_group_list()
+        return 200, api_group_list(installed)
     if path == "/api/v1" or (path.startswith("/apis/") and path.count("/") == 3):
-        found = resource_list(path.split("/", 2)[2])
+        found = resource_list(path.split("/", 2)[2], installed)
         return (200, found) if found else None
     if path == "/openapi/v2":
         if accept and "json" not in accept and "*/*" not in accept:
