@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from elastic_step.jobclient import try_status
+from elastic_step.operate.client import try_status
 
 work = "/tmp/smoke"
 subprocess.run(["elastic-step", "prepare-data", "--source", "sklearn:digits", "--out", f"{work}/data", "--rows-per-shard", "256"], check=True)

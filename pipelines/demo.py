@@ -21,7 +21,7 @@ import threading
 import time
 
 from elastic_step.audit import audit_report
-from elastic_step.jobclient import try_status
+from elastic_step.operate.client import try_status
 
 OUT = os.path.abspath(os.environ.get("ELASTIC_STEP_DEMO_DIR", "demo-output"))
 MODEL = "digits"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elastic_step.jobclient import try_status
+from elastic_step.operate.client import try_status
 
 MODEL = "elastic_step.model_zoo.digits_torch"
 # The same model, 20 ms slower per step: for tests that must act while a job runs.

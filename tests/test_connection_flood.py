@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from elastic_step.jobclient import try_status
+from elastic_step.operate.client import try_status
 from elastic_step.worker.client import MasterClient
 
 from conftest import SLOW_MODEL

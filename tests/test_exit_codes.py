@@ -101,7 +101,7 @@ def test_the_component_and_the_train_command_take_the_priority_class_and_the_gra
 
 
 def test_a_preempted_run_reads_preempted_in_get_and_the_gate_refuses_to_judge_it(tmp_path, monkeypatch):
-    from elastic_step.jobrecord import job_from_mlflow
+    from elastic_step.operate.record import job_from_mlflow
     from elastic_step.release.gate import evaluate_candidate
     from elastic_step.tracking.run import RunOutcome, RunTracker, connect
 

@@ -17,7 +17,7 @@ from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
 from elastic_step.backends.kubernetes.manifests import STOP_ANNOTATION, cluster_job_name
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
-from elastic_step.kubejobs import WORKER_SELECTOR, AmbiguousJob, kubernetes_view, list_kubernetes, status_map, stop_kubernetes
+from elastic_step.operate.statusmap import WORKER_SELECTOR, AmbiguousJob, kubernetes_view, list_kubernetes, status_map, stop_kubernetes
 from elastic_step.operate.pods import worker_pod
 
 from kube_fake import FakeCoreV1Api

@@ -371,7 +371,7 @@ def test_the_status_configmap_is_created_then_updated_carries_a_stop_request_and
 
 def test_the_cli_reads_a_published_job_and_asks_it_to_stop(tmp_path, fake):
     from elastic_step.backends.kubernetes.manifests import STOP_ANNOTATION
-    from elastic_step.kubejobs import kubernetes_view, status_map
+    from elastic_step.operate.statusmap import kubernetes_view, status_map
 
     pod = fake.add_master_pod("train-step-1", "es:1")  # the CLI checks the status is its master's own
     backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image="es:1"),
@@ -395,7 +395,7 @@ def test_the_cli_reads_a_published_job_and_asks_it_to_stop(tmp_path, fake):
     with pytest.raises(ElasticStepError, match="no running job 'nope' in namespace ml.*--mlflow-uri"):
         kubernetes_view("nope", "ml", api=fake)
     # stop: the annotation lands on the job's ConfigMap (the master's publish takes it from there).
-    from elastic_step.kubejobs import stop_kubernetes
+    from elastic_step.operate.statusmap import stop_kubernetes
 
     assert "asked job unit to stop" in stop_kubernetes("unit", "ml", 5, wait=False, api=fake)
     assert STOP_ANNOTATION in status_map(fake, "ml", "unit").metadata.annotations

@@ -17,7 +17,7 @@ import pytest
 from elastic_step.audit import audit_report
 from elastic_step.config import TrainConfig
 from elastic_step.errors import JobFailed
-from elastic_step.jobclient import JobClient, read_master_info, try_status
+from elastic_step.operate.client import JobClient, read_master_info, try_status
 from elastic_step.master.job import run_job
 
 from conftest import SLOW_MODEL

@@ -14,7 +14,7 @@ from elastic_step.protocol import EventKind
 
 
 def test_every_event_kind_a_reader_looks_for_is_declared():
-    from elastic_step.jobview import MEMBERSHIP_EVENTS
+    from elastic_step.operate.folder import MEMBERSHIP_EVENTS
     from elastic_step.master.ui_page import PAGE
     from elastic_step.tracking.recorder import HISTORY_COUNTS
 

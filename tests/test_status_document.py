@@ -94,7 +94,7 @@ def test_a_planted_newer_configmap_with_the_jobs_labels_is_not_taken_for_its_sta
 
     from kubernetes import client as k8s
 
-    from elastic_step.kubejobs import WORKER_SELECTOR, kubernetes_view, status_map
+    from elastic_step.operate.statusmap import WORKER_SELECTOR, kubernetes_view, status_map
 
     pod = api.add_master_pod("train-step-1", "es:1")
     backend = unit_backend(tmp_path, api, PodSettings(namespace="ml", image="es:1"),

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
-from elastic_step.jobview import job_view
-from elastic_step.kubejobs import kubernetes_view
+from elastic_step.operate.folder import job_view
+from elastic_step.operate.statusmap import kubernetes_view
 from elastic_step.operate.documents import UnreadableStatus
 from elastic_step.protocol import SHOWN_EVENTS, EventKind, JobStatus
 

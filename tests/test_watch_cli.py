@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from elastic_step.cli import main
-from elastic_step.joblogs import log_path, parse_since, read_log
+from elastic_step.operate.logfiles import log_path, parse_since, read_log
 from elastic_step.master.api import create_app, server_config
 
 from test_master_state import make_state

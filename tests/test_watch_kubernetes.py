@@ -11,7 +11,7 @@ from kubernetes import client as k8s
 
 from elastic_step.backends.kubernetes.manifests import JobNames
 from elastic_step.errors import ElasticStepError
-from elastic_step.kubejobs import list_kubernetes
+from elastic_step.operate.statusmap import list_kubernetes
 from elastic_step.operate import LogRequest
 from elastic_step.operate.kubernetes import KubernetesJobs
 from elastic_step.operate.pods import worker_pod

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from elastic_step.audit import audit_report
 from elastic_step.exit_codes import ExitCode
-from elastic_step.jobclient import try_status
+from elastic_step.operate.client import try_status
 
 pytestmark = pytest.mark.e2e
 

@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 def logs(args) -> int:
     from elastic_step.cli.observe import job_of, operator
-    from elastic_step.joblogs import parse_since
+    from elastic_step.operate.logfiles import parse_since
     from elastic_step.operate import LogRequest
 
     request = LogRequest(worker=args.worker, previous=args.previous, tail=args.tail, timestamps=args.timestamps,

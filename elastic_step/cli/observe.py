@@ -70,21 +70,10 @@ def add_job(p, what: str, optional: bool = False) -> None:
 
 
 def backend_of(args) -> str:
-    """--backend, else where the job named is: a job folder here, else a cluster you can reach."""
-    if args.backend:
-        return args.backend
-    job = getattr(args, "job", None) or getattr(args, "job_dir", None)
-    if not job:
-        return "local"
-    from elastic_step.jobview import UnknownJob, find_job
+    """--backend, else the backend of the job named (elastic_step.operate decides)."""
+    from elastic_step.operate import backend_for
 
-    try:
-        find_job(job, args.root)
-        return "local"
-    except UnknownJob:
-        pass
-    has_kubeconfig = os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config"))
-    return "kubernetes" if has_kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
+    return args.backend or backend_for(getattr(args, "job", None) or getattr(args, "job_dir", None), args.root)
 
 
 def job_of(args) -> str | None:
@@ -179,7 +168,7 @@ def stop(args) -> int:
 
 
 def ui(args) -> int:
-    from elastic_step.pageserver import PageServer, PublishedStatus
+    from elastic_step.operate.pageserver import PageServer, PublishedStatus
 
     page = operator(args).live_page(job_of(args))
     if page.url:  # the master serves it itself

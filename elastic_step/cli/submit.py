@@ -86,7 +86,7 @@ def submission(args):
                                                           request_and_limit)
     from elastic_step.data.stores import parse_storage_option
     from elastic_step.errors import ConfigError
-    from elastic_step.kubejobs import current_namespace
+    from elastic_step.operate.statusmap import current_namespace
     from elastic_step.submit import checks
     from elastic_step.submit.spec import SCRATCH, Submission, parse_volume
 
@@ -152,7 +152,7 @@ def submit(args) -> int:
 
 
 def delete(args) -> int:
-    from elastic_step.kubejobs import current_namespace
+    from elastic_step.operate.statusmap import current_namespace
     from elastic_step.submit.apply import delete_job
 
     namespace = args.namespace or current_namespace()
@@ -163,7 +163,7 @@ def delete(args) -> int:
 
 def _api_client():
     """The caller's own credentials: the kubeconfig (KUBECONFIG, ~/.kube/config), else in-cluster."""
-    from elastic_step.kubejobs import core_api
+    from elastic_step.operate.statusmap import core_api
 
     return core_api().api_client
 

@@ -4,11 +4,29 @@ its status ConfigMap and pods on Kubernetes), checked against the protocol's mod
 
 from __future__ import annotations
 
+import os
+
 from elastic_step.operate.api import JobOperator, LivePage, LogRequest
 
 BACKENDS = ("local", "kubernetes")
 
-__all__ = ["BACKENDS", "JobOperator", "LivePage", "LogRequest", "operator_for"]
+__all__ = ["BACKENDS", "JobOperator", "LivePage", "LogRequest", "backend_for", "operator_for"]
+
+
+def backend_for(job: str | None, root: str | None = None) -> str:
+    """The backend of job `job` when none is named: local for no job or a job folder here, else
+    kubernetes where a cluster can be reached (a kubeconfig, or running in a pod)."""
+    if not job:
+        return "local"
+    from elastic_step.operate.folder import UnknownJob, find_job
+
+    try:
+        find_job(job, root)
+        return "local"
+    except UnknownJob:
+        pass
+    has_kubeconfig = os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config"))
+    return "kubernetes" if has_kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
 
 
 def operator_for(backend: str, root: str | None = None, namespace: str | None = None,

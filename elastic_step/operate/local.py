@@ -9,6 +9,9 @@ from typing import Callable, Iterator
 
 from elastic_step.errors import ElasticStepError
 from elastic_step.operate.api import JobOperator, LivePage, LogRequest
+from elastic_step.operate.client import JobClient
+from elastic_step.operate.folder import find_job, job_view, list_local, load_job
+from elastic_step.operate.logfiles import follow, log_path, read_log
 
 POLL_S = 0.5
 
@@ -18,23 +21,15 @@ class LocalJobs(JobOperator):
         self.root = root
 
     def jobs(self) -> list[dict]:
-        from elastic_step.jobview import list_local
-
         return [{**row, "where": row.get("note") or row.get("job_dir", "")} for row in list_local(self.root or ".")]
 
     def locate(self, job: str) -> str:
-        from elastic_step.jobview import find_job
-
         return find_job(job, self.root)
 
     def view(self, job: str, with_events: bool = False) -> dict:
-        from elastic_step.jobview import job_view
-
         return job_view(self.locate(job), with_events=with_events)
 
     def stop(self, job: str, timeout_s: float, wait: bool, say: Callable[[str], None]) -> str:
-        from elastic_step.jobview import load_job
-
         job_dir = self.locate(job)
         loaded = load_job(job_dir, with_events=False)
         if not loaded["live"]:
@@ -52,8 +47,6 @@ class LocalJobs(JobOperator):
 
     @staticmethod
     def _ask(job_dir: str, call) -> dict:
-        from elastic_step.jobclient import JobClient
-
         client = JobClient(job_dir)
         try:
             return call(client)
@@ -61,8 +54,6 @@ class LocalJobs(JobOperator):
             client.close()
 
     def log_lines(self, job: str, request: LogRequest) -> Iterator[str]:
-        from elastic_step.joblogs import follow, log_path, read_log
-
         job_dir = self.locate(job)
         path = log_path(job_dir, request.worker, request.worker is None, request.previous)
         lines, offset = read_log(path, tail=request.tail, since_s=request.since_s, timestamps=request.timestamps)
@@ -83,8 +74,6 @@ class LocalJobs(JobOperator):
 
 def _wait_stopped(job_dir: str, name: str, timeout_s: float) -> str:
     """Until the job in `job_dir` ended: its outcome, for people; an error unless it stopped."""
-    from elastic_step.jobview import load_job
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

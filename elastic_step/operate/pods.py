@@ -8,7 +8,7 @@ import re
 
 from elastic_step.backends.kubernetes.manifests import dns_label
 from elastic_step.errors import ElasticStepError
-from elastic_step.kubejobs import WORKER_SELECTOR, AmbiguousJob, created_at, instance_of, master_pod_of, status_map
+from elastic_step.operate.statusmap import WORKER_SELECTOR, AmbiguousJob, created_at, instance_of, master_pod_of, status_map
 
 WORKER_CONTAINER = "worker"
 

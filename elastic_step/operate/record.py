@@ -14,7 +14,7 @@ RUN_STATES = {"FINISHED": "succeeded", "FAILED": "failed", "KILLED": "stopped", 
 
 
 def job_from_mlflow(job: str, tracking_uri: str) -> dict | None:
-    """The newest run tagged with job `job`, as a job `jobview.view_of` shows; None without one."""
+    """The newest run tagged with job `job`, as a job `folder.view_of` shows; None without one."""
     from mlflow.tracking import MlflowClient
 
     try:

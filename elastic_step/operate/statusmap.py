@@ -14,6 +14,7 @@ import time
 from elastic_step.backends.kubernetes.manifests import SCALE_ANNOTATION, STATUS_KEY, STOP_ANNOTATION, dns_label
 from elastic_step.errors import ElasticStepError
 from elastic_step.operate.documents import checked_events, checked_status
+from elastic_step.operate.folder import view_of
 
 SELECTOR = "app.kubernetes.io/managed-by=elastic-step"
 STATUS_SELECTOR = SELECTOR + ",app.kubernetes.io/component=status"
@@ -216,7 +217,7 @@ def published_document(config_map, namespace: str) -> dict:
 
 
 def published_job(config_map, namespace: str) -> dict:
-    """The job as its master last published it, in the shape `jobview.view_of` shows."""
+    """The job as its master last published it, in the shape `folder.view_of` shows."""
     document = published_document(config_map, namespace)
     status, info = document["status"], document["info"]
     info = {**info, "namespace": namespace, "master_pod": master_pod_of(config_map), "status_map": config_map.metadata.name}
@@ -232,8 +233,6 @@ def where_of(info: dict) -> str:
 def kubernetes_view(job: str, namespace: str | None, with_events: bool = False, mlflow_uri: str | None = None, api=None) -> dict:
     """`get`/`top` of a job on Kubernetes: its published status while it runs; once it has
     ended (its master deleted the status with the rest of the job), its MLflow run."""
-    from elastic_step.jobview import view_of
-
     api = api or core_api()
     namespace = namespace or current_namespace()
     found = status_map(api, namespace, job)
@@ -241,7 +240,7 @@ def kubernetes_view(job: str, namespace: str | None, with_events: bool = False, 
         loaded = published_job(found, namespace)
         return view_of(loaded, where_of(loaded["info"]), with_events)
     if mlflow_uri:
-        from elastic_step.jobrecord import job_from_mlflow
+        from elastic_step.operate.record import job_from_mlflow
 
         recorded = job_from_mlflow(job, mlflow_uri)
         if recorded is not None:

@@ -9,7 +9,7 @@ import os
 import time
 
 from elastic_step.errors import ElasticStepError, MasterUnreachable
-from elastic_step.jobclient import JobClient, WrongToken, check_own_folder, read_token_file
+from elastic_step.operate.client import JobClient, WrongToken, check_own_folder, read_token_file
 from elastic_step.operate.documents import checked_events, checked_status
 from elastic_step.protocol import SHOWN_EVENTS, EventKind
 

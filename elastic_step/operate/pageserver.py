@@ -22,7 +22,7 @@ from elastic_step.errors import ElasticStepError
 from elastic_step.master.ui_page import PAGE, PAGE_HEADERS
 from elastic_step.protocol import API, UI_PAGE, Route
 
-log = logging.getLogger("elastic_step.pageserver")
+log = logging.getLogger("elastic_step.operate.pageserver")
 
 READ_EVERY_S = 1.0  # the page asks every 2 s, three routes at a time: one read of the ConfigMap serves them
 
