@@ -519,6 +519,6 @@ class Kubelet:
         instance = c["name"] + (f"-{restarts}" if restarts else "")
         started = self.runtime.run(os.path.join(record.folder, "containers", instance), f"pod-{record.uid[:8]}-{instance}",
                                    image, argv, env, binds, tmpfs, uid, gid, groups, c.get("workingDir") or image.workdir, limit,
-                                   net=record.net, hostname=record.name if self.isolation == "namespaces" else None)
+                                   net=record.net, hostname=record.name if self.isolation in ("namespaces", "docker") else None)
         return Container(record.uid, record.namespace, record.name, c["name"], c["image"], started.proc,
                          os.path.dirname(started.log_path), started.cgroup, now_text(), started.log_path)

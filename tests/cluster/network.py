@@ -61,6 +61,37 @@ class PodNet:
         """The argv prefix that runs a command in this pod's network namespace."""
         return ["nsenter", f"--net=/run/netns/{self.netns}", "--"]
 
+    def configure(self, netns: str = "") -> None:
+        """`lo` and `eth0` up in the pod's namespace, its addresses on eth0, the default route via the gateway."""
+        ns = ("-n", netns or self.netns)
+        ip(*ns, "link", "set", "lo", "up")
+        for address in self.ips:
+            if ":" in address:
+                ip(*ns, "-6", "addr", "add", f"{address}/{V6.prefixlen}", "dev", "eth0", "nodad")
+            else:
+                ip(*ns, "addr", "add", f"{address}/{V4.prefixlen}", "dev", "eth0")
+        ip(*ns, "link", "set", "eth0", "up")
+        ip(*ns, "route", "add", "default", "via", str(V4.network_address + 1))
+
+    def move_into(self, pid: int) -> None:
+        """The pod's network moved into process `pid`'s network namespace (the Docker runtime's
+        sandbox container, started with no network): eth0 with the pod's addresses and route, and
+        the NetworkPolicy rules enforced so far. The pod's namespace is that one from then on, under
+        a new name, switched to only once it is complete: the policy agent remembers what it applied
+        per name, so it applies its rules there afresh, after the copy, never before it."""
+        old, new = self.netns, f"{self.netns}-c"
+        rules = subprocess.run([*self.enter(), "nft", "list", "ruleset"], capture_output=True, text=True).stdout
+        ip("netns", "attach", new, str(pid))
+        ip("-n", old, "link", "set", "eth0", "netns", new)  # a move drops its addresses: configured again
+        self.configure(new)
+        if rules.strip():
+            loaded = subprocess.run(["nsenter", f"--net=/run/netns/{new}", "--", "nft", "-f", "-"], input=rules,
+                                    capture_output=True, text=True)
+            if loaded.returncode != 0:
+                raise RuntimeError(f"nft in {new}: {loaded.stderr.strip()}")
+        self.netns = new
+        subprocess.run(["ip", "netns", "del", old], capture_output=True)
+
 
 @dataclass
 class PodNetwork:
@@ -105,15 +136,7 @@ class PodNetwork:
         ip("netns", "add", pod.netns)
         ip("-n", self.sandbox, "link", "add", pod.veth, "type", "veth", "peer", "name", "eth0", "netns", pod.netns)
         ip("-n", self.sandbox, "link", "set", pod.veth, "master", "cni0", "up")
-        ns = ("-n", pod.netns)
-        ip(*ns, "link", "set", "lo", "up")
-        for address in pod.ips:
-            if ":" in address:
-                ip(*ns, "-6", "addr", "add", f"{address}/{V6.prefixlen}", "dev", "eth0", "nodad")
-            else:
-                ip(*ns, "addr", "add", f"{address}/{V4.prefixlen}", "dev", "eth0")
-        ip(*ns, "link", "set", "eth0", "up")
-        ip(*ns, "route", "add", "default", "via", self.gateway)
+        pod.configure()
         with self.lock:
             self.pods[uid] = pod
         return pod

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -269,7 +270,8 @@ class DockerDaemon:
 
 
 class DockerRuntime:
-    """Each container is `docker run --network host` of the image's Docker image (`Image.docker`):
+    """Each container is `docker run` of the image's Docker image (`Image.docker`), on the node's
+    network (`--network host`) or, on the pod network, in its pod's sandbox container's (see `_sandbox`):
     its user, its memory limit (`--memory`, swap off: the kernel's OOM kill is Docker's
     `State.OOMKilled`), the volumes bind-mounted, its /tmp a folder on the node, its env from an
     env file (never the command line), the image's writable layer as its root. `signal`: SIGKILL is `docker kill`, SIGSTOP `docker
@@ -282,18 +284,20 @@ class DockerRuntime:
     def __init__(self, daemon: DockerDaemon):
         self.daemon = daemon
         self.names: set[str] = set()
+        self.sandboxes: dict[str, tuple[object, str]] = {}  # pod's veth -> (its network.PodNet, its sandbox container)
+        self.lock = threading.Lock()
 
     @property
     def mode(self) -> str:
-        return "docker (docker run --network host of the built image; memory limits by Docker's cgroup)"
+        return ("docker (docker run of the built image, --network host or on a pod network its pod's sandbox container's "
+                "network; memory limits by Docker's cgroup)")
 
     def run(self, folder: str, cgroup_name: str, image: Image, argv: list[str], env: dict[str, str],
             binds: list[tuple[str, str, bool]], tmpfs: list[str], uid: int, gid: int, groups: list[int], cwd: str,
             memory_limit: str | None, net=None, hostname: str | None = None) -> Started:
-        if net is not None:
-            raise RuntimeError("the Docker runtime runs pods on the host's network (--network host), not the pod network")
         if not image.docker:
             raise RuntimeError(f"image {image.name} has no Docker image to run")
+        network = f"container:{self._sandbox(net, image, hostname)}" if net is not None else "host"
         os.makedirs(folder)
         tmp = os.path.join(folder, "tmp")
         os.makedirs(tmp)
@@ -306,7 +310,7 @@ class DockerRuntime:
                     if "\n" in value:
                         raise RuntimeError(f"env {key}: a value with a newline cannot go into a Docker env file")
                     f.write(f"{key}={value}\n")
-        command = ["docker", "run", "--name", name, "--network", "host", "--user", f"{uid}:{gid}", "--env-file", env_file,
+        command = ["docker", "run", "--name", name, "--network", network, "--user", f"{uid}:{gid}", "--env-file", env_file,
                    "--workdir", cwd, "--shm-size", "2g"]  # no --init: the command is PID 1, as in a plain image
         if not any(target.rstrip("/") == "/tmp" for _, target, _ in binds):  # else a volume is its /tmp
             command += ["-v", f"{tmp}:/tmp"]
@@ -330,6 +334,45 @@ class DockerRuntime:
         proc.container = name  # type: ignore[attr-defined]
         self.names.add(name)
         return Started(proc, name, log_path)
+
+    def _sandbox(self, net, image: Image, hostname: str | None) -> str:
+        """The pod's sandbox container, made at its first container, as Kubernetes' pause container:
+        `sleep` as its PID 1, the pod's name its hostname (what the pod's /etc/hosts resolves to its
+        address: gloo looks its own up), started with no network (`--network none`); the pod's network
+        (network.PodNet: eth0, addresses, route, policy rules) is then moved into its namespace, and
+        every container of the pod joins that (`--network container:SANDBOX`), so a restarted
+        container keeps the pod's address. Removed once the pod's network is (see `_sweep`)."""
+        self._sweep()
+        with self.lock:
+            known = self.sandboxes.get(net.veth)
+        if known is not None:
+            return known[1]
+        name = f"pod-sandbox-{net.veth}-{os.urandom(3).hex()}"
+        started = self._docker("run", "-d", "--name", name, "--network", "none", *(["--hostname", hostname] if hostname else []),
+                               "--entrypoint", "sleep", image.docker, "infinity")
+        pid = self._docker("inspect", "-f", "{{.State.Pid}}", name).stdout.strip()
+        if started.returncode != 0 or not pid.isdigit() or pid == "0":
+            self._docker("rm", "-f", name)
+            raise RuntimeError(f"pod sandbox container {name} did not start: {started.stderr.strip()}")
+        try:
+            net.move_into(int(pid))
+        except Exception:
+            self._docker("rm", "-f", name)
+            raise
+        with self.lock:
+            self.sandboxes[net.veth] = (net, name)
+        return name
+
+    def _sweep(self) -> None:
+        """Remove the sandboxes of pods whose network is gone (the kubelet removes it once the
+        pod's containers all ended): their namespace, address and veth go with them."""
+        with self.lock:
+            gone = [(veth, name) for veth, (net, name) in self.sandboxes.items()
+                    if not os.path.exists(f"/run/netns/{net.netns}")]
+            for veth, _ in gone:
+                del self.sandboxes[veth]
+        for _, name in gone:
+            self._docker("rm", "-f", name)
 
     def _docker(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["docker", *args], env=self.daemon.env, capture_output=True, text=True)
@@ -358,7 +401,13 @@ class DockerRuntime:
         if name:
             self._docker("rm", "-f", name)
             self.names.discard(name)
+        self._sweep()
 
     def close(self, timeout_s: float = 10.0) -> None:
         for name in list(self.names):
             self.remove_cgroup(name)
+        with self.lock:
+            sandboxes = [name for _, name in self.sandboxes.values()]
+            self.sandboxes.clear()
+        for name in sandboxes:
+            self._docker("rm", "-f", name)
