@@ -25,7 +25,7 @@ demo: $(STAMP)
 # The tests' cluster stand-in, for trying by hand (tests/cluster/local.py): API server, scheduler,
 # kubelet, S3 and MLflow on 127.0.0.1; it prints how to use it. `make cluster CLUSTER_DOCKER=1`: the Docker
 # runtime on the image `make image-smoke` builds; CLUSTER_POD_NETWORK=1: each pod on an address of its own,
-# NetworkPolicies enforced. Ctrl-C or `make cluster-stop` stops it.
+# NetworkPolicies enforced (both: Docker pods, each on its own address). Ctrl-C or `make cluster-stop` stops it.
 cluster: $(STAMP)
 	PYTHONPATH=tests $(PY) -m cluster.local $(if $(CLUSTER_DOCKER),--docker) $(if $(CLUSTER_POD_NETWORK),--pod-network)
 

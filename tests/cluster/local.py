@@ -2,8 +2,9 @@
 scheduler and the kubelet (the process runtime, or with `--docker` the Docker runtime on the
 image `make image-smoke` builds), an S3 server (moto, with an empty bucket training-data) and an
 MLflow server with basic auth, all on 127.0.0.1. It is a stand-in for trying and for tests, not a cluster: one node, no Services or
-DNS, pods on the machine's own network, or with `--pod-network` (namespaces runtime) each pod on
-an address of its own with NetworkPolicies enforced, S3 and MLflow reached through the gateway.
+DNS, pods on the machine's own network, or with `--pod-network` (namespaces runtime, or with
+`--docker` too each pod's sandbox container) each pod on an address of its own with
+NetworkPolicies enforced, S3 and MLflow reached through the gateway.
 
 It writes, in its folder (`build/cluster` by default):
 - `admin.kubeconfig` (mode 600): kubectl and `elastic-step --backend kubernetes` as the admin;
@@ -14,7 +15,7 @@ AWS_SECRET_ACCESS_KEY) and `mlflow-credentials` (username, password) that `elast
 --store-secret/--mlflow-secret` name. It runs until Ctrl-C or `make cluster-stop` (SIGTERM to the
 pid in `cluster.pid`), then stops every server and pod it started.
 
-    PYTHONPATH=tests python -m cluster.local [--root build/cluster] [--docker | --pod-network]
+    PYTHONPATH=tests python -m cluster.local [--root build/cluster] [--docker] [--pod-network]
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ Stop it: Ctrl-C here, or `make cluster-stop`.
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default=os.path.join(REPO, "build", "cluster"), help="its folder (made afresh)")
-    runtime = parser.add_mutually_exclusive_group()
-    runtime.add_argument("--docker", action="store_true", help="the Docker runtime on `make image-smoke`'s image")
-    runtime.add_argument("--pod-network", action="store_true",
-                         help="each pod on an address of its own, NetworkPolicies enforced (namespaces runtime)")
+    parser.add_argument("--docker", action="store_true", help="the Docker runtime on `make image-smoke`'s image")
+    parser.add_argument("--pod-network", action="store_true",
+                        help="each pod on an address of its own, NetworkPolicies enforced (with --docker: each pod's "
+                             "sandbox container on it; else the namespaces runtime)")
     args = parser.parse_args(argv)
     root = os.path.abspath(args.root)
     pid_file = os.path.join(root, "cluster.pid")
