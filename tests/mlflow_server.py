@@ -51,7 +51,7 @@ def shipped_auth_settings(user_store: str) -> str:
 
 class MlflowServer:
     def __init__(self, root: str, artifacts: str | None = None, auth: bool = False,
-                 host: str = "127.0.0.1", allowed_hosts: list[str] | None = None):
+                 host: str = "127.0.0.1", allowed_hosts: list[str] | None = None, workspaces: bool = False):
         self.root = root
         self.artifacts = artifacts or os.path.join(root, "artifacts")  # a folder or a store URI (s3://...)
         self.host = host
@@ -61,6 +61,7 @@ class MlflowServer:
         self.db = f"sqlite:///{os.path.join(root, 'mlflow.db')}"
         self.proc: subprocess.Popen | None = None
         self.auth = auth
+        self.workspaces = workspaces  # `--enable-workspaces`: experiments and models per workspace
         self.admin: tuple[str, str] | None = None
         if auth:
             self.admin = ("admin", secrets.token_urlsafe(18))
@@ -75,6 +76,8 @@ class MlflowServer:
                    "--backend-store-uri", self.db, "--artifacts-destination", self.artifacts, "--workers", "1"]
         if self.auth:
             command += ["--app-name", "basic-auth"]
+        if self.workspaces:
+            command.append("--enable-workspaces")
         if self.allowed_hosts:
             command += ["--allowed-hosts", ",".join(self.allowed_hosts)]
         return command
