@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from elastic_step import defaults
 from elastic_step.errors import ConfigError
 from elastic_step.frameworks.device import Precision, parse_choice, parse_precision, place
-from elastic_step.protocol import LrScaling
+from elastic_step.protocol import LrScaling, TrainingMode
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -39,6 +39,8 @@ class TrainConfig:
     lr_scaling: str = defaults.LR_SCALING  # none|linear|sqrt: the learning rate follows the step's rows
     device: str = defaults.DEVICE  # auto|cpu|cuda: where each worker computes
     precision: str = defaults.PRECISION  # fp32|bf16: what the forward pass computes in
+    mode: str = "allreduce"  # allreduce|ps: where the model's embedding tables live (protocol.TrainingMode)
+    ps_shards: int = 2  # mode ps: parameter-server shard processes holding the tables
     seed: int = defaults.SEED
     shuffle: bool = True
     audit: str | None = None
@@ -100,6 +102,7 @@ class TrainConfig:
         if self.lr_scaling != LrScaling.NONE and self.global_batch_size:
             raise ConfigError(f"--lr-scaling {self.lr_scaling} has nothing to scale with --global-batch-size "
                               f"{self.global_batch_size}: every step applies the same rows; drop one of the two")
+        self._check_mode()
         for name in ("heartbeat_timeout", "rendezvous_timeout", "collective_timeout", "master_timeout", "termination_grace"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -121,6 +124,19 @@ class TrainConfig:
             from elastic_step.backends.kubernetes.options import check_config
 
             check_config(self)
+
+    def _check_mode(self) -> None:
+        if self.mode not in {m.value for m in TrainingMode}:
+            raise ConfigError(f"--mode {self.mode!r} is not one of {', '.join(m.value for m in TrainingMode)}")
+        self.mode = TrainingMode(self.mode)
+        if self.mode != TrainingMode.PS:
+            return
+        if not 1 <= self.ps_shards <= 128:
+            raise ConfigError(f"--ps-shards must be between 1 and 128 (the virtual shards), got {self.ps_shards}")
+        if self.global_batch_size:  # a push is keyed by its minibatch's rows: every minibatch is one task's
+            raise ConfigError("--mode ps trains --minibatch-size rows per push; drop --global-batch-size")
+        if self.backend != "local":
+            raise ConfigError("--mode ps runs its shards on the local backend only for now; use --backend local")
 
     @property
     def rows_per_task(self) -> int:

@@ -6,7 +6,7 @@ from elastic_step import defaults
 from elastic_step.cli.kubernetes_options import add_kubernetes_options
 from elastic_step.cli.outputs import copy_folder, write_json, write_parameter
 from elastic_step.config import TrainConfig
-from elastic_step.protocol import DeviceChoice, LrScaling, Precision
+from elastic_step.protocol import DeviceChoice, LrScaling, Precision, TrainingMode
 
 
 def register(sub) -> None:
@@ -42,6 +42,10 @@ def register(sub) -> None:
     p.add_argument("--precision", choices=[p.value for p in Precision], default=defaults.PRECISION,
                    help="the forward pass in fp32 or bf16 autocast (parameters and summed gradients stay float32; "
                         "fp16 is not offered: its loss scale skips overflowed steps, losing rows) (default %(default)s)")
+    p.add_argument("--mode", choices=[m.value for m in TrainingMode], default=TrainingMode.ALLREDUCE.value,
+                   help="allreduce: every worker holds the whole model; ps: the model's embedding tables (PsEmbedding) "
+                        "live on --ps-shards parameter-server processes, dense weights by allreduce (default %(default)s)")
+    p.add_argument("--ps-shards", type=int, default=2, metavar="N", help="with --mode ps: shard processes (default %(default)s)")
     p.add_argument("--minibatches-per-task", type=int, default=defaults.MINIBATCHES_PER_TASK, help="default %(default)s")
     p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")
@@ -140,7 +144,7 @@ def train_config(args) -> TrainConfig:
         model_def=args.model_def, data=args.data, job_dir=args.job_dir, workers=args.workers, spares=args.spares,
         epochs=args.epochs,
         minibatch_size=args.minibatch_size, minibatches_per_task=args.minibatches_per_task, seed=args.seed,
-        global_batch_size=args.global_batch_size, lr_scaling=args.lr_scaling, device=args.device, precision=args.precision, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
+        global_batch_size=args.global_batch_size, lr_scaling=args.lr_scaling, device=args.device, precision=args.precision, mode=args.mode, ps_shards=args.ps_shards, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
         max_relaunches=args.max_relaunches, heartbeat_timeout=args.heartbeat_timeout,
         rendezvous_timeout=args.rendezvous_timeout, startup_grace=args.startup_grace,
         collective_timeout=args.collective_timeout, master_timeout=args.master_timeout,

@@ -32,6 +32,7 @@ from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigterm_as_preemption
 from elastic_step.master.progress import ProgressDisplay
+from elastic_step.master.ps_shards import start_ps_shards
 from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.master.store import RendezvousStore
@@ -258,6 +259,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     step_log = StepLog(os.path.join(config.job_dir, "metrics.jsonl"), listener=recorder.on_step)
     running.callback(step_log.close)
 
+    ps_routing = start_ps_shards(config, token_file, running)  # mode ps: the shards, stopped after the workers
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
@@ -265,6 +267,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         features=manifest.features, label=manifest.label, checkpoint_steps=config.checkpoint_steps,
         global_batch_size=config.global_batch_size, lr_scaling=config.lr_scaling,
         device=config.device, precision=config.precision, full_batch=config.minibatch_size * config.max_workers,
+        mode=config.mode, ps_routing=ps_routing,
     )
     launch = LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env),
                         master_ports=[api_socket.getsockname()[1], store.port])  # what workers call: the job's NetworkPolicy

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from elastic_step.protocol import TrainingMode
 from elastic_step.worker.allreduce_step import AllreduceStep
 from elastic_step.worker.step_api import StepHost, TrainingStep
 
-STEP_CLASSES: dict[TrainingMode, type[TrainingStep]] = {
+
+def _ps_step(host: StepHost) -> TrainingStep:
+    from elastic_step.worker.ps_step import PsStep  # imports torch: only a PS-mode worker pays for it
+
+    return PsStep(host)
+
+
+STEP_CLASSES: dict[TrainingMode, type[TrainingStep] | Callable[[StepHost], TrainingStep]] = {
     TrainingMode.ALLREDUCE: AllreduceStep,
+    TrainingMode.PS: _ps_step,
 }
 
 

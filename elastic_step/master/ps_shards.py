@@ -1,0 +1,119 @@
+"""The master's parameter-server shards for a `--mode ps` job (local backend).
+
+The tables are the model definition's PsEmbedding modules. Each shard is a child process bound
+to 127.0.0.1 that checks the job's token (the file the workers read theirs from) on every
+request; its folder is JOB_DIR/ps/shard-I (snapshot, ledger, ready.json). The workers get the
+routing table with the shards' addresses in their job spec (`ps_routing`).
+
+While they run the master's own model (validation) pulls from them. At the job's end they are
+sent SIGTERM, which makes each take a last snapshot, and the master's models get the trained
+tables from those snapshots as buffers (the test-set evaluation, the exported models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from functools import partial
+
+import numpy as np
+
+from elastic_step.config import TrainConfig
+from elastic_step.errors import ConfigError
+from elastic_step.frameworks.model_def import load_model_definition
+from elastic_step.protocol import TrainingMode
+from elastic_step.ps import snapshot
+from elastic_step.ps.api import TableSpec
+from elastic_step.ps.client import PsClient
+from elastic_step.ps.local import LocalShards
+from elastic_step.ps.state import SNAPSHOT_FILE
+
+log = logging.getLogger("elastic_step.master")
+
+STOP_TIMEOUT_S = 60.0  # a shard's last snapshot on SIGTERM
+
+
+def table_specs(model_def_source: str) -> list[TableSpec]:
+    """The tables the model definition keeps on the shards: its net's PsEmbedding modules."""
+    from elastic_step.ps.torch_embedding import ps_tables
+
+    net = load_model_definition(model_def_source).model()
+    specs = [module.spec for module in ps_tables(net)] if hasattr(net, "modules") else []
+    if not specs:
+        raise ConfigError(f"--mode ps: the model definition {model_def_source} has no PsEmbedding table; "
+                          "declare its embeddings with elastic_step.ps.torch_embedding.PsEmbedding, or use --mode allreduce")
+    return specs
+
+
+def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack) -> dict:
+    """Start the job's shards (nothing for another mode); the job spec's `ps_routing`."""
+    if config.mode != TrainingMode.PS:
+        return {}
+    specs = table_specs(config.model_def)
+    root = os.path.join(config.job_dir, "ps")
+    shutil.rmtree(root, ignore_errors=True)  # a fresh job's tables; resuming them from a checkpoint is not done yet
+    shards = LocalShards(root, specs, config.ps_shards, token_file)
+    running.callback(_stop_and_freeze, shards, specs)
+    shards.start()
+    routes = shards.routes()
+    from elastic_step.ps.torch_embedding import bind_tables
+
+    live = LiveRows(PsClient(_read_token(token_file), lambda: routes))
+    running.callback(live.client.close)
+    bind_tables({spec.name: partial(live.pull, spec.name) for spec in specs})  # validation during training
+    log.info("parameter servers: %d shards at %s holding %s", config.ps_shards, ", ".join(routes.endpoints),
+             ", ".join(f"{s.name} (dim {s.dim}, {s.optimizer})" for s in specs))
+    return routes.to_json()
+
+
+def _read_token(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec]) -> None:
+    """SIGTERM every shard (a last snapshot each), then give this process's models the trained
+    tables from the snapshots (torch_embedding.freeze_tables)."""
+    for shard in shards.shards:
+        if shard.process is not None and shard.process.poll() is None:
+            shard.process.send_signal(signal.SIGTERM)
+    for shard in shards.shards:
+        if shard.process is not None:
+            try:
+                shard.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("shard %d did not stop in %.0f s: killed, its last snapshot may be older", shard.shard, STOP_TIMEOUT_S)
+                shard.process.kill()
+                shard.process.wait()
+    from elastic_step.ps.torch_embedding import freeze_tables
+
+    freeze_tables({spec.name: snapshot_table(spec, [s.directory for s in shards.shards]) for spec in specs})
+
+
+def snapshot_table(spec: TableSpec, directories: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, weights) of every row the shards' snapshots hold of a table (optimizer slots left out)."""
+    ids, rows = [np.zeros(0, np.int64)], [np.zeros((0, spec.dim), np.float32)]
+    for directory in directories:
+        tables, _ = snapshot.load(os.path.join(directory, SNAPSHOT_FILE), [spec.name])
+        if spec.name in tables:
+            ids.append(tables[spec.name]["ids"])
+            rows.append(tables[spec.name]["rows"][:, : spec.dim])
+    return np.concatenate(ids), np.concatenate(rows)
+
+
+class LiveRows:
+    """Pulls from the running shards for the master's own model, one at a time (the client keeps
+    one connection per shard)."""
+
+    def __init__(self, client: PsClient):
+        self.client = client
+        self.lock = threading.Lock()
+
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        with self.lock:
+            return self.client.pull(table, ids)
