@@ -1,5 +1,6 @@
-"""The API server's admission of a pod, in kube-apiserver's order and words: defaults and the
-ServiceAccount plugin, PodSecurity, ResourceQuota. Each refusal is the server's 403 Forbidden.
+"""The API server's admission, in kube-apiserver's order and words: of a pod, defaults and the
+ServiceAccount plugin, PodSecurity, ResourceQuota; of every write, ValidatingAdmissionPolicies
+(below, with CEL evaluated by cel-python). Each refusal is the server's Status.
 
 - ServiceAccount (plugin/pkg/admission/serviceaccount): the pod's account must exist; its token is
   mounted (the projected `kube-api-access-*` volume) unless automounting is off.
@@ -24,6 +25,8 @@ from __future__ import annotations
 import uuid
 from decimal import Decimal
 
+import celpy
+from celpy import celtypes
 from kubernetes.utils.quantity import parse_quantity
 
 from .objects import ApiError
@@ -256,3 +259,188 @@ def _check_quota(store, namespace: str, pod: dict, quota: dict) -> None:
 def _text(value: Decimal) -> str:
     """A quantity as the server prints it back: whole numbers plain, fractions of a core in millicores."""
     return str(int(value)) if value == value.to_integral_value() else f"{int(value * 1000)}m"
+
+
+# -- ValidatingAdmissionPolicy ----------------------------------------------------------------------------
+# staging/src/k8s.io/apiserver/pkg/admission/plugin/policy/validating (dispatcher.go, validator.go), as
+# tests/test_admission_policy.py holds it to:
+# - a policy applies to a request its matchConstraints match (resourceRules less excludeResourceRules:
+#   group, version, operation, resource; namespaceSelector and objectSelector by matchLabels), then
+#   each binding naming it whose matchResources match too; its matchConditions must all be true;
+# - `variables` are evaluated in order, each seeing the ones before it, as `variables.NAME`; each
+#   validation sees object, oldObject (null where there is none: CREATE's old, DELETE's new),
+#   request, namespaceObject and variables;
+# - a validation that is not true denies with its messageExpression's string (trimmed, one line),
+#   else its message, else `failed expression: EXPR`, and its reason (default Invalid: 422;
+#   Forbidden: 403); an evaluation error denies with the error unless failurePolicy is Ignore;
+# - the first denial, in policy-name order, is the answer:
+#   `RESOURCE "NAME" is forbidden: ValidatingAdmissionPolicy 'P' with binding 'B' denied request: MESSAGE`.
+# Only bindings with validationActions Deny act (Warn and Audit are not modelled), nor are
+# parameters (paramKind), the CEL cost budget, type checking, the authorizer variable, Kubernetes'
+# CEL extension libraries or selectors' matchExpressions. Requests of the server's own controllers (no user) are not judged.
+POLICIES, BINDINGS = "validatingadmissionpolicies", "validatingadmissionpolicybindings"
+REASON_CODES = {"Forbidden": 403, "Unauthorized": 401, "RequestEntityTooLarge": 413, "Invalid": 422}
+
+
+class _Refused(Exception):
+    """A denial: its message and reason."""
+
+    def __init__(self, message: str, reason: str = "Invalid"):
+        super().__init__(message)
+        self.message, self.reason = message, reason
+
+
+def admit_by_policies(store, user: str | None, operation: str, group: str, plural: str, namespace: str,
+                      obj: dict | None, old: dict | None) -> None:
+    """Judge a CREATE, UPDATE or DELETE of `user` by every ValidatingAdmissionPolicy stored (ApiError
+    if one denies it); `store`'s lock is held."""
+    policies = sorted((o for (p, _, _), o in store.objects.items() if p == POLICIES), key=lambda o: o["metadata"]["name"])
+    if user is None or not policies:
+        return
+    target = obj if obj is not None else old
+    request = _request(user, operation, group, plural, namespace, target)
+    ns_object = store.objects.get(("namespaces", "", namespace)) if namespace else None
+    for policy in policies:
+        if not _matches(policy["spec"].get("matchConstraints") or {}, request, target, ns_object):
+            continue
+        bindings = sorted((o for (p, _, _), o in store.objects.items()
+                           if p == BINDINGS and o["spec"].get("policyName") == policy["metadata"]["name"]),
+                          key=lambda o: o["metadata"]["name"])
+        for binding in bindings:
+            if "Deny" not in binding["spec"].get("validationActions", []) or not _matches(
+                    binding["spec"].get("matchResources") or {}, request, target, ns_object):
+                continue
+            try:
+                _judge(policy, request, obj, old, ns_object)
+            except _Refused as refused:
+                qualified = plural + (f".{group}" if group else "")
+                message = (f'{qualified} "{request["name"]}" is forbidden: ValidatingAdmissionPolicy '
+                           f"'{policy['metadata']['name']}' with binding '{binding['metadata']['name']}' denied request: "
+                           f"{refused.message}")
+                raise ApiError(REASON_CODES.get(refused.reason, 422), refused.reason, message,
+                               {"name": request["name"], "kind": plural, "causes": [{"message": message}]}) from None
+
+
+def _request(user: str, operation: str, group: str, plural: str, namespace: str, target: dict) -> dict:
+    groups = ["system:authenticated"]
+    if user.startswith("system:serviceaccount:"):
+        groups += ["system:serviceaccounts", f"system:serviceaccounts:{user.split(':')[2]}"]
+    version = (target.get("apiVersion") or "v1").rpartition("/")[2]
+    return {"operation": operation, "name": target["metadata"]["name"], "namespace": namespace,
+            "userInfo": {"username": user, "groups": groups},
+            "resource": {"group": group, "version": version, "resource": plural},
+            "kind": {"group": group, "version": version, "kind": target.get("kind", "")}}
+
+
+def _selected(selector: dict | None, labels: dict | None) -> bool:
+    if not selector:
+        return True
+    if selector.get("matchExpressions"):
+        raise NotImplementedError("matchExpressions in a policy's selectors are not modelled")
+    return all((labels or {}).get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def _rule_matches(rule: dict, request: dict) -> bool:
+    resource = request["resource"]
+    wanted = (("apiGroups", resource["group"]), ("apiVersions", resource["version"]),
+              ("operations", request["operation"]), ("resources", resource["resource"]))
+    return all("*" in (rule.get(field) or []) or value in (rule.get(field) or []) for field, value in wanted)
+
+
+def _matches(match: dict, request: dict, target: dict, ns_object: dict | None) -> bool:
+    """matchConstraints (a policy's) or matchResources (a binding's; no rules: every request)."""
+    rules = match.get("resourceRules")
+    if rules is not None and not any(_rule_matches(rule, request) for rule in rules):
+        return False
+    if any(_rule_matches(rule, request) for rule in match.get("excludeResourceRules") or []):
+        return False
+    ns_labels = ((ns_object or {}).get("metadata") or {}).get("labels")
+    return _selected(match.get("namespaceSelector"), ns_labels) and _selected(match.get("objectSelector"),
+                                                                              target["metadata"].get("labels"))
+
+
+def _judge(policy: dict, request: dict, obj, old, ns_object) -> None:
+    """Raise _Refused unless the policy's validations all hold."""
+    spec = policy["spec"]
+    if spec.get("paramKind"):
+        raise NotImplementedError("a policy's parameters (paramKind) are not modelled")
+    fail_open = spec.get("failurePolicy") == "Ignore"
+    context = {"object": obj, "oldObject": old, "request": request, "namespaceObject": ns_object}
+    activation = {name: celpy.json_to_cel(value) for name, value in context.items()}
+    try:
+        if not all(_true(_evaluate(c["expression"], activation)) for c in spec.get("matchConditions") or []):
+            return
+    except _EvaluationError as exc:
+        if not fail_open:
+            raise _Refused(str(exc)) from None
+        return
+    activation["variables"] = _Variables(spec.get("variables") or [], activation)
+    for validation in spec.get("validations") or []:
+        try:
+            holds = _true(_evaluate(validation["expression"], activation))
+        except _EvaluationError as exc:
+            if fail_open:
+                continue
+            raise _Refused(str(exc)) from None
+        if not holds:
+            raise _Refused(_message(validation, activation), validation.get("reason") or "Invalid")
+
+
+def _message(validation: dict, activation: dict) -> str:
+    if validation.get("messageExpression"):
+        try:
+            text = _evaluate(validation["messageExpression"], activation)
+            if isinstance(text, str) and text.strip() and "\n" not in text.strip():
+                return text.strip()
+        except _EvaluationError:
+            pass  # the server logs it and falls back, as here
+    return (validation.get("message") or "").strip() or f"failed expression: {validation['expression'].strip()}"
+
+
+class _EvaluationError(Exception):
+    pass
+
+
+class _Variables(celtypes.MapType):
+    """`variables`: each evaluated when first used, then kept, as the server's are (a variable that
+    would fail on this request, and is not used on it, refuses nothing)."""
+
+    def __init__(self, variables: list[dict], activation: dict):
+        super().__init__({})
+        self.expressions = {celtypes.StringType(v["name"]): v["expression"] for v in variables}
+        self.activation = activation
+
+    def __contains__(self, key) -> bool:
+        return key in self.expressions
+
+    def __getitem__(self, key):
+        if not super().__contains__(key) and key in self.expressions:
+            try:
+                value = _evaluate(self.expressions[key], self.activation)
+            except _EvaluationError as exc:
+                value = celpy.CELEvalError(str(exc))  # an error value: CEL's && and || may still absorb it
+            super().__setitem__(key, value)
+        return super().__getitem__(key)
+
+
+_PROGRAMS: dict[str, object] = {}
+
+
+def _evaluate(expression: str, activation: dict):
+    program = _PROGRAMS.get(expression)
+    if program is None:
+        environment = celpy.Environment()
+        program = _PROGRAMS[expression] = environment.program(environment.compile(expression))
+    try:
+        result = program.evaluate(activation)
+    except celpy.CELEvalError as exc:
+        raise _EvaluationError(f"expression '{expression.strip()}' resulted in error: {exc.args[0]}") from None
+    if isinstance(result, celpy.CELEvalError):
+        raise _EvaluationError(f"expression '{expression.strip()}' resulted in error: {result.args[0]}")
+    return result
+
+
+def _true(value) -> bool:
+    if not isinstance(value, celtypes.BoolType):
+        raise _EvaluationError(f"expression returned {type(value).__name__}, not a bool")
+    return bool(value)

@@ -23,7 +23,8 @@ As the real server does:
   unless the grace period is 0, the pod is unbound, or it has finished; the Eviction API marks the
   pod DisruptionTarget first; an object with finalizers stays, marked, until they are removed;
 - admission (admission.py): defaults, the pod's ServiceAccount and token, PodSecurity on a
-  labelled namespace, ResourceQuota;
+  labelled namespace, ResourceQuota; every user's create, update and delete judged by the
+  ValidatingAdmissionPolicies stored, their CEL evaluated;
 - the garbage collector (garbage.py) deletes an object all of whose owners are gone, looking owners
   up by UID in the dependent's own namespace only (so a cross-namespace owner reference is dangling);
 - created objects are validated against the Kubernetes OpenAPI schema (422 Invalid).
@@ -46,7 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from . import discovery, garbage, logs, protowire, tables, watching
 from .discovery import GROUP_OF, GROUP_VERSIONS, RESOURCES, SUBRESOURCES
-from .admission import admit_pod
+from .admission import admit_by_policies, admit_pod
 from .objects import ApiError, Store, field_matches, label_matches, not_found, now_text
 from .patches import apply_patch
 from .rbac import REVIEWS, Authorizer, Request, forbidden_message, review
@@ -117,7 +118,7 @@ class ApiServer:
             return copy.deepcopy(obj) if obj else None
 
     # -- storage operations (the lock held by the caller) -----------------------------------------
-    def _create(self, plural: str, namespace: str, body: dict, strict: bool = False) -> dict:
+    def _create(self, plural: str, namespace: str, body: dict, strict: bool = False, user: str | None = None) -> dict:
         group = GROUP_OF[plural]
         resource = RESOURCES[(group, plural)]
         kind, namespaced = resource.kind, resource.namespaced
@@ -148,6 +149,7 @@ class ApiServer:
                 data[key] = base64.b64encode(value.encode()).decode()
         if self.validate and resource.schema:  # a CRD's schema is not in Kubernetes' own
             discovery.validate(body, strict)
+        admit_by_policies(store, user, "CREATE", group, plural, namespace if namespaced else "", body, None)
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = now_text()
         if resource.generation:
@@ -326,7 +328,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return watching.serve(self, req, query)
             if req.resource == "pods/log":
                 return self._log(req, query)
-            code, body = self._dispatch(method, req, query)
+            code, body = self._dispatch(method, req, query, user)
             if tables.wants_table(self.headers.get("Accept")) and req.verb in ("get", "list") and body.get("kind") != "Status":
                 items = body["items"] if req.verb == "list" else [body]
                 body = tables.table(req.resource, items, body["metadata"].get("resourceVersion", ""), query.get("includeObject"))
@@ -366,14 +368,14 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(405, "MethodNotAllowed", f"{req.verb} is not supported on {req.resource}")
         self._send(201, review(self.server.api.authorizer, user, req.api_group, req.resource, self._body()))
 
-    def _dispatch(self, method: str, req: Request, query: dict):
+    def _dispatch(self, method: str, req: Request, query: dict, user: str):
         api, store = self.server.api, self.server.api.store
         plural, _, sub = req.resource.partition("/")
         key = (plural, req.namespace, req.name)
         with store.cond:
             if req.verb == "create" and not sub:
                 strict = query.get("fieldValidation") == "Strict"
-                return 201, copy.deepcopy(api._create(plural, req.namespace, self._body(), strict))
+                return 201, copy.deepcopy(api._create(plural, req.namespace, self._body(), strict, user))
             if req.verb == "list":
                 items = [copy.deepcopy(o) for (p, ns, _), o in store.objects.items()
                          if p == plural and (not req.namespace or ns == req.namespace)
@@ -390,6 +392,7 @@ class _Handler(BaseHTTPRequestHandler):
                 body = self._body()
                 grace = query.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
                 orphan = (query.get("propagationPolicy") or body.get("propagationPolicy")) == "Orphan"
+                admit_by_policies(store, user, "DELETE", req.api_group, plural, req.namespace, None, obj)
                 return 200, api._delete(plural, req.namespace, req.name, None if grace is None else int(grace), orphan)
             if sub == "eviction":
                 # The Eviction API (`kubectl drain`): the pod is marked as disrupted, then deleted gracefully.
@@ -439,6 +442,7 @@ class _Handler(BaseHTTPRequestHandler):
                         generation = obj["metadata"].get("generation", 1)
                         body["metadata"]["generation"] = generation + (body.get("spec") != obj.get("spec"))
                         body["status"] = obj.get("status", {})
+                    admit_by_policies(store, user, "UPDATE", req.api_group, plural, req.namespace, body, obj)
                     obj = body
                 return 200, copy.deepcopy(api._modified(plural, obj))
         raise ApiError(405, "MethodNotAllowed", f"{req.verb} on {req.resource} is not supported")

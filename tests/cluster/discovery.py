@@ -76,6 +76,9 @@ RESOURCE_LIST = [
     Resource(_RBAC, "rolebindings", "RoleBinding", True),
     Resource(_RBAC, "clusterroles", "ClusterRole", False),
     Resource(_RBAC, "clusterrolebindings", "ClusterRoleBinding", False),
+    # judged by admission.admit_by_policies
+    Resource("admissionregistration.k8s.io", "validatingadmissionpolicies", "ValidatingAdmissionPolicy", False),
+    Resource("admissionregistration.k8s.io", "validatingadmissionpolicybindings", "ValidatingAdmissionPolicyBinding", False),
     # Argo's custom resources, as its CRDs install them (served, stored, not schema-validated here)
     Resource("argoproj.io", "workflows", "Workflow", True, ("wf",), "v1alpha1", schema=False),
     Resource("argoproj.io", "workflowtaskresults", "WorkflowTaskResult", True, (), "v1alpha1", schema=False),
