@@ -19,11 +19,13 @@ import yaml
 from kubernetes import client as k8s
 
 from cluster import Cluster
+from cluster.admission import ENFORCE
 from cluster.argo import ARGOEXEC_IMAGE, argoexec_image
 from cluster.argoretry import NodePhase
 from cluster.rbac import REPO, kustomize_namespace, read_manifests
 from cluster.runtime import Image, python_paths
 from cluster.workflow import DEFAULT_REPOSITORY_ANNOTATION, SkippingClock, WorkflowController, WorkflowFailed
+from elastic_step.argo.security import EXECUTOR_SECURITY_CONTEXT
 from stores import S3Server
 
 pytestmark = pytest.mark.e2e
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.e2e
 SHELL_IMAGE = "busybox:1.36"
 RUNNER = "elastic-step-runner"  # deploy/rbac's account, bound to deploy/argo's executor Role
 S3_KEYS = "argo-artifacts-s3"  # the repository's Secret, as Argo's docs name its keys
+EXECUTOR_PATCH = f"{REPO}/deploy/argo/controller/executor-patch.yaml"  # for the controller's ConfigMap
 NOT_CONFIGURED = "artifact storage is not configured; see the docs for setup instructions"
 
 
@@ -226,3 +229,37 @@ def test_a_deleted_pod_is_an_error_and_a_step_without_the_executors_rights_fails
     assert f'cannot create resource "workflowtaskresults" in API group "argoproj.io"' in log, log
     assert cluster.refused(f"system:serviceaccount:{cluster.namespace}:default") == {
         ("create", "workflowtaskresults", cluster.namespace), ("patch", "workflowtaskresults", cluster.namespace)}
+
+
+def test_in_a_restricted_namespace_argos_own_containers_are_let_in_only_with_deploy_argos_executor_settings(cluster):
+    """A namespace enforcing PodSecurity `restricted`: the workflow hardens its pod and its main
+    container, but Argo gives `init` and `wait` only the controller's `executor` settings, so the
+    step pod is refused (the node's Error, in the API server's words) until the controller's
+    ConfigMap is patched with deploy/argo/controller/executor-patch.yaml as its comment says."""
+    api, ns = cluster.core(), cluster.namespace
+    api.patch_namespace(ns, {"metadata": {"labels": {ENFORCE: "restricted"}}})
+    api.create_namespaced_config_map("argo", k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="workflow-controller-configmap"),
+                                                             data={"parallelism": "10"}))  # an installed controller's own
+    controller = WorkflowController(cluster)
+    outputs = {"parameters": [{"name": "answer", "valueFrom": {"path": "/tmp/answer"}}]}
+    doc = template("restricted", "echo ok > /tmp/answer", outputs,
+                   securityContext={"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}})
+    doc["spec"]["templates"][1]["container"]["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    refused = controller.run_step(controller.submit(doc, "wf-psa-1", {}), "step")
+    assert refused.phase == NodePhase.ERROR and refused.attempts == [], refused
+    assert refused.message.endswith('violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false (containers "init", '
+                                    '"wait" must set securityContext.allowPrivilegeEscalation=false), unrestricted capabilities '
+                                    '(containers "init", "wait" must set securityContext.capabilities.drop=["ALL"])'), refused.message
+
+    with open(EXECUTOR_PATCH) as f:
+        patch = yaml.safe_load(f)
+    assert yaml.safe_load(patch["data"]["executor"]) == {"securityContext": EXECUTOR_SECURITY_CONTEXT}  # the README's, one source
+    api.patch_namespaced_config_map("workflow-controller-configmap", "argo", patch)  # `kubectl patch --type merge`
+    assert api.read_namespaced_config_map("workflow-controller-configmap", "argo").data["parallelism"] == "10"  # kept
+    node = controller.run_step(controller.submit(doc, "wf-psa-2", {}), "step")
+    pod_name = node.attempts[0].pod
+    assert node.phase == NodePhase.SUCCEEDED, (node, wait_log(cluster, pod_name))
+    assert node.outputs["parameters"][0]["value"] == "ok"  # wait ran, as the hardened container it now is
+    pod = cluster.server.get("pods", ns, pod_name)
+    assert {c["name"]: c.get("securityContext") for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
+            if c["name"] != "main"} == {"init": EXECUTOR_SECURITY_CONTEXT, "wait": EXECUTOR_SECURITY_CONTEXT}

@@ -117,7 +117,8 @@ def secret_volumes(location: dict) -> tuple[list[dict], list[dict]]:
 
 def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs: dict[str, str],
              workflow_parameters: dict[str, str], artifacts: dict[str, dict], *, workflow: dict | None = None,
-             node_name: str | None = None, repository: dict | None = None, local: dict[str, str] | None = None) -> dict:
+             node_name: str | None = None, repository: dict | None = None, local: dict[str, str] | None = None,
+             executor: dict | None = None) -> dict:
     """The pod of one step, as the controller makes it. Its input parameters are what the DAG's
     task passes it, with the workflow's parameters (`argo submit -p`: `workflow_parameters`, over
     the template's defaults) and earlier tasks' outputs (`outputs`: "tasks.T.outputs.parameters.P"
@@ -126,7 +127,8 @@ def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs
     artifact in the artifact repository. `workflow`: the Workflow object that owns the pod;
     `node_name`: the node it runs (`WF.train(1)`: a retry's second attempt); `repository`: the
     resolved artifact repository (workflow.py `resolve_repository`); `local`: a retry's own
-    variables (`retries`, `lastRetry.*`)."""
+    variables (`retries`, `lastRetry.*`); `executor`: the controller's `executor` setting, whose
+    `securityContext` and `resources` Argo gives `init` and `wait` (and nothing else of it here)."""
     spec = template_doc["spec"]
     template = resolved_template(spec, template_name, workflow_name, {**outputs, **(local or {})}, workflow_parameters)
     node_name = node_name or f"{workflow_name}.{template_name}"
@@ -161,6 +163,8 @@ def step_pod(template_doc: dict, template_name: str, workflow_name: str, outputs
         ],
         "volumes": [{"name": "var-run-argo", "emptyDir": {}}, {"name": "input-artifacts", "emptyDir": {}}] + secrets,
     }
+    for container in pod_spec["initContainers"] + pod_spec["containers"][:1]:  # init and wait: Argo's own
+        container.update({k: executor[k] for k in ("securityContext", "resources") if (executor or {}).get(k)})
     security = template.get("securityContext") or spec.get("securityContext")
     if security:
         pod_spec["securityContext"] = security

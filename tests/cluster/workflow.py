@@ -18,7 +18,11 @@ workflow/artifactrepositories; workflow/controller/workflowpod.go through argo.p
   without: the `artifact-repositories` ConfigMap of the workflow's namespace, its key named by its
   `workflows.argoproj.io/default-artifact-repository` annotation (missing ConfigMap or key: next),
   then the controller's default (`artifactRepository` of `workflow-controller-configmap` in the
-  controller's namespace) — possibly none, which only the executor finds out.
+  controller's namespace) — possibly none, which only the executor finds out. The same ConfigMap's
+  `executor` (a container: `securityContext`, `resources`) is what Argo gives each pod's `init`
+  and `wait` (workflowpod.go `newExecContainer`).
+- A pod the API server refuses (admission: PodSecurity, quota) is the node's Error with the
+  server's message, not retried (Argo's `markNodeError` for a non-transient create error).
 - Each attempt is a pod (argo.py `step_pod`): node `WF.STEP(N)` under the retry node `WF.STEP`
   when the template has a `retryStrategy` (argoretry.py decides), else node `WF.STEP`. A pod's
   every event is seen, in order (an informer that never misses one): Succeeded is the node's
@@ -84,6 +88,11 @@ def resolve_repository(api: k8s.CoreV1Api, namespace: str, controller_namespace:
     if ref:
         raise WorkflowFailed(f'failed to find any artifact repository for artifact repository ref '
                              f'"{ref.get("configMap", "")}#{ref.get("key", "")}"')
+    return controller_setting(api, controller_namespace, "artifactRepository")
+
+
+def controller_setting(api: k8s.CoreV1Api, controller_namespace: str, key: str) -> dict:
+    """One key of the controller's `workflow-controller-configmap` (YAML), {} where unset."""
     try:
         config = json.loads(api.read_namespaced_config_map("workflow-controller-configmap", controller_namespace,
                                                            _preload_content=False).data)
@@ -91,7 +100,7 @@ def resolve_repository(api: k8s.CoreV1Api, namespace: str, controller_namespace:
         if exc.status != 404:
             raise
         return {}
-    return yaml.safe_load((config.get("data") or {}).get("artifactRepository") or "") or {}
+    return yaml.safe_load((config.get("data") or {}).get(key) or "") or {}
 
 
 def infer_failed_reason(pod: dict) -> tuple[NodePhase, str]:
@@ -186,19 +195,26 @@ class WorkflowController:
         strategy = template.get("retryStrategy") or spec.get("retryStrategy")
         node = StepNode(f"{name}.{template_name}")
         repository = resolve_repository(self.core, namespace, self.controller_namespace, spec.get("artifactRepositoryRef"))
+        executor = controller_setting(self.core, self.controller_namespace, "executor")
         deadline = time.monotonic() + timeout
         while not self._finished(node, strategy):
             attempt_name = f"{node.name}({len(node.attempts)})" if strategy else node.name
             try:
                 pod = step_pod({"spec": spec}, template_name, name, task_outputs or {}, {}, input_artifacts or {},
-                               workflow=workflow, node_name=attempt_name, repository=repository,
+                               workflow=workflow, node_name=attempt_name, repository=repository, executor=executor,
                                local=retry_variables(node.attempts) if strategy else None)
             except StepRefused as exc:
                 node.phase, node.message = NodePhase.ERROR, str(exc)
                 break
             if prepare is not None:
                 prepare(pod)
-            created = self.core.create_namespaced_pod(namespace, pod)
+            try:
+                created = self.core.create_namespaced_pod(namespace, pod)
+            except k8s.ApiException as exc:
+                if exc.status not in (403, 422):  # an admission's refusal is final; anything else is Argo's requeue
+                    raise
+                node.phase, node.message = NodePhase.ERROR, json.loads(exc.body)["message"]
+                break
             attempt = Attempt(attempt_name, pod["metadata"]["name"], started=self.clock())
             node.attempts.append(attempt)
             if on_attempt is not None:
