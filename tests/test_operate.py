@@ -32,6 +32,19 @@ def test_the_operating_commands_never_branch_on_the_backend():
         assert not compared, f"{name} compares with a backend's name at line {compared[0].lineno}"
 
 
+@pytest.mark.parametrize("command", ["list", "get", "status", "top", "logs", "stop", "scale", "ui", "delete"])
+def test_every_command_that_names_a_job_takes_its_namespace_the_same_way(command, monkeypatch):
+    from elastic_step.cli import build_parser
+
+    extra = ["--workers", "2"] if command == "scale" else []
+    job = [] if command == "list" else ["digits"]
+    monkeypatch.delenv("ELASTIC_STEP_NAMESPACE", raising=False)
+    assert build_parser().parse_args([command, *job, "-n", "team-a", *extra]).namespace == "team-a"
+    assert build_parser().parse_args([command, *job, "--namespace", "team-b", *extra]).namespace == "team-b"
+    monkeypatch.setenv("ELASTIC_STEP_NAMESPACE", "from-env")
+    assert build_parser().parse_args([command, *job, *extra]).namespace == "from-env"
+
+
 def test_which_backend_a_command_means(tmp_path, monkeypatch):
     job = tmp_path / "digits"
     job.mkdir()

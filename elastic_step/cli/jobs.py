@@ -1,7 +1,10 @@
-"""`elastic-step scale | worker`: steer a running job's size, and the worker a master starts
-(hidden: people never run it themselves). `status` is `get` (cli/observe.py)."""
+"""`elastic-step scale | delete | worker`: steer a running job's size, delete a submitted job with
+everything it made, and the worker a master starts (hidden: people never run it themselves).
+`status` is `get` (cli/observe.py)."""
 
 from __future__ import annotations
+
+import os
 
 
 def register(sub) -> None:
@@ -11,6 +14,14 @@ def register(sub) -> None:
     add_job(p, "scale")
     p.add_argument("--workers", type=int, required=True, metavar="N", help="the number of workers to run from now on")
     p.set_defaults(func=scale)
+    p = sub.add_parser("delete", help="delete a submitted job and everything it made (pods, ConfigMaps, Secrets, "
+                                      "NetworkPolicies with its label)")
+    p.add_argument("job", metavar="JOB", help="the job's name (submit's --job-name)")
+    p.add_argument("--backend", choices=("kubernetes",), default="kubernetes", help="jobs on Kubernetes only (`submit`'s)")
+    p.add_argument("-n", "--namespace", default=os.environ.get("ELASTIC_STEP_NAMESPACE"),
+                   help="the job's namespace (default: $ELASTIC_STEP_NAMESPACE, else your kubeconfig context's)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait until all is gone (default 60)")
+    p.set_defaults(func=delete)
     p = sub.add_parser("worker", description="run one worker; started by the master with the job's settings in its "
                        "environment, never by hand")
     p.set_defaults(func=worker)
@@ -22,6 +33,16 @@ def scale(args) -> int:
     from elastic_step.cli.observe import job_of, operator
 
     print(operator(args).scale(job_of(args), args.workers))
+    return 0
+
+
+def delete(args) -> int:
+    from elastic_step.operate.statusmap import core_api, current_namespace
+    from elastic_step.submit.apply import delete_job
+
+    namespace = args.namespace or current_namespace()
+    deleted = delete_job(core_api().api_client, namespace, args.job, args.timeout)
+    print(f"job {args.job} deleted from namespace {namespace}: {', '.join(deleted)}")
     return 0
 
 

@@ -1,8 +1,8 @@
-"""`elastic-step submit | delete`: a training job on a cluster from a laptop, with the caller's
+"""`elastic-step submit`: a training job on a cluster from a laptop, with the caller's
 kubeconfig, in the spirit of `elasticdl train` and `arena submit`. `submit` takes every `train`
 option (the train command's own definitions, from its parser) and creates the job's master pod,
-which runs `train --backend kubernetes` with them and creates the workers; `delete` removes
-everything the job made."""
+which runs `train --backend kubernetes` with them and creates the workers; `delete` (cli/jobs.py)
+removes everything the job made."""
 
 from __future__ import annotations
 
@@ -55,13 +55,6 @@ def register(sub) -> None:
     s.add_argument("--master-cpu", default=DEFAULT_MASTER_CPU, help="REQUEST[:LIMIT] (default %(default)s)")
     s.add_argument("--master-memory", default=DEFAULT_MASTER_MEMORY, help="REQUEST[:LIMIT] (default %(default)s)")
     s.add_argument("--dry-run", action="store_true", help="print everything it would create as YAML, create nothing")
-    d = sub.add_parser("delete", help="delete a submitted job and everything it made (pods, ConfigMaps, Secrets, "
-                                      "NetworkPolicies with its label)")
-    d.add_argument("job", help="the job's name (--job-name)")
-    d.add_argument("--backend", choices=("kubernetes",), default="kubernetes", help="jobs on Kubernetes only")
-    d.add_argument("--namespace", help="the job's namespace (default: the current context's)")
-    d.add_argument("--timeout", type=float, default=60.0, help="seconds to wait until all is gone (default 60)")
-    d.set_defaults(func=delete)
 
 
 def master_args(args, model_def: str, job_dir: str) -> list[str]:
@@ -148,16 +141,6 @@ def submit(args) -> int:
         print(f"  elastic-step {command} {sub.job} --backend kubernetes {where}"
               + ("  [--master | --worker ID] [-f]" if command == "logs" else ""))
     print(f"  elastic-step delete {sub.job} {where}")
-    return 0
-
-
-def delete(args) -> int:
-    from elastic_step.operate.statusmap import current_namespace
-    from elastic_step.submit.apply import delete_job
-
-    namespace = args.namespace or current_namespace()
-    deleted = delete_job(_api_client(), namespace, args.job, args.timeout)
-    print(f"job {args.job} deleted from namespace {namespace}: {', '.join(deleted)}")
     return 0
 
 
