@@ -22,6 +22,7 @@ import shutil
 import tarfile
 import threading
 import time
+from unittest import mock
 
 import pytest
 import yaml
@@ -38,6 +39,7 @@ from elastic_step import defaults
 from elastic_step.argo import RenderOptions
 from elastic_step.argo.render import render_texts
 from elastic_step.audit import audit_report
+from mlflow_server import MlflowServer
 from stores import S3Server
 
 pytestmark = pytest.mark.e2e
@@ -51,9 +53,7 @@ JOB_DIR = "/tmp/job"  # the train template's job folder (steps.Layout.job_dir): 
 # The run's parameters, as `argo submit -p NAME=VALUE` gives them; the others keep their defaults.
 PARAMETERS = {"model-def": "slow_digits", "workers": "2:4", "epochs": "3", "minibatch-size": "16", "minibatches-per-task": "2",
               "checkpoint-steps": "0", "backend": "kubernetes"}
-# The MLflow Secret the shipped templates take MLflow's URI and user from (no workflow parameter
-# names a server), made as docs/kubernetes.md makes it; the URI is a store inside the step's pod.
-MLFLOW_CREDENTIALS = {"uri": "sqlite:////tmp/mlflow.db", "username": "pipelines", "password": "not-a-real-password"}
+MLFLOW_USER = "pipelines"  # the pipelines' own MLflow user (docs/kubernetes.md)
 
 
 def rendered(**options) -> dict:
@@ -63,9 +63,24 @@ def rendered(**options) -> dict:
     return yaml.safe_load(render_texts(["training"], RenderOptions(**options))[TEMPLATE])
 
 
-def add_mlflow_credentials(cluster: Cluster) -> None:
+def add_mlflow_credentials(cluster: Cluster, mlflow: MlflowServer | None = None) -> None:
+    """The MLflow Secret the shipped templates take MLflow's URI and user from (no workflow
+    parameter names a server), made as docs/kubernetes.md makes it: the pipelines user of the
+    server behind basic auth, or, where no step reaches MLflow, a server that is not there."""
+    uri, password = (mlflow.uri, mlflow.pipelines_password) if mlflow else ("http://127.0.0.1:9", "not-a-real-password")
     cluster.core().create_namespaced_secret(cluster.namespace, k8s.V1Secret(
-        metadata=k8s.V1ObjectMeta(name=defaults.MLFLOW_CREDENTIALS_SECRET), string_data=MLFLOW_CREDENTIALS))
+        metadata=k8s.V1ObjectMeta(name=defaults.MLFLOW_CREDENTIALS_SECRET),
+        string_data={"uri": uri, "username": MLFLOW_USER, "password": password}))
+
+
+@pytest.fixture(scope="module")
+def mlflow(tmp_path_factory):
+    """MLflow behind basic auth, as deploy/mlflow ships it, with the pipelines' own user."""
+    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow")), auth=True)
+    server.start(timeout=240)  # its auth app's first start migrates a user store: slow on a busy machine
+    server.pipelines_password = server.create_user(MLFLOW_USER)
+    yield server
+    server.stop()
 
 
 @pytest.fixture
@@ -140,7 +155,7 @@ def worker_pods_made(cluster: Cluster) -> list[dict]:
 
 
 def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_nothing_with_it_through_killed_oom_killed_and_paused_workers(
-        tmp_path, digits, s3, cluster):
+        tmp_path, digits, s3, cluster, mlflow):
     """The train step of the shipped WorkflowTemplate run by the Argo stand-in's controller
     (tests/cluster/workflow.py): its first attempt is SIGKILLed on the node as it starts (a node
     failure: main's exit code 137), retried as the template's retryStrategy says, and the second
@@ -155,11 +170,12 @@ def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_no
     s3.upload(digits, "ml-data", "elastic-step/wf-1/dataset")
     api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}))
-    add_mlflow_credentials(cluster)
+    add_mlflow_credentials(cluster, mlflow)
     add_artifact_repository(cluster, s3)
     clock = SkippingClock()  # the backoff is asserted, not waited out
     controller = WorkflowController(cluster, clock=clock.now, sleep=clock.sleep)
-    workflow = controller.submit(document, "wf-1", PARAMETERS)
+    # A floor every trained model passes: the test follows the blessed path to promote.
+    workflow = controller.submit(document, "wf-1", {**PARAMETERS, "floor": "accuracy=0.5"})
     attempts: queue.Queue = queue.Queue()
 
     def prepare(pod: dict) -> None:
@@ -204,9 +220,10 @@ def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_no
     cluster.kubelet.fill_memory(ns, oom["pod"], 1200)
     step.wait(lambda s: not {hung["id"], oom["id"]} & {w["id"] for w in s["workers"] if w["state"] == "live"})
 
-    runner.join(240)
-    node = outcome["node"]
+    runner.join(480)  # generous: the machine the suite runs on may be loaded
     log = step.log()
+    assert "node" in outcome, f"the train step did not end\n{log}"
+    node = outcome["node"]
     worker_logs = {n: [line for line in text.decode(errors="replace").splitlines() if "error" in line.lower()][-2:]
                    for (_, n), text in cluster.kubelet.past_logs.items() if n != name}
     assert node.phase == NodePhase.SUCCEEDED, f"{node}\n{log}\nworker logs: {worker_logs}"
@@ -266,6 +283,23 @@ def test_the_argo_train_step_is_retried_then_trains_on_worker_pods_that_share_no
     assert {n for _, _, n in used} == {ns}
     # the master's calls and the executor's report, with the one account, as deploy/ grants them
     assert {(verb, resource) for verb, resource, _ in used} == role_rules() | role_rules(ARGO_RBAC)
+
+    # The steps after train find its run in MLflow behind auth, as the same Secret's user:
+    # evaluate blesses it, export registers it, promote makes that version the champion.
+    outputs = {f"tasks.train.outputs.parameters.{k}": v for k, v in parameters.items()}
+    for template in ("evaluate", "export", "promote"):
+        step_node = controller.run_step(workflow, template, outputs, timeout=300)
+        pod_log = cluster.core().read_namespaced_pod_log(step_node.attempts[-1].pod, ns, container="main")
+        assert step_node.phase == NodePhase.SUCCEEDED, f"{template}: {step_node}\n{pod_log}"
+        outputs |= {f"tasks.{template}.outputs.parameters.{p['name']}": p["value"] for p in step_node.outputs["parameters"]}
+    assert outputs["tasks.evaluate.outputs.parameters.blessed"] == "true", outputs
+    version = outputs["tasks.export.outputs.parameters.model_version"]
+    assert outputs["tasks.promote.outputs.parameters.champion_version"] == version, outputs
+    import mlflow as mlflow_client
+
+    with mock.patch.dict(os.environ, mlflow.credentials_env(MLFLOW_USER, mlflow.pipelines_password)):
+        registered = mlflow_client.MlflowClient(mlflow.uri).get_model_version_by_alias(defaults.REGISTERED_MODEL, "champion")
+    assert (registered.version, registered.run_id) == (version, parameters["run_id"]), registered
 
 
 def test_the_default_render_with_worker_pods_is_refused_before_anything_is_created(tmp_path, digits, s3, cluster):
