@@ -2,7 +2,8 @@
 one: discovery and OpenAPI (what its RESTMapper, `explain` and `apply` read), `get -o wide|yaml`,
 `describe`, `delete`, `get --watch`, `logs` with `-c`, `--tail`, `-f` and `--previous`, `apply -f`
 and `apply -k deploy/` (client-side apply: a GET, then a create, or a strategic merge PATCH
-carrying the last-applied annotation; RBAC objects made this way grant at once), and `auth can-i`
+carrying the last-applied annotation; RBAC objects made this way grant at once; and server-side
+apply, `--server-side`), and `auth can-i`
 with and without `--list`, with the kubeconfig a user has (`Cluster.kubeconfig`)."""
 
 from __future__ import annotations
@@ -150,6 +151,34 @@ def test_apply_k_deploy_and_rbac_made_through_the_api_grants_at_once(cluster, ku
     assert kubectl("auth", "can-i", "list", "configmaps", "-n", "other", config=user, check=False).stdout.strip() == "no"
     kubectl("delete", "-f", str(grant))
     assert kubectl("auth", "can-i", "get", "configmaps", "-n", "other", config=user, check=False).stdout.strip() == "no"
+
+
+def test_server_side_apply_k_deploy_and_field_managers(cluster, kubectl, tmp_path):
+    """`kubectl apply --server-side`: PATCH application/apply-patch+yaml with its field manager,
+    creating what does not exist; again, nothing changes. A field another manager set differently
+    is a conflict until forced; a field the manager stops applying is removed."""
+    deploy = os.path.join(REPO, "deploy")
+    first = kubectl("apply", "--server-side", "-k", deploy).stdout
+    assert "role.rbac.authorization.k8s.io/elastic-step-master serverside-applied" in first, first
+    role = cluster.server.get("roles", cluster.namespace, "elastic-step-master")
+    [entry] = role["metadata"]["managedFields"]
+    assert entry["manager"] == "kubectl" and entry["operation"] == "Apply" and "f:rules" in entry["fieldsV1"], entry
+    assert "kubectl.kubernetes.io/last-applied-configuration" not in (role["metadata"].get("annotations") or {})
+    version = role["metadata"]["resourceVersion"]
+    kubectl("apply", "--server-side", "-k", deploy)
+    assert cluster.server.get("roles", cluster.namespace, "elastic-step-master")["metadata"]["resourceVersion"] == version
+
+    config = tmp_path / "settings.yaml"
+    config.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings, namespace: other}\ndata: {a: '1', b: '2'}\n")
+    kubectl("apply", "--server-side", "--field-manager", "team-a", "-f", str(config))
+    config.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings, namespace: other}\ndata: {a: '9'}\n")
+    clash = kubectl("apply", "--server-side", "--field-manager", "team-b", "-f", str(config), check=False)
+    assert clash.returncode != 0 and "conflict" in clash.stderr.lower() and "team-a" in clash.stderr, clash.stderr
+    kubectl("apply", "--server-side", "--field-manager", "team-b", "--force-conflicts", "-f", str(config))
+    assert cluster.server.get("configmaps", "other", "settings")["data"] == {"a": "9", "b": "2"}
+    config.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings, namespace: other}\ndata: {}\n")
+    kubectl("apply", "--server-side", "--field-manager", "team-a", "-f", str(config))  # team-a stops applying b
+    assert cluster.server.get("configmaps", "other", "settings")["data"] == {"a": "9"}
 
 
 def test_auth_can_i_with_and_without_list_for_the_masters_service_account(cluster, kubectl, tmp_path):
