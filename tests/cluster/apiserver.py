@@ -16,7 +16,7 @@ As the real server does:
   and answers a version older than its compacted history with an `ERROR` event carrying `410 Gone`;
   label selectors are equality- and set-based (labels.py); `Accept: ...;as=Table` gets the Table
   kubectl prints (tables.py);
-- PATCH is a JSON merge, JSON or strategic merge patch by its Content-Type (patches.py);
+- PATCH is a JSON merge, JSON or strategic merge patch, or a server-side apply, by its Content-Type (patches.py);
   `fieldValidation=Strict` refuses unknown fields; a protobuf body of the kinds kubectl's typed
   clients send is read (protowire.py);
 - pod deletion is graceful (deletionTimestamp = now + grace, then the kubelet's final delete)
@@ -29,7 +29,7 @@ As the real server does:
   up by UID in the dependent's own namespace only (so a cross-namespace owner reference is dangling);
 - created objects are validated against the Kubernetes OpenAPI schema (422 Invalid).
 
-Not modelled: admission webhooks, LimitRanges, managed fields, server-side apply, impersonation.
+Not modelled: admission webhooks, LimitRanges, managed fields but server-side apply's, impersonation.
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import yaml
+
 from . import discovery, garbage, logs, protowire, tables, watching
 from .discovery import GROUP_OF, GROUP_VERSIONS, RESOURCES, SUBRESOURCES
 from .admission import admit_by_policies, admit_pod
 from .objects import ApiError, Store, field_matches, label_matches, not_found, now_text
-from .patches import apply_patch
+from .patches import apply_patch, is_apply
 from .rbac import REVIEWS, Authorizer, Request, forbidden_message, review
 
 log = logging.getLogger("cluster.apiserver")
@@ -254,6 +256,11 @@ class _Handler(BaseHTTPRequestHandler):
             return {}
         if (self.headers.get("Content-Type") or "").startswith(protowire.PROTOBUF):
             return protowire.decode(self._raw)
+        if is_apply(self.headers.get("Content-Type")):  # server-side apply's body is YAML (JSON is YAML too)
+            try:
+                return yaml.safe_load(self._raw)
+            except yaml.YAMLError as exc:
+                raise ApiError(400, "BadRequest", f"the apply patch is not YAML: {exc}") from None
         try:
             return json.loads(self._raw)
         except json.JSONDecodeError as exc:
@@ -368,6 +375,18 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(405, "MethodNotAllowed", f"{req.verb} is not supported on {req.resource}")
         self._send(201, review(self.server.api.authorizer, user, req.api_group, req.resource, self._body()))
 
+    def _apply_create(self, req: Request, query: dict, user: str):
+        """Server-side apply of an object that does not exist: it is created, if the caller may create."""
+        api, plural = self.server.api, req.resource
+        create = Request("create", req.api_group, plural, req.namespace, "")
+        if not api.authorizer.allowed(user, create):
+            raise ApiError(403, "Forbidden", forbidden_message(user, create), {"name": req.name, "kind": plural})
+        body = self._body()
+        if not isinstance(body, dict) or (body.get("metadata") or {}).get("name") != req.name:
+            raise ApiError(400, "BadRequest", "the name of the object in the apply patch does not match the name on the URL")
+        body = apply_patch(self.headers.get("Content-Type"), None, body, RESOURCES[(req.api_group, plural)].kind, query)
+        return 201, copy.deepcopy(api._create(plural, req.namespace, body, query.get("fieldValidation") == "Strict", user))
+
     def _dispatch(self, method: str, req: Request, query: dict, user: str):
         api, store = self.server.api, self.server.api.store
         plural, _, sub = req.resource.partition("/")
@@ -384,6 +403,8 @@ class _Handler(BaseHTTPRequestHandler):
                 kind = RESOURCES[(req.api_group, plural)].kind
                 return 200, {"kind": f"{kind}List", "apiVersion": "v1", "metadata": {"resourceVersion": str(store.rv)}, "items": items}
             obj = store.objects.get(key)
+            if obj is None and req.verb == "patch" and not sub and is_apply(self.headers.get("Content-Type")):
+                return self._apply_create(req, query, user)
             if obj is None:
                 raise not_found(plural, req.name)
             if req.verb == "get" and not sub:
@@ -424,7 +445,7 @@ class _Handler(BaseHTTPRequestHandler):
             if req.verb in ("update", "patch"):
                 body = self._body()
                 if req.verb == "patch":
-                    body = apply_patch(self.headers.get("Content-Type"), obj, body, obj["kind"])
+                    body = apply_patch(self.headers.get("Content-Type"), obj, body, obj["kind"], query)
                 sent_rv = body.get("metadata", {}).get("resourceVersion")
                 if req.verb == "update" and sent_rv and sent_rv != obj["metadata"]["resourceVersion"]:
                     raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{req.name}": the object has been '
@@ -434,6 +455,8 @@ class _Handler(BaseHTTPRequestHandler):
                 else:
                     # the writable metadata is the body's (a key left out is removed), the rest the server's
                     writable = ("labels", "annotations", "ownerReferences", "finalizers")
+                    if "managedFields" in body.get("metadata", {}):  # sent: replaced (server-side apply's); left out: kept
+                        writable += ("managedFields",)
                     body["metadata"] = {**{k: v for k, v in obj["metadata"].items() if k not in writable},
                                         **{k: v for k, v in body.get("metadata", {}).items() if k in writable}}
                     if plural == "pods":
@@ -442,6 +465,8 @@ class _Handler(BaseHTTPRequestHandler):
                         generation = obj["metadata"].get("generation", 1)
                         body["metadata"]["generation"] = generation + (body.get("spec") != obj.get("spec"))
                         body["status"] = obj.get("status", {})
+                    if body == obj:  # a write that changes nothing changes no resourceVersion either
+                        return 200, copy.deepcopy(obj)
                     admit_by_policies(store, user, "UPDATE", req.api_group, plural, req.namespace, body, obj)
                     obj = body
                 return 200, copy.deepcopy(api._modified(plural, obj))
