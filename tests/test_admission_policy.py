@@ -95,6 +95,30 @@ def worker_like(cluster: Cluster, name: str, instance: str = "job-abc123", **cha
     return pod
 
 
+def runner_backend(cluster: Cluster, tmp_path, monkeypatch, job: str, settings: PodSettings,
+                   master: MasterPod | None = None) -> KubernetesBackend:
+    """The master's Kubernetes backend as it starts in a step pod of elastic-step-runner."""
+    folder = cluster.service_account_folder(str(tmp_path / "sa"), cluster.namespace, cluster.service_account)
+    for key, value in cluster.in_cluster_env(folder).items():
+        monkeypatch.setenv(key, value)
+    for name in ("KUBECONFIG", "ELASTIC_STEP_IMAGE", "ELASTIC_STEP_POD_NAME", "KFP_POD_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    token = tmp_path / "job-token"
+    token.write_text("job-token-value")
+    return KubernetesBackend(LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path)), settings, job, master=master,
+                             watch_timeout_s=2)
+
+
+def exits_until(backend: KubernetesBackend, timeout_s: float = 60) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        exits = backend.poll()
+        if exits:
+            return exits
+        time.sleep(0.1)
+    raise AssertionError("no worker exit reported")
+
+
 def test_a_masters_own_requests_pass_the_policy(cluster, tmp_path, monkeypatch):
     ns, core = cluster.namespace, cluster.core()
     master_pod = core.create_namespaced_pod(ns, {
@@ -102,16 +126,8 @@ def test_a_masters_own_requests_pass_the_policy(cluster, tmp_path, monkeypatch):
         "spec": {"serviceAccountName": cluster.service_account, "restartPolicy": "Never",
                  "containers": [{"name": "main", "image": cluster.project_image,
                                  "command": ["python", "-c", "import time; time.sleep(600)"]}]}})
-    folder = cluster.service_account_folder(str(tmp_path / "sa"), ns, cluster.service_account)
-    for key, value in cluster.in_cluster_env(folder).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("KUBECONFIG", raising=False)
-    monkeypatch.delenv("ELASTIC_STEP_IMAGE", raising=False)
-    token = tmp_path / "job-token"
-    token.write_text("job-token-value")
-    backend = KubernetesBackend(LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path)), PodSettings(namespace=ns, image=None),
-                                "admitted", master=MasterPod(name="train-step", uid=master_pod.metadata.uid, ip="127.0.0.1",
-                                                             namespace=ns), watch_timeout_s=2)
+    backend = runner_backend(cluster, tmp_path, monkeypatch, "admitted", PodSettings(namespace=ns, image=None),
+                             MasterPod(name="train-step", uid=master_pod.metadata.uid, ip="127.0.0.1", namespace=ns))
     names = backend.names
     assert sorted(backend.network_policies) == sorted([f"{names.instance}-workers", f"{names.instance}-master"])
     backend.launch(0, "w0.0")
@@ -199,3 +215,18 @@ def test_what_user_code_could_do_with_the_runners_token_is_refused_with_the_poli
     assert cluster.server.get("networkpolicies", ns, "mlflow") is not None
     admin.patch_namespaced_config_map("kfp-launcher", ns, {"data": {"defaultPipelineRoot": "s3://a/c"}})
     admin.delete_namespaced_pod("mlflow-0", ns, grace_period_seconds=0)
+
+
+def test_a_worker_pod_the_policy_refuses_is_a_counted_exit_in_the_policys_words(cluster, tmp_path, monkeypatch):
+    """A job whose image the policy does not allow (ELASTIC_STEP_IMAGE of another registry, say):
+    the master reports each refused worker as an exit that counts, saying why as the server did."""
+    settings = PodSettings(namespace=cluster.namespace, image="registry.example/team/trainer:1", master_network_policy=False)
+    backend = runner_backend(cluster, tmp_path, monkeypatch, "refused", settings,
+                             MasterPod(name="train-step-2", uid="", ip="127.0.0.1", namespace=cluster.namespace))
+    try:
+        backend.launch(0, "w0.0")
+        [gone] = exits_until(backend)
+        assert gone.worker_id == "w0.0" and gone.relaunch == "count"
+        assert f"403 Forbidden: {denial('pods', backend.names.pod('w0.0'), POD_IMAGE)}" in gone.reason, gone.reason
+    finally:
+        backend.shutdown(grace_s=0)

@@ -4,6 +4,7 @@ carries a request timeout, so a stalled API server delays pods and never hangs t
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -78,9 +79,19 @@ class PodCalls:
         try:
             self.api.create_namespaced_pod(self.namespace, pod, _request_timeout=self.timeout_s)
         except k8s.ApiException as exc:
-            # Reported as an exit at the next poll: the master's relaunch limit applies.
-            log.warning("creating pod %s failed: %s %s", name, exc.status, exc.reason)
-            self.on_create_failed(worker_id, f"pod {name} not created: {exc.status} {exc.reason}")
+            # Reported as an exit at the next poll: the master's relaunch limit applies. The
+            # server's own words say why (an admission policy's, a quota's), not only its code.
+            why = f"{exc.status} {exc.reason}" + (f": {status_message(exc)}" if status_message(exc) else "")
+            log.warning("creating pod %s failed: %s", name, why)
+            self.on_create_failed(worker_id, f"pod {name} not created: {why}")
+
+
+def status_message(exc: k8s.ApiException) -> str:
+    """The message of the Status an API error carries, on one line ("" without one)."""
+    try:
+        return " ".join(str(json.loads(exc.body).get("message") or "").split())[:500]
+    except (TypeError, ValueError, AttributeError):
+        return ""
 
 
 def delete_pod(api, name: str, namespace: str, timeout_s: float) -> None:
