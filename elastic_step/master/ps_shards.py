@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from functools import partial
 
 import numpy as np
@@ -60,6 +61,7 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     shards = LocalShards(root, specs, config.ps_shards, token_file)
     running.callback(_stop_and_freeze, shards, specs)
     shards.start()
+    running.callback(ShardSupervisor(shards).start().stop)  # stops before the shards do (last in, first out)
     routes = shards.routes()
     from elastic_step.ps.torch_embedding import bind_tables
 
@@ -117,3 +119,60 @@ class LiveRows:
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         with self.lock:
             return self.client.pull(table, ids)
+
+
+class ShardSupervisor:
+    """Relaunches a shard process that dies while the job runs, on its old port, so the workers'
+    routes stay right: it loads its snapshot, replays its ledger's tail and listens again, while
+    the workers' clients retry what it did not acknowledge (ps/client.py). No worker restarts."""
+
+    POLL_S = 0.2
+    TRIES = 3  # a shard that cannot come back three times in a row (a broken snapshot) is left down
+    READY_TIMEOUT_S = 120.0
+
+    def __init__(self, shards: LocalShards):
+        self.shards = shards
+        self.ports = [int(shard.ready()["port"]) for shard in shards.shards]
+        self.stopping = threading.Event()
+        self.relaunches = 0
+        self.given_up: set[int] = set()
+        self.thread = threading.Thread(target=self._watch, name="ps-supervisor", daemon=True)
+
+    def start(self) -> ShardSupervisor:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(self.POLL_S):
+            for shard, port in zip(self.shards.shards, self.ports):
+                if shard.process.poll() is not None and shard.shard not in self.given_up and not self.stopping.is_set():
+                    self._relaunch(shard, port)
+
+    def _relaunch(self, shard, port: int) -> None:
+        log.warning("parameter-server shard %d exited with code %s: relaunching it on port %d", shard.shard,
+                    shard.process.returncode, port)
+        started = time.monotonic()
+        for _ in range(self.TRIES):
+            shard.start(port)
+            try:
+                info = shard.wait_ready(self.READY_TIMEOUT_S)
+            except (RuntimeError, TimeoutError) as exc:
+                log.warning("parameter-server shard %d did not come back: %s", shard.shard, exc)
+                if shard.process.poll() is None:
+                    shard.process.kill()
+                shard.process.wait()
+                if self.stopping.wait(1.0):
+                    return
+                continue
+            self.relaunches += 1
+            log.info("parameter-server shard %d back in %.2f s: snapshot loaded in %.3f s, %d ledger records replayed "
+                     "in %.3f s", shard.shard, time.monotonic() - started, info.get("load_s", 0.0),
+                     info.get("replayed", 0), info.get("replay_s", 0.0))
+            return
+        log.error("parameter-server shard %d is down for good after %d tries; the workers' pushes to it will fail",
+                  shard.shard, self.TRIES)
+        self.given_up.add(shard.shard)

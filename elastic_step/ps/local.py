@@ -31,9 +31,12 @@ class ShardProcess:
         self.directory, self.shard, self.token_file, self.host, self.fsync = directory, shard, token_file, host, fsync
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, port: int = 0) -> None:
+        """Launch the shard; `port` 0 lets it pick one (ready.json says which), a relaunch passes
+        its old one so that clients' routes stay right."""
         command = [sys.executable, "-m", "elastic_step.ps.shard", "--dir", self.directory, "--shard", str(self.shard)]
-        command += ["--host", self.host, "--token-file", self.token_file] + ([] if self.fsync else ["--no-fsync"])
+        command += ["--host", self.host, "--port", str(port), "--token-file", self.token_file]
+        command += [] if self.fsync else ["--no-fsync"]
         self.process = subprocess.Popen(command)
 
     def ready(self) -> dict | None:
