@@ -259,7 +259,8 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     step_log = StepLog(os.path.join(config.job_dir, "metrics.jsonl"), listener=recorder.on_step)
     running.callback(step_log.close)
 
-    ps_routing = start_ps_shards(config, token_file, running)  # mode ps: the shards, stopped after the workers
+    resuming = initial is not None and initial.kind == "checkpoint"
+    ps_routing = start_ps_shards(config, token_file, running, resuming)  # mode ps: the shards, stopped after the workers
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,

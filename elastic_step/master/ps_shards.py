@@ -51,13 +51,19 @@ def table_specs(model_def_source: str) -> list[TableSpec]:
     return specs
 
 
-def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack) -> dict:
-    """Start the job's shards (nothing for another mode); the job spec's `ps_routing`."""
+def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack, resuming: bool = False) -> dict:
+    """Start the job's shards (nothing for another mode); the job spec's `ps_routing`.
+
+    A job resumed from a checkpoint keeps its shards' folders: their snapshots and ledgers hold
+    every update acknowledged before the master stopped, and the rows re-trained after the
+    checkpoint push the same keys, which the shards drop, so each minibatch still updates each
+    row once. Any other start begins with empty tables."""
     if config.mode != TrainingMode.PS:
         return {}
     specs = table_specs(config.model_def)
     root = os.path.join(config.job_dir, "ps")
-    shutil.rmtree(root, ignore_errors=True)  # a fresh job's tables; resuming them from a checkpoint is not done yet
+    if not resuming:
+        shutil.rmtree(root, ignore_errors=True)
     shards = LocalShards(root, specs, config.ps_shards, token_file)
     running.callback(_stop_and_freeze, shards, specs)
     shards.start()
