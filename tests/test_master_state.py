@@ -144,3 +144,21 @@ def test_status_reports_the_newest_mean_loss_and_samples_per_second():
                                           StepRecord(step=2, ranges=ranges(2), samples=6, loss=3.0, time=100.5)])
     status = state.status()
     assert status["loss"] == 0.5 and status["samples_per_s"] == 12.0
+
+
+def test_a_dropped_worker_whose_exit_is_slow_to_come_is_dropped_and_stopped_once():
+    # The backend reports a stopped worker's exit only when it sees it (a pod's delete, a watch
+    # event): until then the worker is as absent at the rendezvous, or as silent, as before.
+    state, backend = make_state(heartbeat_s=0.3, rendezvous_s=0.2)
+    backend.stop = backend.stopped.append  # stopping is asked; no exit comes back yet
+    for member in ("w0.1", "w1.1"):  # w2.1 never calls in to the round, and stops heartbeating
+        state.rendezvous(member, -1, [], 0)
+    deadline = time.monotonic() + 1.2  # four heartbeat timeouts, many rendezvous timeouts
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        for worker_id in ("w0.1", "w1.1"):
+            state.heartbeat(worker_id, 0)
+        state.tick()
+    assert backend.stopped == ["w2.1"]
+    assert [e["worker"] for e in state.events.of("dropped")] == ["w2.1"]
+    assert "did not join round" in state.events.of("dropped")[0]["message"]

@@ -43,6 +43,7 @@ class WorkerInfo:
     rows_applied: int = 0  # rows of steps it took part in (shown by status)
     resources: ResourceSample | None = None  # its newest heartbeat's figures (CPU, RSS, GPUs)
     exited_at: float | None = None
+    dropped: bool = False  # the master gave it up and asked the backend to stop it: once
 
     @property
     def alive(self) -> bool:
@@ -218,7 +219,12 @@ class Membership:
 
     def drop(self, worker: WorkerInfo, reason: str) -> None:
         """A worker that is alive but useless (hung, or missing at rendezvous): kill it; its exit
-        then counts as a death."""
+        then counts as a death. Once: until the backend reports that exit, every later tick finds
+        it as silent or as absent as before, and dropping it again would only repeat the event
+        (every 50 ms while a round waits for it) and the backend's stop."""
+        if worker.dropped:
+            return
+        worker.dropped = True
         self._event(EventKind.DROPPED, reason, worker=worker.id)
         self.backend.stop(worker.id)
 
@@ -229,13 +235,11 @@ class Membership:
         self._forgive_silence_while_paused(now, pending)
         for worker in self.workers.values():
             if worker.state in (WorkerState.LIVE, WorkerState.RETIRING) and now - worker.last_seen > self.timeouts.heartbeat_s:
-                worker.last_seen = now  # drop once, not every tick until it is reaped
                 self.drop(worker, f"{worker.id} sent no heartbeat for {self.timeouts.heartbeat_s:.0f}s (hung)")
         if pending is not None and not pending.ready and now - pending.proposed_at > self.timeouts.rendezvous_s:
             for member in pending.members:
                 worker = self.workers[member]
                 if worker.joined_round != pending.id and worker.alive:
-                    worker.joined_round = -1
                     self.drop(worker, f"{member} did not join round {pending.id} within {self.timeouts.rendezvous_s:.0f}s")
 
     def _forgive_silence_while_paused(self, now: float, pending: Round | None) -> None:
