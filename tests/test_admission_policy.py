@@ -15,7 +15,6 @@ may do. What a platform engineer relies on:
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -23,25 +22,26 @@ import yaml
 from kubernetes import client as k8s
 
 from cluster import Cluster
-from cluster.rbac import REPO
+from cluster.rbac import read_manifests
 from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
 
 pytestmark = pytest.mark.e2e
 
-RBAC = os.path.join(REPO, "deploy", "rbac")
 POLICY = "elastic-step-runner-limits"
 
 
-def shipped(name: str) -> list[dict]:
-    with open(os.path.join(RBAC, name), encoding="utf-8") as f:
-        return [o for o in yaml.safe_load_all(f) if o]
+def shipped() -> list[dict]:
+    """The policy and its binding, as deploy/rbac's kustomization lists them."""
+    found = [o for o in read_manifests() if o["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert sorted(o["kind"] for o in found) == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    return found
 
 
 def messages() -> list[str]:
     """The policy's messages, in its validations' order: the contract the refusals are held to."""
-    policy = next(o for o in shipped("admission-policy.yaml") if o["kind"] == "ValidatingAdmissionPolicy")
+    policy = next(o for o in shipped() if o["kind"] == "ValidatingAdmissionPolicy")
     return [v["message"].strip() for v in policy["spec"]["validations"]]
 
 
@@ -51,7 +51,7 @@ CONFIGMAPS, SECRETS, NETWORK_POLICIES, POD_NAMES, POD_ACCOUNT, POD_IMAGE, POD_SE
 def install_policy(cluster: Cluster) -> None:
     """What `kubectl apply -k deploy/` adds beside the RBAC: the policy and its binding."""
     admin = k8s.AdmissionregistrationV1Api(k8s.ApiClient(cluster.configuration()))
-    for obj in shipped("admission-policy.yaml"):
+    for obj in shipped():
         if obj["kind"] == "ValidatingAdmissionPolicy":
             admin.create_validating_admission_policy(obj)
         else:
