@@ -1,0 +1,145 @@
+"""Sparse training rows/s: DeepFM on elastic-step's parameter-server shards beside plain PyTorch.
+
+The same model (model_zoo/deepfm_ps_torch's DeepFM: 26 categorical fields in one table whose row
+is [first-order weight | 8 factors], 13 dense features with missing flags, an MLP), the same
+batches (Zipf ids over --ids rows, as click logs have them), the same optimizers (Adagrad at
+0.05 on the table, Adam at 2e-3 on the dense weights), one process computing:
+
+- peer: single-process PyTorch as its users write it, the whole table in the process as
+  `nn.Embedding(ids, 9, sparse=True)` with torch.optim.Adagrad (sparse gradients);
+- ours: the table on --shards local shard processes (PsEmbedding pulls a batch's distinct ids,
+  the gradient merged per id is pushed with its key and applied by the shard's Adagrad), with
+  the fsync'd ledger and without it (the ledger's cost).
+
+What is measured is one training process's steps (forward, backward, pull, push, optimizer), not
+a whole job (no master, no allreduce: the step a PS-mode worker runs, alone).
+
+    .venv/bin/python benchmarks/bench_sparse.py --ids 1000000 --batches 200 --batch 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import machine  # noqa: E402
+
+from elastic_step.model_zoo.deepfm_ps_torch import TABLE, TABLE_LR, DeepFM  # noqa: E402
+from elastic_step.ps.client import PsClient  # noqa: E402
+from elastic_step.ps.local import LocalShards  # noqa: E402
+from elastic_step.ps.torch_embedding import ps_tables  # noqa: E402
+
+FIELDS, DENSE = 26, 13
+TOKEN = "bench-token"
+
+
+def batches(count: int, batch: int, ids: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Packed rows as ctr_features.feed makes them: 26 ids, then log1p counts and missing flags."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        field_ids = (rng.zipf(1.2, (batch, FIELDS)) + np.arange(FIELDS) * 7919) % ids
+        counts = rng.lognormal(1.0, 1.5, (batch, DENSE))
+        missing = rng.random((batch, DENSE)) < 0.2
+        dense = np.concatenate([np.log1p(np.where(missing, 0, counts)), missing], axis=1)
+        labels = (rng.random(batch) < 0.25).astype(np.float32)
+        out.append((torch.from_numpy(np.concatenate([field_ids, dense], axis=1)), torch.from_numpy(labels)))
+    return out
+
+
+def dense_optimizer(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam([p for name, p in net.named_parameters() if not name.startswith("table.")], lr=2e-3)
+
+
+def peer_rate(data, ids: int) -> float:
+    """Single-process PyTorch: the whole table in this process, sparse gradients, Adagrad."""
+    torch.manual_seed(0)
+    net = DeepFM(FIELDS, 2 * DENSE)
+    net.table = nn.Embedding(ids, 9, sparse=True)
+    nn.init.uniform_(net.table.weight, -0.01, 0.01)
+    dense, sparse = dense_optimizer(net), torch.optim.Adagrad([net.table.weight], lr=TABLE_LR)
+
+    def step(x, y):
+        dense.zero_grad()
+        sparse.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(net(x), y).backward()
+        dense.step()
+        sparse.step()
+
+    return _timed(step, data)
+
+
+def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool) -> float:
+    """The table on `shards` local shard processes: pull, compute, push merged per id, Adam."""
+    torch.manual_seed(0)
+    net = DeepFM(FIELDS, 2 * DENSE)
+    table = ps_tables(net)[0]
+    started = LocalShards(os.path.join(root, f"shards-{fsync}"), [table.spec], shards, token_file,
+                          snapshot_every=10**9, fsync=fsync)
+    started.start()
+    try:
+        client = PsClient(TOKEN, started.routes)
+        table.source = partial(client.pull, TABLE)
+        dense = dense_optimizer(net)
+        seq = iter(range(10**9))
+
+        def step(x, y):
+            dense.zero_grad()
+            table.forget()
+            nn.functional.binary_cross_entropy_with_logits(net(x), y).backward()
+            pushed_ids, grads = table.take_gradients()
+            client.push(TABLE, 0, next(seq), 0, pushed_ids, grads)
+            dense.step()
+
+        return _timed(step, data)
+    finally:
+        started.stop()
+
+
+def _timed(step, data, warm_up: int = 5) -> float:
+    for x, y in data[:warm_up]:
+        step(x, y)
+    start = time.perf_counter()
+    for x, y in data[warm_up:]:
+        step(x, y)
+    return sum(len(y) for _, y in data[warm_up:]) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ids", type=int, default=1_000_000, help="rows of the table (Zipf ids over them)")
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=512, help="rows per step")
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for both)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.sparse.check_sparse_tensor_invariants.disable()  # the peer's default, said out loud (no warning)
+    print(f"bench_sparse on {machine()}")
+    print(f"DeepFM, {FIELDS} fields over a table of {args.ids:,} ids x 9, batches of {args.batch}, {args.batches} steps, "
+          f"{args.threads} torch thread(s)")
+    data = batches(args.batches, args.batch, args.ids)
+    with tempfile.TemporaryDirectory() as root:
+        token_file = os.path.join(root, "token")
+        with open(token_file, "w") as f:
+            f.write(TOKEN)
+        ours = ps_rate(data, root, token_file, args.shards, fsync=True)
+        unsynced = ps_rate(data, root, token_file, args.shards, fsync=False)
+        peer = peer_rate(data, args.ids)
+    print(f"  peer, single-process PyTorch (nn.Embedding sparse + Adagrad): {peer:,.0f} rows/s")
+    print(f"  elastic-step, {args.shards} local shards, fsync'd ledger: {ours:,.0f} rows/s ({ours / peer:.2f}x the peer)")
+    print(f"  elastic-step without fsync: {unsynced:,.0f} rows/s; the ledger's cost {1 - ours / unsynced:.1%}")
+
+
+if __name__ == "__main__":
+    main()
