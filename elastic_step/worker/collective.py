@@ -1,6 +1,13 @@
 """One flat allreduce per step, and the in-process regroup: destroy the process group and
 initialise a fresh one on a new prefix of the master's TCPStore, so no survivor restarts.
 
+Before gloo's own rendezvous the members meet on the round's store keys (`meet`): gloo's
+rendezvous cannot be left, so a member killed between the master's proposal and the group's
+start used to hold every other member there until the collective timeout (30 s). At the meeting
+each member sets its key and polls for the others', and gives up as soon as the master has
+proposed a newer round (a member is gone). Whether the round goes ahead is one verdict in the
+store, set by whoever decides first, so no member starts the group while another has given up.
+
 On gloo, a small step buffer is summed by a direct exchange (every rank sends its buffer to every
 other rank at once, then adds them up in rank order) instead of gloo's ring allreduce: one
 message hop instead of 2(N-1), which on a CPU cluster is most of a small model's step time
@@ -10,7 +17,10 @@ Large buffers, where bandwidth matters more than hops, and NCCL keep the ring al
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,6 +36,23 @@ IDENTITY_FLOATS = 5  # per rank in gather_identities: step (two halves), lineage
 # Direct exchange while the bytes each rank sends, (N-1) x the buffer, stay at most this; for two
 # ranks it sends exactly what the ring does, in one hop.
 DIRECT_EXCHANGE_MAX_BYTES = 16 << 20
+
+# gloo's own rendezvous, once every member is at the meeting: the members set their addresses
+# within moments of each other, so only a member that died just after the meeting is waited
+# for, this long, not the collective timeout (the group's operations get that, after the start).
+GROUP_START_TIMEOUT_S = 10.0
+# How often a member at the meeting looks for the others (and for a newer round): from the first
+# value, doubling up to the second, so a meeting of members that are all there costs a millisecond.
+MEET_POLL_S = (0.001, 0.02)
+
+log = logging.getLogger("elastic_step.worker")
+
+
+class MeetingAbandoned(RuntimeError):
+    """The round's members did not all meet: one is missing and the master moved on (or the
+    meeting outlasted its timeout). A RuntimeError, as a failed collective is: the worker
+    regroups."""
+
 
 # The Kubernetes backend sets this to nccl on worker pods that request GPUs; unset means gloo.
 BACKEND_ENV = WorkerEnv.COLLECTIVE_BACKEND.value
@@ -47,6 +74,32 @@ def decode_int(high: float, low: float) -> int:
     return int(round(high)) * _HALF + int(round(low))
 
 
+def meet(store, rank: int, world_size: int, give_up: Callable[[], bool], timeout_s: float) -> None:
+    """Wait at the round's meeting (`store`: the round's prefix) until every member is there;
+    raise MeetingAbandoned once `give_up()` is true or `timeout_s` has passed with one missing.
+    The first member to decide sets the verdict and every member obeys it: a member that gives up
+    after the others saw everyone there goes ahead with them (it regroups at its first step)."""
+    arrivals = [f"meet/{r}" for r in range(world_size)]
+    store.set(arrivals[rank], b"1")
+    deadline = time.monotonic() + timeout_s
+    pause = MEET_POLL_S[0]
+    while True:
+        if store.check(["meet/verdict"]):
+            verdict = store.get("meet/verdict")
+        elif store.check(arrivals):
+            verdict = store.compare_set("meet/verdict", "", "go")
+        elif give_up() or time.monotonic() > deadline:
+            verdict = store.compare_set("meet/verdict", "", "abandoned")
+        else:
+            time.sleep(pause)
+            pause = min(2 * pause, MEET_POLL_S[1])
+            continue
+        if verdict == b"go":
+            return
+        missing = [r for r, key in enumerate(arrivals) if not store.check([key])]
+        raise MeetingAbandoned(f"ranks {missing} of {world_size} did not come to the round's meeting")
+
+
 class Collective:
     def __init__(self, store_host: str, store_port: int, timeout_s: float, backend: str | None = None):
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -57,18 +110,30 @@ class Collective:
             if not torch.cuda.is_available():
                 raise ConfigError(f"{BACKEND_ENV}=nccl but this worker sees no GPU: request GPUs for the worker pods, or use gloo")
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.store = dist.TCPStore(store_host, store_port, is_master=False, timeout=self.timeout)
+        self._store_address = (store_host, store_port)
+        self.store = self._connect()
         self.rank, self.world_size = 0, 1
         self._received: list[torch.Tensor] = []  # the other ranks' buffers, for direct exchange
 
-    def join(self, prefix: str, rank: int, world_size: int) -> None:
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(prefix, self.store),
-            rank=rank,
-            world_size=world_size,
-            timeout=self.timeout,
-        )
+    def _connect(self) -> dist.TCPStore:
+        host, port = self._store_address
+        return dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
+
+    def join(self, prefix: str, rank: int, world_size: int, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Meet the round's members, then start its group. MeetingAbandoned (a RuntimeError) when
+        a member is missing and `give_up()` says the master moved on; a RuntimeError when a
+        member died between the meeting and the group's start."""
+        store = dist.PrefixStore(prefix, self.store)
+        meet(store, rank, world_size, give_up, self.timeout.total_seconds())
+        start_timeout = datetime.timedelta(seconds=min(GROUP_START_TIMEOUT_S, self.timeout.total_seconds()))
+        try:
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=start_timeout)
+        except RuntimeError:
+            # A timed-out wait may still be answered later on this connection, where it would
+            # read as the answer to another request: the next round gets a fresh connection.
+            self.store = self._connect()
+            raise
+        dist.distributed_c10d._set_pg_timeout(self.timeout)  # the group's operations: the collective timeout
         self.rank, self.world_size = rank, world_size
         self._received = []
 

@@ -42,6 +42,17 @@ from elastic_step.worker.tasks import TaskFeed
 
 log = logging.getLogger("elastic_step.worker")
 
+# Test-only and off unless set: "WORKER_ID:SECONDS" holds that worker so long between its first
+# ready rendezvous reply and the round's meeting, so that a test can SIGKILL it while the other
+# members wait there for it (tests/test_round_meeting.py).
+HOLD_BEFORE_MEETING_ENV = "ELASTIC_STEP_TEST_HOLD_BEFORE_MEETING"
+
+
+def hold_before_meeting(worker_id: str, environ=os.environ) -> float:
+    """Seconds this worker waits before its first meeting (0 unless the test hook names it)."""
+    named, _, seconds = environ.get(HOLD_BEFORE_MEETING_ENV, "").partition(":")
+    return float(seconds) if named == worker_id and seconds else 0.0
+
 
 def _rank_entry(ranges: list[RangeRecord]) -> RangeRecord | list[RangeRecord] | None:
     """A rank's part of a step record: nothing, its one range, or its ranges in order."""
@@ -76,6 +87,7 @@ class Worker:
         self.checkpoints = Checkpoints(client, worker_id, spec.checkpoint_steps, self.reporter)
         self.progress = Progress()
         self.steps = training_step(spec.mode, self)
+        self._hold_s = hold_before_meeting(worker_id)
 
     def _trainer_on_its_device(self, worker_id: str):
         """The trainer on the device the placement rule gives this worker's slot; a device or
@@ -129,8 +141,13 @@ class Worker:
 
     def _run_round(self, rv: RendezvousReply) -> RoundOutcome:
         self.heartbeat.round_id = rv.round_id
+        if self._hold_s:
+            log.warning("round %d: held %.1f s before the meeting (%s)", rv.round_id, self._hold_s, HOLD_BEFORE_MEETING_ENV)
+            time.sleep(self._hold_s)
+            self._hold_s = 0.0
         try:
-            self.collective.join(rv.store_prefix, rv.rank, rv.world_size)
+            # A member missing at the meeting is given up on once the master proposes a newer round.
+            self.collective.join(rv.store_prefix, rv.rank, rv.world_size, give_up=lambda: self.regroup_due(rv.round_id))
             self._share_state(rv)
             self.progress.step = self.heartbeat.step = rv.start_step
             self.progress.unacked.clear()  # the master settled every step up to start_step
