@@ -176,6 +176,21 @@ def test_every_call_of_the_masters_client_has_a_timeout(monkeypatch, tmp_path):
         api.list_namespaced_pod("ml")
     assert time.monotonic() - started < 10, "the call waited past its timeout"
     assert not isinstance(stalled.value, ssl.SSLCertVerificationError)
+    # The backend's own timeouts are floats (30.0), which the client's REST layer ignores unless
+    # they are ints: a watch given one, on a connection that went silent, must end too.
+    ended = []
+
+    def watch_with_a_float_timeout():
+        try:
+            list(watch.Watch().stream(api.list_namespaced_pod, "ml", timeout_seconds=1, _request_timeout=1.5))
+        except Exception as exc:
+            ended.append(exc)
+
+    started = time.monotonic()
+    waiting = threading.Thread(target=watch_with_a_float_timeout, daemon=True)
+    waiting.start()
+    waiting.join(20)
+    assert ended and time.monotonic() - started < 20, "a watch with a float request timeout hung on a silent server"
     silent.close()
 
 

@@ -36,6 +36,11 @@ def _api_client_class():
                     _request_timeout = (REQUEST_TIMEOUT[0], seconds + WATCH_READ_MARGIN_S)
                 else:
                     _request_timeout = REQUEST_TIMEOUT
+            elif isinstance(_request_timeout, (int, float)):
+                # The client's REST layer applies a number only if it is an int: a float (30.0)
+                # would silently mean no timeout at all, and a watch on a cut connection would
+                # then hang forever. A (connect, read) pair it takes as it is.
+                _request_timeout = (min(REQUEST_TIMEOUT[0], _request_timeout), _request_timeout)
             return super().request(method, url, query_params=query_params, headers=headers, post_params=post_params,
                                    body=body, _preload_content=_preload_content, _request_timeout=_request_timeout)
 
