@@ -66,6 +66,7 @@ class ApiServer:
         self.validate = validate
         self.log_reader = None  # (namespace, pod) -> bytes, set by the kubelet: `pods/log`
         self.installed: set[str] = set()  # the groups of optional CRDs installed (discovery.Resource.optional)
+        self.mutators: list = []  # mutating admission webhooks' stand-ins (sidecar.py): f(store, namespace, pod), before admit_pod
         self.closed = False
         self.ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.ssl.load_cert_chain(certfile, keyfile)
@@ -142,6 +143,8 @@ class ApiServer:
             raise ApiError(409, "AlreadyExists", f'{plural} "{meta["name"]}" already exists', {"name": meta["name"], "kind": plural})
         body["kind"], body["apiVersion"] = kind, GROUP_VERSIONS.get(group, f"{group}/v1")
         if plural == "pods":
+            for mutate in self.mutators:
+                mutate(store, namespace, body)
             admit_pod(store, namespace, body)
         if plural == "namespaces":
             body["status"] = {"phase": "Active"}

@@ -318,6 +318,7 @@ class Kubelet:
                 self.runtime.remove_cgroup(c.cgroup)
                 changed = True
                 self._plan_restart(record, c)
+        changed = self._stop_sidecars(record) or changed
         for index, c in enumerate(record.containers):
             if c.restart_at is not None and time.monotonic() >= c.restart_at and record.deleting_since is None and not record.gone:
                 record.containers[index] = self._restart(record, c)
@@ -345,6 +346,26 @@ class Kubelet:
                 if exc.status != 404:
                     raise
             record.gone = True
+
+    def _stop_sidecars(self, record: PodRecord) -> bool:
+        """Native sidecars (init containers with restartPolicy Always) get SIGTERM once every
+        container of the pod has ended for good, as the kubelet ends them; True when one ended."""
+        sidecars = [c for c in record.init_containers if c.exit is None]
+        if not sidecars or not record.containers or any(c.exit is None or c.restart_at is not None for c in record.containers):
+            return False
+        ended = False
+        for c in sidecars:
+            if c.proc.poll() is not None:
+                code = c.proc.returncode
+                c.exit, c.finished_at = (128 - code if code < 0 else code, "Completed" if code == 0 else "Error"), now_text()
+                self.runtime.remove_cgroup(c.cgroup)
+                ended = True
+            elif time.monotonic() - getattr(c, "stopping", 0.0) > 1:
+                # Again each second: Istio's startupProbe, which holds the pod's containers back until
+                # the proxy is up, is not played, so a TERM may come before the proxy handles it.
+                c.stopping = time.monotonic()
+                self.runtime.signal(c.proc, signal.SIGTERM)
+        return ended
 
     # -- restarts in place (restarts.py) -------------------------------------------------------------
     def _plan_restart(self, record: PodRecord, c: Container) -> None:
@@ -462,6 +483,8 @@ class Kubelet:
         for c in spec.get("initContainers", []):  # one after the other, each to a successful end
             container = self._run(record, pod, c, volumes)
             record.init_containers.append(container)
+            if c.get("restartPolicy") == "Always":  # a native sidecar (KEP-753): runs beside what follows it
+                continue
             container.proc.wait()
             code = container.proc.returncode
             container.exit = (128 - code if code < 0 else code, "Completed" if code == 0 else "Error")

@@ -1,0 +1,85 @@
+"""Istio's sidecar injection in a Kubeflow profile namespace, as the cluster stand-in plays it
+(tests/cluster/sidecar.py): which pods get the proxy, a native sidecar that the kubelet stops once
+the pod's containers have ended (so a step pod ends), the classic container that keeps it running
+(the Istio + Job problem), and which inbound ports the proxy would intercept.
+
+The compiled train task in a profile namespace with injection on: test_cluster_kfp_installed.py."""
+
+from __future__ import annotations
+
+import time
+
+from kubernetes import client as k8s
+
+from cluster import Cluster
+from cluster.runtime import Image, python_paths
+from cluster.sidecar import INJECT, INJECTION_LABEL, NATIVE, PROXY_IMAGE, IstioInjector, inbound_intercepted, proxy_image
+
+SHELL_IMAGE = "busybox:1.36"
+
+
+def pod(name: str, script: str, labels: dict | None = None, annotations: dict | None = None) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}, "annotations": annotations or {}},
+            "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": SHELL_IMAGE, "command": ["sh", "-c", script]}]}}
+
+
+def phase_after(api: k8s.CoreV1Api, namespace: str, name: str, phases: tuple[str, ...], timeout: float = 90) -> k8s.V1Pod:
+    deadline = time.monotonic() + timeout
+    while True:
+        current = api.read_namespaced_pod(name, namespace)
+        if current.status.phase in phases or time.monotonic() > deadline:
+            return current
+        time.sleep(0.1)
+
+
+def test_a_profile_namespace_injects_the_proxy_a_native_sidecar_ends_with_the_pod_and_a_classic_one_does_not(tmp_path):
+    images = {SHELL_IMAGE: Image(SHELL_IMAGE, {"PATH": "/usr/bin:/bin"}, workdir="/", home="/", paths=python_paths()),
+              PROXY_IMAGE: proxy_image(str(tmp_path / "proxy"))}
+    injector = IstioInjector()
+    with Cluster(str(tmp_path / "cluster"), images=images) as cluster:
+        cluster.server.mutators.append(injector.inject)
+        api, ns = cluster.core(), cluster.namespace
+        api.patch_namespace(ns, {"metadata": {"labels": {INJECTION_LABEL: "enabled"}}})
+        api.create_namespaced_pod(ns, pod("native", "echo done"))
+        api.create_namespaced_pod(ns, pod("classic", "echo done", annotations={NATIVE: "false"}))
+        api.create_namespaced_pod(ns, pod("worker", "echo done", labels={INJECT: "false"}))
+
+        native = phase_after(api, ns, "native", ("Succeeded", "Failed"))
+        assert native.status.phase == "Succeeded", native.status
+        assert [(c.name, c.restart_policy) for c in native.spec.init_containers] == [("istio-proxy", "Always")]
+        deadline = time.monotonic() + 30
+        while not (proxy := phase_after(api, ns, "native", ()).status.init_container_statuses[0]).state.terminated:
+            assert time.monotonic() < deadline, proxy
+            time.sleep(0.1)
+        assert proxy.state.terminated.exit_code == 0  # stopped by the kubelet's TERM once main had ended
+
+        worker = phase_after(api, ns, "worker", ("Succeeded", "Failed"))
+        assert worker.status.phase == "Succeeded" and not worker.spec.init_containers
+        assert [c.name for c in worker.spec.containers] == ["main"]  # opted out: no proxy
+
+        classic = api.read_namespaced_pod("classic", ns)
+        assert [c.name for c in classic.spec.containers] == ["main", "istio-proxy"]
+        deadline = time.monotonic() + 60
+        while not any(c.name == "main" and c.state.terminated for c in classic.status.container_statuses or []):
+            assert time.monotonic() < deadline, classic.status
+            time.sleep(0.1)
+            classic = api.read_namespaced_pod("classic", ns)
+        assert classic.status.phase == "Running"  # main is done, the proxy never is
+        assert injector.injected == [f"{ns}/native", f"{ns}/classic"]
+
+
+def test_a_namespace_without_the_label_is_left_alone_and_the_annotations_decide_which_ports_the_proxy_intercepts():
+    class Store:
+        objects = {("namespaces", "", "plain"): {"metadata": {"labels": {}}},
+                   ("namespaces", "", "profile"): {"metadata": {"labels": {INJECTION_LABEL: "enabled"}}}}
+
+    injector = IstioInjector()
+    plain, meshed = pod("a", "true"), pod("b", "true")
+    injector.inject(Store, "plain", plain)
+    injector.inject(Store, "profile", meshed)
+    assert "initContainers" not in plain["spec"] and not inbound_intercepted(plain, 8000)
+    assert inbound_intercepted(meshed, 8000)  # every port by default: a STRICT mesh refuses plaintext
+    meshed["metadata"]["annotations"]["traffic.sidecar.istio.io/excludeInboundPorts"] = "8000"
+    assert not inbound_intercepted(meshed, 8000) and inbound_intercepted(meshed, 9000)
+    meshed["metadata"]["annotations"]["traffic.sidecar.istio.io/includeInboundPorts"] = ""
+    assert not inbound_intercepted(meshed, 9000)  # none intercepted
