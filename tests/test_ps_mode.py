@@ -96,6 +96,17 @@ def test_bad_ps_settings_are_refused_before_anything_starts(tmp_path, settings, 
     assert not (tmp_path / "job").exists()
 
 
+def test_a_model_without_ps_tables_is_refused_and_the_tables_are_found():
+    from elastic_step.errors import ConfigError
+    from elastic_step.master.ps_shards import table_specs
+
+    with pytest.raises(ConfigError, match="has no PsEmbedding table"):
+        table_specs("plain.py", net=torch.nn.Sequential(torch.nn.Embedding(10, 2)))
+    shared = PsEmbedding("shared", 4)
+    net = torch.nn.ModuleDict({"a": shared, "b": torch.nn.Sequential(shared), "c": PsEmbedding("other", 2, optimizer="adam")})
+    assert [(s.name, s.dim, s.optimizer) for s in table_specs("two_tables.py", net=net)] == [("shared", 4, "adagrad"), ("other", 2, "adam")]
+
+
 def test_a_bad_ps_flag_is_one_line_and_exit_2(tmp_path):
     done = cli("train", "--model-def", DEEPFM_PS, "--data", str(tmp_path / "nowhere"), "--job-dir", str(tmp_path / "job"),
                "--mode", "ps", "--global-batch-size", "128")

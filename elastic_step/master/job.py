@@ -32,7 +32,7 @@ from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigterm_as_preemption
 from elastic_step.master.progress import ProgressDisplay
-from elastic_step.master.ps_shards import start_ps_shards
+from elastic_step.master.ps_shards import check_ps_tables, start_ps_shards
 from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.master.store import RendezvousStore
@@ -196,6 +196,7 @@ def check_inputs(config: TrainConfig):
     manifest = load_manifest(config.data)
     validate_shards(manifest, [s for s in ("train", "val", "test") if manifest.splits.get(s)])
     model_def, trainer = check_model_definition(config, manifest)
+    check_ps_tables(config, trainer)
     os.makedirs(config.job_dir, exist_ok=True)
     return manifest, model_def, trainer
 

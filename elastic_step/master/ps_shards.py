@@ -39,16 +39,25 @@ log = logging.getLogger("elastic_step.master")
 STOP_TIMEOUT_S = 60.0  # a shard's last snapshot on SIGTERM
 
 
-def table_specs(model_def_source: str) -> list[TableSpec]:
+def table_specs(model_def_source: str, net=None) -> list[TableSpec]:
     """The tables the model definition keeps on the shards: its net's PsEmbedding modules."""
-    from elastic_step.ps.torch_embedding import ps_tables
+    if net is None:
+        net = load_model_definition(model_def_source).model()
+    specs = []
+    if hasattr(net, "modules"):  # a PyTorch model (a Keras one has no PsEmbedding)
+        from elastic_step.ps.torch_embedding import ps_tables
 
-    net = load_model_definition(model_def_source).model()
-    specs = [module.spec for module in ps_tables(net)] if hasattr(net, "modules") else []
+        specs = [module.spec for module in ps_tables(net)]
     if not specs:
         raise ConfigError(f"--mode ps: the model definition {model_def_source} has no PsEmbedding table; "
                           "declare its embeddings with elastic_step.ps.torch_embedding.PsEmbedding, or use --mode allreduce")
     return specs
+
+
+def check_ps_tables(config: TrainConfig, trainer) -> None:
+    """Before anything starts: a --mode ps job's model has tables for the shards."""
+    if config.mode == TrainingMode.PS:
+        table_specs(config.model_def, getattr(trainer, "net", None) or getattr(trainer, "model", None))
 
 
 def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack, resuming: bool = False) -> dict:
