@@ -193,6 +193,66 @@ def test_a_network_policy_admits_only_its_peers_on_its_ports(tmp_path):
         assert probe(cluster, "stranger-after", [f"{store}:6000"])[f"{store}:6000"] == "open"
 
 
+# Sends "tick" every 0.2 s on each connection, for ever.
+TICKER = r'''
+import os, socket, threading, time
+def tick(conn):
+    while True:
+        conn.sendall(b"tick\n"); time.sleep(0.2)
+listener = socket.create_server((os.environ["POD_IP"], 9000))
+print("serving", flush=True)
+while True:
+    threading.Thread(target=tick, args=(listener.accept()[0],), daemon=True).start()
+'''
+
+# Connects to argv[1] and prints "connected", then once a second how many ticks it has had.
+LISTENER = r'''
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], 9000), timeout=10)
+conn.settimeout(0.2)
+print("connected", flush=True)
+got = 0
+for _ in range(int(sys.argv[2]) * 5):
+    try:
+        got += conn.recv(4096).count(b"tick")
+    except socket.timeout:
+        pass
+    print("got", got, flush=True)
+'''
+
+
+def test_a_pod_keeps_the_replies_on_its_own_connection_when_a_policy_then_selects_it(tmp_path):
+    """A policy restricts what may connect to a pod, never the replies on a connection the pod
+    opened itself, even one opened before the policy selected it (as a master's watch on the API
+    server is when its own NetworkPolicy comes): a node's conntrack knows it from its start."""
+    with pod_network_cluster(tmp_path) as cluster:
+        ns, api = cluster.namespace, cluster.core()
+        ticker = serve_script(cluster, "ticker", TICKER)
+        api.create_namespaced_pod(ns, python_pod(cluster, "listener", LISTENER, [ticker, "8"], {"app": "listener"}))
+        wait_for(lambda: "connected" in log_of(cluster, "listener", ns), 60, "listener connected")
+        cluster.networking().create_namespaced_network_policy(ns, policy(ns, "nobody-in", {"app": "listener"}, [
+            {"podSelector": {"matchLabels": {"role": "nobody"}}}]))
+        net = cluster.network.pods[api.read_namespaced_pod("listener", ns).metadata.uid]
+        rules = lambda: subprocess.run([*net.enter(), "nft", "list", "ruleset"], capture_output=True, text=True).stdout  # noqa: E731
+        wait_for(lambda: "policy drop" in rules(), 10, "the listener isolated")
+        isolated_at = counts(log_of(cluster, "listener", ns))[-1]
+        wait_for(lambda: api.read_namespaced_pod("listener", ns).status.phase == "Succeeded", 60, "listener done")
+        final = counts(log_of(cluster, "listener", ns))[-1]
+        assert final >= isolated_at + 5, (isolated_at, final)  # ticks kept coming after the policy applied
+
+
+def counts(log: str) -> list[int]:
+    return [int(line.split()[1]) for line in log.splitlines() if line.startswith("got ")] or [0]
+
+
+def serve_script(cluster, name: str, script: str) -> str:
+    """A pod running `script` until it prints "serving"; its pod IP."""
+    api = cluster.core()
+    api.create_namespaced_pod(cluster.namespace, python_pod(cluster, name, script, []))
+    wait_for(lambda: "serving" in log_of(cluster, name, cluster.namespace), 30, f"{name} serving")
+    return api.read_namespaced_pod(name, cluster.namespace).status.pod_ip
+
+
 def test_deploy_mlflow_policy_admits_only_the_pods_and_namespaces_it_names(tmp_path):
     """deploy/mlflow's NetworkPolicy, as `kubectl apply -k deploy/` creates it, on a pod carrying
     its selector's labels: only a pod with its peers' labels, in a namespace its namespaceSelector

@@ -113,7 +113,12 @@ def ruleset(allowed: list[tuple[set[str] | None, list[tuple[str, str]] | None]] 
     """The pod's nft table, replaced whole. `allowed` None: not isolated (no filtering)."""
     lines = [f"table inet {TABLE}", f"delete table inet {TABLE}", f"table inet {TABLE} {{", "  chain ingress {"]
     if allowed is None:
-        lines += ["    type filter hook input priority 0; policy accept;"]
+        # Nothing filtered, but connection tracking on from the pod's first packet, as a node's
+        # conntrack tracks every pod's traffic: a namespace's conntrack starts only with a rule
+        # that asks for it, and a connection it first sees mid-stream (the master's watch, opened
+        # before its own policy selected it) is `new`, so the isolated ruleset would drop every
+        # reply on it for good.
+        lines += ["    type filter hook input priority 0; policy accept;", "    ct state established,related accept"]
     else:
         lines += ["    type filter hook input priority 0; policy drop;", '    iif "lo" accept',
                   "    ct state established,related accept",
