@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from elastic_step import defaults
 from elastic_step.errors import ConfigError
-from elastic_step.frameworks.device import Precision, parse_choice, parse_precision, place
+from elastic_step.frameworks.device import DeviceChoice, Precision, parse_choice, parse_precision, place, visible_gpus
 from elastic_step.protocol import LrScaling, TrainingMode
 
 
@@ -39,8 +39,8 @@ class TrainConfig:
     lr_scaling: str = defaults.LR_SCALING  # none|linear|sqrt: the learning rate follows the step's rows
     device: str = defaults.DEVICE  # auto|cpu|cuda: where each worker computes
     precision: str = defaults.PRECISION  # fp32|bf16: what the forward pass computes in
-    mode: str = "allreduce"  # allreduce|ps: where the model's embedding tables live (protocol.TrainingMode)
-    ps_shards: int = 2  # mode ps: parameter-server shard processes holding the tables
+    mode: str = defaults.MODE  # allreduce|ps: where the model's embedding tables live (protocol.TrainingMode)
+    ps_shards: int = defaults.PS_SHARDS  # mode ps: parameter-server shard processes holding the tables
     seed: int = defaults.SEED
     shuffle: bool = True
     audit: str | None = None
@@ -97,6 +97,8 @@ class TrainConfig:
         self.device, self.precision = parse_choice(self.device), parse_precision(self.precision)
         if self.precision == Precision.FP16:  # refused here, before anything starts, as at each worker
             place(self.device, self.precision, gpus=1)
+        if self.device == DeviceChoice.CUDA and self.backend == "local":  # its workers see this machine's GPUs
+            place(self.device, self.precision, gpus=visible_gpus())
         if self.lr_scaling not in {s.value for s in LrScaling}:
             raise ConfigError(f"--lr-scaling {self.lr_scaling!r} is not one of {', '.join(s.value for s in LrScaling)}")
         if self.lr_scaling != LrScaling.NONE and self.global_batch_size:

@@ -42,10 +42,10 @@ def register(sub) -> None:
     p.add_argument("--precision", choices=[p.value for p in Precision], default=defaults.PRECISION,
                    help="the forward pass in fp32 or bf16 autocast (parameters and summed gradients stay float32; "
                         "fp16 is not offered: its loss scale skips overflowed steps, losing rows) (default %(default)s)")
-    p.add_argument("--mode", choices=[m.value for m in TrainingMode], default=TrainingMode.ALLREDUCE.value,
+    p.add_argument("--mode", choices=[m.value for m in TrainingMode], default=defaults.MODE,
                    help="allreduce: every worker holds the whole model; ps: the model's embedding tables (PsEmbedding) "
                         "live on --ps-shards parameter-server processes, dense weights by allreduce (default %(default)s)")
-    p.add_argument("--ps-shards", type=int, default=2, metavar="N", help="with --mode ps: shard processes (default %(default)s)")
+    p.add_argument("--ps-shards", type=int, default=defaults.PS_SHARDS, metavar="N", help="with --mode ps: shard processes (default %(default)s)")
     p.add_argument("--minibatches-per-task", type=int, default=defaults.MINIBATCHES_PER_TASK, help="default %(default)s")
     p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")
