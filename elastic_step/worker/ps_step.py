@@ -29,6 +29,7 @@ from functools import partial
 
 from elastic_step.errors import ConfigError
 from elastic_step.protocol import RendezvousReply
+from elastic_step.ps.api import PsError
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.torch_embedding import PsEmbedding
@@ -40,6 +41,9 @@ from elastic_step.worker.step_buffer import StepBuffer
 
 log = logging.getLogger("elastic_step.worker")
 
+# How long a pull or push retries a shard that does not answer: longer than the master takes to
+# relaunch one on a busy node (it loads its snapshot and replays its ledger first).
+SHARD_DEADLINE_S = 180.0
 REMEMBERED_TASKS = 16  # a rank trains one task and has the next fetched: a few is plenty
 
 
@@ -85,7 +89,7 @@ class PsStep(AllreduceStep):
         if not self.tables:
             raise ConfigError("mode ps: the model has no PsEmbedding (a PyTorch model definition declares its tables with it)")
         routing = RoutingTable.from_json(spec.ps_routing)
-        self.client = PsClient(worker_identity()[1], lambda: routing)
+        self.client = PsClient(worker_identity()[1], lambda: routing, deadline_s=SHARD_DEADLINE_S)
         for table in self.tables:
             table.source = partial(self.client.pull, table.spec.name)
         self.round_id = 0
@@ -93,7 +97,12 @@ class PsStep(AllreduceStep):
 
     def train_round(self, rv: RendezvousReply) -> RoundOutcome:
         self.round_id = rv.round_id
-        return super().train_round(rv)
+        try:
+            return super().train_round(rv)
+        except PsError as exc:  # not a peer's death (a RuntimeError the worker regroups after): the shards are gone
+            log.error("round %d: parameter servers: %s", rv.round_id, exc)
+            self.host.fail_job(f"the parameter-server shards did not answer worker {rv.rank}'s requests: {exc}")
+            return RoundOutcome.FAILED
 
     def _gradients(self, pieces: list[Piece], buffer: StepBuffer) -> None:
         """The dense gradients into the buffer (the allreduce mode's), and the sparse ones pushed."""
