@@ -115,17 +115,51 @@ def test_bf16_autocast_trains_float32_parameters_close_to_fp32():
     assert half.predict(np.ones((2, 6), dtype=np.float32)).dtype == np.float32
 
 
-def test_a_job_asking_for_cuda_where_no_worker_sees_a_gpu_fails_at_pre_flight_in_one_line(tmp_path, digits):
+def test_a_local_job_asking_for_cuda_where_this_machine_has_no_gpu_is_refused_before_anything_starts(tmp_path, digits):
+    """The local backend's workers see this machine's GPUs: none here, so the master refuses at
+    its pre-flight, in one line, exit 2, writing nothing."""
     from conftest import cli
 
     done = cli("train", "--model-def", "elastic_step.model_zoo.digits_torch", "--data", digits, "--job-dir",
-               str(tmp_path / "job"), "--workers", "2", "--epochs", "1", "--device", "cuda", "--no-progress",
-               "--max-relaunches", "3", timeout=300)
-    assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert "failed its pre-flight check: --device cuda but this worker sees no GPU" in last
-    with open(tmp_path / "job" / "events.jsonl") as f:
-        assert '"relaunched"' not in f.read()  # the same failure is not relaunched into every slot
+               str(tmp_path / "job"), "--workers", "2", "--epochs", "1", "--device", "cuda", "--no-progress", timeout=120)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("elastic-step train: error: --device cuda but this worker sees no GPU"), line
+    assert not (tmp_path / "job").exists()
+
+
+def test_gpus_asked_of_a_cpu_only_image_or_cuda_without_gpus_are_refused_before_any_pod():
+    from elastic_step.errors import ConfigError
+    from elastic_step.frameworks.device import check_gpu_request, image_has_cuda
+    from elastic_step.images import image_name
+
+    assert image_has_cuda(image_name("torch")) is False and image_has_cuda(image_name("tensorflow", version="9.9")) is False
+    assert image_has_cuda("registry.example/ml/digits:1") is None  # a user's image: not judged by its name
+    assert image_has_cuda("anything", own=True) is False  # this machine's torch is the CPU build
+    check_gpu_request(2, DeviceChoice.CUDA, "registry.example/ml/digits:1")  # not known: the workers' pre-flight judges
+    check_gpu_request(0, DeviceChoice.AUTO, image_name("torch"))
+    for gpus, choice, image, own, says in [
+            (1, DeviceChoice.AUTO, image_name("torch"), False, f"--worker-gpus 1 but the workers' image {image_name('torch')} "
+                                                               "is a CPU-only build"),
+            (1, DeviceChoice.AUTO, "the-masters-own:1", True, "is a CPU-only build"),
+            (0, DeviceChoice.CUDA, "registry.example/ml/digits:1", False, "--device cuda but the worker pods request no GPU"),
+            (-1, DeviceChoice.AUTO, "img", False, "--worker-gpus must be 0 or more")]:
+        with pytest.raises(ConfigError) as refused:
+            check_gpu_request(gpus, choice, image, own=own)
+        assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_train_on_kubernetes_refuses_gpus_for_the_cpu_only_image_in_one_line(tmp_path):
+    """The master pod's `train --backend kubernetes` (the component's and the Argo step's too:
+    the same TrainConfig) refuses before creating a pod; --dry-run shows it creates nothing."""
+    from conftest import cli
+    from elastic_step.images import image_name
+
+    done = cli("train", "--backend", "kubernetes", "--dry-run", "--model-def", "m", "--data", "s3://b/d", "--job-dir",
+               str(tmp_path / "job"), "--worker-gpus", "1", "--image", image_name("torch"), timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    [line] = done.stderr.strip().splitlines()
+    assert "--worker-gpus 1 but the workers' image" in line and "CPU-only build" in line, line
 
 
 def test_fp16_is_refused_before_anything_starts(tmp_path, digits):

@@ -86,8 +86,9 @@ def everything(cluster: Cluster) -> dict[str, list[str]]:
 def test_dry_run_prints_objects_the_api_accepts_pod_security_restricted_and_creates_nothing(tmp_path, cluster):
     config = kubeconfig(cluster, tmp_path)
     before = everything(cluster)
+    gpu_image = "registry.example/ml/digits-cuda:1"  # a user's image: its build is its own (the project's are CPU-only)
     done = elastic_step(config, *job_args(cluster, MODEL, "/data/digits", "--volume", "claim=training-data,mount_path=/data",
-                                          "--workers", "2:4", "--worker-cpu", "500m:1", "--worker-gpu", "1",
+                                          "--workers", "2:4", "--worker-cpu", "500m:1", "--worker-gpu", "1", "--image", gpu_image,
                                           "--mlflow-uri", "http://mlflow.ml:5000", "--mlflow-secret", "mlflow-user",
                                           "--audit", f"/tmp/{JOB}/audit.jsonl", "--no-shuffle", "--dry-run"))
     assert done.returncode == 0, done.stderr
@@ -101,7 +102,7 @@ def test_dry_run_prints_objects_the_api_accepts_pod_security_restricted_and_crea
         assert config_map["data"] == {"digits_torch.py": f.read()}
     assert config_map["metadata"]["labels"]["elastic-step/job"] == pod["metadata"]["labels"]["elastic-step/job"] == JOB
     main = pod["spec"]["containers"][0]
-    assert main["name"] == "main" and main["image"] == cluster.project_image
+    assert main["name"] == "main" and main["image"] == gpu_image
     argv = main["command"] + main["args"]
     assert argv[:2] == ["elastic-step", "train"]
     options = dict(zip(argv, argv[1:]))  # each flag -> the token after it
@@ -276,6 +277,9 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
     (["--worker-memory", "4Gi:2Gi"], "--worker-memory '4Gi:2Gi': the request 4Gi is larger than the limit 2Gi"),
     (["--workers", "4:2"], "--workers '4:2': the minimum 4 is larger than the maximum 2"),  # train's own check
     (["--global-batch-size", "64", "--lr-scaling", "linear"], "--lr-scaling linear has nothing to scale"),
+    (["--image", "ghcr.io/elastic-step/elastic-step-torch:0.1.0", "--worker-gpu", "1"],
+     "--worker-gpu 1 but the workers' image ghcr.io/elastic-step/elastic-step-torch:0.1.0 is a CPU-only build"),
+    (["--device", "cuda"], "--device cuda but the worker pods request no GPU"),
 ])
 def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, extra, expected):
     """No kubeconfig at all: these are judged on the laptop, before any request."""

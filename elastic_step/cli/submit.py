@@ -79,6 +79,7 @@ def submission(args):
                                                           request_and_limit)
     from elastic_step.data.stores import parse_storage_option
     from elastic_step.errors import ConfigError
+    from elastic_step.frameworks.device import check_gpu_request, parse_choice
     from elastic_step.operate.statusmap import current_namespace
     from elastic_step.submit import checks
     from elastic_step.submit.spec import SCRATCH, Submission, parse_volume
@@ -98,6 +99,7 @@ def submission(args):
     if model_file:
         checks.check_model_file(model_file)
     request_and_limit("--worker-cpu", args.worker_cpu), request_and_limit("--worker-memory", args.worker_memory)
+    check_gpu_request(args.worker_gpus, parse_choice(args.device), args.image, flag="--worker-gpu")
     sub = Submission(
         job=args.job_name, namespace=args.namespace or current_namespace(), image=args.image, train_args=[],
         model_file=model_file, volumes=volumes, mlflow_uri=args.mlflow_uri, mlflow_secret=args.mlflow_secret,
@@ -115,9 +117,9 @@ def check_train_options(args, job_dir: str) -> None:
     """The job's settings checked here as the master will check them (train's own TrainConfig
     raises ConfigError), so a bad value is refused on the laptop rather than in the pod's log.
     The warm-start alias is the master's to look up: its MLflow may be reachable in the cluster
-    only."""
+    only; the device is the worker pods' (check_gpu_request), not this machine's."""
     train.train_config(argparse.Namespace(**{**vars(args), "job_dir": job_dir, "warm_start_alias": None,
-                                             "backend": "local"}))
+                                             "backend": "local", "device": "auto"}))
 
 
 def submit(args) -> int:

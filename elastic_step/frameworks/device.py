@@ -7,7 +7,10 @@ The rule, the same for every worker and every backend:
   so its local index is 0; local worker processes on one machine share its GPUs, one each by
   the worker's slot (slot mod the number of GPUs);
 - `auto` (the default) takes the GPU when there is one and the CPU otherwise; `cuda` insists and
-  is refused in one line where no GPU is visible, before the job starts rather than at a step.
+  is refused in one line where no GPU is visible, before the job starts rather than at a step:
+  at the master's pre-flight on the local backend (its workers see this machine's GPUs), and on
+  Kubernetes when the worker pods request no GPU (`check_gpu_request`, which also refuses GPUs
+  asked of an image known to be a CPU-only build); else at each worker's pre-flight.
 
 Precision: `bf16` runs the forward pass under autocast to bfloat16 (CPUs, and GPUs from Ampere
 on); parameters, optimizer state and the summed gradients stay float32. `fp16` is refused: float16
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 from elastic_step.errors import ConfigError
 from elastic_step.protocol import DeviceChoice, Precision
 
-__all__ = ["DeviceChoice", "Placement", "Precision", "parse_choice", "parse_precision", "place", "placement_here", "worker_slot"]
+__all__ = ["DeviceChoice", "Placement", "Precision", "check_gpu_request", "image_has_cuda", "parse_choice", "parse_precision",
+           "place", "placement_here", "worker_slot"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,38 @@ def place(choice: DeviceChoice, precision: Precision, gpus: int, slot: int = 0,
         return Placement("cpu", precision, why, choice)
     index = slot % gpus
     return Placement(f"cuda:{index}", precision, f"{gpus} GPU(s) visible; slot {slot} takes cuda:{index}", choice)
+
+
+def image_has_cuda(image: str, own: bool = False) -> bool | None:
+    """Whether the workers' image has a CUDA build of torch. `own`: it is the image this process
+    runs in (a master pod whose workers take its image), whose torch says so itself. Otherwise
+    only the project's published names are known: `make images` builds them from the CPU wheel
+    index (images/Dockerfile's default TORCH_INDEX_URL). None: not known (a user's own image),
+    and nothing is refused on a guess."""
+    if own:
+        import torch
+
+        return torch.version.cuda is not None
+    from elastic_step.images import REGISTRY, VARIANTS
+
+    if any(image.startswith(f"{REGISTRY}/elastic-step-{variant}:") for variant in VARIANTS):
+        return False
+    return None
+
+
+def check_gpu_request(worker_gpus: int, choice: DeviceChoice, image: str, own: bool = False,
+                      flag: str = "--worker-gpus") -> None:
+    """Before any pod exists: GPUs asked of an image that cannot use them, or `--device cuda`
+    for workers that ask for none (a pod sees only the GPUs it requests)."""
+    if worker_gpus < 0:
+        raise ConfigError(f"{flag} must be 0 or more (nvidia.com/gpu per worker), got {worker_gpus}")
+    if worker_gpus and image_has_cuda(image, own) is False:
+        raise ConfigError(f"{flag} {worker_gpus} but the workers' image {image} is a CPU-only build (its torch has no "
+                          "CUDA): they could not use a GPU; use an image built with CUDA (images/Dockerfile with a CUDA "
+                          f"TORCH_INDEX_URL), or drop {flag}")
+    if choice == DeviceChoice.CUDA and not worker_gpus:
+        raise ConfigError(f"--device cuda but the worker pods request no GPU, so none will see one: pass {flag} N "
+                          "(nvidia.com/gpu per worker), or use --device auto or cpu")
 
 
 def worker_slot(worker_id: str) -> int:

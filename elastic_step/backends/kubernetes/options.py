@@ -178,7 +178,14 @@ def settings_from_config(config) -> PodSettings:
 def check_config(config) -> None:
     """Called by TrainConfig for `--backend kubernetes`: fail on bad options before anything
     starts, and listen on the master pod's IP (workers in other pods call it there)."""
+    from elastic_step.frameworks.device import check_gpu_request
+
     settings_from_config(config)
+    # The workers' image as named, else in a pod the master pod's own, whose torch says whether it
+    # has CUDA (outside a pod, with no name, the image is not judged: a check of a dry run's defaults).
+    named = config.image or os.environ.get("ELASTIC_STEP_IMAGE") or ""
+    in_pod = bool(os.environ.get("ELASTIC_STEP_POD_IP"))
+    check_gpu_request(config.worker_gpus, config.device, named, own=not named and in_pod)
     pod_ip = os.environ.get("ELASTIC_STEP_POD_IP")
     if pod_ip and config.host == "127.0.0.1":
         config.host = pod_ip
