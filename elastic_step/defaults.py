@@ -83,6 +83,13 @@ MLFLOW_CREDENTIALS_SECRET = "mlflow-credentials"
 # whose master or step code calls MLflow; never worker pods, which do not) in namespaces that carry
 # JOBS_NAMESPACE_LABEL (deploy/'s own; label a KFP namespace that runs jobs yourself).
 MLFLOW_CLIENT_LABEL = ("elastic-step/mlflow-client", "true")
+# On the train step's pod (KFP and Argo): in a Kubeflow profile namespace Istio injects its proxy
+# there, and the mesh's STRICT mTLS would refuse the worker pods, which stay out of the mesh (gloo's
+# peer-to-peer ports cannot pass Envoy), at the master's API and rendezvous ports, both chosen when it
+# starts. So no inbound port goes through the proxy: the master's own NetworkPolicy (its workers
+# only) and its per-job token guard them, and the step's own calls (MLflow) still go out through the
+# proxy. Outside a mesh the annotation means nothing.
+ISTIO_MASTER_INBOUND = ("traffic.sidecar.istio.io/includeInboundPorts", "")
 JOBS_NAMESPACE_LABEL = ("elastic-step/jobs", "true")
 
 

@@ -58,6 +58,7 @@ def run_as_image_user(task):
 def as_elastic_master(task):
     for env_name, field_path in MASTER_ENV.items():
         kubernetes.use_field_path_as_env(task, env_name=env_name, field_path=field_path)
+    kubernetes.add_pod_annotation(task, *defaults.ISTIO_MASTER_INBOUND)  # workers reach it in a mesh
     kubernetes.use_secret_as_env(task, secret_name=STORE_SECRET, secret_key_to_env=STORE_SECRET_KEYS, optional=True)
     return task
 

@@ -83,3 +83,34 @@ def test_a_namespace_without_the_label_is_left_alone_and_the_annotations_decide_
     assert not inbound_intercepted(meshed, 8000) and inbound_intercepted(meshed, 9000)
     meshed["metadata"]["annotations"]["traffic.sidecar.istio.io/includeInboundPorts"] = ""
     assert not inbound_intercepted(meshed, 9000)  # none intercepted
+
+
+def test_the_shipped_train_steps_leave_every_inbound_port_of_their_pod_to_the_master():
+    """The train step's pod is the master's, with ports chosen when it starts: in a mesh, none of
+    them may be intercepted, or STRICT mTLS refuses the worker pods (outside the mesh) at them.
+    Argo: the committed WorkflowTemplate's train pod as the controller makes it; KFP: the compiled
+    train task's pod metadata (the driver puts it on the pod, tests/cluster/kfp_driver.py)."""
+    import os
+
+    import yaml
+
+    from cluster.argo import step_pod
+    from cluster.rbac import REPO
+
+    class Store:
+        objects = {("namespaces", "", "profile"): {"metadata": {"labels": {INJECTION_LABEL: "enabled"}}}}
+
+    with open(os.path.join(REPO, "pipelines", "argo", "training-workflowtemplate.yaml")) as f:
+        document = yaml.safe_load(f)
+    dataset = {"dataset": {"bucket": "artifacts", "key": "wf/prepare-data/dataset", "endpoint": "http://minio:9000"}}
+    train = step_pod(document, "train", "wf", {}, {}, dataset)
+    IstioInjector().inject(Store, "profile", train)
+    assert train["spec"]["initContainers"][0]["name"] == "istio-proxy"
+    assert not any(inbound_intercepted(train, port) for port in (1024, 8000, 29500, 65535))
+
+    for name in ("training_pipeline", "retraining_pipeline"):
+        with open(os.path.join(REPO, "pipelines", "compiled", f"{name}.yaml")) as f:
+            platform = list(yaml.safe_load_all(f))[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+        task = {"metadata": {"annotations": platform["exec-train-elastic"]["podMetadata"]["annotations"]}, "spec": {"containers": []}}
+        IstioInjector().inject(Store, "profile", task)
+        assert not inbound_intercepted(task, 29500), (name, task["metadata"])

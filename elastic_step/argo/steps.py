@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from hera.workflows import Artifact, Container, Env, FieldEnv, Parameter, Resources, SecretEnv
 from hera.workflows import models as m
 
+from elastic_step import defaults
 from elastic_step.argo.security import restricted_container
 from elastic_step.argo.workers import WorkerPods
 from elastic_step.exit_codes import argo_retry_expression
@@ -146,9 +147,11 @@ def _inputs(layout: Layout, parameters: list[str], dataset: bool) -> list:
 
 
 def _container(name: str, settings: StepSettings, layout: Layout, args: list[str], inputs: list, outputs: list,
-               resources: StepResources, retry_strategy: m.RetryStrategy | None = None, env: list | None = None) -> Container:
+               resources: StepResources, retry_strategy: m.RetryStrategy | None = None, env: list | None = None,
+               annotations: dict[str, str] | None = None) -> Container:
     return Container(
         name=name,
+        annotations=annotations,
         image=settings.image,
         command=[ENTRYPOINT],
         args=args,
@@ -194,7 +197,8 @@ def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool
     return _container("train", settings, layout, args, _inputs(layout, inputs, True),
                       _outputs(layout, "train", ["run_id", "model_uri"], {"metrics": "metrics.json", "model": "model"}),
                       resources, retry_strategy=train_retry(retries),
-                      env=[FieldEnv(name=n, field_path=f) for n, f in MASTER_ENV])
+                      env=[FieldEnv(name=n, field_path=f) for n, f in MASTER_ENV],
+                      annotations=dict([defaults.ISTIO_MASTER_INBOUND]))  # its workers reach it in a mesh
 
 
 # Preemptions a train step may take beyond its retries of failures: each costs a checkpoint's worth of

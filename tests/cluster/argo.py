@@ -191,7 +191,9 @@ def pod_metadata(spec: dict, template: dict, workflow: dict | None, workflow_nam
     metadata = {"name": pod_name, "labels": {"workflows.argoproj.io/workflow": workflow_name, "workflows.argoproj.io/completed": "false",
                                              **(spec.get("podMetadata") or {}).get("labels", {}),
                                              **(template.get("metadata") or {}).get("labels", {})},
-                "annotations": {"workflows.argoproj.io/node-name": node_name}}
+                "annotations": {**(spec.get("podMetadata") or {}).get("annotations", {}),
+                                **(template.get("metadata") or {}).get("annotations", {}),
+                                "workflows.argoproj.io/node-name": node_name}}
     if workflow is not None:
         metadata["annotations"]["workflows.argoproj.io/node-id"] = node_id(workflow_name, node_name)
         metadata["ownerReferences"] = [{"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": workflow_name,
