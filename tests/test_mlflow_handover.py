@@ -6,8 +6,8 @@ each task the driver creates a nested run (tag mlflow.parentRunId) and sets on t
 container MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID, MLFLOW_RUN_ID (the task's nested run) and
 the credentials MLFLOW_TRACKING_USERNAME/PASSWORD from a Secret; KFP's driver also sets
 KFP_POD_NAME on every task container. The components run as the task's process does, with
-exactly that environment. MLFLOW_WORKSPACE is left out: it needs a server with workspaces on,
-and MLflow's client sends it itself.
+exactly that environment. MLFLOW_WORKSPACE is left out here (it needs a server with workspaces
+on, and MLflow's client sends it itself): tests/test_tracking_workspace.py holds it.
 """
 
 from __future__ import annotations
