@@ -82,6 +82,66 @@ def test_a_push_key_names_the_rows_whichever_task_carries_them():
         push_key(1, 3, 100, 64)
 
 
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = PsEmbedding("gone_t", 2)
+        self.dense = torch.nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.table(x[:, 0].long()).sum(1) + self.dense(x[:, 1:]).squeeze(1)
+
+
+class _Host:
+    """Just enough of a worker for one PS step to run until its first pull."""
+
+    def __init__(self, tmp_path):
+        import types
+
+        from elastic_step.frameworks.model_def import ModelDefinition
+        from elastic_step.frameworks.torch_trainer import TorchTrainer
+        from elastic_step.protocol import JobSpec, TrainingMode
+        from elastic_step.ps.routing import RoutingTable
+        from elastic_step.worker.step_api import Progress
+
+        module = types.SimpleNamespace(model=_Net, loss=torch.nn.functional.mse_loss,
+                                       optimizer=lambda net: torch.optim.SGD(net.parameters(), lr=0.1))
+        self.trainer = TorchTrainer(ModelDefinition("gone.py", module), _Net())
+        self.spec = JobSpec(job_name="j", model_def="gone.py", manifest="m", minibatch_size=4, seed=0, store_host="127.0.0.1",
+                            store_port=1, collective_timeout_s=5, heartbeat_interval_s=1, master_timeout_s=5, features=["x"],
+                            label="y", mode=TrainingMode.PS, ps_routing=RoutingTable.initial(1, ["127.0.0.1:1"]).to_json())
+        self.progress, self.collective, self.failures = Progress(), None, []
+
+    def task_taker(self, round_id):
+        from elastic_step.protocol import TaskInfo, TaskStatus
+
+        features = np.array([[1, 0.5], [2, 0.1], [1, 0.3], [5, 0.0]], np.float32)
+        return lambda: (TaskStatus.TASK, TaskInfo(id=3, epoch=0, shard=0, start=0, count=4), (features, np.zeros(4, np.float32)))
+
+    def regroup_due(self, round_id):
+        return False
+
+    def fail_job(self, reason):
+        self.failures.append(reason)
+
+
+def test_a_worker_whose_shards_stay_unreachable_fails_the_job_rather_than_regrouping(tmp_path, monkeypatch):
+    from elastic_step.protocol import RendezvousReply, WorkerEnv
+    from elastic_step.worker import ps_step
+    from elastic_step.worker.step_api import RoundOutcome
+
+    (tmp_path / "token").write_text("t")
+    for name, value in ((WorkerEnv.MASTER_URL, "http://127.0.0.1:1"), (WorkerEnv.WORKER_ID, "w0.1"),
+                        (WorkerEnv.TOKEN_FILE, str(tmp_path / "token"))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(ps_step, "SHARD_DEADLINE_S", 0.3)
+    host = _Host(tmp_path)
+    step = ps_step.PsStep(host)
+    outcome = step.train_round(RendezvousReply(status="ready", round_id=1, rank=0, world_size=1))
+    assert outcome == RoundOutcome.FAILED  # a RuntimeError would have been taken for a peer's death: regroup
+    assert len(host.failures) == 1 and "parameter-server shards did not answer" in host.failures[0], host.failures
+
+
 @pytest.mark.parametrize("settings, words", [
     ({"global_batch_size": 128}, "drop --global-batch-size"),
     ({"ps_shards": 0}, "--ps-shards must be between 1 and 128"),
