@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from common import elastic_step, machine, prepared_digits, read_steps, torchrun, wait_until
+from common import elastic_step, live_pids_with_env, machine, prepared_digits, read_steps, torchrun, wait_until
 
 MLP512 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mlp512_digits.py")
 WORKERS = 3
@@ -56,24 +56,6 @@ DISTURBANCES = {
 }
 
 
-def live_pids_with_env(marker: bytes) -> list[int]:
-    """Live (not zombie) processes whose environment holds `marker` (NAME=VALUE)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[-1].split()[0] != "Z":
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
 class ElasticStep:
     name = "elastic-step"
 
@@ -95,6 +77,14 @@ class ElasticStep:
 
     def workers(self) -> list[int]:
         return live_pids_with_env(f"ELASTIC_STEP_TOKEN_FILE={os.path.join(self.job_dir, 'token')}".encode())
+
+    def victims(self) -> list[int]:
+        """The workers training in its current round, as its status says: a replacement still
+        starting up is no disturbance to kill (the peer's victims, too, are workers in its group)."""
+        from elastic_step.operate.client import try_status
+
+        status = try_status(self.job_dir) or {"workers": []}
+        return [w["pid"] for w in status["workers"] if w["rank"] is not None and w["state"] == "live" and w.get("pid")]
 
 
 class TorchrunDDP:
@@ -130,12 +120,45 @@ class TorchrunDDP:
                 continue
         return pids
 
+    def victims(self) -> list[int]:
+        return self.workers()  # a worker writes its pid once it is in the group
+
 
 def wall(steps: list[dict]) -> float:
     """From the first applied step to the last (a disturbed peer redoes steps after each restart:
     its log's last line is still the job's end)."""
     times = [s["time"] for s in steps]
     return max(times) - min(times)
+
+
+def where_it_went(steps: list[dict], clean_seconds: float) -> str:
+    """elastic-step's lost seconds (disturbed wall time less the clean run's), split exactly by its
+    step log, whose lines name their round and world size: the gaps from a round's last step to
+    the next round's first, after a member was lost (the world shrank) or for a joiner (it grew
+    back); and the rounds themselves, at full size and smaller, each against the clean run's
+    rows/s (a full-size round runs slower while a replacement starts up beside it on the cores)."""
+    steps = sorted(steps, key=lambda s: s["time"])
+    rate = sum(s["samples"] for s in steps) / clean_seconds
+    full = max(s["world_size"] for s in steps)
+    parts = {"regroups after a loss": 0.0, "regroups for a joiner": 0.0, "regroups at the same size": 0.0,
+             "full-size rounds": 0.0, "smaller rounds": 0.0}
+    counts = dict.fromkeys(parts, 0)
+    start = 0
+    for i in range(1, len(steps) + 1):
+        if i < len(steps) and steps[i]["round"] == steps[start]["round"]:
+            continue
+        span, rows = steps[i - 1]["time"] - steps[start]["time"], sum(s["samples"] for s in steps[start:i])
+        kind = "full-size rounds" if steps[start]["world_size"] == full else "smaller rounds"
+        parts[kind] += span - rows / rate
+        counts[kind] += 1
+        if i < len(steps):
+            before, after = steps[i - 1]["world_size"], steps[i]["world_size"]
+            kind = ("regroups after a loss" if after < before else "regroups for a joiner" if after > before
+                    else "regroups at the same size")
+            parts[kind] += steps[i]["time"] - steps[i - 1]["time"]
+            counts[kind] += 1
+        start = i
+    return ", ".join(f"{name} {seconds:.1f} s ({counts[name]})" for name, seconds in parts.items() if counts[name])
 
 
 def output_tail(job_dir: str) -> str:
@@ -176,7 +199,7 @@ def run_job(system, disturbance: Disturbance | None, seed: int, timeout_s: float
                     proc.wait(120)
                     preempted = True
                     count += 1
-                elif victims := system.workers():
+                elif victims := system.victims():
                     os.kill(rng.choice(victims), disturbance.signal)
                     count += 1
             if time.monotonic() > deadline:
@@ -199,12 +222,14 @@ def load() -> str:
 
 
 def measure(kind, data: str, epochs: int, name: str, disturbance: Disturbance | None, root: str, seed: int,
-            timeout_s: float) -> tuple[float, int, int, str]:
+            timeout_s: float) -> tuple[float, int, int, str, list[dict]]:
+    """The wall time, the disturbances, the retries, the load average and the step log of one run."""
     job_dir = os.path.join(root, f"{kind.name}-{name}-{seed}")
     shutil.rmtree(job_dir, ignore_errors=True)
     os.makedirs(job_dir)
-    seconds, count, retries = run_job(kind(data, epochs, job_dir), disturbance, seed, timeout_s)
-    return seconds, count, retries, load()
+    system = kind(data, epochs, job_dir)
+    seconds, count, retries = run_job(system, disturbance, seed, timeout_s)
+    return seconds, count, retries, load(), system.steps()
 
 
 def main() -> None:
@@ -231,22 +256,25 @@ def main() -> None:
         clean = {k.name: [] for k in kinds}
         for seed in range(args.repeats):
             for kind in kinds:
-                seconds, _, _, at = measure(kind, data, args.epochs, "clean", None, root, seed, args.timeout)
+                seconds, _, _, at, _ = measure(kind, data, args.epochs, "clean", None, root, seed, args.timeout)
                 clean[kind.name].append(seconds)
                 print(f"  clean  {kind.name:13s} {seconds:7.2f} s  ({at})", flush=True)
+        table = []
         for name in args.disturbances:
             goodput: dict[str, list[float]] = {k.name: [] for k in kinds}
             lost: dict[str, list[float]] = {k.name: [] for k in kinds}
             for seed in range(args.repeats):
                 for kind in kinds:
-                    seconds, count, retries, at = measure(kind, data, args.epochs, name, DISTURBANCES[name], root, seed,
-                                                          args.timeout)
+                    seconds, count, retries, at, steps = measure(kind, data, args.epochs, name, DISTURBANCES[name], root,
+                                                                 seed, args.timeout)
                     base = clean[kind.name][seed]
                     goodput[kind.name].append(base / seconds)
                     lost[kind.name].append((seconds - base) / max(count, 1))
                     print(f"  {name:6s} {kind.name:13s} {seconds:7.2f} s, {count} disturbances: goodput {base / seconds:.3f}, "
                           f"{(seconds - base) / max(count, 1):.2f} s lost per disturbance, {retries} retries after a failure  "
                           f"({at})", flush=True)
+                    if kind is ElasticStep:
+                        print(f"         lost {seconds - base:.1f} s: {where_it_went(steps, base)}", flush=True)
             ours = statistics.median(goodput[ElasticStep.name])
             line = f"  => {name}: elastic-step goodput {ours:.3f} ({statistics.median(lost[ElasticStep.name]):.2f} s per disturbance)"
             if not args.no_peer:
@@ -255,6 +283,19 @@ def main() -> None:
                 line += (f"; torchrun+DDP {theirs:.3f} ({statistics.median(lost[TorchrunDDP.name]):.2f} s per disturbance); "
                          f"lost time ours/theirs {share:.2f} (target <= 0.25)")
             print(line + ("  (target >= 0.90)" if name == "kill10" else ""), flush=True)
+            table.append((name, goodput, lost))
+        summary(table, [k.name for k in kinds])
+
+
+def summary(table: list[tuple[str, dict, dict]], names: list[str]) -> None:
+    """Every disturbance's medians in one table (goodput, and seconds lost per disturbance)."""
+    print("\n| disturbance | " + " | ".join(f"{n} goodput | {n} s lost each" for n in names) + " | lost time ours/peer |")
+    print("|---" * (2 * len(names) + 2) + "|")
+    for name, goodput, lost in table:
+        cells = [f"{statistics.median(goodput[n]):.3f} | {statistics.median(lost[n]):.2f}" for n in names]
+        ours, theirs = statistics.median(goodput[names[0]]), statistics.median(goodput[names[-1]])
+        share = f"{(1 - ours) / (1 - theirs):.2f}" if len(names) > 1 and theirs < 1 else "-"
+        print(f"| {name} | " + " | ".join(cells) + f" | {share} |")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,25 @@ def steady_rate(steps: list[dict], skip: float = 0.2) -> float:
     return sum(s["samples"] for s in window[1:]) / span
 
 
+def live_pids_with_env(marker: bytes) -> list[int]:
+    """Live (not zombie) processes whose environment holds `marker` (NAME=VALUE): a job's
+    workers, say, by the token file every one of them is started with."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[-1].split()[0] != "Z":
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
 def elastic_step(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "elastic_step.cli", *args], **kwargs)
 
