@@ -5,7 +5,11 @@ runs it, under KFP's own roles (tests/cluster/platform), in both of KFP's modes:
   with deploy/kfp/single-user applied, no `kfp-launcher` ConfigMap (KFP's default root);
 - multi-user Kubeflow: a profile namespace, the account `default-editor` (kubeflow-edit) with
   deploy/kfp/multi-user applied, `kfp-launcher` and the store Secret as Kubeflow's profile
-  controller puts them in a profile.
+  controller puts them in a profile, and Istio's injection on (`istio-injection=enabled`,
+  tests/cluster/sidecar.py): the task's pod gets the proxy as a native sidecar, which ends with
+  it, and takes none of the master's inbound ports (the compiled task's annotation), so the worker
+  pods, which opt out of the mesh, reach its ports under STRICT mTLS too (judged from the
+  annotations: Envoy is not played).
 
 KFP's driver (tests/cluster/kfp_driver.py) builds the executor input and the pod from the
 COMPILED pipeline; KFP's launcher (tests/cluster/kfp_launcher.py) runs in the pod's `main`
@@ -40,8 +44,10 @@ from cluster import Cluster, venv_image
 from cluster.argo import ARGOEXEC_IMAGE, argoexec_image
 from cluster.kfp_driver import LAUNCHER_IMAGE, TaskDriver, kfp_launcher_image, pipeline_root
 from cluster.rbac import REPO, read_manifests, read_platform, service_account_user
+from cluster.sidecar import INJECTION_LABEL, PROXY_IMAGE, IstioInjector, inbound_intercepted, opted_out, proxy_image
 from conftest import SLOW_MODEL
 from elastic_step.audit import audit_report
+from elastic_step.protocol import WorkerEnv
 from mlflow_server import MlflowServer
 from stores import REGION, S3Server
 from test_cluster_argo import JOB_DIR, StepOnNode, job_objects, worker_pods_made
@@ -67,10 +73,11 @@ class Mode:
     platform: str
     overlay: str
     launcher_config: bool  # whether the namespace has a `kfp-launcher` ConfigMap
+    mesh: bool = False  # whether Istio injects its proxy into the namespace's pods (a Kubeflow profile)
 
 
 SINGLE_USER = Mode("single-user", "kubeflow", "pipeline-runner", "kfp-single-user", "single-user", False)
-MULTI_USER = Mode("multi-user", "kubeflow-user-example-com", "default-editor", "kubeflow-multi-user", "multi-user", True)
+MULTI_USER = Mode("multi-user", "kubeflow-user-example-com", "default-editor", "kubeflow-multi-user", "multi-user", True, mesh=True)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +113,8 @@ def make_cluster(tmp_path, mode: Mode, s3: S3Server) -> Cluster:
     services = {MINIO_SERVICE: s3.endpoint.removeprefix("http://")}
     images = {default_image(): venv_image(default_image(), extra_path=[str(layer)]),
               ARGOEXEC_IMAGE: argoexec_image(str(tmp_path / "argoexec")),
-              LAUNCHER_IMAGE: kfp_launcher_image(str(tmp_path / "kfp-launcher"), services)}
+              LAUNCHER_IMAGE: kfp_launcher_image(str(tmp_path / "kfp-launcher"), services),
+              PROXY_IMAGE: proxy_image(str(tmp_path / "istio-proxy"))}
     return Cluster(str(tmp_path / "cluster"), namespace=mode.namespace, images=images)
 
 
@@ -116,6 +124,9 @@ def install(cluster: Cluster, mode: Mode) -> None:
     cluster.apply(read_platform(mode.platform), mode.namespace)
     cluster.apply(read_manifests(os.path.join(REPO, "deploy", "kfp", mode.overlay)), mode.namespace)
     api = cluster.core()
+    if mode.mesh:  # the profile controller's label, and Istio's injector
+        api.patch_namespace(mode.namespace, {"metadata": {"labels": {INJECTION_LABEL: "enabled"}}})
+        cluster.server.mutators.append(IstioInjector().inject)
     api.create_namespaced_secret(mode.namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "accesskey": "minio", "secretkey": "not-a-real-secret"}))
     # The workers' own: read-only keys for the data (docs/kubernetes.md), never KFP's whole-store Secret.
@@ -216,6 +227,13 @@ def run_train_task(cluster: Cluster, mode: Mode, pipeline: str, digits: str, s3:
     assert [e["worker"] for e in died] == [victim["id"]], died
     workers = worker_pods_made(cluster)
     assert len(workers) >= 3, [w["metadata"]["name"] for w in workers]  # two or more, and the killed one's successor
+    if mode.mesh:  # the task's pod in the mesh, its inbound ports left to the master; the workers out of it
+        task_pod = cluster.server.get("pods", ns, name)
+        assert [(c["name"], c.get("restartPolicy")) for c in task_pod["spec"]["initContainers"]][0] == ("istio-proxy", "Always")
+        master_port = int(next(e["value"] for e in workers[0]["spec"]["containers"][0]["env"]
+                               if e["name"] == WorkerEnv.MASTER_URL).rsplit(":", 1)[1].split("/")[0])
+        assert not inbound_intercepted(task_pod, master_port), task_pod["metadata"]["annotations"]
+        assert all(opted_out(w) and not w["spec"].get("initContainers") for w in workers)
     for worker in workers:
         assert worker["spec"]["serviceAccountName"] != mode.account
         # The workers never call MLflow: they get neither the password nor a reference to it.
