@@ -9,7 +9,8 @@ batches (Zipf ids over --ids rows, as click logs have them), the same optimizers
   `nn.Embedding(ids, 9, sparse=True)` with torch.optim.Adagrad (sparse gradients);
 - ours: the table on --shards local shard processes (PsEmbedding pulls a batch's distinct ids,
   the gradient merged per id is pushed with its key and applied by the shard's Adagrad), with
-  the fsync'd ledger and without it (the ledger's cost).
+  the fsync'd ledger and without it (the ledger's cost); and with the shards' state in this
+  process (no processes, no network: what the table code itself costs).
 
 What is measured is one training process's steps (forward, backward, pull, push, optimizer), not
 a whole job (no master, no allreduce: the step a PS-mode worker runs, alone).
@@ -36,7 +37,10 @@ from common import machine  # noqa: E402
 
 from elastic_step.model_zoo.deepfm_ps_torch import TABLE, TABLE_LR, DeepFM  # noqa: E402
 from elastic_step.ps.client import PsClient  # noqa: E402
+from elastic_step.ps.ledger import LedgerRecord  # noqa: E402
 from elastic_step.ps.local import LocalShards  # noqa: E402
+from elastic_step.ps.routing import RoutingTable  # noqa: E402
+from elastic_step.ps.state import ShardState  # noqa: E402
 from elastic_step.ps.torch_embedding import ps_tables  # noqa: E402
 
 FIELDS, DENSE = 26, 13
@@ -106,6 +110,43 @@ def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool) -> float
         started.stop()
 
 
+def in_process_rate(data, root: str, shards: int) -> float:
+    """The same step with the shards' state in this process (ShardState, fsync'd ledger): the
+    cost of the table's own code, without the processes and the network."""
+    torch.manual_seed(0)
+    net = DeepFM(FIELDS, 2 * DENSE)
+    table = ps_tables(net)[0]
+    routing = RoutingTable.initial(shards)
+    states = []
+    for index in range(shards):
+        folder = os.path.join(root, f"inproc-{index}")
+        os.makedirs(folder)
+        states.append(ShardState(folder, [table.spec], index, routing, snapshot_every=10**9))
+        states[-1].recover()
+
+    def pull(ids):
+        owner, rows = routing.shard_of(ids), np.empty((len(ids), table.spec.dim), np.float32)
+        for shard in np.unique(owner):
+            rows[owner == shard] = states[shard].pull(TABLE, ids[owner == shard])
+        return rows
+
+    table.source = pull
+    dense, seq = dense_optimizer(net), iter(range(10**9))
+
+    def step(x, y):
+        dense.zero_grad()
+        table.forget()
+        nn.functional.binary_cross_entropy_with_logits(net(x), y).backward()
+        pushed_ids, grads = table.take_gradients()
+        owner, key = routing.shard_of(pushed_ids), next(seq)
+        for shard in np.unique(owner):
+            mine = owner == shard
+            states[shard].push(LedgerRecord(TABLE, 0, key, 0, pushed_ids[mine], grads[mine]))
+        dense.step()
+
+    return _timed(step, data)
+
+
 def _timed(step, data, warm_up: int = 5) -> float:
     for x, y in data[:warm_up]:
         step(x, y)
@@ -135,9 +176,12 @@ def main() -> None:
             f.write(TOKEN)
         ours = ps_rate(data, root, token_file, args.shards, fsync=True)
         unsynced = ps_rate(data, root, token_file, args.shards, fsync=False)
+        in_process = in_process_rate(data, root, args.shards)
         peer = peer_rate(data, args.ids)
     print(f"  peer, single-process PyTorch (nn.Embedding sparse + Adagrad): {peer:,.0f} rows/s")
     print(f"  elastic-step, {args.shards} local shards, fsync'd ledger: {ours:,.0f} rows/s ({ours / peer:.2f}x the peer)")
+    print(f"  elastic-step, the {args.shards} shards' state in-process (fsync'd ledger): {in_process:,.0f} rows/s "
+          f"({in_process / peer:.2f}x the peer)")
     print(f"  elastic-step without fsync: {unsynced:,.0f} rows/s; the ledger's cost {1 - ours / unsynced:.1%}")
 
 
