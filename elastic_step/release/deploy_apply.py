@@ -150,15 +150,18 @@ class ServingCluster:
                 raise
 
     def wait_deployment(self, name: str, track: Track, timeout: float) -> None:
-        """Until every replica of the track's newest generation is Ready (its /ping answered)."""
+        """Until the track's rollout is complete as `kubectl rollout status` judges it: every
+        replica of the newest template is there and available, and no older one is left (an old
+        Ready pod must not count for a new one that never becomes Ready)."""
         deadline, seen = time.monotonic() + timeout, "no status yet"
         while time.monotonic() < deadline:
             obj = self.apps.read_namespaced_deployment(f"{name}-{track.value}", self.namespace)
             status, want = obj.status, obj.spec.replicas or 0
-            if status is not None and (status.observed_generation or 0) >= obj.metadata.generation:
-                if (status.updated_replicas or 0) >= want and (status.ready_replicas or 0) >= want:
+            if status is not None and (status.observed_generation or 0) >= (obj.metadata.generation or 0):
+                updated, available = status.updated_replicas or 0, status.available_replicas or 0
+                if updated >= want and (status.replicas or 0) <= updated and available >= want:
                     return
-                seen = f"{status.ready_replicas or 0}/{want} replicas ready"
+                seen = f"{updated}/{want} replicas updated, {available} available"
             time.sleep(1)
         raise JobFailed(f"Deployment {name}-{track.value} was not Ready within {timeout:.0f}s ({seen}): its "
                         "server did not answer /ping")
