@@ -114,3 +114,38 @@ def test_the_shipped_train_steps_leave_every_inbound_port_of_their_pod_to_the_ma
         task = {"metadata": {"annotations": platform["exec-train-elastic"]["podMetadata"]["annotations"]}, "spec": {"containers": []}}
         IstioInjector().inject(Store, "profile", task)
         assert not inbound_intercepted(task, 29500), (name, task["metadata"])
+
+
+def test_on_the_pod_network_a_strict_mesh_refuses_plaintext_at_intercepted_ports_only(tmp_path):
+    """STRICT mTLS as a pod outside the mesh meets it (MeshAgent, nftables in each meshed pod's
+    namespace): a worker-like pod without a sidecar cannot open a meshed pod's port, but opens the
+    same port of a pod whose annotation leaves its inbound ports alone (the train step's); a meshed
+    client opens both. The injected probe pods still end (native sidecars)."""
+    from kubernetes import client as k8s
+
+    from cluster.sidecar import INCLUDE_INBOUND, MeshAgent
+    from test_cluster_network import PROBE, SERVER, log_of, pod_network_cluster, probe_result, python_pod, wait_for
+
+    with pod_network_cluster(tmp_path, images={PROXY_IMAGE: proxy_image(str(tmp_path / "proxy"))}) as cluster:
+        cluster.server.mutators.append(IstioInjector().inject)
+        agent = MeshAgent(k8s.ApiClient(cluster.configuration()), cluster.network).start()
+        try:
+            api, ns = cluster.core(), cluster.namespace
+            api.patch_namespace(ns, {"metadata": {"labels": {INJECTION_LABEL: "enabled"}}})
+            servers = {}
+            for name, annotations in (("meshed", {}), ("master", {INCLUDE_INBOUND: ""})):
+                body = python_pod(cluster, name, SERVER, ["8080"])
+                body.metadata.annotations = annotations
+                api.create_namespaced_pod(ns, body)
+            for name in ("meshed", "master"):
+                wait_for(lambda: "serving" in log_of(cluster, name, ns), 60, f"{name} serving")
+                pod = api.read_namespaced_pod(name, ns)
+                wait_for(lambda: pod.metadata.uid in agent.applied, 30, f"{name}'s mesh rules")
+                servers[name] = f"{pod.status.pod_ip}:8080"
+            for client, labels in (("plain", {INJECT: "false"}), ("in-mesh", {})):
+                api.create_namespaced_pod(ns, python_pod(cluster, client, PROBE, list(servers.values()), labels))
+            plain, in_mesh = probe_result(cluster, "plain"), probe_result(cluster, "in-mesh")
+            assert (plain[servers["meshed"]], plain[servers["master"]]) == ("refused", "open"), plain
+            assert (in_mesh[servers["meshed"]], in_mesh[servers["master"]]) == ("open", "open"), in_mesh
+        finally:
+            agent.close()

@@ -15,19 +15,31 @@ container instead, which never ends on its own (the Istio + Job problem).
 
 What is played: which pods get the proxy, where it goes in the spec (its securityContext is what
 Istio's CNI mode gives it, which passes PodSecurity `restricted`), and its life: a process that
-runs until SIGTERM (its image: `proxy_image`). What is not: Envoy itself. Traffic is never
-redirected to it, so STRICT mTLS is not enforced; `inbound_intercepted` says which of a pod's
-inbound ports Istio would send through the proxy (`traffic.sidecar.istio.io/includeInboundPorts`,
-`excludeInboundPorts`), which is what decides whether a pod without a sidecar can reach it
-in STRICT mode: a test judges the step pod's annotations with it.
+runs until SIGTERM (its image: `proxy_image`). `inbound_intercepted` says which of a pod's
+inbound ports Istio sends through the proxy (`traffic.sidecar.istio.io/includeInboundPorts`,
+`excludeInboundPorts`), which decides whether a pod without a sidecar can reach it in STRICT
+mode. On the pod network (`Cluster(pod_network=True)`), `MeshAgent` enforces that verdict with
+nftables in each meshed pod's namespace (a table of its own beside the NetworkPolicy agent's): a
+new TCP connection from an address that is not a meshed pod's, to an intercepted port, is
+reset. What is not played: Envoy itself (nothing is redirected or encrypted; a meshed client
+connects directly), and the moment of refusal (Envoy accepts, then closes the connection when the
+TLS handshake does not come; here the connection is refused at once).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import subprocess
 import sys
+import threading
+
+from kubernetes import client as k8s
 
 from .runtime import Image, python_paths
+
+log = logging.getLogger("cluster.sidecar")
 
 INJECTION_LABEL = "istio-injection"  # on the namespace: "enabled"
 INJECT = "sidecar.istio.io/inject"  # on the pod (label, or the older annotation): "false" opts out
@@ -90,15 +102,87 @@ def proxy_container() -> dict:
                                 "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"}}}
 
 
+def meshed(pod: dict) -> bool:
+    return "sidecar.istio.io/status" in ((pod.get("metadata") or {}).get("annotations") or {})
+
+
+def inbound_ports(pod: dict) -> tuple[str, set[str]]:
+    """("*" | "" | "p1,p2", excluded ports) of the pod's inbound redirection."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    include = annotations.get(INCLUDE_INBOUND, "*").strip()
+    exclude = {p.strip() for p in annotations.get(EXCLUDE_INBOUND, "").split(",") if p.strip()}
+    return include, exclude
+
+
 def inbound_intercepted(pod: dict, port: int) -> bool:
     """Whether Istio's traffic redirection (its CNI plugin or init container) sends inbound
     traffic to `port` of this pod through the proxy, as the pod's annotations say: with
     `includeInboundPorts` only those ports ("*": all; "": none), else every port; then never
     an `excludeInboundPorts` one. Intercepted, a STRICT mesh refuses a plaintext client."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    if "sidecar.istio.io/status" not in annotations:
+    if not meshed(pod):
         return False
-    include = annotations.get(INCLUDE_INBOUND, "*").strip()
-    exclude = {p.strip() for p in annotations.get(EXCLUDE_INBOUND, "").split(",") if p.strip()}
+    include, exclude = inbound_ports(pod)
     included = include == "*" or str(port) in {p.strip() for p in include.split(",") if p.strip()}
     return included and str(port) not in exclude
+
+
+MESH_TABLE = "istio_mtls"
+
+
+def strict_rules(pod: dict, meshed_ips: set[str]) -> str:
+    """The meshed pod's table: a new plaintext TCP connection (a SYN from an address that is not a
+    meshed pod's) to an intercepted port is reset. Stateless, so the pod's own connections and
+    their replies are never touched."""
+    include, exclude = inbound_ports(pod)
+    lines = [f"table inet {MESH_TABLE}", f"delete table inet {MESH_TABLE}", f"table inet {MESH_TABLE} {{", "  chain inbound {",
+             "    type filter hook input priority 0; policy accept;", '    iif "lo" accept']
+    v4, v6 = sorted(a for a in meshed_ips if ":" not in a), sorted(a for a in meshed_ips if ":" in a)
+    lines += [f"    ip saddr {{ {', '.join(v4)} }} accept"] if v4 else []
+    lines += [f"    ip6 saddr {{ {', '.join(v6)} }} accept"] if v6 else []
+    lines += [f"    tcp dport {{ {', '.join(sorted(exclude))} }} accept"] if exclude else []
+    if include == "*":
+        lines.append("    tcp flags & (syn | ack) == syn reject with tcp reset")
+    elif include:
+        lines.append(f"    tcp dport {{ {include} }} tcp flags & (syn | ack) == syn reject with tcp reset")
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+class MeshAgent:
+    """STRICT mTLS, as far as a pod without a sidecar sees it, on the pod network: every half
+    second, each meshed pod of the node gets its table from the pods the API lists."""
+
+    def __init__(self, api: k8s.ApiClient, network, interval: float = 0.5):
+        self.core, self.network, self.interval = k8s.CoreV1Api(api), network, interval
+        self.applied: dict[str, str] = {}  # pod uid -> its table now
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="istio-mtls-agent")
+
+    def start(self) -> "MeshAgent":
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def sync(self) -> None:
+        pods = json.loads(self.core.list_pod_for_all_namespaces(_preload_content=False).data)["items"]
+        local = dict(self.network.pods)  # uid -> PodNet
+        ips = {ip for p in pods if meshed(p) and p["metadata"]["uid"] in local for ip in local[p["metadata"]["uid"]].ips}
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            if not meshed(pod) or uid not in local:
+                continue
+            rules = strict_rules(pod, ips)
+            if self.applied.get(uid) != rules:
+                done = subprocess.run([*local[uid].enter(), "nft", "-f", "-"], input=rules, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"nft for {pod['metadata']['name']}: {done.stderr.strip()}\n{rules}")
+                self.applied[uid] = rules
+
+    def _loop(self) -> None:
+        while not self.closed.wait(self.interval):
+            try:
+                self.sync()
+            except Exception as exc:  # a pod's namespace just removed, the API busy: next round
+                log.info("istio mtls agent: %s", exc)
