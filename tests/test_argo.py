@@ -521,7 +521,7 @@ def test_committed_argo_yaml_is_fresh(tmp_path):
 
 WORKFLOW_NAME = "elastic-step-training-abcde"
 SAMPLE_OUTPUTS = {"run_id": "0123456789abcdef", "model_uri": "models:/m-0123", "blessed": "true",
-                  "model_version": "7"}
+                  "model_version": "7", "champion_version": "7"}
 
 
 def _resolve(text: str, task_args: dict, workflow_params: dict) -> str:
@@ -538,7 +538,7 @@ def _resolve(text: str, task_args: dict, workflow_params: dict) -> str:
 
 
 STEP_COMMANDS = {"prepare-data": "prepare-data", "train": "train", "evaluate": "evaluate", "export": "export",
-                 "promote": "promote"}
+                 "promote": "promote", "deploy": "deploy"}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -35,3 +35,26 @@ def test_deploy_runs_only_for_a_promoted_candidate_and_a_serve_target(name):
                           "inputs.parameter_values['pipelinechannel--serve_target'] != ''")
     assert task["inputs"]["parameters"]["version"] == {"componentInputParameter": "pipelinechannel--promote-model-champion_version"}
     assert spec["root"]["inputDefinitions"]["parameters"]["serve_target"]["defaultValue"] == ""  # promote only, unless asked
+
+
+@pytest.mark.parametrize("name", ["training", "retraining"])
+def test_the_argo_workflow_deploys_only_a_promoted_champion_and_only_when_a_run_asks(name):
+    """The Argo step as `make compile` renders it: after promote succeeded, under evaluate's verdict
+    and a non-empty serve-target (its default promotes only), with promote's champion version."""
+    template = yaml.safe_load(open(os.path.join(ROOT, "pipelines", "argo", f"{name}-workflowtemplate.yaml")))
+    spec = template["spec"]
+    (dag,) = [t["dag"] for t in spec["templates"] if t["name"] == name]
+    (task,) = [t for t in dag["tasks"] if t["name"] == "deploy"]
+    assert task["depends"] == "promote.Succeeded"
+    assert task["when"] == ("{{tasks.evaluate.outputs.parameters.blessed}} == true && "
+                            "'{{workflow.parameters.serve-target}}' != ''")
+    arguments = {p["name"]: p["value"] for p in task["arguments"]["parameters"]}
+    assert arguments["version"] == "{{tasks.promote.outputs.parameters.champion_version}}"
+    assert arguments["target"] == "{{workflow.parameters.serve-target}}"
+    defaults = {p["name"]: p["value"] for p in spec["arguments"]["parameters"]}
+    assert defaults["serve-target"] == ""
+    (container,) = [t["container"] for t in spec["templates"] if t["name"] == "deploy"]
+    args = container["args"]
+    assert args[:5] == ["deploy", "--registered-model", "{{inputs.parameters.registered-model}}", "--version",
+                        "{{inputs.parameters.version}}"]
+    assert args[args.index("--image") + 1] == container["image"]  # the server image fixed at render time

@@ -62,6 +62,11 @@ PARAMETERS = {
     "registered-model": defaults.REGISTERED_MODEL,
     "floor": defaults.metric_pairs(defaults.FLOORS),
     "min-gain": defaults.metric_pairs(defaults.MIN_GAINS),
+    # Serving the new champion (the deploy step): "" (the default) promotes only; kserve or mlflow deploys.
+    "serve-target": "",
+    "serve-namespace": "",
+    "serve-service-account": "",
+    "serve-storage-secret": "",
 }
 MLFLOW_URI_DEFAULT = defaults.MLFLOW_SERVICE_URI  # deploy/mlflow in deploy/'s namespace
 
@@ -173,7 +178,7 @@ def _dataset(layout: steps.Layout) -> list:
 
 
 def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate:
-    """prepare-data → train → evaluate → (blessed) export → (blessed) promote."""
+    """prepare-data → train → evaluate → (blessed) export → (blessed) promote → (serve-target) deploy."""
     if pipeline not in PIPELINES:
         raise ConfigError(f"--pipeline {pipeline!r} is not one of {', '.join(PIPELINES)}")
     layout = steps.Layout(pvc=options.pvc, data_store=options.data_store)
@@ -211,6 +216,7 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         evaluate_c = steps.evaluate(settings, layout, step)
         export_c = steps.export(settings, layout, step)
         promote_c = steps.promote(settings, layout, step)
+        deploy_c = steps.deploy(settings, layout, step)
         with DAG(name=pipeline):
             Task(name="prepare-data", template=prepare_c,
                  arguments=_from_workflow("source", "label", "seed"))
@@ -232,6 +238,12 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
             promote_args = {"version": "{{tasks.export.outputs.parameters.model_version}}"}
             promote_args |= _from_workflow("registered-model")
             Task(name="promote", template=promote_c, depends="export.Succeeded", when=blessed, arguments=promote_args)
+            # only a promoted candidate, and only when a run asks for serving
+            deploy_args = {"version": "{{tasks.promote.outputs.parameters.champion_version}}", "registered-model":
+                           "{{workflow.parameters.registered-model}}"}
+            deploy_args |= {name: f"{{{{workflow.parameters.serve-{name}}}}}" for name in steps.DEPLOY_INPUTS[2:]}
+            Task(name="deploy", template=deploy_c, depends="promote.Succeeded",
+                 when=f"{blessed} && '{{{{workflow.parameters.serve-target}}}}' != ''", arguments=deploy_args)
     return template
 
 

@@ -247,3 +247,15 @@ def promote(settings: StepSettings, layout: Layout, resources: StepResources) ->
             "--outputs", layout.outputs("promote")]
     return _container("promote", settings, layout, args, _inputs(layout, ["registered-model", "version"], False),
                       _outputs(layout, "promote", ["champion_version"], {}), resources)
+
+
+DEPLOY_INPUTS = ["registered-model", "version", "target", "namespace", "service-account", "storage-secret"]
+
+
+def deploy(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
+    """The new champion served (elastic-step deploy): the exact version promote made champion,
+    with canary and rollback; the server image is this one, fixed when the YAML is rendered."""
+    args = ["deploy", *[a for name in DEPLOY_INPUTS for a in (f"--{name}", _param(name))], "--image", settings.image,
+            "--outputs", layout.outputs("deploy")]
+    return _container("deploy", settings, layout, args, _inputs(layout, DEPLOY_INPUTS, False),
+                      _outputs(layout, "deploy", ["endpoint", "served_version"], {}), resources)
