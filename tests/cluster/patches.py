@@ -184,17 +184,19 @@ def server_side_apply(live: dict | None, applied, kind: str, manager: str | None
     entries = [e for e in (live.get("metadata") or {}).get("managedFields") or [] if e.get("manager")]
     before = next((_paths(e.get("fieldsV1")) for e in entries if e["manager"] == manager and e.get("operation") == "Apply"), set())
     others = {e["manager"]: _paths(e.get("fieldsV1")) for e in entries if e["manager"] != manager}
-    clashes = {m: sorted(p for p in owned & fields if _value(live, p) != _value(applied, p)) for m, owned in others.items()}
+    # A value differs: a conflict. An element of a list-map is no value of its own: both may own it.
+    clashes = {m: sorted(p for p in owned & fields if not p[-1].startswith("k:") and _value(live, p) != _value(applied, p))
+               for m, owned in others.items()}
     clashes = {m: paths for m, paths in clashes.items() if paths}
     if clashes and not force:
         told = "; ".join(f'conflict with "{m}": {", ".join(_dotted(p) for p in paths)}' for m, paths in clashes.items())
         raise ApiError(409, "Conflict", f"Apply failed with {sum(map(len, clashes.values()))} conflict(s): {told}")
-    others = {m: owned - fields for m, owned in others.items()}  # forced: the applier takes what clashed
+    others = {m: owned - set(clashes.get(m, ())) for m, owned in others.items()}  # forced: the applier takes what clashed
     result = _apply_map(live, applied, schema)
-    still_owned = set().union(*others.values()) if others else set()
+    kept = set().union(fields, *others.values())
     for path in sorted(before - fields, key=len):  # an element before its fields
-        if not any(owned[:len(path)] == path for owned in still_owned):
-            _remove(result, path)
+        if not any(owned[:len(path)] == path for owned in kept):
+            _remove(result, path, kept)
     if before == fields and not clashes and _unmanaged(result) == _unmanaged(live):
         return result  # nothing changed: the managers' entries (and their times) neither
     managed = [e for e in entries if e["manager"] != manager and others.get(e["manager"])]
@@ -292,7 +294,8 @@ def _value(obj, path: tuple):
     return obj
 
 
-def _remove(obj, path: tuple) -> None:
+def _remove(obj, path: tuple, kept: set[tuple]) -> None:
+    """The field at `path` removed, and the maps and lists it leaves empty that no field in `kept` lies under."""
     parent = _value(obj, path[:-1])
     child = _step(parent, path[-1]) if parent is not _MISSING else _MISSING
     if child is _MISSING:
@@ -301,6 +304,8 @@ def _remove(obj, path: tuple) -> None:
         parent.pop(path[-1][2:], None)
     else:
         parent.remove(child)
+    if len(path) > 1 and not parent and not any(owned[:len(path) - 1] == path[:-1] for owned in kept):
+        _remove(obj, path[:-1], kept)
 
 
 def _tree(paths: set[tuple]) -> dict:
