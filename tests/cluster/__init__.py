@@ -102,10 +102,11 @@ class Cluster:
                  isolate: bool | None = None, docker=None, allocatable: dict[str, str] | None = None,
                  pod_network: bool = False, ipv6: bool = False):
         """`docker`: a started runtime.DockerDaemon: containers run as Docker containers of their
-        image's `docker` image (`--network host`); else the process runtime. `allocatable`: the
+        image's `docker` image (`--network host`, or with `pod_network` in each pod's sandbox
+        container's network); else the process runtime. `allocatable`: the
         node's cpu/memory/pods (scheduling.DEFAULT_ALLOCATABLE for what is not given).
         `pod_network`: each pod in a network namespace and address of its own on the cluster's own
-        bridge, NetworkPolicies enforced (network.py, netpolicy.py; namespaces runtime only), `ipv6`
+        bridge, NetworkPolicies enforced (network.py, netpolicy.py; namespaces or Docker runtime), `ipv6`
         with IPv6 pod addresses first; pods reach the node's servers through `pod_url`."""
         from elastic_step.images import default_image
 
