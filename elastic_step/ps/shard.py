@@ -7,7 +7,7 @@ n}), and the shard's snapshot, ledger and routing. The shard recovers first (sna
 ledger's tail) and only then listens and writes `ready.json` (host, port, pid, epoch, replayed,
 load_s, replay_s): whoever launched it waits for that file. The token comes from a file, never
 the command line; every request carries it and one without it is refused. SIGTERM takes a last
-snapshot and exits.
+snapshot and exits, and so does the loss of the process that launched it (a master SIGKILLed).
 
 Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py).
 """
@@ -24,6 +24,7 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.state import ShardState
 
 READY_FILE = "ready.json"
+PARENT_POLL_S = 1.0
 CONFIG_FILE = "config.json"
 
 
@@ -110,6 +112,14 @@ def _bind_host(host: str) -> str:
     return host
 
 
+def _stop_when_orphaned(parent: int, stop) -> None:
+    """Stop as on SIGTERM (a last snapshot) once the process that launched this shard is gone,
+    its SIGKILL included: no shard is left listening after its master."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    stop(signal.SIGTERM, None)
+
+
 def _write_ready(directory: str, info: dict) -> None:
     partial = os.path.join(directory, READY_FILE + ".partial")
     with open(partial, "w", encoding="utf-8") as f:
@@ -140,6 +150,7 @@ def serve(args: argparse.Namespace) -> None:
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
+    threading.Thread(target=_stop_when_orphaned, args=(os.getppid(), stop), name="parent-watch", daemon=True).start()
     host, port = server.server_address[:2]
     _write_ready(args.dir, {"host": host, "port": port, "pid": os.getpid(), "epoch": state.routing.epoch, "replayed": replayed, **state.recovery_s})
     server.serve_forever(poll_interval=0.2)
