@@ -83,6 +83,9 @@ class PodNet:
         rules = subprocess.run([*self.enter(), "nft", "list", "ruleset"], capture_output=True, text=True).stdout
         ip("netns", "attach", new, str(pid))
         ip("-n", old, "link", "set", "eth0", "netns", new)  # a move drops its addresses: configured again
+        if any(":" in address for address in self.ips):  # Docker turns IPv6 off in a namespace with no network
+            script = "for c in all default lo eth0; do echo 0 > /proc/sys/net/ipv6/conf/$c/disable_ipv6; done"
+            subprocess.run(["nsenter", f"--net=/run/netns/{new}", "--", "sh", "-c", script], check=True, capture_output=True)
         self.configure(new)
         if rules.strip():
             loaded = subprocess.run(["nsenter", f"--net=/run/netns/{new}", "--", "nft", "-f", "-"], input=rules,
