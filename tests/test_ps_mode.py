@@ -222,13 +222,13 @@ def counters_on_the_shards(job_dir: str) -> Counter:
 
 def test_every_minibatch_updates_each_embedding_row_exactly_once_through_a_worker_and_a_shard_sigkill(clicks, start_job):
     job = start_job("--model-def", DEEPFM_PS, "--data", clicks, "--mode", "ps", "--ps-shards", "2",
-                    "--workers", "2:2", "--epochs", str(EPOCHS), "--minibatch-size", str(MINIBATCH),
+                    "--workers", "1:2", "--epochs", str(EPOCHS), "--minibatch-size", str(MINIBATCH),
                     "--minibatches-per-task", "2")
     status = job.wait_for(lambda s: s["world_size"] == 2 and 0.2 < s["rows_done"] / s["rows_total"] < 0.7, timeout=300)
-    victim = job.kill_worker(status, rank=1)
+    victim = job.kill_worker(status, rank=1)  # the survivor trains on alone (MIN 1) until it is back
     # Then a shard: the master relaunches it on its port from its snapshot and ledger while the
     # workers retry what it had not acknowledged; no worker restarts for it.
-    job.wait_for(lambda s: s["world_size"] == 2 and 0.5 < s["rows_done"] / s["rows_total"] < 0.9, timeout=300)
+    job.wait_for(lambda s: 0.5 < s["rows_done"] / s["rows_total"] < 0.9, timeout=300)
     with open(os.path.join(job.job_dir, "ps", "shard-0", "ready.json")) as f:
         os.kill(json.load(f)["pid"], signal.SIGKILL)
     assert job.finish(timeout=600) == 0, job.output()
