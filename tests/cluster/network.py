@@ -52,6 +52,7 @@ class PodNet:
     netns: str
     ips: list[str]
     veth: str
+    on_remove: list = field(default_factory=list)  # called when the pod's network is removed (a runtime's sandbox)
 
     @property
     def ip(self) -> str:
@@ -153,6 +154,8 @@ class PodNetwork:
             self._stop_relay(key)
         if pod is not None:
             subprocess.run(["ip", "netns", "del", pod.netns], capture_output=True)
+            for remove in pod.on_remove:
+                remove()
 
     # -- crossing between the node and the sandbox ---------------------------------------------------
     def expose(self, port: int) -> str:

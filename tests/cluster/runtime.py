@@ -341,8 +341,7 @@ class DockerRuntime:
         address: gloo looks its own up), started with no network (`--network none`); the pod's network
         (network.PodNet: eth0, addresses, route, policy rules) is then moved into its namespace, and
         every container of the pod joins that (`--network container:SANDBOX`), so a restarted
-        container keeps the pod's address. Removed once the pod's network is (see `_sweep`)."""
-        self._sweep()
+        container keeps the pod's address. Removed with the pod's network."""
         with self.lock:
             known = self.sandboxes.get(net.veth)
         if known is not None:
@@ -361,17 +360,15 @@ class DockerRuntime:
             raise
         with self.lock:
             self.sandboxes[net.veth] = (net, name)
+        net.on_remove.append(lambda: self._remove_sandbox(net.veth))
         return name
 
-    def _sweep(self) -> None:
-        """Remove the sandboxes of pods whose network is gone (the kubelet removes it once the
-        pod's containers all ended): their namespace, address and veth go with them."""
+    def _remove_sandbox(self, veth: str) -> None:
+        """The pod's network is gone (the kubelet removes it once the pod's containers all ended):
+        its sandbox goes, and with it the namespace, address and veth it held."""
         with self.lock:
-            gone = [(veth, name) for veth, (net, name) in self.sandboxes.items()
-                    if not os.path.exists(f"/run/netns/{net.netns}")]
-            for veth, _ in gone:
-                del self.sandboxes[veth]
-        for _, name in gone:
+            _, name = self.sandboxes.pop(veth, (None, None))
+        if name:
             self._docker("rm", "-f", name)
 
     def _docker(self, *args: str) -> subprocess.CompletedProcess:
@@ -401,7 +398,6 @@ class DockerRuntime:
         if name:
             self._docker("rm", "-f", name)
             self.names.discard(name)
-        self._sweep()
 
     def close(self, timeout_s: float = 10.0) -> None:
         for name in list(self.names):
