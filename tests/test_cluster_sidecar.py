@@ -121,8 +121,6 @@ def test_on_the_pod_network_a_strict_mesh_refuses_plaintext_at_intercepted_ports
     namespace): a worker-like pod without a sidecar cannot open a meshed pod's port, but opens the
     same port of a pod whose annotation leaves its inbound ports alone (the train step's); a meshed
     client opens both. The injected probe pods still end (native sidecars)."""
-    from kubernetes import client as k8s
-
     from cluster.sidecar import INCLUDE_INBOUND, MeshAgent
     from test_cluster_network import PROBE, SERVER, log_of, pod_network_cluster, probe_result, python_pod, wait_for
 
