@@ -103,6 +103,15 @@ class WorkerState(StrEnum):
     GONE = "gone"  # exited, or dropped and killed
 
 
+class PsShardState(StrEnum):
+    """A `--mode ps` job's parameter-server shard as its master sees it:
+    SERVING --exits--> RELAUNCHING --ready--> SERVING; RELAUNCHING --3 failed tries--> DOWN."""
+
+    SERVING = "serving"  # its process answers on its address
+    RELAUNCHING = "relaunching"  # died; restarting on the same port from its snapshot and ledger
+    DOWN = "down"  # could not come back: the workers' pushes to it fail the job
+
+
 class RoundState(StrEnum):
     """A round as the master sees it:
 
@@ -458,6 +467,19 @@ class WorkerStatus(Status):
     resources: ResourceSample | None = None
 
 
+class PsShardStatus(Status):
+    """One parameter-server shard in /status (a `--mode ps` job): its numbers as of its master's
+    last stats poll, every few seconds."""
+
+    shard: int = Field(ge=0)
+    address: str
+    state: PsShardState
+    rows: int = 0  # embedding rows it holds, over all its tables
+    bytes: int = 0  # what those rows and their optimizer slots take
+    pushes: int = 0  # pushes applied (each once), over all its tables
+    relaunches: int = 0
+
+
 class JobStatus(Status):
     """What /status answers, status.json keeps and the Kubernetes status ConfigMap publishes.
     A job that ended before it ever reported keeps only its name and state."""
@@ -482,6 +504,7 @@ class JobStatus(Status):
     samples_per_s: float | None = None
     spares: int = 0
     workers: list[WorkerStatus] = []
+    ps_shards: list[PsShardStatus] = []  # a --mode ps job's parameter-server shards
 
 
 def _protocol_digest() -> str:
