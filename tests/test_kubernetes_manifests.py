@@ -129,11 +129,26 @@ def deploy_objects() -> list[tuple[str, dict]]:
             out = subprocess.run([kubectl, "kustomize", build], capture_output=True, text=True, check=True).stdout
             found += [(os.path.relpath(build, ROOT), o) for o in yaml.safe_load_all(out) if o]
     for path in sorted(glob.glob(os.path.join(DEPLOY, "**", "*.yaml"), recursive=True)):
-        if path.endswith("kustomization.yaml") or (kubectl and path in listed):
+        if path.endswith(("kustomization.yaml", MERGE_PATCH)) or (kubectl and path in listed):
             continue
         with open(path) as f:
             found += [(os.path.relpath(path, ROOT), o) for o in yaml.safe_load_all(f) if o]
     return found
+
+
+# A file named *-patch.yaml is a merge patch of a ConfigMap the platform already has (e.g. Argo's
+# controller ConfigMap, patched with `kubectl patch --type merge --patch-file`), not an object.
+MERGE_PATCH = "-patch.yaml"
+
+
+def test_every_merge_patch_under_deploy_makes_a_valid_configmap():
+    patches = sorted(glob.glob(os.path.join(DEPLOY, "**", "*" + MERGE_PATCH), recursive=True))
+    assert patches, "deploy/ ships the Argo controller's executor patch"
+    for path in patches:
+        with open(path) as f:
+            patch = yaml.safe_load(f)
+        assert set(patch) == {"data"}, f"{path}: a merge patch here sets a ConfigMap's data only"
+        validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "patched"}, **patch})
 
 
 def test_every_file_under_deploy_validates():
