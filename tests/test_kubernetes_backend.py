@@ -27,6 +27,38 @@ def exits_until(backend, count, timeout=30.0):
     return {e.worker_id: e for e in exits}
 
 
+def test_a_pod_someone_else_deletes_gracefully_is_reported_once_its_worker_left_and_keeps_its_grace(tmp_path):
+    # A drain, an eviction or `kubectl delete pod` deletes a worker's pod with a grace period: the
+    # kubelet SIGTERMs the worker, which leaves. The master hears of it only once the worker's
+    # process has ended (a worker reported gone must not talk to it any more), takes the slot
+    # back as a departure (a free relaunch), and never deletes the pod again with grace 0, which
+    # would SIGKILL the worker mid-leave.
+    fake = FakeCoreV1Api(str(tmp_path / "cluster"))
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    try:
+        spec = LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path), {"ELASTIC_STEP_TEST": "1"})
+        pod = fake.add_master_pod("m", "img:1")
+        backend = KubernetesBackend(spec, PodSettings(namespace="ml", image="img:1"), "unit", api=fake,
+                                    master=MasterPod("m", pod.metadata.uid, "127.0.0.1", "ml"), watch_timeout_s=5)
+        backend.launch(0, "w0.1")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and backend.describe("w0.1").get("phase") != "Running":
+            backend.poll()
+            time.sleep(0.05)
+        name = backend.pods["w0.1"]
+        process = fake.pods[name].proc
+        fake.delete_namespaced_pod(name, "ml", grace_period_seconds=30)  # someone else's, graceful
+        exits = exits_until(backend, 1, timeout=60)
+        assert process.poll() is not None  # reported only once the worker's process had ended
+        assert "deleted by someone else" in exits["w0.1"].reason and exits["w0.1"].relaunch == "free"
+        backend.poll()
+        assert [c for c in fake.calls if c == ("delete_pod", name)] == [("delete_pod", name)]  # only theirs
+        backend.shutdown(grace_s=0.5)
+    finally:
+        fake.close()
+
+
 def test_evicted_preempted_and_vanished_pods_are_free_relaunches_and_shutdown_cleans_up(tmp_path):
     fake = FakeCoreV1Api(str(tmp_path / "cluster"))
     token = tmp_path / "token"

@@ -52,13 +52,22 @@ def test_node_lost_is_free():
     assert verdict_of(pod("Failed", reason="NodeLost"))[1].relaunch == "free"
 
 
-def test_deleted_by_someone_else_is_free_deleted_by_the_master_counts():
+def test_deleted_by_someone_else_is_free_once_its_container_ended_deleted_by_the_master_counts():
     running = pod("Running")
     row, v = verdict_of(running, deleted=True)
     assert (row, v.relaunch) == ("deleted by someone else", "free")
-    row, v = verdict_of(pod("Running", deleting=True))  # the MODIFIED event before DELETED
-    assert (row, v.relaunch) == ("deleted by someone else", "free")
+    # A graceful delete's first event: the worker got SIGTERM and may still be leaving, so it is
+    # not gone yet (and the pod is left to its grace period).
+    row, v = verdict_of(pod("Running", deleting=True))
+    assert (row, v.state) == ("being deleted by someone else", "stopping")
+    # Its container ended: the worker left on SIGTERM, a departure relaunched for free.
+    row, v = verdict_of(pod("Failed", terminated=(143, "Error"), deleting=True))
+    assert (row, v.state, v.relaunch, v.left) == ("deleted by someone else", "gone", "free", True)
+    row, v = verdict_of(pod("Failed", terminated=(137, "Error"), deleting=True))  # SIGKILLed at the grace's end
+    assert (row, v.state, v.relaunch, v.left) == ("deleted by someone else", "gone", "free", False)
     row, v = verdict_of(running, deleted=True, we_deleted=True)
+    assert (row, v.relaunch) == ("stopped by the master", "count")
+    row, v = verdict_of(pod("Running", deleting=True), we_deleted=True)  # the master's own delete: gone at once
     assert (row, v.relaunch) == ("stopped by the master", "count")
 
 

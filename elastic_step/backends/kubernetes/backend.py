@@ -277,8 +277,10 @@ class KubernetesBackend(Backend):
         self.rules_matched.append((name, row))
         del self.pods[worker_id]
         self.stuck_since.pop(name, None)
-        if not deleted:
-            self._delete_pod(name)  # a finished or failed pod frees its place (logs stay in the events)
+        if not deleted and not facts.deleting:
+            # A finished or failed pod frees its place (logs stay in the events). One being
+            # deleted already is left to that delete: its container has ended (pod_states.py).
+            self._delete_pod(name)
         log.info("worker %s: %s (%s)", worker_id, verdict.reason, row)
         return WorkerExit(worker_id, verdict.reason, verdict.returncode, verdict.relaunch, left=verdict.left)
 

@@ -48,7 +48,7 @@ class PodFacts:
 
 @dataclass
 class Verdict:
-    state: str  # "starting" | "running" | "gone"
+    state: str  # "starting" | "running" | "stopping" (deleted, its container not ended yet) | "gone"
     reason: str = ""
     relaunch: RelaunchPolicy = "count"
     returncode: int | None = None
@@ -111,8 +111,21 @@ def _stuck(f: PodFacts) -> bool:
 
 Rule = tuple[str, Callable[[PodFacts], bool], Callable[[PodFacts], Verdict]]
 
+
+def _still_running(f: PodFacts) -> bool:
+    """Its container has not ended: no terminated state, and the pod is not Succeeded or Failed."""
+    return f.exit_code is None and f.phase not in ("Succeeded", "Failed")
+
+
 # (name, when, verdict) — the order is the policy.
 TABLE: list[Rule] = [
+    # Someone else's graceful delete (kubectl delete pod, a drain, an eviction, a preemption): the
+    # kubelet has SIGTERMed the worker, which leaves the group at once. It is reported gone when
+    # its container has ended (or the pod is gone), never while it may still talk to the master,
+    # and the pod is left to its grace period: deleting it again with grace 0 would SIGKILL it.
+    ("being deleted by someone else",
+     lambda f: f.deleting and not f.deleted and not f.we_deleted and _still_running(f),
+     lambda f: Verdict("stopping", f"pod {f.name} is being deleted by someone else")),
     ("out of memory",
      lambda f: f.terminated == "OOMKilled",
      lambda f: Verdict("gone", f"pod {f.name} OOMKilled (memory limit {f.memory_limit or 'none: the node ran out'}); "
@@ -130,7 +143,9 @@ TABLE: list[Rule] = [
                        "free", f.exit_code)),
     ("deleted by someone else",
      lambda f: (f.deleted or f.deleting) and not f.we_deleted,
-     lambda f: Verdict("gone", f"pod {f.name} deleted by someone else", "free", f.exit_code)),
+     lambda f: Verdict("gone", f"pod {f.name} deleted by someone else"
+                       + (f" (the worker left on SIGTERM, {_exit_text(f)})" if f.exit_code == WORKER_LEFT_EXIT_CODE else ""),
+                       "free", f.exit_code, left=f.exit_code == WORKER_LEFT_EXIT_CODE)),
     ("stopped by the master",
      lambda f: (f.deleted or f.deleting) and f.we_deleted,
      lambda f: Verdict("gone", f"pod {f.name} deleted by the master", "count", f.exit_code)),
