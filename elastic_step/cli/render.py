@@ -85,13 +85,25 @@ def worker_table(rows: list[dict]) -> Table:
     return table
 
 
+def ps_shard_table(rows: list[dict]) -> Table:
+    """A --mode ps job's parameter-server shards: where each listens, what it holds and did."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("PS SHARD", "ADDRESS", "STATE", "ROWS", "MEMORY", "PUSHES", "RELAUNCHES"):
+        table.add_column(column, no_wrap=True)
+    for r in rows:
+        row(table, str(r["shard"]), r["address"], r["state"], str(r["rows"]), size(r["bytes"]), str(r["pushes"]), str(r["relaunches"]))
+    return table
+
+
 def describe_event(e: dict) -> str:
     kind = e["event"]
     extra = {k: v for k, v in e.items() if k not in ("time", "event", "message", "members")}
     if kind == "regrouped":
         text = f"round {e['round']}: {e['world_size']} workers {', '.join(e.get('members', []))}, from step {e.get('start_step')}"
     elif kind == "recovered":
-        text = f"round {e['round']} trained again {e['seconds']:.2f}s after: {e.get('cause', '')}"
+        # An ended job's events read back from MLflow's metric history carry no round or cause.
+        within = f"round {e['round']} " if "round" in e else ""
+        text = f"{within}trained again {e['seconds']:.2f}s after: {e.get('cause', '')}".rstrip(": ")
     elif kind == "checkpoint":
         text = f"step {e['step']} (epoch {e.get('epoch', 0) + 1})"
     else:
@@ -114,6 +126,8 @@ def event_table(events: list[dict]) -> Table:
 
 def job_tables(view: dict) -> Group:
     parts = [Text(printable("\n".join(summary_lines(view["summary"])))), Text(""), worker_table(view["workers"])]
+    if view.get("ps_shards"):
+        parts += [Text(""), ps_shard_table(view["ps_shards"])]
     if "events" in view:
         parts += [Text(""), Text("events", style="bold"), event_table(view["events"])]
     return Group(*parts)
