@@ -57,8 +57,11 @@ class FakeKServe(ServingCluster):
     def mark_served(self, name: str, version: str) -> None:  # a merge patch of one annotation
         self.objects[name]["metadata"].setdefault("annotations", {})[SERVED_VERSION_ANNOTATION] = version
 
-    def roll_back_inference_service(self, name: str) -> None:
+    def roll_back_inference_service(self, name: str, annotations: dict | None = None) -> None:
         self.objects[name]["spec"]["predictor"]["canaryTrafficPercent"] = 0
+        kept = self.objects[name]["metadata"].setdefault("annotations", {})
+        for key, value in (annotations or {}).items():  # a merge patch: None removes
+            kept.pop(key, None) if value is None else kept.__setitem__(key, value)
 
     def serving_address(self) -> str:
         """The address of the revision that takes all traffic (after a rollout or a rollback)."""

@@ -6,7 +6,8 @@ slower here and its pods share the host's network), every request made through t
 the InferenceService's route, as a client of the cluster makes it.
 
 The tests of this module run in order on one cluster: a first deploy serves, a canary shifts the
-traffic, a bad version rolls back, then the kserve target."""
+traffic, a bad version rolls back, a rollback returns to the replaced version; then the same for
+the kserve target."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kubernetes import client as k8s
 from mlflow.tracking import MlflowClient
 
 from cluster import Cluster
+from elastic_step.errors import JobFailed
 from cluster.apps import start_apps
 from cluster.kserve import install_kserve
 from cluster.network import available
@@ -74,7 +76,7 @@ def world(tmp_path_factory):
         os.makedirs(server.root, exist_ok=True)
         gateway = f"{cluster.network.gateway}:{server.port}"
         server.allowed_hosts = [gateway, f"127.0.0.1:{server.port}", f"localhost:{server.port}"]
-        server.start()
+        server.start(timeout=300)  # a loaded 2-core machine: minutes
         apps = start_apps(cluster)
         kserve = install_kserve(cluster, apps)
         try:
@@ -181,6 +183,14 @@ def test_a_bad_version_rolls_back_and_the_cli_exits_non_zero_with_the_reason(wor
     assert [d["metadata"]["name"] for d in world.cluster.objects("deployments")] == ["digits-stable"]
 
 
+def test_a_rollback_returns_stable_to_the_version_it_replaced(world):
+    good, better = world.versions["good"], world.versions["better"]
+    back = world.deploy("digits", "mlflow", rollback=True)
+    assert (back.version, back.previous_version) == (good, better)
+    url = world.apps.service_url(world.cluster.namespace, "digits")
+    assert {world.which(answer(url)) for _ in range(4)} == {good}
+
+
 def test_the_kserve_target_through_kserves_controller_rolls_a_canary_out(world):
     good, better = world.versions["good"], world.versions["better"]
     first = world.deploy("kdigits", "kserve", version=good)
@@ -197,3 +207,20 @@ def test_the_kserve_target_through_kserves_controller_rolls_a_canary_out(world):
         "kdigits-predictor-00002", "kdigits-predictor-00001")
     assert isvc["spec"]["predictor"]["canaryTrafficPercent"] == 100  # the canary, once Ready, took all the traffic
     assert {world.which(answer(second.endpoint)) for _ in range(4)} == {better}
+
+
+def test_a_bad_kserve_canary_sends_the_traffic_back_and_a_rollback_rolls_the_replaced_version_out(world):
+    good, bad, better = world.versions["good"], world.versions["bad"], world.versions["better"]
+    with pytest.raises(JobFailed, match=r"^InferenceService 'kdigits' was not Ready within 45s: Revision "
+                                        r'"kdigits-predictor-00003" failed with message: container kserve-container '
+                                        rf"exited with code 1\.; traffic stays on version {better}$"):
+        world.deploy("kdigits", "kserve", version=bad, timeout=45)
+    isvc = world.cluster.server.get("inferenceservices", world.cluster.namespace, "kdigits")
+    assert isvc["spec"]["predictor"]["canaryTrafficPercent"] == 0  # KServe: all to the last rolled-out revision
+    assert isvc["status"]["components"]["predictor"]["traffic"] == [
+        {"revisionName": "kdigits-predictor-00002", "percent": 100, "latestRevision": False}]
+    assert {world.which(answer(isvc["status"]["url"])) for _ in range(4)} == {better}
+
+    back = world.deploy("kdigits", "kserve", rollback=True)
+    assert (back.version, back.previous_version) == (good, better)
+    assert {world.which(answer(back.endpoint)) for _ in range(4)} == {good}

@@ -102,9 +102,12 @@ class ServingCluster:
         patch = {"metadata": {"annotations": {SERVED_VERSION_ANNOTATION: version}}}
         self.custom.patch_namespaced_custom_object(KSERVE_GROUP, KSERVE_VERSION, self.namespace, KSERVE_PLURAL, name, patch)
 
-    def roll_back_inference_service(self, name: str) -> None:
-        """All traffic back to the last rolled-out revision (KServe: canaryTrafficPercent 0)."""
+    def roll_back_inference_service(self, name: str, annotations: dict | None = None) -> None:
+        """All traffic back to the last rolled-out revision (KServe: canaryTrafficPercent 0), and
+        `annotations` as they were before the failed rollout (None: an annotation removed)."""
         patch = {"spec": {"predictor": {"canaryTrafficPercent": 0}}}
+        if annotations:
+            patch["metadata"] = {"annotations": annotations}
         self.custom.patch_namespaced_custom_object(KSERVE_GROUP, KSERVE_VERSION, self.namespace, KSERVE_PLURAL, name, patch)
 
     # -- the mlflow target -----------------------------------------------------------------------

@@ -14,13 +14,14 @@ def apply_kserve(cluster, registered_model: str, model: ServedModel | None, sett
                  mlflow_uri: str | None) -> DeployResult:
     existing = cluster.inference_service(settings.name)
     previous = _rolled_out_version(existing)
+    # what a rollback returns to while the rolled-out revision serves: kept if this rollout fails
+    replaced = (existing or {}).get("metadata", {}).get("annotations", {}).get(PREVIOUS_VERSION_ANNOTATION) or None
     if model is None:  # --rollback: the version this one replaced, rolled out again as a new revision
         # (canaryTrafficPercent 0 only returns to the last rolled-out revision, which after a
         # completed rollout is the current one: KServe's ksvc reconciler)
-        before = (existing or {}).get("metadata", {}).get("annotations", {}).get(PREVIOUS_VERSION_ANNOTATION, "")
-        if not before:
+        if not replaced:
             raise ConfigError(f"InferenceService {settings.namespace}/{settings.name} has no previous revision to roll back to")
-        model = resolve(registered_model, before, mlflow_uri)
+        model = resolve(registered_model, replaced, mlflow_uri)
     (obj,) = render_objects(model, Target.KSERVE, settings, canary=bool(previous), previous_version=previous)
     written = cluster.write_inference_service(obj, existing)
     try:
@@ -31,7 +32,7 @@ def apply_kserve(cluster, registered_model: str, model: ServedModel | None, sett
             url = cluster.wait_inference_service(settings.name, written["metadata"].get("generation", 1), timeout)
     except JobFailed as exc:
         if previous:
-            cluster.roll_back_inference_service(settings.name)
+            cluster.roll_back_inference_service(settings.name, {PREVIOUS_VERSION_ANNOTATION: replaced})
         raise failed(str(exc), previous) from None
     cluster.mark_served(settings.name, model.version)
     return DeployResult(Target.KSERVE, settings.name, settings.namespace, model.version, url, previous, [obj], True)
