@@ -74,6 +74,7 @@ def test_a_pod_that_does_not_fit_stays_unschedulable_until_capacity_returns(clus
     waiting = wait_for(lambda: [c for c in (api.read_namespaced_pod("late", ns).status.conditions or [])
                                 if c.type == "PodScheduled" and c.status == "False"], 10, "late marked unschedulable")
     assert waiting[0].reason == "Unschedulable" and "0/1 nodes are available: 1 Insufficient cpu." in waiting[0].message
+    assert "No preemption victims found" in waiting[0].message  # it would fit once `big` is gone
     late = api.read_namespaced_pod("late", ns)
     assert late.status.phase == "Pending" and late.spec.node_name is None
     events = api.list_namespaced_event(ns, field_selector=f"involvedObject.name=late,involvedObject.uid={late.metadata.uid}").items
@@ -88,6 +89,9 @@ def test_a_pod_that_does_not_fit_stays_unschedulable_until_capacity_returns(clus
     waiting = wait_for(lambda: [c for c in (api.read_namespaced_pod("hungry", ns).status.conditions or [])
                                 if c.type == "PodScheduled" and c.status == "False"], 10, "hungry marked unschedulable")
     assert "Insufficient memory" in waiting[0].message
+    # More than the node's allocatable: nothing freed could help, as kube-scheduler says (a pod the
+    # master gives up after --pending-timeout, where one that only waits for capacity waits on).
+    assert "Preemption is not helpful for scheduling" in waiting[0].message
     api.delete_namespaced_pod("big", ns, grace_period_seconds=0)  # a finished or deleted pod frees what it held
     cluster.set_allocatable(memory="2Gi")
     wait_for(lambda: api.read_namespaced_pod("hungry", ns).status.phase == "Running", 30, "hungry running")

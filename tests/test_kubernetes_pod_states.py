@@ -3,7 +3,7 @@
 
 from kubernetes import client as k8s
 
-from elastic_step.backends.kubernetes.pod_states import judge, read_facts
+from elastic_step.backends.kubernetes.pod_states import is_stuck_waiting, judge, read_facts
 
 
 def pod(phase="Running", *, terminated=None, waiting=None, conditions=None, reason=None, deleting=False, memory="1Gi"):
@@ -98,12 +98,22 @@ def test_an_invalid_image_name_fails_at_once():
     assert (row, v.relaunch) == ("invalid image", "never")
 
 
-def test_unschedulable_waits_for_the_timeout_then_says_why():
-    p = pod("Pending", conditions=[("PodScheduled", "False", "Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")])
-    p.status.container_statuses = None
-    assert verdict_of(p, pending_s=299)[1].state == "starting"
-    row, v = verdict_of(p, pending_s=301)
+def test_a_pod_waiting_for_capacity_waits_and_one_no_node_can_take_is_refused_after_the_timeout():
+    waiting = pod("Pending", conditions=[("PodScheduled", "False", "Unschedulable",
+                                          "0/3 nodes are available: 3 Insufficient cpu. preemption: 0/3 nodes are available: "
+                                          "3 No preemption victims found for incoming pod.")])
+    waiting.status.container_statuses = None
+    assert verdict_of(waiting, pending_s=100_000)[1].state == "starting"  # capacity may come back: no clock
+    assert not is_stuck_waiting(read_facts(waiting, deleted=False, we_deleted=False))
+    never = pod("Pending", conditions=[("PodScheduled", "False", "Unschedulable",
+                                        "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are "
+                                        "available: 3 Preemption is not helpful for scheduling.")])
+    never.status.container_statuses = None
+    assert is_stuck_waiting(read_facts(never, deleted=False, we_deleted=False))
+    assert verdict_of(never, pending_s=299)[1].state == "starting"
+    row, v = verdict_of(never, pending_s=301)
     assert (row, v.relaunch) == ("cannot be scheduled", "never") and "Insufficient nvidia.com/gpu" in v.reason
+    assert "\n" not in v.reason  # one line, as `get` shows it
 
 
 def test_running_and_starting():

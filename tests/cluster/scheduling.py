@@ -15,7 +15,8 @@ As kube-scheduler does (pkg/scheduler/framework/plugins):
   also a `FailedScheduling` Warning event (what `kubectl describe pod` lists),
   and is tried again whenever a pod or the node changes (a pod ends, capacity returns);
 - higher `spec.priority` first, then the older pod.
-Not modelled: preemption (the message says no victims were found), taints and tolerations,
+Not modelled: preemption (the message says no victims were found, or, for a pod that could not fit
+the node even empty, that preemption is not helpful, as kube-scheduler says it), taints and tolerations,
 affinity, topology spread, extended resources other than `nvidia.com/gpu`.
 """
 
@@ -103,9 +104,16 @@ def unfit_reasons(pod: dict, node: dict, bound: list[dict]) -> list[str]:
     return reasons
 
 
-def unschedulable_message(reasons: list[str]) -> str:
-    return (f"0/1 nodes are available: {', '.join('1 ' + r for r in reasons)}. preemption: 0/1 nodes are available: "
-            "1 No preemption victims found for incoming pod.")
+def unschedulable_message(reasons: list[str], never_fits: bool = False) -> str:
+    """kube-scheduler's words; `never_fits`: no freed capacity could help (the pod asks more than
+    the node's allocatable, or the node does not match it), which its preemption says so."""
+    preemption = "1 Preemption is not helpful for scheduling." if never_fits else "1 No preemption victims found for incoming pod."
+    return f"0/1 nodes are available: {', '.join('1 ' + r for r in reasons)}. preemption: 0/1 nodes are available: {preemption}"
+
+
+def never_fits(pod: dict, node: dict) -> bool:
+    """Whether `pod` could not go to `node` even with nothing else on it."""
+    return bool(unfit_reasons(pod, node, [])) and not (node.get("spec") or {}).get("unschedulable")
 
 
 class Scheduler:
@@ -170,7 +178,7 @@ class Scheduler:
         for pod in pending:
             reasons = unfit_reasons(pod, node, bound)
             if reasons:
-                self._mark_unschedulable(pod, unschedulable_message(reasons))
+                self._mark_unschedulable(pod, unschedulable_message(reasons, never_fits(pod, node)))
                 continue
             if self._bind(pod):
                 pod["spec"]["nodeName"] = self.node_name

@@ -20,6 +20,10 @@ STUCK_WAITING = IMAGE_ERRORS + ("CreateContainerConfigError", "CreateContainerEr
 PREEMPTION = ("PreemptionByScheduler", "PreemptionByKubeScheduler")
 EVICTION = ("EvictionByEvictionAPI", "TerminationByKubelet", "DeletionByTaintManager", "DeletionByPodGC")
 NODE_LOSS = ("NodeLost", "Shutdown", "NodeShutdown", "Terminated", "UnexpectedAdmissionError")
+# What kube-scheduler adds to an Unschedulable message when no node could ever take the pod (a
+# request beyond every node's allocatable, a node selector no node matches): freeing capacity,
+# by preemption or by other jobs ending, cannot help. Without it the pod waits for capacity.
+NEVER_FITS = "Preemption is not helpful for scheduling"
 
 
 @dataclass
@@ -169,8 +173,10 @@ TABLE: list[Rule] = [
      lambda f: f.waiting in IMAGE_ERRORS and _stuck(f),
      lambda f: Verdict("gone", f"pod {f.name} could not pull image {f.image!r} for {f.pending_s:.0f}s ({f.waiting}: "
                        f"{f.waiting_message or 'no message'}); check --image and --image-pull-secret", "never")),
+    # Only a pod no node can ever take is given up; one that waits for capacity (other pods hold
+    # it) waits as long as it takes: the job runs shrunk and grows back when capacity returns.
     ("cannot be scheduled",
-     lambda f: bool(f.unschedulable) and _stuck(f),
+     lambda f: NEVER_FITS in f.unschedulable and _stuck(f),
      lambda f: Verdict("gone", f"pod {f.name} unschedulable for {f.pending_s:.0f}s ({f.unschedulable}); lower "
                        "--worker-cpu/--worker-memory/--worker-gpus or check --node-selector and --toleration", "never")),
     ("cannot be created",
@@ -195,4 +201,4 @@ def judge(facts: PodFacts) -> tuple[str, Verdict]:
 
 def is_stuck_waiting(facts: PodFacts) -> bool:
     """A pending pod that will not start by itself: its clock towards the pending timeout runs."""
-    return facts.phase == "Pending" and (facts.waiting in STUCK_WAITING or bool(facts.unschedulable))
+    return facts.phase == "Pending" and (facts.waiting in STUCK_WAITING or NEVER_FITS in facts.unschedulable)
