@@ -261,7 +261,8 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     running.callback(step_log.close)
 
     resuming = initial is not None and initial.kind == "checkpoint"
-    ps_routing = start_ps_shards(config, token_file, running, resuming)  # mode ps: the shards, stopped after the workers
+    # mode ps: the shards (stopped after the workers), and their numbers for /status and the run
+    ps_routing, ps_shards = start_ps_shards(config, token_file, running, resuming, metric=recorder.tracker.log_metric)
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
@@ -279,6 +280,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
         step_log=step_log, initial_state=initial,
         on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None, spares=config.spares,
+        ps_shards=ps_shards,
     )
     # Registered before the API's stop, so it runs after it: the folder then names no address
     # where a later process could listen and be handed the token.

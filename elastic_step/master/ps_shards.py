@@ -8,6 +8,9 @@ routing table with the shards' addresses in their job spec (`ps_routing`).
 While they run the master's own model (validation) pulls from them. At the job's end they are
 sent SIGTERM, which makes each take a last snapshot, and the master's models get the trained
 tables from those snapshots as buffers (the test-set evaluation, the exported models).
+
+`get`, `top` and /status show each shard (ShardMonitor: its address, state, rows, bytes, pushes
+applied and relaunches), and the job's MLflow run gets each shard's numbers as ps.shardI.*.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -27,9 +31,9 @@ import numpy as np
 from elastic_step.config import TrainConfig
 from elastic_step.errors import ConfigError
 from elastic_step.frameworks.model_def import load_model_definition
-from elastic_step.protocol import TrainingMode
+from elastic_step.protocol import PsShardState, TrainingMode
 from elastic_step.ps import snapshot
-from elastic_step.ps.api import TableSpec
+from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.local import LocalShards
 from elastic_step.ps.state import SNAPSHOT_FILE
@@ -60,15 +64,20 @@ def check_ps_tables(config: TrainConfig, trainer) -> None:
         table_specs(config.model_def, getattr(trainer, "net", None) or getattr(trainer, "model", None))
 
 
-def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack, resuming: bool = False) -> dict:
-    """Start the job's shards (nothing for another mode); the job spec's `ps_routing`.
+Metric = Callable[[str, float, int, float], None]  # (key, value, step, time): the run's log_metric
+
+
+def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack, resuming: bool = False,
+                    metric: Metric | None = None) -> tuple[dict, ShardMonitor | None]:
+    """Start the job's shards (nothing for another mode): the job spec's `ps_routing`, and the
+    monitor whose rows /status shows (None for another mode).
 
     A job resumed from a checkpoint keeps its shards' folders: their snapshots and ledgers hold
     every update acknowledged before the master stopped, and the rows re-trained after the
     checkpoint push the same keys, which the shards drop, so each minibatch still updates each
     row once. Any other start begins with empty tables."""
     if config.mode != TrainingMode.PS:
-        return {}
+        return {}, None
     specs = table_specs(config.model_def)
     root = os.path.join(config.job_dir, "ps")
     if not resuming:
@@ -76,7 +85,10 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     shards = LocalShards(root, specs, config.ps_shards, token_file)
     running.callback(_stop_and_freeze, shards, specs)
     shards.start()
-    running.callback(ShardSupervisor(shards).start().stop)  # stops before the shards do (last in, first out)
+    supervisor = ShardSupervisor(shards).start()
+    running.callback(supervisor.stop)  # stops before the shards do (last in, first out)
+    monitor = ShardMonitor(supervisor, _read_token(token_file), metric).start()
+    running.callback(monitor.stop)
     routes = shards.routes()
     from elastic_step.ps.torch_embedding import bind_tables
 
@@ -85,7 +97,7 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     bind_tables({spec.name: partial(live.pull, spec.name) for spec in specs})  # validation during training
     log.info("parameter servers: %d shards at %s holding %s", config.ps_shards, ", ".join(routes.endpoints),
              ", ".join(f"{s.name} (dim {s.dim}, {s.optimizer})" for s in specs))
-    return routes.to_json()
+    return routes.to_json(), monitor
 
 
 def _read_token(path: str) -> str:
@@ -149,8 +161,8 @@ class ShardSupervisor:
         self.shards = shards
         self.ports = [int(shard.ready()["port"]) for shard in shards.shards]
         self.stopping = threading.Event()
-        self.relaunches = 0
-        self.given_up: set[int] = set()
+        self.states = [PsShardState.SERVING for _ in shards.shards]  # read by ShardMonitor, written here only
+        self.relaunches = [0 for _ in shards.shards]
         self.thread = threading.Thread(target=self._watch, name="ps-supervisor", daemon=True)
 
     def start(self) -> ShardSupervisor:
@@ -164,13 +176,15 @@ class ShardSupervisor:
     def _watch(self) -> None:
         while not self.stopping.wait(self.POLL_S):
             for shard, port in zip(self.shards.shards, self.ports):
-                if shard.process.poll() is not None and shard.shard not in self.given_up and not self.stopping.is_set():
+                down = self.states[shard.shard] is PsShardState.DOWN
+                if shard.process.poll() is not None and not down and not self.stopping.is_set():
                     self._relaunch(shard, port)
 
     def _relaunch(self, shard, port: int) -> None:
         log.warning("parameter-server shard %d exited with code %s: relaunching it on port %d", shard.shard,
                     shard.process.returncode, port)
         started = time.monotonic()
+        self.states[shard.shard] = PsShardState.RELAUNCHING
         for _ in range(self.TRIES):
             shard.start(port)
             try:
@@ -183,11 +197,69 @@ class ShardSupervisor:
                 if self.stopping.wait(1.0):
                     return
                 continue
-            self.relaunches += 1
+            self.relaunches[shard.shard] += 1
+            self.states[shard.shard] = PsShardState.SERVING
             log.info("parameter-server shard %d back in %.2f s: snapshot loaded in %.3f s, %d ledger records replayed "
                      "in %.3f s", shard.shard, time.monotonic() - started, info.get("load_s", 0.0),
                      info.get("replayed", 0), info.get("replay_s", 0.0))
             return
         log.error("parameter-server shard %d is down for good after %d tries; the workers' pushes to it will fail",
                   shard.shard, self.TRIES)
-        self.given_up.add(shard.shard)
+        self.states[shard.shard] = PsShardState.DOWN
+
+
+class ShardMonitor:
+    """Each shard's numbers for /status and the MLflow run: its `stats` asked every STATS_S on
+    this thread (never under the master's lock; a shard that does not answer keeps its last
+    numbers), its state and relaunches from the supervisor. Logged as ps.shardI.rows, .bytes
+    and .pushes (their sums over the shard's tables), the poll's count as the metric's step."""
+
+    STATS_S = 2.0
+
+    def __init__(self, supervisor: ShardSupervisor, token: str, metric: Metric | None = None):
+        self.supervisor = supervisor
+        self.metric = metric
+        self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
+        self.client = PsClient(token, lambda: None, timeout_s=5.0)  # call() only: no routing needed
+        self.numbers = [{"rows": 0, "bytes": 0, "pushes": 0} for _ in self.addresses]
+        self.polls = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="ps-monitor", daemon=True)
+
+    def start(self) -> ShardMonitor:
+        self.poll()  # the first rows before /status is first asked
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+        self.poll()  # the shards' last numbers, before they are stopped
+        self.client.close()
+
+    def rows(self) -> list[dict]:
+        """One PsShardStatus each, as of the last poll."""
+        return [{"shard": i, "address": address, "state": self.supervisor.states[i], **self.numbers[i],
+                 "relaunches": self.supervisor.relaunches[i]} for i, address in enumerate(self.addresses)]
+
+    def poll(self) -> None:
+        self.polls += 1
+        now = time.time()
+        for i, address in enumerate(self.addresses):
+            try:
+                reply, _ = self.client.call(address, {"op": "stats"})
+            except (OSError, ValueError) as exc:  # down or relaunching: its last numbers stand
+                log.debug("parameter-server shard %d did not answer its stats: %s", i, exc)
+                continue
+            if reply.get("status") != Status.OK:
+                log.debug("parameter-server shard %d refused its stats: %s", i, reply.get("detail"))
+                continue
+            tables = reply.get("tables", {}).values()
+            self.numbers[i] = {key: sum(int(t[key]) for t in tables) for key in ("rows", "bytes", "pushes")}
+            if self.metric is not None:
+                for key, value in self.numbers[i].items():
+                    self.metric(f"ps.shard{i}.{key}", value, self.polls, now)
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(self.STATS_S):
+            self.poll()

@@ -83,6 +83,7 @@ class MasterState:
         initial_state: InitialState | None = None,
         on_checkpoint: Callable[[int, int, bytes, dict], None] | None = None,
         spares: int = 0,
+        ps_shards=None,
     ):
         self.lock = MasterLock()  # disk writes queued under it run once it is released
         self.spec = spec
@@ -92,6 +93,7 @@ class MasterState:
         self.backend = backend
         self.events = events
         self.step_log = step_log
+        self.ps_shards = ps_shards  # a --mode ps job's ShardMonitor (master/ps_shards.py): its rows in /status
         self.checkpoints = CheckpointPairing(on_checkpoint)
         self.timeouts = timeouts or Timeouts()
         self.membership = Membership(backend, min_workers, max_workers, max_relaunches, self.timeouts,

@@ -34,6 +34,7 @@ def job_status(master) -> dict:
         "spares": membership.spares,
         "workers": [_worker(w, current, master.backend, membership.is_spare(w, current))
                     for w in membership.workers.values() if w.alive or w.exit_reason],
+        "ps_shards": master.ps_shards.rows() if master.ps_shards is not None else [],
     }).model_dump(mode="json")
 
 

@@ -131,6 +131,17 @@ def worker_rows(status: dict, now: float) -> list[dict]:
     return rows
 
 
+def ps_shard_rows(status: dict, live: bool) -> list[dict]:
+    """One row per parameter-server shard, as the master last polled it; an ended job's shards
+    are stopped with it (their last numbers stand)."""
+    keys = ("shard", "address", "state", "rows", "bytes", "pushes", "relaunches")
+    rows = [{k: s.get(k) for k in keys} for s in status.get("ps_shards", [])]
+    for r in rows:
+        if not live and r["state"] != "down":
+            r["state"] = "ended"
+    return rows
+
+
 def tensorboard_command(job: dict, job_dir: str) -> str:
     """How to look at the job's TensorBoard scalars: its folder's, or, for a master in a pod
     (whose folder nobody outside it reads), the copy in its MLflow run."""
@@ -215,6 +226,8 @@ def view_of(job: dict, where: str, with_events: bool = False, now: float | None 
             if r["state"] != "gone":
                 r["state"] = "ended"
     view = {"summary": summary(job, where, now), "workers": rows}
+    if job["status"].get("ps_shards"):  # a --mode ps job's parameter-server shards
+        view["ps_shards"] = ps_shard_rows(job["status"], job["live"])
     if with_events:
         view["events"] = membership_events(job["events"])
     return view
