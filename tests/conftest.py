@@ -161,3 +161,16 @@ def mlflow_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, digits, mlflow_server):
+    """One finished job on the digits model (2 workers, 2 epochs, a checkpoint every 20 steps)
+    recorded on `mlflow_server` in the experiment "recorded": what a run records, and the champion
+    that warm-start tests start from. Made once: each job costs seconds of process start-up."""
+    job = Job(str(tmp_path_factory.mktemp("trained") / "job"),
+              ["--data", digits, "--workers", "2", "--epochs", "2", "--model-def", MODEL, "--minibatch-size", "16",
+               "--minibatches-per-task", "2", "--mlflow-uri", mlflow_server.uri, "--experiment", "recorded",
+               "--checkpoint-steps", "20"])
+    assert job.finish() == 0, job.output()
+    return job

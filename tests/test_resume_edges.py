@@ -37,15 +37,13 @@ def first_loss(job_dir: str) -> float:
         return json.loads(f.readline())["loss"]
 
 
-def test_resume_before_the_first_checkpoint_starts_over_exactly_and_keeps_the_warm_start(digits, start_job, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    base = start_job("--data", digits, "--workers", "2", "--epochs", "2", "--model-def", MODEL, *FAST,
-                     "--mlflow-uri", uri, "--checkpoint-steps", "20", name="champion")
-    assert base.finish() == 0, base.output()
-    champion = base.result()["run_id"]
+def test_resume_before_the_first_checkpoint_starts_over_exactly_and_keeps_the_warm_start(digits, start_job, mlflow_server, trained_run):
+    # The champion: a finished 2-epoch run of MODEL on the same tracking server.
+    base, champion = trained_run, trained_run.result()["run_id"]
 
     # A retraining step that warm-starts from the champion; no checkpoint before the epoch ends.
-    args = ["--data", digits, "--workers", "2", "--epochs", "2", "--model-def", SLOW_MODEL, *FAST, "--mlflow-uri", uri,
+    args = ["--data", digits, "--workers", "2", "--epochs", "2", "--model-def", SLOW_MODEL, *FAST,
+            "--mlflow-uri", mlflow_server.uri, "--experiment", "resume-before-checkpoint",
             "--checkpoint-steps", "1000", "--init-from", champion]
     first = start_job(*args, name="job")
     first.wait_for(lambda s: s["rows_done"] > 0.15 * s["rows_total"])

@@ -18,11 +18,9 @@ pytestmark = pytest.mark.e2e
 FAST = ["--minibatch-size", "16", "--minibatches-per-task", "2"]
 
 
-def test_run_records_params_metrics_events_plots_checkpoints_and_a_model_that_loads(digits, start_job, mlflow_server, tmp_path):
-    job = start_job("--data", digits, "--workers", "2", "--epochs", "2", "--model-def", MODEL, *FAST,
-                    "--mlflow-uri", mlflow_server.uri, "--experiment", "recorded", "--checkpoint-steps", "20")
-    assert job.finish() == 0, job.output()
-    result = job.result()
+def test_run_records_params_metrics_events_plots_checkpoints_and_a_model_that_loads(digits, trained_run, mlflow_server, tmp_path):
+    # trained_run: 2 workers, 2 epochs of MODEL, --experiment recorded --checkpoint-steps 20
+    result = trained_run.result()
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(result["run_id"])
     assert run.info.status == "FINISHED"
@@ -73,15 +71,13 @@ def first_loss(job_dir):
         return json.loads(f.readline())["loss"]
 
 
-def test_warm_start_from_the_champion_lowers_the_first_step_loss(digits, start_job, mlflow_server):
+def test_warm_start_from_the_champion_lowers_the_first_step_loss(digits, start_job, mlflow_server, trained_run):
     common = ["--data", digits, "--workers", "2", "--model-def", MODEL, *FAST, "--mlflow-uri", mlflow_server.uri,
               "--experiment", "warm", "--seed", "3"]
-    base = start_job(*common, "--epochs", "3", name="base")
-    assert base.finish() == 0, base.output()
     import mlflow
 
     mlflow.set_tracking_uri(mlflow_server.uri)
-    version = mlflow.register_model(base.result()["model_uri"], "digits-warm")
+    version = mlflow.register_model(trained_run.result()["model_uri"], "digits-warm")  # trained 2 epochs
     MlflowClient(mlflow_server.uri).set_registered_model_alias("digits-warm", "champion", version.version)
 
     cold = start_job(*common, "--epochs", "1", name="cold")
