@@ -38,7 +38,7 @@ cluster-stop:
 # URI and user from the Secret mlflow-credentials (elastic_step.defaults.MLFLOW_CREDENTIALS_SECRET).
 compile: $(STAMP)
 	$(PY) -m elastic_step.pipelines.compile $(IMAGE_ARGS)
-	$(PY) -m elastic_step.cli argo render --pipeline all --out pipelines/argo --mlflow-credentials mlflow-credentials $(IMAGE_ARGS)
+	$(PY) -m elastic_step.cli argo render --pipeline all --out pipelines/argo --mlflow-secret mlflow-credentials $(IMAGE_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

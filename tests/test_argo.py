@@ -592,7 +592,8 @@ def test_render_cli_writes_the_files(tmp_path, capsys):
     (["--timezone", "Mars/Olympus"], "--timezone"),
     (["--mlflow-secret", "MLflow"], "--mlflow-secret"),
     (["--train-retries", "-1"], "--train-retries"),
-    (["--mlflow-credentials", "MLflow Users"], "--mlflow-credentials"),
+    (["--mlflow-secret", "MLflow Users"], "--mlflow-secret"),
+    (["--mlflow-secret", "MLflow:tracking-uri"], "--mlflow-secret"),
     (["--data-store", "/mnt/data"], "--data-store"),
     (["--data-store", "s3://b/{{workflow.parameters.x}}"], "--data-store"),
     (["--data-store", "s3://b/p", "--pvc", "shared"], "choose one"),
@@ -604,6 +605,24 @@ def test_render_cli_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, caps
     assert main(["argo", "render", "--pipeline", "all", "--out", str(out)] + flags) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_old_secret_flags_render_as_before_and_say_the_new_name(tmp_path, capsys):
+    """Scripts written for the old flags keep working: `--mlflow-credentials NAME` renders what
+    `--mlflow-secret NAME` does, and `--mlflow-secret NAME:KEY` still takes the URI alone from
+    KEY; each says, in one line, what to write instead."""
+    def rendered(*flags: str) -> tuple[str, str]:
+        out = tmp_path / "-".join(flags)
+        assert main(["argo", "render", "--pipeline", "training", "--out", str(out), *flags]) == 0
+        return (out / "training-workflowtemplate.yaml").read_text(), capsys.readouterr().err
+
+    new, quiet = rendered("--mlflow-secret", "mlflow-credentials")
+    assert quiet == "" and "name: mlflow-credentials" in new and "MLFLOW_TRACKING_PASSWORD" in new
+    old, said = rendered("--mlflow-credentials", "mlflow-credentials")
+    assert old == new and said.count("\n") == 1 and "--mlflow-credentials is deprecated, use --mlflow-secret" in said
+    uri_only, said = rendered("--mlflow-secret", "mlflow:tracking-uri")
+    assert "key: tracking-uri" in uri_only and "MLFLOW_TRACKING_PASSWORD" not in uri_only
+    assert said.count("\n") == 1 and "deprecated" in said
 
 
 def test_render_cli_refuses_a_file_as_out(tmp_path, capsys):

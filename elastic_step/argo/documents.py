@@ -132,7 +132,7 @@ class RenderOptions:
         if self.train_gpus < 0:
             raise ConfigError(f"--train-gpus {self.train_gpus} must be 0 or more")
         for flag, name in (("--pvc", self.pvc), ("--mlflow-secret", self.secret_name),
-                           ("--mlflow-credentials", self.mlflow_credentials), ("--store-secret", self.store_secret)):
+                           ("--mlflow-secret", self.mlflow_credentials), ("--store-secret", self.store_secret)):
             if name is not None and not DNS_1123.match(name):
                 raise ConfigError(f"{flag} {name!r} is not a valid Kubernetes name (lower-case letters, digits, '-')")
         if self.train_retries < 0:

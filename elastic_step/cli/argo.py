@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from elastic_step import defaults
+from elastic_step.cli.aliases import add_alias
+
 
 def register(sub) -> None:
     p = sub.add_parser("argo", help="Argo Workflows YAML for the pipelines")
@@ -19,14 +22,13 @@ def register(sub) -> None:
                    help="Secret with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for the data store, given to "
                         "every step (and by reference to the train step's worker pods)")
     r.add_argument("--store-endpoint", metavar="URL", help="AWS_ENDPOINT_URL of an S3-compatible data store (MinIO)")
-    r.add_argument("--mlflow-secret", metavar="NAME[:KEY]",
-                   help="take MLFLOW_TRACKING_URI from this Secret (key default: tracking-uri) instead of the "
-                        "mlflow-uri workflow parameter")
-    r.add_argument("--mlflow-credentials", metavar="NAME",
-                   help="Secret with keys username and password of an MLflow user (deploy/mlflow's server needs "
-                        "one), given to every step as MLFLOW_TRACKING_USERNAME/PASSWORD, and uri, the server they "
-                        "are for (unless --mlflow-secret names another): with credentials there is no mlflow-uri "
-                        "workflow parameter, so whoever submits a run cannot send the password elsewhere")
+    r.add_argument("--mlflow-secret", metavar="NAME",
+                   help="Secret with keys uri, username and password of an MLflow user (deploy/mlflow's server needs "
+                        "one; default name elastic-step expects: %s), given to every step as MLFLOW_TRACKING_URI, "
+                        "_USERNAME and _PASSWORD: the URI is fixed with the password, so there is no mlflow-uri "
+                        "workflow parameter and whoever submits a run cannot send the password elsewhere. Without it: "
+                        "the mlflow-uri workflow parameter, no user" % defaults.MLFLOW_CREDENTIALS_SECRET)
+    add_alias(r, "--mlflow-credentials", "--mlflow-secret", dest="mlflow_secret")
     r.add_argument("--image", help="container image of every step and of the worker pods (default: ELASTIC_STEP_IMAGE, "
                                    "else the project image)")
     r.add_argument("--image-registry", metavar="REGISTRY",
@@ -84,8 +86,9 @@ def run_render(args) -> int:
             extra["image"] = chosen_image(args.image, args.image_registry, args.image_version)
         except ImageNameError as exc:
             raise ConfigError(f"--image-registry/--image-version: {exc}") from None
+    uri_secret, credentials = mlflow_secrets(args.mlflow_secret)
     options = RenderOptions(pvc=args.pvc, data_store=args.data_store, store_secret=args.store_secret,
-                            store_endpoint=args.store_endpoint, mlflow_secret=args.mlflow_secret, mlflow_credentials=args.mlflow_credentials,
+                            store_endpoint=args.store_endpoint, mlflow_secret=uri_secret, mlflow_credentials=credentials,
                             train_retries=args.train_retries,
                             cron=args.cron, timezone=args.timezone, starting_deadline_seconds=args.starting_deadline,
                             history_limit=args.history_limit, service_account=args.service_account,
@@ -100,3 +103,16 @@ def run_render(args) -> int:
     for path in render(pipelines, args.out, options):
         print(f"wrote {path}")
     return 0
+
+
+def mlflow_secrets(value: str | None) -> tuple[str | None, str | None]:
+    """(Secret of the URI alone, Secret of uri/username/password) from --mlflow-secret. NAME:KEY is
+    the flag's old meaning, a Secret holding only the tracking URI under KEY: still rendered as it
+    was, with a line saying it is deprecated."""
+    import sys
+
+    if value and ":" in value:
+        print(f"elastic-step argo render: --mlflow-secret NAME:KEY (a Secret holding only the tracking URI) is "
+              f"deprecated, use --mlflow-secret NAME of a Secret with keys uri, username, password", file=sys.stderr)
+        return value, None
+    return None, value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from elastic_step import defaults
+from elastic_step.cli.aliases import add_alias
 
 
 def add_kubernetes_options(parser) -> None:
@@ -25,11 +26,12 @@ def add_kubernetes_options(parser) -> None:
     k.add_argument("--pending-timeout", type=float, default=defaults.PENDING_TIMEOUT_S,
                    help="seconds a pod may stay unschedulable or unable to pull its image before the job fails it "
                         "(default %(default)s)")
-    k.add_argument("--worker-store-secret", metavar="NAME",
+    k.add_argument("--store-secret", dest="worker_store_secret", metavar="NAME",
                    help="Secret (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) worker pods read the data store with: "
                         "read-only keys for the dataset (docs/kubernetes.md). Default: ELASTIC_STEP_WORKER_STORE_SECRET, "
                         "else the Secrets the master's own keys come from, except KFP's mlpipeline-minio-artifact "
                         "(every pipeline's artifacts, read and write), for which workers take elastic-step-data-reader")
+    add_alias(k, "--worker-store-secret", "--store-secret", dest="worker_store_secret")
     k.add_argument("--no-master-network-policy", dest="master_network_policy", action="store_false",
                    help="start even where the master pod's own NetworkPolicy (only its workers reach its API and "
                         "its unauthenticated rendezvous store) cannot be made: outside a pod, workers in another "

@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from elastic_step import defaults
 from elastic_step.cli import train
+from elastic_step.cli.aliases import add_alias
 
 # `train` options that submit sets itself or that mean something else for a pod; every other
 # `train` option goes to the master's command line as given.
-NOT_FORWARDED = {"help", "job_dir", "backend", "dry_run", "model_def", "namespace", "mlflow_uri"}
+NOT_FORWARDED = {"help", "job_dir", "backend", "dry_run", "model_def", "namespace", "mlflow_uri",
+                 "worker_store_secret"}  # submit's --store-secret: the master gives its workers the same Secret
 DEFAULT_MASTER_CPU, DEFAULT_MASTER_MEMORY = "1", "1Gi:4Gi"
 
 
@@ -31,7 +34,7 @@ def register(sub) -> None:
     forwarded = [(a, max(a.option_strings, key=len)) for a in parent._actions if a.dest not in NOT_FORWARDED]
     p = sub.add_parser("submit", parents=[parent], conflict_handler="resolve",
                        help="run a training job on a Kubernetes cluster: its master pod, which creates the workers")
-    p.set_defaults(func=submit, forwarded=forwarded)
+    p.set_defaults(func=submit, forwarded=forwarded, worker_store_secret=None)  # train's flag, replaced by --store-secret
     p.add_argument("--job-dir", help=argparse.SUPPRESS)  # the master pod's own: /tmp/JOB
     p.add_argument("--backend", choices=("kubernetes",), default="kubernetes", help=argparse.SUPPRESS)
     s = p.add_argument_group("submit", "the job's master pod (with your kubeconfig's credentials)")
@@ -47,11 +50,14 @@ def register(sub) -> None:
                         "and every worker, e.g. for --data /data/digits; add read_only=true (repeatable)")
     s.add_argument("--worker-gpus", "--worker-gpu", dest="worker_gpus", type=int, default=0,
                    help="nvidia.com/gpu per worker (default 0)")
-    s.add_argument("--mlflow-uri", help="MLflow tracking URI (no password in it; default: SQLite in the master pod, "
-                                        "gone with it)")
-    s.add_argument("--mlflow-secret", metavar="NAME", help="Secret with the MLflow user: keys username, password")
-    s.add_argument("--store-secret", metavar="NAME",
+    s.add_argument("--mlflow-uri", help="MLflow tracking URI (no password in it; default: --mlflow-secret's uri, else "
+                                        "SQLite in the master pod, gone with it)")
+    s.add_argument("--mlflow-secret", metavar="NAME",
+                   help="Secret of an MLflow user: keys uri (unless --mlflow-uri is given), username, password "
+                        f"(e.g. {defaults.MLFLOW_CREDENTIALS_SECRET}, as deploy/mlflow's docs make it)")
+    s.add_argument("--store-secret", dest="store_secret", metavar="NAME",
                    help="Secret with the data store's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (master and workers)")
+    add_alias(s, "--worker-store-secret", "--store-secret", dest="store_secret")
     s.add_argument("--master-cpu", default=DEFAULT_MASTER_CPU, help="REQUEST[:LIMIT] (default %(default)s)")
     s.add_argument("--master-memory", default=DEFAULT_MASTER_MEMORY, help="REQUEST[:LIMIT] (default %(default)s)")
     s.add_argument("--dry-run", action="store_true", help="print everything it would create as YAML, create nothing")

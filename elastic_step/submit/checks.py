@@ -151,7 +151,7 @@ def check_cluster(api_client, sub: Submission) -> None:
     check_service_accounts(core, sub)
     check_master_role(k8s.AuthorizationV1Api(api_client), sub)
     for option, name, keys in (("--store-secret", sub.store_secret, STORE_KEYS),
-                               ("--mlflow-secret", sub.mlflow_secret, MLFLOW_KEYS)):
+                               ("--mlflow-secret", sub.mlflow_secret, MLFLOW_KEYS + (() if sub.mlflow_uri else ("uri",)))):
         if name:
             check_secret(core, sub.namespace, option, name, keys)
     for name in sub.image_pull_secrets:

@@ -160,6 +160,8 @@ def master_env(sub: Submission) -> list[k8s.V1EnvVar]:
         env.append(k8s.V1EnvVar(name="MLFLOW_TRACKING_URI", value=sub.mlflow_uri))
     if sub.mlflow_secret:  # MLflow's basic-auth server (deploy/mlflow): a user, never a literal
         env += [_secret_env(f"MLFLOW_TRACKING_{key.upper()}", sub.mlflow_secret, key) for key in MLFLOW_KEYS]
+        if not sub.mlflow_uri:  # the URI the user is for, from the same Secret
+            env.append(_secret_env("MLFLOW_TRACKING_URI", sub.mlflow_secret, "uri"))
     if sub.store_secret:  # by reference: the master gives its workers the same references
         env += [_secret_env(key, sub.store_secret, key) for key in STORE_KEYS]
     return env
