@@ -10,7 +10,9 @@ def register(sub) -> None:
     p = sub.add_parser("argo", help="Argo Workflows YAML for the pipelines")
     actions = p.add_subparsers(dest="action", required=True)
     r = actions.add_parser("render", help="write the WorkflowTemplate, Workflow (and CronWorkflow) of a pipeline")
-    r.add_argument("--pipeline", required=True, choices=["training", "retraining", "all"])
+    r.add_argument("--pipeline", required=True, choices=["training", "retraining", "all"],
+                   help="which pipeline's YAML: training, retraining (with a CronWorkflow that runs it on --cron), "
+                        "or all")
     r.add_argument("--out", required=True, help="folder to write the YAML files into")
     r.add_argument("--pvc", help="pass files between steps on this PersistentVolumeClaim instead of the "
                                  "cluster's artifact repository")

@@ -49,7 +49,7 @@ def register(sub) -> None:
     p.set_defaults(func=export)
 
     p = sub.add_parser("promote", help="move @champion to a version (the old one keeps @previous-champion)")
-    p.add_argument("--registered-model", required=True)
+    p.add_argument("--registered-model", required=True, help="name of the model in the MLflow registry")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--version", help="the version to promote (export's model_version output)")
     which.add_argument("--rollback", action="store_true", help="swap @champion and @previous-champion back")

@@ -69,7 +69,9 @@ def register(sub) -> None:
                    help="the time between SIGTERM and SIGKILL this process gets (its pod's terminationGracePeriodSeconds; "
                         "every pod the project makes asks for the default): on SIGTERM the master checkpoints its next step "
                         "within the first half, saves everything to MLflow and exits 75, preempted (default %(default)s)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="show no progress: neither a terminal's progress bar nor the plain line every few seconds "
+                        "elsewhere")
     t = p.add_argument_group("tracking (MLflow)")
     t.add_argument("--mlflow-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else SQLite in the job dir)")
     t.add_argument("--experiment", default=defaults.EXPERIMENT, help="default %(default)s")
