@@ -223,7 +223,7 @@ def test_make_cluster_comes_up_for_kubectl_and_stops_cleanly(tmp_path):
         nodes = subprocess.run([KUBECTL, "get", "nodes"], env=run_env, capture_output=True, text=True, timeout=60)
         assert nodes.returncode == 0 and "node-1   Ready" in nodes.stdout, nodes.stderr
         secrets = subprocess.run([KUBECTL, "get", "secrets", "-o", "name"], env=run_env, capture_output=True, text=True, timeout=60)
-        assert {"secret/store-credentials", "secret/mlflow-credentials"} <= set(secrets.stdout.split())
+        assert {"secret/elastic-step-data-reader", "secret/mlflow-credentials"} <= set(secrets.stdout.split())
         pid = int((root / "cluster.pid").read_text())
         assert pid == proc.pid
         os.kill(pid, signal.SIGTERM)  # what `make cluster-stop` sends

@@ -10,7 +10,7 @@ It writes, in its folder (`build/cluster` by default):
 - `admin.kubeconfig` (mode 600): kubectl and `elastic-step --backend kubernetes` as the admin;
 - `env` (mode 600): the S3 endpoint and keys, the MLflow URI and a user of it, KUBECONFIG, and
   for `submit`: ELASTIC_STEP_IMAGE, POD_S3_ENDPOINT and POD_MLFLOW_URI (S3 and MLflow as pods reach them);
-and, in the job namespace, the Secrets `store-credentials` (AWS_ACCESS_KEY_ID,
+and, in the job namespace, the Secrets `elastic-step-data-reader` (AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY) and `mlflow-credentials` (username, password) that `elastic-step submit
 --store-secret/--mlflow-secret` name. It runs until Ctrl-C or `make cluster-stop` (SIGTERM to the
 pid in `cluster.pid`), then stops every server and pod it started.
@@ -39,6 +39,9 @@ from mlflow_server import MlflowServer  # noqa: E402
 from stores import S3Server  # noqa: E402
 
 BUCKET = "training-data"  # made empty at start, for prepare-data's --out and submit's --data
+# The store's keys for jobs, under the name deploy/rbac's admission policy lets worker pods read
+# (its storeSecrets), as docs/kubernetes.md makes it for a real store.
+STORE_SECRET = "elastic-step-data-reader"
 
 
 def write_private(path: str, text: str) -> None:
@@ -65,7 +68,7 @@ def secrets_for_jobs(cluster: Cluster, s3: S3Server, mlflow: MlflowServer, user:
     """The Secrets a job names, in the job namespace; returns what a user's shell sets."""
     api, ns = cluster.core(), cluster.namespace
     store = s3.env()
-    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name="store-credentials"), string_data={
+    api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name=STORE_SECRET), string_data={
         "AWS_ACCESS_KEY_ID": store["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": store["AWS_SECRET_ACCESS_KEY"]}))
     api.create_namespaced_secret(ns, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name="mlflow-credentials"),
                                                   string_data={"username": user, "password": password}))
@@ -84,7 +87,7 @@ Use it:
   kubectl apply -k deploy/
   kubectl get nodes,pods -o wide
   elastic-step submit --job-name try --image {cluster.project_image} --model-def elastic_step.model_zoo.digits_torch \\
-      --data s3://{BUCKET}/PATH --storage-option endpoint_url={cluster.pod_url(s3.endpoint)} --store-secret store-credentials \\
+      --data s3://{BUCKET}/PATH --storage-option endpoint_url={cluster.pod_url(s3.endpoint)} --store-secret {STORE_SECRET} \\
       --mlflow-uri {cluster.pod_url(mlflow.uri)} --mlflow-secret mlflow-credentials
 Stop it: Ctrl-C here, or `make cluster-stop`.
 """

@@ -1,0 +1,152 @@
+"""The README's walk-through on the local cluster, played literally: its shell blocks marked
+`walkthrough` are read from README.md (so the README cannot drift from what works), the first
+(`make cluster ...`) run as a person's first terminal, the second command by command in one bash
+as their second terminal, from a copy of the checkout made of links (its own build/ folder).
+Asserted: what a person looks at — the node, the pods on their own addresses, a worker pod
+deleted mid-run and the job going on (its slot relaunched once, no drop repeated), the job
+Succeeded with every row of every epoch audited once, `get`, `delete` and the cluster's stop."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+import pytest
+
+from cluster.network import available
+from cluster.rbac import REPO
+
+pytestmark = pytest.mark.e2e
+
+MARKER = "<!-- walkthrough: played literally by tests/test_walkthrough.py -->"
+DIGITS_TRAIN_ROWS = 1437  # sklearn:digits' train split as prepare-data makes it (seed 0)
+
+
+def walkthrough_blocks() -> list[list[str]]:
+    """Each marked ```bash block of README.md as its commands (continuation lines joined)."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    blocks = re.findall(re.escape(MARKER) + r"\n```bash\n(.*?)```", text, re.S)
+    commands = []
+    for block in blocks:
+        joined = block.replace("\\\n", " ")
+        commands.append([line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")])
+    return commands
+
+
+def checkout_of_links() -> str:
+    """The repository as links, but for build/: the walk-through's cluster folder is its own. It
+    lies in the repository's build/, which pods see as they see the repository (a folder under
+    /tmp would be hidden by each pod's own /tmp, and the links in it with it)."""
+    os.makedirs(os.path.join(REPO, "build"), exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="walkthrough-", dir=os.path.join(REPO, "build"))
+    os.chmod(folder, 0o755)  # pods run as the image's user, who must reach the venv through it
+    for name in os.listdir(REPO):
+        if name not in ("build", ".git", ".pytest_cache", ".hypothesis", "mlruns"):
+            os.symlink(os.path.join(REPO, name), os.path.join(folder, name))
+    return folder
+
+
+class Shell:
+    """One bash, fed one command at a time, as a person's terminal: what each printed, and its
+    exit status (a command still running after `timeout` seconds fails the test)."""
+
+    def __init__(self, cwd: str, env: dict):
+        self.proc = subprocess.Popen(["bash", "--norc", "--noprofile"], cwd=cwd, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc.stdin.write("exec 2>&1\n")
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+
+    def run(self, command: str, timeout: float = 420) -> tuple[int, str]:
+        mark = f"__walkthrough_done_{time.monotonic_ns()}__"
+        self.proc.stdin.write(f"{command}\necho; echo {mark} $?\n")
+        self.proc.stdin.flush()
+        lines, deadline = [], time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{command!r} still runs after {timeout}s:\n{''.join(lines)[-4000:]}") from None
+            if line.startswith(mark):
+                return int(line.split()[1]), "".join(lines)
+            lines.append(line)
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def job_events(root: str, job: str) -> list[dict]:
+    """The master's events.jsonl as the node holds its scratch volume (before `delete` removes it)."""
+    pods = os.path.join(root, "build", "cluster", "cluster", "node", "pods")
+    for uid in os.listdir(pods):
+        path = os.path.join(pods, uid, "volumes", "scratch", job, "events.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                return [json.loads(line) for line in f if line.strip()]
+    raise AssertionError(f"no events.jsonl of job {job} under {pods}")
+
+
+@pytest.mark.timeout(900)  # about 4 minutes on 2 loaded cores: MLflow's first start is most of it
+def test_the_readme_walkthrough_on_the_local_cluster():
+    if not available():
+        pytest.fail("this node cannot make network namespaces (needs root, iproute2 and unshare --net)")
+    [[start], commands] = walkthrough_blocks()
+    root = checkout_of_links()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "MLFLOW_", "AWS_", "ELASTIC_STEP_"))}
+    env["PATH"] = os.path.join(REPO, ".venv", "bin") + os.pathsep + env.get("PATH", "")
+    first = subprocess.Popen(["bash", "-c", start], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    shell = Shell(root, env)
+    said = {}
+    try:
+        started = []
+        for line in first.stdout:  # the first terminal, until it says the cluster is up
+            started.append(line)
+            if "Local cluster stand-in up" in line:
+                break
+        assert "Local cluster stand-in up" in "".join(started), "".join(started)
+        for command in commands:
+            if command.startswith("elastic-step delete"):
+                said["events"] = job_events(root, "try")  # what the master recorded, before its pod goes
+            code, out = shell.run(command)
+            said[command.split("#")[0].strip()] = out
+            assert code == 0, f"{command}\n{out[-4000:]}"
+        assert first.wait(60) == 0
+    finally:
+        shell.close()
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGTERM)
+            first.wait(60)
+        shutil.rmtree(root)  # the links themselves, never what they point to
+
+    def output(prefix: str) -> str:
+        return next(out for command, out in said.items() if command.startswith(prefix))
+
+    assert re.search(r"node-1\s+Ready", output("kubectl get nodes")), output("kubectl get nodes")
+    pods = output("kubectl get pods -o wide")
+    addresses = re.findall(r"^try-\S+\s+1/1\s+Running\s+\d+\s+\S+\s+(\S+)", pods, re.M)
+    assert len(addresses) == 3 and len(set(addresses)) == 3, pods  # the master and two workers, each its own
+    assert all(ipaddress.ip_address(a) in ipaddress.ip_network("10.244.0.0/16") for a in addresses), pods
+    epochs = int(re.search(r"--epochs (\d+)", next(c for c in said if c.startswith("elastic-step submit"))).group(1))
+    logs = output("elastic-step logs")
+    assert f"rows audited: {DIGITS_TRAIN_ROWS * epochs}" in logs, logs[-3000:]  # every row of every epoch, once
+    assert "succeeded" in said["elastic-step get try"], said["elastic-step get try"]
+    events = said["events"]
+    assert [e["event"] for e in events if e["event"].startswith("job_")] == ["job_succeeded"]
+    gone = [e for e in events if e["event"] in ("left", "died") and e["worker"].startswith("w1.")]
+    assert len(gone) == 1 and ("deleted" in gone[0]["reason"] or "SIGTERM" in gone[0]["reason"]), gone  # the pod the walk-through deleted
+    relaunched = [e for e in events if e["event"] == "relaunched"]
+    assert [e["slot"] for e in relaunched] == [1], relaunched  # replaced once: no relaunch loop
+    dropped = [e for e in events if e["event"] == "dropped"]
+    assert len(dropped) <= 1, dropped  # never the same drop over and over
