@@ -109,9 +109,9 @@ def start_job(cluster, s3: str, digits, name: str, workers: str, epochs: int) ->
 def test_a_worker_as_pid_1_leaves_on_sigterm_and_its_rows_go_back_to_the_queue(tmp_path, digits):
     """The runtime's SIGTERM (`docker kill --signal TERM`, an eviction's first step) reaches a
     worker as PID 1 through its own handler: it leaves at once (exit 143, an event `left`, not
-    `died`), and its rows go back to the queue (the job ends with an exact audit). A pod deleted
-    through the API is seen by the master, which deletes it at once with grace 0 (the backend's
-    "deleted by someone else"): the signal alone shows PID 1's part."""
+    `died`), and its rows go back to the queue (the job ends with an exact audit). The signal alone
+    shows PID 1's part; a pod deleted through the API gets the same SIGTERM from the kubelet and
+    keeps its grace period (the backend's "being deleted by someone else")."""
     with S3Server() as s3, job_cluster(tmp_path) as cluster:
         ns = cluster.namespace
         master = start_job(cluster, s3.endpoint, digits, "train-step-term", "2", 2)
