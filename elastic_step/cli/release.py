@@ -8,8 +8,26 @@ from elastic_step.errors import ConfigError
 
 
 def _common(p, outputs_help: str) -> None:
-    p.add_argument("--mlflow-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI)")
+    p.add_argument("--mlflow-uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else --job-dir's store)")
+    p.add_argument("--job-dir", metavar="JOB",
+                   help="a local job's folder: without --mlflow-uri and $MLFLOW_TRACKING_URI, use the MLflow store "
+                        "train made in it (its mlflow.db, train's default)")
     p.add_argument("--outputs", help=outputs_help)
+
+
+def _tracking_uri(args) -> str | None:
+    """The store to use: --mlflow-uri, else $MLFLOW_TRACKING_URI (MLflow reads it itself), else
+    the job folder's own store, so a shell's release steps find what a local train recorded."""
+    import os
+
+    if args.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or not args.job_dir:
+        return args.mlflow_uri
+    from elastic_step.tracking.run import default_tracking_uri
+
+    if not os.path.isfile(os.path.join(args.job_dir, "mlflow.db")):
+        raise ConfigError(f"--job-dir {args.job_dir!r} holds no MLflow store (mlflow.db): the job recorded to a "
+                          "tracking server; give its URI with --mlflow-uri")
+    return default_tracking_uri(args.job_dir)
 
 
 def _candidate(p) -> None:
@@ -62,7 +80,7 @@ def evaluate(args) -> int:
 
     result = evaluate_candidate(run_id=args.run_id, model_uri=args.model_uri, data=args.data,
                                 registered_model=args.registered_model, floors=args.floor, min_gains=args.min_gain,
-                                mlflow_uri=args.mlflow_uri, model_def=_model_def(args))
+                                mlflow_uri=_tracking_uri(args), model_def=_model_def(args))
     if args.outputs:
         write_parameter(args.outputs, "blessed", result.blessed)
         write_parameter(args.outputs, "reason", result.reason)
@@ -76,7 +94,7 @@ def export(args) -> int:
     from elastic_step.release.export import export_model
 
     result = export_model(run_id=args.run_id, model_uri=args.model_uri, data=args.data,
-                          registered_model=args.registered_model, mlflow_uri=args.mlflow_uri, model_def=_model_def(args),
+                          registered_model=args.registered_model, mlflow_uri=_tracking_uri(args), model_def=_model_def(args),
                           checkpoint=args.checkpoint)
     if args.outputs:
         write_parameter(args.outputs, "model_version", result.version)
@@ -88,10 +106,11 @@ def export(args) -> int:
 def promote(args) -> int:
     from elastic_step.release.promote import promote as promote_version, rollback
 
+    mlflow_uri = _tracking_uri(args)
     if args.rollback:
-        result = rollback(args.registered_model, mlflow_uri=args.mlflow_uri)
+        result = rollback(args.registered_model, mlflow_uri=mlflow_uri)
     else:
-        result = promote_version(args.registered_model, args.version, mlflow_uri=args.mlflow_uri)
+        result = promote_version(args.registered_model, args.version, mlflow_uri=mlflow_uri)
     if args.outputs:
         write_parameter(args.outputs, "champion_version", result.champion)
     print(result.describe())
