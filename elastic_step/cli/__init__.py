@@ -16,6 +16,11 @@ from elastic_step.errors import ElasticStepError
 from elastic_step.exit_codes import ExitCode
 
 COMMAND_MODULES = (data, train, submit, jobs, observe, logs, release, serve, argo, schedule)
+# A job's processes: when they run as a program (`elastic-step ...`, `python -m elastic_step.cli ...`,
+# so main reads sys.argv) they have saved, recorded and flushed all they own by the time their
+# command returns, and skip the interpreter's teardown of torch's, MLflow's and pyarrow's modules
+# (seconds on a busy node, and a master waits for its workers' exits).
+JOB_PROCESSES = ("train", "worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        code = args.func(args)
+        if argv is None and args.command in JOB_PROCESSES:
+            exit_now(code)
+        return code
     except ElasticStepError as exc:
         # Exit codes are elastic_step.exit_codes'; a stop or a preemption is an end, not an error.
         is_error = exc.exit_code not in (ExitCode.SUCCESS, ExitCode.PREEMPTED)
@@ -46,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_now(code: int) -> None:
-    """Exit within a preemption's grace period: everything the job had to save is saved, and the
-    interpreter's own teardown of torch's, MLflow's and pyarrow's modules (seconds on a busy node)
+    """Exit at once (within a preemption's grace period; a job process that has ended): everything
+    the job had to save is saved, and the interpreter's own teardown of torch's, MLflow's and pyarrow's modules (seconds on a busy node)
     is skipped. Logs and the console are flushed first."""
     import os
 
