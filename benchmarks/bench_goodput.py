@@ -83,7 +83,9 @@ class ElasticStep:
         starting up is no disturbance to kill (the peer's victims, too, are workers in its group)."""
         from elastic_step.operate.client import try_status
 
-        status = try_status(self.job_dir) or {"workers": []}
+        status = try_status(self.job_dir)
+        if not status or not status["round_ready"]:  # a proposed round's members may still be starting up
+            return []
         return [w["pid"] for w in status["workers"] if w["rank"] is not None and w["state"] == "live" and w.get("pid")]
 
 
@@ -134,13 +136,13 @@ def wall(steps: list[dict]) -> float:
 def where_it_went(steps: list[dict], clean_seconds: float) -> str:
     """elastic-step's lost seconds (disturbed wall time less the clean run's), split exactly by its
     step log, whose lines name their round and world size: the gaps from a round's last step to
-    the next round's first, after a member was lost (the world shrank) or for a joiner (it grew
-    back); and the rounds themselves, at full size and smaller, each against the clean run's
+    the next round's first, after a member was lost (the world shrank), for a joiner (it grew
+    back) or across a failed job's retry (a new master, whose rounds count from 1); and the rounds themselves, at full size and smaller, each against the clean run's
     rows/s (a full-size round runs slower while a replacement starts up beside it on the cores)."""
     steps = sorted(steps, key=lambda s: s["time"])
     rate = sum(s["samples"] for s in steps) / clean_seconds
     full = max(s["world_size"] for s in steps)
-    parts = {"regroups after a loss": 0.0, "regroups for a joiner": 0.0, "regroups at the same size": 0.0,
+    parts = {"retries after a failure": 0.0, "regroups after a loss": 0.0, "regroups for a joiner": 0.0, "regroups at the same size": 0.0,
              "full-size rounds": 0.0, "smaller rounds": 0.0}
     counts = dict.fromkeys(parts, 0)
     start = 0
@@ -153,7 +155,8 @@ def where_it_went(steps: list[dict], clean_seconds: float) -> str:
         counts[kind] += 1
         if i < len(steps):
             before, after = steps[i - 1]["world_size"], steps[i]["world_size"]
-            kind = ("regroups after a loss" if after < before else "regroups for a joiner" if after > before
+            kind = ("retries after a failure" if steps[i]["round"] < steps[i - 1]["round"]  # a new master counts from 1
+                    else "regroups after a loss" if after < before else "regroups for a joiner" if after > before
                     else "regroups at the same size")
             parts[kind] += steps[i]["time"] - steps[i - 1]["time"]
             counts[kind] += 1
@@ -200,8 +203,11 @@ def run_job(system, disturbance: Disturbance | None, seed: int, timeout_s: float
                     preempted = True
                     count += 1
                 elif victims := system.victims():
-                    os.kill(rng.choice(victims), disturbance.signal)
-                    count += 1
+                    try:
+                        os.kill(rng.choice(victims), disturbance.signal)
+                        count += 1
+                    except ProcessLookupError:  # it ended between the status and the signal
+                        pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{system.name} did not finish in {timeout_s:.0f}s")
             time.sleep(0.05)
@@ -213,7 +219,8 @@ def run_job(system, disturbance: Disturbance | None, seed: int, timeout_s: float
                 pass
             proc.wait()
             for pid in system.workers():  # torchrun starts each worker in a session of its own
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     return wall(system.steps()), count, retries
 
 
@@ -265,8 +272,14 @@ def main() -> None:
             lost: dict[str, list[float]] = {k.name: [] for k in kinds}
             for seed in range(args.repeats):
                 for kind in kinds:
-                    seconds, count, retries, at, steps = measure(kind, data, args.epochs, name, DISTURBANCES[name], root,
-                                                                 seed, args.timeout)
+                    try:
+                        seconds, count, retries, at, steps = measure(kind, data, args.epochs, name, DISTURBANCES[name],
+                                                                     root, seed, args.timeout)
+                    except (RuntimeError, TimeoutError) as exc:  # the table says so; the other runs go on
+                        print(f"  {name:6s} {kind.name:13s} did not finish: {exc}  ({load()})", flush=True)
+                        goodput[kind.name].append(float("nan"))
+                        lost[kind.name].append(float("nan"))
+                        continue
                     base = clean[kind.name][seed]
                     goodput[kind.name].append(base / seconds)
                     lost[kind.name].append((seconds - base) / max(count, 1))
