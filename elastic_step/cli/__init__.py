@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         # Exit codes are elastic_step.exit_codes'; a stop or a preemption is an end, not an error.
         is_error = exc.exit_code not in (ExitCode.SUCCESS, ExitCode.PREEMPTED)
         print(f"elastic-step {args.command}: {'error: ' if is_error else ''}{exc}", file=sys.stderr)
-        if exc.exit_code == ExitCode.PREEMPTED:
+        if exc.exit_code == ExitCode.PREEMPTED or (argv is None and args.command in JOB_PROCESSES):
             exit_now(exc.exit_code)
         return int(exc.exit_code)
 
