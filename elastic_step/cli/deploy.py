@@ -18,14 +18,14 @@ def register(sub) -> None:
     which.add_argument("--rollback", action="store_true", help="return to the revision the last deploy replaced")
     p.add_argument("--target", default="mlflow", help="kserve (an InferenceService) or mlflow (a Deployment and Service "
                                                       "of MLflow's model server; default)")
-    p.add_argument("--namespace", required=True)
+    p.add_argument("--namespace", required=True, help="the namespace the server runs in")
     p.add_argument("--name", default="", help="InferenceService / Service name (default: from the model's name)")
     p.add_argument("--service-account", required=True, help="the server pods' service account (KServe reads the "
                                                             "store's credentials through its Secrets)")
     p.add_argument("--storage-secret", required=True, help="the Secret holding the model store's credentials")
     p.add_argument("--canary-percent", type=int, default=10, help="traffic for a new version while a previous one "
                                                                   "serves, until it is Ready (default 10)")
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=1, help="server pods of the served version (default 1)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for Ready before rolling back")
     p.add_argument("--image", default="", help="the mlflow target's server image (default: elastic-step's own)")
     p.add_argument("--serving-mlflow-uri", default="", help="the registry as the server pods reach it "
