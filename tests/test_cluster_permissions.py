@@ -158,11 +158,12 @@ def test_deploy_kfp_adds_exactly_what_kfps_roles_lack():
     kfp_rules = [Rule.from_manifest(r) for r in runner["rules"]]
     namespace, objects = overlay(os.path.join(DEPLOY, "kfp", "single-user"))
     assert namespace == "kubeflow"
-    added = {Right(verb, group, resource) for o in objects if o["kind"] == "Role" for rule in o["rules"]
+    master = [o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "elastic-step-master-kfp"]
+    added = {Right(verb, group, resource) for o in master for rule in o["rules"]
              for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]}
     lacking = {r for r in master_rights() if not any(rule.allows(Request(r.verb, r.group, r.resource, namespace)) for rule in kfp_rules)}
     assert added == lacking  # nothing KFP already grants, nothing the master does not call
-    binding = next(o for o in objects if o["kind"] == "RoleBinding")
+    binding = next(o for o in objects if o["kind"] == "RoleBinding" and o["metadata"]["name"] == "elastic-step-master-kfp")
     assert [s["name"] for s in binding["subjects"]] == ["pipeline-runner"]
     # Multi-user: default-editor's kubeflow-edit grants it all; only the workers' account is added.
     _, multi = overlay(os.path.join(DEPLOY, "kfp", "multi-user"))

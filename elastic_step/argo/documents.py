@@ -88,6 +88,8 @@ class RenderOptions:
     starting_deadline_seconds: int = 3600
     history_limit: int = 3
     service_account: str = "elastic-step-runner"  # deploy/rbac's: the train step creates worker pods
+    # The deploy step's own (deploy/serving's): Deployments, Services, InferenceServices, nothing of the runner's.
+    deploy_service_account: str = "elastic-step-deployer"
     train_cpu: str = "4"
     train_memory: str = "8Gi"
     train_gpus: int = 0
@@ -112,6 +114,7 @@ class RenderOptions:
         if not DNS_1123_SUBDOMAIN.match(self.service_account) or len(self.service_account) > 253:
             raise ConfigError(f"--service-account {self.service_account!r} is not a valid Kubernetes name "
                               "(lower-case letters, digits, '-' and '.')")
+        check_name("--deploy-service-account", self.deploy_service_account)
         if self.priority_class is not None and (not DNS_1123_SUBDOMAIN.match(self.priority_class)
                                                 or len(self.priority_class) > 253):
             raise ConfigError(f"--priority-class {self.priority_class!r} is not a valid PriorityClass name "
@@ -216,7 +219,7 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         evaluate_c = steps.evaluate(settings, layout, step)
         export_c = steps.export(settings, layout, step)
         promote_c = steps.promote(settings, layout, step)
-        deploy_c = steps.deploy(settings, layout, step)
+        deploy_c = steps.deploy(settings, layout, step, options.deploy_service_account)
         with DAG(name=pipeline):
             Task(name="prepare-data", template=prepare_c,
                  arguments=_from_workflow("source", "label", "seed"))

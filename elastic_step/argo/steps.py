@@ -148,10 +148,11 @@ def _inputs(layout: Layout, parameters: list[str], dataset: bool) -> list:
 
 def _container(name: str, settings: StepSettings, layout: Layout, args: list[str], inputs: list, outputs: list,
                resources: StepResources, retry_strategy: m.RetryStrategy | None = None, env: list | None = None,
-               annotations: dict[str, str] | None = None) -> Container:
+               annotations: dict[str, str] | None = None, service_account: str | None = None) -> Container:
     return Container(
         name=name,
         annotations=annotations,
+        service_account_name=service_account,  # None: the workflow's (spec.serviceAccountName)
         image=settings.image,
         command=[ENTRYPOINT],
         args=args,
@@ -252,10 +253,14 @@ def promote(settings: StepSettings, layout: Layout, resources: StepResources) ->
 DEPLOY_INPUTS = ["registered-model", "version", "target", "namespace", "service-account", "storage-secret"]
 
 
-def deploy(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
+def deploy(settings: StepSettings, layout: Layout, resources: StepResources, service_account: str) -> Container:
     """The new champion served (elastic-step deploy): the exact version promote made champion,
-    with canary and rollback; the server image is this one, fixed when the YAML is rendered."""
+    with canary and rollback; the server image is this one, fixed when the YAML is rendered.
+    It runs as `service_account` (deploy/serving's elastic-step-deployer), not as the workflow's:
+    the training steps' account has no rights on Deployments, Services or InferenceServices,
+    and this one none on worker pods, job Secrets or NetworkPolicies."""
     args = ["deploy", *[a for name in DEPLOY_INPUTS for a in (f"--{name}", _param(name))], "--image", settings.image,
             "--outputs", layout.outputs("deploy")]
     return _container("deploy", settings, layout, args, _inputs(layout, DEPLOY_INPUTS, False),
-                      _outputs(layout, "deploy", ["endpoint", "served_version"], {}), resources)
+                      _outputs(layout, "deploy", ["endpoint", "served_version"], {}), resources,
+                      service_account=service_account)

@@ -47,6 +47,10 @@ def register(sub) -> None:
     r.add_argument("--service-account", default="elastic-step-runner",
                    help="service account of the step pods; the train step creates worker pods with it (default "
                         "elastic-step-runner, from deploy/rbac)")
+    r.add_argument("--deploy-service-account", default="elastic-step-deployer",
+                   help="service account of the deploy step's pod alone: it creates the model server's "
+                        "Deployments and Service or InferenceService (default elastic-step-deployer, from "
+                        "deploy/serving)")
     r.add_argument("--train-cpu", default="4", help="CPU request of the train step (the master), a quantity (default 4)")
     r.add_argument("--train-memory", default="8Gi", help="memory request and limit of the train step (default 8Gi)")
     r.add_argument("--train-gpus", type=int, default=0, help="nvidia.com/gpu of the train step (default 0)")
@@ -94,6 +98,7 @@ def run_render(args) -> int:
                             train_retries=args.train_retries,
                             cron=args.cron, timezone=args.timezone, starting_deadline_seconds=args.starting_deadline,
                             history_limit=args.history_limit, service_account=args.service_account,
+                            deploy_service_account=args.deploy_service_account,
                             train_cpu=args.train_cpu, train_memory=args.train_memory, train_gpus=args.train_gpus,
                             step_cpu=args.step_cpu, step_memory=args.step_memory,
                             worker_cpu=args.worker_cpu, worker_memory=args.worker_memory, worker_gpus=args.worker_gpus,
