@@ -167,6 +167,10 @@ def test_argo_tutorial(kubectl_ok, tmp_path):
         for what in (("create", "workflowtaskresults.argoproj.io"), ("create", "networkpolicies.networking.k8s.io"),
                      ("create", "pods"), ("delete", "secrets")):
             assert can_i(cluster, tmp_path, "ml", "elastic-step-runner", *what) == "yes", what
+        # The deploy step's own account writes the model server; the runner may not.
+        for what in (("create", "deployments.apps"), ("update", "services")):
+            assert can_i(cluster, tmp_path, "ml", "elastic-step-deployer", *what) == "yes", what
+            assert can_i(cluster, tmp_path, "ml", "elastic-step-runner", *what) == "no", what
         template = (tmp_path / "work" / "my-argo" / "training-workflowtemplate.yaml").read_text()
         assert "name: training-data-store" in template and "name: mlflow-credentials" in template
         assert "mlflow-uri" not in template  # with credentials, no parameter can send them elsewhere
