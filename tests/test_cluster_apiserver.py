@@ -136,6 +136,29 @@ def test_rbac_is_the_role_in_deploy_in_its_own_namespace_only(cluster, master_ap
     assert cluster.refused() == {("list", "secrets", ns), ("create", "pods", "other"), ("list", "pods", "")}
 
 
+def test_a_namespaced_role_may_grant_get_on_its_own_namespace_and_no_other(cluster):
+    # As Kubernetes' RequestInfo has it: GET /api/v1/namespaces/NAME is a request in namespace NAME,
+    # so the deploy step's Role (deploy/serving) can read its own namespace and no other.
+    ns = cluster.namespace
+    cluster.apply([
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "elsewhere"}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader", "namespace": ns}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "ns-reader", "namespace": ns},
+         "rules": [{"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "ns-reader", "namespace": ns},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "ns-reader"},
+         "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}]},
+    ])
+    reader = cluster.core(cluster.token_for(ns, "reader"))
+    assert reader.read_namespace(ns).metadata.name == ns
+    with pytest.raises(k8s.ApiException) as other:
+        reader.read_namespace("elsewhere")
+    assert other.value.status == 403
+    with pytest.raises(k8s.ApiException) as listed:
+        reader.list_namespace()  # cluster-wide: a Role never grants it
+    assert listed.value.status == 403
+
+
 def test_the_garbage_collector_deletes_dependents_in_the_owners_namespace_only(cluster):
     api = cluster.core()
     ns = cluster.namespace

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import logging
 import ssl
@@ -231,6 +232,15 @@ class _Server(ThreadingHTTPServer):
         return self.api.ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
 
 
+
+def as_authorized(req: Request) -> Request:
+    """The request as RBAC judges it. Kubernetes' RequestInfo takes `/api/v1/namespaces/NAME` as a
+    request in namespace NAME (a namespaced Role may grant `get` on its own namespace), though the
+    object is cluster-wide."""
+    if req.resource == "namespaces" and req.name and not req.namespace:
+        return dataclasses.replace(req, namespace=req.name)
+    return req
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
@@ -284,7 +294,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self):
         self._serve("DELETE")
 
-    def _route(self, method: str):
+    def _route(self, method: str):  # the request as it is served; as_authorized: as RBAC judges it
         parsed = urllib.parse.urlsplit(self.path)
         query = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query).items()}
         parts = [p for p in parsed.path.split("/") if p]
@@ -327,7 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
             user = api.authorizer.user_of(self.headers.get("Authorization"))
             if user is None:
                 raise ApiError(401, "Unauthorized", "Unauthorized")
-            allowed = api.authorizer.allowed(user, req)
+            allowed = api.authorizer.allowed(user, as_authorized(req))
             api.audit.append((user, req.verb, req.resource, req.namespace, allowed))
             if not allowed:
                 resource = req.resource.split("/")[0]
