@@ -76,6 +76,7 @@ def inference_service(model: ServedModel, settings: DeploySettings, canary: bool
     traffic on the last rolled-out revision)."""
     predictor = {
         "serviceAccountName": settings.service_account,
+        "automountServiceAccountToken": False,  # the predictor runs the user's model code and never calls the API
         "minReplicas": settings.replicas,
         "model": {
             "modelFormat": {"name": kserve_format(model)},
