@@ -141,6 +141,10 @@ def test_each_pod_has_its_own_address_and_loopback_and_reaches_the_node_only_thr
         assert seen[f"{cluster.network.gateway}:{api_port}"] == "open"  # the API server, as KUBERNETES_SERVICE_HOST says
         assert seen["192.0.2.1:80"] in ("unreachable", "timeout")  # nothing routes out of the sandbox
         assert seen["hostname"] == "client" and seen["resolves"] == seen["podIP"]  # /etc/hosts as the kubelet writes it
+        # A name longer than a hostname may be (63): cut there, as the kubelet does, a trailing '-' dropped.
+        long_name = "client-" + "a" * 55 + "-" + "b" * 10
+        long_seen = probe(cluster, long_name, [])
+        assert long_seen["hostname"] == long_name[:62] and long_seen["resolves"] == long_seen["podIP"]
         status = json.loads(cluster.core().read_namespaced_pod("server-a", cluster.namespace, _preload_content=False).data)["status"]
         assert status["podIPs"] == [{"ip": a}] and status["podIP"] == a and status["hostIP"] == "127.0.0.1"
         # The API reached from a pod over HTTPS at the gateway, the certificate valid for it.

@@ -52,6 +52,13 @@ from .runtime import Image, ProcessRuntime
 log = logging.getLogger("cluster.kubelet")
 
 
+def pod_hostname(pod: dict) -> str:
+    """The pod's hostname as the kubelet sets it: spec.hostname, else its name cut to 63 characters
+    (a hostname's limit; sethostname refuses more) with a trailing '-' or '.' dropped."""
+    spec, name = pod.get("spec") or {}, pod["metadata"]["name"]
+    return spec.get("hostname") or name[:63].rstrip("-.")
+
+
 def now_text() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -504,7 +511,7 @@ class Kubelet:
         record.net = self.network.add_pod(record.uid)
         pod.setdefault("status", {})["podIP"] = record.net.ip  # what the downward API's status.podIP gives
         with open(os.path.join(record.folder, "hosts"), "w") as f:
-            f.write(f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{record.net.ip}\t{record.name}\n")
+            f.write(f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{record.net.ip}\t{pod_hostname(pod)}\n")
         if self.policy_agent is not None:
             try:
                 self.policy_agent.sync()
@@ -542,6 +549,6 @@ class Kubelet:
         instance = c["name"] + (f"-{restarts}" if restarts else "")
         started = self.runtime.run(os.path.join(record.folder, "containers", instance), f"pod-{record.uid[:8]}-{instance}",
                                    image, argv, env, binds, tmpfs, uid, gid, groups, c.get("workingDir") or image.workdir, limit,
-                                   net=record.net, hostname=record.name if self.isolation in ("namespaces", "docker") else None)
+                                   net=record.net, hostname=pod_hostname(pod) if self.isolation in ("namespaces", "docker") else None)
         return Container(record.uid, record.namespace, record.name, c["name"], c["image"], started.proc,
                          os.path.dirname(started.log_path), started.cgroup, now_text(), started.log_path)
