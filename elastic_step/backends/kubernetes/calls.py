@@ -14,6 +14,9 @@ from kubernetes import client as k8s
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
 REQUEST_TIMEOUT_S = 30.0  # every API call, in seconds
+# A worker's pod whose delete fails (a timeout, a 500, a 429) is deleted again after each of these
+# pauses: a dropped worker whose pod stays would hold its slot, and the job would wait for its exit.
+DELETE_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0)
 
 
 class PodCalls:
@@ -40,8 +43,8 @@ class PodCalls:
     def create(self, pod: k8s.V1Pod, worker_id: str) -> None:
         self._put(("create", pod, worker_id))
 
-    def delete(self, name: str) -> None:
-        self._put(("delete", name, None))
+    def delete(self, name: str, attempt: int = 0) -> None:
+        self._put(("delete", name, attempt))
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Until every queued call is done (True) or `timeout_s` passed (False)."""
@@ -61,18 +64,29 @@ class PodCalls:
                 if kind == "create":
                     self._create(what, worker_id)
                 else:
-                    delete_pod(self.api, what, self.namespace, self.timeout_s)
+                    delete_pod(self.api, what, self.namespace, self.timeout_s, quiet=False)
             except Exception as exc:  # a dropped connection, a timeout: never the end of this thread
                 log.warning("%s pod failed: %s", kind, exc)
                 if kind == "create":
                     self.on_create_failed(worker_id, f"pod {what.metadata.name} not created: {exc}")
                     # The server may have made it all the same: it must not outlive its worker.
                     self.delete(what.metadata.name)
+                else:
+                    self._delete_again(what, worker_id)
             finally:
                 with self._lock:
                     self._pending -= 1
                     if self._pending == 0:
                         self._idle.set()
+
+    def _delete_again(self, name: str, attempt: int) -> None:
+        if attempt >= len(DELETE_RETRY_S):
+            log.error("pod %s could not be deleted after %d tries: delete it by hand (kubectl delete pod %s -n %s)",
+                      name, attempt + 1, name, self.namespace)
+            return
+        retry = threading.Timer(DELETE_RETRY_S[attempt], self.delete, (name, attempt + 1))
+        retry.daemon = True
+        retry.start()
 
     def _create(self, pod: k8s.V1Pod, worker_id: str) -> None:
         name = pod.metadata.name
@@ -94,9 +108,14 @@ def status_message(exc: k8s.ApiException) -> str:
         return ""
 
 
-def delete_pod(api, name: str, namespace: str, timeout_s: float) -> None:
+def delete_pod(api, name: str, namespace: str, timeout_s: float, quiet: bool = True) -> None:
+    """Delete the pod at once (grace 0); one already gone is deleted. Any other failure is logged
+    (`quiet`, at the job's clean-up) or raised, for the caller to try again."""
     try:
         api.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _request_timeout=timeout_s)
     except k8s.ApiException as exc:
-        if exc.status != 404:
-            log.warning("deleting pod %s failed: %s %s", name, exc.status, exc.reason)
+        if exc.status == 404:
+            return
+        if not quiet:
+            raise RuntimeError(f"deleting pod {name} failed: {exc.status} {exc.reason}") from None
+        log.warning("deleting pod %s failed: %s %s", name, exc.status, exc.reason)
