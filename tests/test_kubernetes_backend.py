@@ -363,8 +363,8 @@ def test_the_worker_store_secret_comes_from_the_flag_or_the_env_and_is_checked(t
     assert settings("--worker-store-secret", "digits-reader").worker_store_secret == "digits-reader"
     monkeypatch.setenv("ELASTIC_STEP_WORKER_STORE_SECRET", "team-reader")  # what a KFP task can set
     assert settings().worker_store_secret == "team-reader"
-    with pytest.raises(ConfigError, match="--worker-store-secret 'Team_Reader' is not a Secret name"):
-        settings("--worker-store-secret", "Team_Reader")
+    with pytest.raises(ConfigError, match="--store-secret 'Team_Reader' is not a Secret name"):
+        settings("--store-secret", "Team_Reader")
 
 
 # ---- the status others read: a ConfigMap the master keeps, and the stop request on it --------------

@@ -5,7 +5,7 @@ Workers read their shards themselves, so they need the store's keys, by referenc
 keys from KFP's `mlpipeline-minio-artifact` (the shipped KFP pipelines do: KFP's launcher needs
 them anyway), but those keys read and write every pipeline's artifacts, and worker pods run user
 code. So:
-- `--worker-store-secret NAME` (or ELASTIC_STEP_WORKER_STORE_SECRET, which a KFP task can set):
+- `--store-secret NAME` (train's old spelling --worker-store-secret; or ELASTIC_STEP_WORKER_STORE_SECRET, which a KFP task can set):
   workers take AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY from that Secret, made with read-only
   keys for the dataset (docs/kubernetes.md, "A read-only Secret for the data"). Naming KFP's own
   Secret there is the explicit way to accept its keys.
@@ -35,7 +35,7 @@ SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS-112
 
 def check_secret_name(name: str | None) -> str | None:
     if name is not None and not SECRET_NAME.match(name):
-        raise ConfigError(f"--worker-store-secret {name!r} is not a Secret name (lower-case letters, digits, '-' and "
+        raise ConfigError(f"--store-secret {name!r} is not a Secret name (lower-case letters, digits, '-' and "
                           "'.'; e.g. elastic-step-data-reader)")
     return name
 
@@ -61,7 +61,7 @@ def worker_store_env(master_refs: list[k8s.V1EnvVar], named: str | None, master_
     if any(e.value_from.secret_key_ref.name == KFP_STORE_SECRET for e in master_refs):
         log.warning("worker pods read the data with the keys of the Secret %s, not those of KFP's %s (which read and "
                     "write every pipeline's artifacts): create it with read-only keys for this dataset "
-                    "(docs/kubernetes.md), or name another with --worker-store-secret or %s",
+                    "(docs/kubernetes.md), or name another with --store-secret or %s",
                     DEFAULT_WORKER_STORE_SECRET, KFP_STORE_SECRET, WORKER_STORE_SECRET_ENV)
         return secret_env(DEFAULT_WORKER_STORE_SECRET)
     return master_refs
