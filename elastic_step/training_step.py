@@ -64,7 +64,7 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
                spares: int = defaults.SPARES, epochs: int = defaults.EPOCHS, minibatch_size: int = defaults.MINIBATCH_SIZE,
                minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK,
                global_batch_size: int = defaults.GLOBAL_BATCH_SIZE, lr_scaling: str = defaults.LR_SCALING,
-               checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
+               mode: str = defaults.MODE, ps_shards: int = defaults.PS_SHARDS, checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
                seed: int = defaults.SEED, backend: str = defaults.BACKEND, mlflow_uri: str = "",
                experiment: str = defaults.EXPERIMENT, init_from: str = "", registered_model: str = "",
                warm_start_alias: str = "", pipeline_run_id: str = "", job_dir: str = "", job_name: str = "train-elastic",
@@ -88,6 +88,7 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
         audit=os.path.join(job_dir, "audit.jsonl"),  # so anyone can check exactly-once afterwards
         workers=workers, spares=spares, epochs=epochs, minibatch_size=minibatch_size,
         minibatches_per_task=minibatches_per_task, global_batch_size=global_batch_size, lr_scaling=lr_scaling,
+        mode=mode, ps_shards=ps_shards,  # ps: the tables on shard processes beside the workers (local backend)
         checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
         mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None, progress=False,
         pipeline_run_id=pipeline_run_id,  # a retried task finds and resumes its run by it

@@ -80,6 +80,8 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK,
         global_batch_size: int = defaults.GLOBAL_BATCH_SIZE,
         lr_scaling: str = defaults.LR_SCALING,
+        mode: str = defaults.MODE,
+        ps_shards: int = defaults.PS_SHARDS,
         checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
         backend: str = defaults.BACKEND,
         mlflow_uri: str = "",
@@ -99,9 +101,10 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         trained = train_elastic(
             dataset=prepared.outputs["dataset"], model_def=model_def, workers=workers, spares=spares, epochs=epochs,
             minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
-            global_batch_size=global_batch_size, lr_scaling=lr_scaling, checkpoint_steps=checkpoint_steps,
-            seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, registered_model=registered_model,
-            warm_start_alias=warm_start_alias, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, job_dir=job_dir,
+            global_batch_size=global_batch_size, lr_scaling=lr_scaling, mode=mode, ps_shards=ps_shards,
+            checkpoint_steps=checkpoint_steps, seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment,
+            registered_model=registered_model, warm_start_alias=warm_start_alias,
+            pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, job_dir=job_dir,
         )
         trained.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="30s", backoff_factor=2.0)
         as_elastic_master(trained)

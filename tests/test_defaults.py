@@ -26,6 +26,8 @@ SETTINGS = {
     "minibatches_per_task": defaults.MINIBATCHES_PER_TASK,
     "global_batch_size": defaults.GLOBAL_BATCH_SIZE,
     "lr_scaling": defaults.LR_SCALING,
+    "mode": defaults.MODE,
+    "ps_shards": defaults.PS_SHARDS,
     "spares": defaults.SPARES,
     "checkpoint_steps": defaults.CHECKPOINT_STEPS,
     "seed": defaults.SEED,

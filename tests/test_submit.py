@@ -280,6 +280,8 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
     (["--image", "ghcr.io/elastic-step/elastic-step-torch:0.1.0", "--worker-gpu", "1"],
      "--worker-gpu 1 but the workers' image ghcr.io/elastic-step/elastic-step-torch:0.1.0 is a CPU-only build"),
     (["--device", "cuda"], "--device cuda but the worker pods request no GPU"),
+    (["--mode", "ps", "--model-def", "elastic_step.model_zoo.deepfm_ps_torch"],
+     "--mode ps: submit runs the job on the Kubernetes backend, which has no parameter-server shards yet"),
 ])
 def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, extra, expected):
     """No kubeconfig at all: these are judged on the laptop, before any request."""

@@ -20,6 +20,8 @@ def train_elastic(
     minibatches_per_task: int = 4,
     global_batch_size: int = 0,
     lr_scaling: str = "none",
+    mode: str = "allreduce",
+    ps_shards: int = 2,
     checkpoint_steps: int = 100,
     seed: int = 0,
     backend: str = "local",
@@ -79,6 +81,11 @@ def train_elastic(
             depend on failures; 0 (the default): minibatch_size rows per worker per step.
         lr_scaling: Without global_batch_size: `linear` or `sqrt` scales the model definition's
             learning rate by a step's rows over a full group's (minibatch_size x MAX); `none`.
+        mode: `allreduce` (every worker holds the whole model) or `ps`: the model's embedding tables
+            (`PsEmbedding`, e.g. `elastic_step.model_zoo.deepfm_ps_torch`) on `ps_shards` parameter-server
+            shard processes this step starts beside its workers, each row updated once per minibatch.
+            `ps` needs `backend=local` (workers in this step's pod) and no `global_batch_size`.
+        ps_shards: With `mode=ps`: the shard processes holding the tables (1 to 128).
         checkpoint_steps: Checkpoint every K steps and at each epoch end (0: never).
         seed: Seed of the model's initialisation and of the per-epoch shuffle.
         backend: Where workers run: `local` or `kubernetes`.
@@ -121,7 +128,8 @@ def train_elastic(
         result = train_step(
             data=data, storage_options=storage_options, model_dir=model.path, model_def=model_def, workers=workers,
             spares=spares, epochs=epochs, minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
-            global_batch_size=global_batch_size, lr_scaling=lr_scaling, checkpoint_steps=checkpoint_steps, seed=seed,
+            global_batch_size=global_batch_size, lr_scaling=lr_scaling, mode=mode, ps_shards=ps_shards,
+            checkpoint_steps=checkpoint_steps, seed=seed,
             backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from,
             registered_model=registered_model, warm_start_alias=warm_start_alias, pipeline_run_id=pipeline_run_id,
             job_dir=job_dir, priority_class=priority_class, device=device, precision=precision, worker_cpu=worker_cpu,
