@@ -573,6 +573,20 @@ def test_every_step_command_line_parses_with_the_real_cli(variant, pipeline):
             assert args.data == _resolve(templates["train"]["container"]["args"][4], task_args, workflow_params)
 
 
+@pytest.mark.parametrize("pipeline", ["training", "retraining"])
+def test_a_runs_mode_and_ps_shards_reach_the_train_step(pipeline):
+    """`argo submit -p mode=ps -p ps-shards=3`: the train step trains in PS mode on 3 shards (on the
+    local backend, in its own pod); left unset, it trains allreduce as `train` does."""
+    doc = documents()[f"{pipeline}-workflowtemplate.yaml"]
+    defaults_ = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
+    train_task = task(doc, "train")
+    task_args = {p["name"]: p["value"] for p in train_task["arguments"]["parameters"]}
+    argv = templates_of(doc)["train"]["container"]["args"]
+    for run, expected in (({}, ("allreduce", 2)), ({"mode": "ps", "ps-shards": "3"}, ("ps", 3))):
+        args = build_parser().parse_args([_resolve(a, task_args, defaults_ | run) for a in argv])
+        assert (args.mode, args.ps_shards, args.backend) == (*expected, "local")
+
+
 # ---- the CLI ------------------------------------------------------------------------------------
 
 def test_render_cli_writes_the_files(tmp_path, capsys):
