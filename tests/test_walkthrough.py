@@ -1,10 +1,13 @@
 """The README's walk-through on the local cluster, played literally: its shell blocks marked
 `walkthrough` are read from README.md (so the README cannot drift from what works), the first
-(`make cluster ...`) run as a person's first terminal, the second command by command in one bash
-as their second terminal, from a copy of the checkout made of links (its own build/ folder).
+(`make cluster CLUSTER_DOCKER=1 CLUSTER_POD_NETWORK=1`: Docker pods of the image `make image-smoke`
+builds, each on an address of its own) run as a person's first terminal, the second command by
+command in one bash as their second terminal, from a copy of the checkout made of links (its own
+build/ folder; the image's Docker data root is the checkout's, as IMAGE_SMOKE_DIR names it).
 Asserted: what a person looks at — the node, the pods on their own addresses, a worker pod
 deleted mid-run and the job going on (its slot relaunched once, no drop repeated), the job
-Succeeded with every row of every epoch audited once, `get`, `delete` and the cluster's stop."""
+Succeeded with every row of every epoch audited once, `get`, `logs` and `delete`; a second job
+scaled down to one worker and stopped at a checkpoint; the cluster's stop."""
 
 from __future__ import annotations
 
@@ -43,6 +46,23 @@ def walkthrough_blocks() -> list[list[str]]:
     return commands
 
 
+def image_smoke_dir() -> str:
+    """The Docker data root holding `make image-smoke`'s image, built here first where it does not
+    yet (as the Docker tests' fixture does); no daemon is left on it, for `make cluster` starts its own."""
+    from elastic_step.images import default_image
+
+    from cluster.runtime import DockerDaemon
+
+    work = os.environ.get("IMAGE_SMOKE_DIR") or os.path.join(REPO, "build", "image-smoke")
+    with DockerDaemon(work).start() as daemon:
+        built = daemon.has_image(default_image())
+    if not built:
+        made = subprocess.run([os.path.join(REPO, "images", "smoke.sh")], capture_output=True, text=True,
+                              env={**os.environ, "IMAGE_SMOKE_DIR": work})
+        assert made.returncode == 0 and "PASSED" in made.stdout, made.stdout[-3000:] + made.stderr[-2000:]
+    return work
+
+
 def checkout_of_links() -> str:
     """The repository as links, but for build/: the walk-through's cluster folder is its own. It
     lies in the repository's build/, which pods see as they see the repository (a folder under
@@ -69,7 +89,7 @@ class Shell:
 
     def run(self, command: str, timeout: float = 420) -> tuple[int, str]:
         mark = f"__walkthrough_done_{time.monotonic_ns()}__"
-        self.proc.stdin.write(f"{command}\necho; echo {mark} $?\n")
+        self.proc.stdin.write(f"{command}\n__walkthrough_rc=$?; echo; echo {mark} $__walkthrough_rc\n")
         self.proc.stdin.flush()
         lines, deadline = [], time.monotonic() + timeout
         while True:
@@ -86,24 +106,33 @@ class Shell:
         self.proc.wait()
 
 
-def job_events(root: str, job: str) -> list[dict]:
-    """The master's events.jsonl as the node holds its scratch volume (before `delete` removes it)."""
+def job_record(root: str, job: str) -> tuple[list[dict], str]:
+    """The master's events.jsonl as the node holds its scratch volume (before `delete` removes it),
+    and the tail of its container's log (for a failure's message)."""
     pods = os.path.join(root, "build", "cluster", "cluster", "node", "pods")
     for uid in os.listdir(pods):
         path = os.path.join(pods, uid, "volumes", "scratch", job, "events.jsonl")
         if os.path.exists(path):
             with open(path) as f:
-                return [json.loads(line) for line in f if line.strip()]
+                events = [json.loads(line) for line in f if line.strip()]
+            log = ""
+            for name in sorted(os.listdir(os.path.join(pods, uid, "containers"))):
+                if os.path.exists(os.path.join(pods, uid, "containers", name, "log")):
+                    with open(os.path.join(pods, uid, "containers", name, "log"), errors="replace") as f:
+                        log += f.read()[-6000:]
+            return events, log
     raise AssertionError(f"no events.jsonl of job {job} under {pods}")
 
 
-@pytest.mark.timeout(900)  # about 4 minutes on 2 loaded cores: MLflow's first start is most of it
-def test_the_readme_walkthrough_on_the_local_cluster():
+@pytest.mark.timeout(1200)  # about 5 minutes on 2 loaded cores (more where the image is built first)
+def test_the_readme_walkthrough_on_the_local_cluster_with_docker_pods():
     if not available():
         pytest.fail("this node cannot make network namespaces (needs root, iproute2 and unshare --net)")
     [[start], commands] = walkthrough_blocks()
+    work = image_smoke_dir()
     root = checkout_of_links()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "MLFLOW_", "AWS_", "ELASTIC_STEP_"))}
+    env["IMAGE_SMOKE_DIR"] = work  # the links' checkout has a build/ of its own
     env["PATH"] = os.path.join(REPO, ".venv", "bin") + os.pathsep + env.get("PATH", "")
     first = subprocess.Popen(["bash", "-c", start], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
@@ -117,12 +146,12 @@ def test_the_readme_walkthrough_on_the_local_cluster():
                 break
         assert "Local cluster stand-in up" in "".join(started), "".join(started)
         for command in commands:
-            if command.startswith("elastic-step delete"):
-                said["events"] = job_events(root, "try")  # what the master recorded, before its pod goes
+            if command.startswith("elastic-step delete "):  # what the master recorded, before its pod goes
+                said[f"events {command.split()[2]}"], said[f"log {command.split()[2]}"] = job_record(root, command.split()[2])
             code, out = shell.run(command)
             said[command.split("#")[0].strip()] = out
             assert code == 0, f"{command}\n{out[-4000:]}"
-        assert first.wait(60) == 0
+        assert first.wait(180) == 0  # every container and sandbox removed, the Docker daemon stopped
     finally:
         shell.close()
         if first.poll() is None:
@@ -142,7 +171,7 @@ def test_the_readme_walkthrough_on_the_local_cluster():
     logs = output("elastic-step logs")
     assert f"rows audited: {DIGITS_TRAIN_ROWS * epochs}" in logs, logs[-3000:]  # every row of every epoch, once
     assert "succeeded" in said["elastic-step get try"], said["elastic-step get try"]
-    events = said["events"]
+    events = said["events try"]
     assert [e["event"] for e in events if e["event"].startswith("job_")] == ["job_succeeded"]
     gone = [e for e in events if e["event"] in ("left", "died") and e["worker"].startswith("w1.")]
     assert len(gone) == 1 and ("deleted" in gone[0]["reason"] or "SIGTERM" in gone[0]["reason"]), gone  # the pod the walk-through deleted
@@ -150,3 +179,9 @@ def test_the_readme_walkthrough_on_the_local_cluster():
     assert [e["slot"] for e in relaunched] == [1], relaunched  # replaced once: no relaunch loop
     dropped = [e for e in events if e["event"] == "dropped"]
     assert len(dropped) <= 1, dropped  # never the same drop over and over
+    # The second job: scaled to one worker, then stopped at a checkpoint (its master's pod Succeeded).
+    assert "stopped at a checkpoint" in output("elastic-step stop more"), output("elastic-step stop more")
+    more, seen = said["events more"], f"{[e['event'] for e in said['events more']]}\n{said['log more']}"
+    assert [e.get("target") for e in more if e["event"] == "scaled"] == [1], seen
+    assert [e["event"] for e in more if e["event"] in ("stopped", "job_succeeded", "job_failed")] == ["stopped"], seen
+    assert "job more: stopped" in said["elastic-step get more"], said["elastic-step get more"]
