@@ -32,7 +32,8 @@ from cluster.admission import pod_security_failures
 
 # What earlier tasks of the DAG hand the later steps, so every template resolves.
 OUTPUTS = {"tasks.train.outputs.parameters.run_id": "r1", "tasks.train.outputs.parameters.model_uri": "runs:/r1/model",
-           "tasks.evaluate.outputs.parameters.blessed": "true", "tasks.export.outputs.parameters.model_version": "3"}
+           "tasks.evaluate.outputs.parameters.blessed": "true", "tasks.export.outputs.parameters.model_version": "3",
+           "tasks.promote.outputs.parameters.champion_version": "3"}
 DATASET = {"dataset": {"bucket": "artifacts", "key": "wf/prepare-data/dataset", "endpoint": "http://minio:9000"}}
 LAYOUTS = {"artifacts": {}, "pvc": {"pvc": "shared-work"}, "data-store": {"data_store": "s3://bucket/prefix"}}
 
@@ -69,7 +70,7 @@ def step_pods(document: dict, executor_security: dict | None) -> dict[str, dict]
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_argo_step_pod_passes_podsecurity_restricted(pipeline, layout):
     pods = step_pods(rendered(pipeline, **LAYOUTS[layout]), EXECUTOR_SECURITY_CONTEXT)
-    assert set(pods) == {"prepare-data", "train", "evaluate", "export", "promote"}
+    assert set(pods) == {"prepare-data", "train", "evaluate", "export", "promote", "deploy"}
     found = {name: violations(pod) for name, pod in pods.items()}
     assert found == {name: [] for name in pods}, json.dumps(found, indent=1)
     main = pods["train"]["spec"]["containers"][1]
