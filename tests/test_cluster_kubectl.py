@@ -89,6 +89,10 @@ def test_get_describe_logs_watch_and_delete_a_pod(cluster, kubectl, tmp_path):
                                env={"PATH": os.environ["PATH"], "HOME": str(tmp_path),
                                     "KUBECONFIG": str(tmp_path / "admin.kubeconfig")})
     try:
+        # As with a real API server, a container still being created has no log to follow yet.
+        wait_for(lambda: any(c["name"] == "counter" and ("running" in c["state"] or "terminated" in c["state"])
+                             for c in (cluster.server.get("pods", cluster.namespace, "two").get("status") or {})
+                             .get("containerStatuses") or []), 120, "the counter container started")
         followed = kubectl("logs", "two", "-c", "counter", "-f").stdout  # streams until the container ends
         assert followed == "line 0\nline 1\nline 2\nline 3\n"
         assert kubectl("logs", "two", "-c", "counter", "--tail", "1").stdout == "line 3\n"
