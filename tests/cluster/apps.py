@@ -47,6 +47,7 @@ import httpx
 from kubernetes import client as k8s
 
 from .labels import selector_matches
+from .netrelay import pipe
 from .objects import now_text
 
 log = logging.getLogger("cluster.apps")
@@ -430,26 +431,12 @@ class ServiceProxy:
             conn.close()
             return
         upstream.settimeout(None)
-        threading.Thread(target=_pipe, args=(upstream, conn), daemon=True).start()
-        _pipe(conn, upstream)
+        threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+        pipe(conn, upstream)
 
     def close(self) -> None:
         self.closed = True
         self.sock.close()
-
-
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
-    try:
-        while data := source.recv(1 << 16):
-            sink.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for sock, how in ((sink, socket.SHUT_WR), (source, socket.SHUT_RD)):
-            try:
-                sock.shutdown(how)
-            except OSError:
-                pass
 
 
 def start_apps(cluster) -> Apps:
