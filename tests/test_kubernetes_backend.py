@@ -27,6 +27,17 @@ def exits_until(backend, count, timeout=30.0):
     return {e.worker_id: e for e in exits}
 
 
+def running_backend(tmp_path, fake) -> KubernetesBackend:
+    """A backend whose worker pods run (as processes of the fake cluster) for master pod `m`. The
+    master URL leads nowhere: these workers only need to be running processes."""
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    spec = LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path), {"ELASTIC_STEP_TEST": "1"})
+    pod = fake.add_master_pod("m", "img:1")
+    return KubernetesBackend(spec, PodSettings(namespace="ml", image="img:1"), "unit", api=fake,
+                             master=MasterPod("m", pod.metadata.uid, "127.0.0.1", "ml"), watch_timeout_s=5)
+
+
 def test_a_pod_someone_else_deletes_gracefully_is_reported_once_its_worker_left_and_keeps_its_grace(tmp_path):
     # A drain, an eviction or `kubectl delete pod` deletes a worker's pod with a grace period: the
     # kubelet SIGTERMs the worker, which leaves. The master hears of it only once the worker's
@@ -34,13 +45,8 @@ def test_a_pod_someone_else_deletes_gracefully_is_reported_once_its_worker_left_
     # back as a departure (a free relaunch), and never deletes the pod again with grace 0, which
     # would SIGKILL the worker mid-leave.
     fake = FakeCoreV1Api(str(tmp_path / "cluster"))
-    token = tmp_path / "token"
-    token.write_text("s3cret")
     try:
-        spec = LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path), {"ELASTIC_STEP_TEST": "1"})
-        pod = fake.add_master_pod("m", "img:1")
-        backend = KubernetesBackend(spec, PodSettings(namespace="ml", image="img:1"), "unit", api=fake,
-                                    master=MasterPod("m", pod.metadata.uid, "127.0.0.1", "ml"), watch_timeout_s=5)
+        backend = running_backend(tmp_path, fake)
         backend.launch(0, "w0.1")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and backend.describe("w0.1").get("phase") != "Running":
@@ -61,14 +67,8 @@ def test_a_pod_someone_else_deletes_gracefully_is_reported_once_its_worker_left_
 
 def test_evicted_preempted_and_vanished_pods_are_free_relaunches_and_shutdown_cleans_up(tmp_path):
     fake = FakeCoreV1Api(str(tmp_path / "cluster"))
-    token = tmp_path / "token"
-    token.write_text("s3cret")
     try:
-        # The master URL leads nowhere: these workers only need to be running processes.
-        spec = LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path), {"ELASTIC_STEP_TEST": "1"})
-        pod = fake.add_master_pod("m", "img:1")
-        backend = KubernetesBackend(spec, PodSettings(namespace="ml", image="img:1"), "unit", api=fake,
-                                    master=MasterPod("m", pod.metadata.uid, "127.0.0.1", "ml"), watch_timeout_s=5)
+        backend = running_backend(tmp_path, fake)
         for slot in range(3):
             backend.launch(slot, f"w{slot}.1")
         deadline = time.monotonic() + 20
