@@ -12,6 +12,7 @@ then needs a user; `create_user` and `grant` are the admin's REST calls a platfo
 from __future__ import annotations
 
 import configparser
+import contextlib
 import io
 import os
 import secrets
@@ -144,3 +145,19 @@ class MlflowServer:
         """What a client needs to reach this server as `username` (MLflow reads these)."""
         return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_TRACKING_USERNAME": username,
                 "MLFLOW_TRACKING_PASSWORD": password}
+
+
+PIPELINES_USER = "pipelines"  # the pipelines' own MLflow user (docs/kubernetes.md)
+
+
+@contextlib.contextmanager
+def pipelines_server(folder: str):
+    """MLflow behind basic auth, as deploy/mlflow ships it, with the pipelines' own user: its
+    password in `pipelines_password`. Stopped on leaving."""
+    server = MlflowServer(folder, auth=True)
+    server.start(timeout=240)  # its auth app's first start migrates a user store: slow on a busy machine
+    try:
+        server.pipelines_password = server.create_user(PIPELINES_USER)
+        yield server
+    finally:
+        server.stop()

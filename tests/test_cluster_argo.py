@@ -39,7 +39,7 @@ from elastic_step import defaults
 from elastic_step.argo import RenderOptions
 from elastic_step.argo.render import render_texts
 from elastic_step.audit import audit_report
-from mlflow_server import MlflowServer
+from mlflow_server import PIPELINES_USER, MlflowServer, pipelines_server
 from stores import S3Server
 
 pytestmark = pytest.mark.e2e
@@ -53,7 +53,7 @@ JOB_DIR = "/tmp/job"  # the train template's job folder (steps.Layout.job_dir): 
 # The run's parameters, as `argo submit -p NAME=VALUE` gives them; the others keep their defaults.
 PARAMETERS = {"model-def": "slow_digits", "workers": "2:4", "epochs": "3", "minibatch-size": "16", "minibatches-per-task": "2",
               "checkpoint-steps": "0", "backend": "kubernetes"}
-MLFLOW_USER = "pipelines"  # the pipelines' own MLflow user (docs/kubernetes.md)
+MLFLOW_USER = PIPELINES_USER
 
 
 def rendered(**options) -> dict:
@@ -76,11 +76,8 @@ def add_mlflow_credentials(cluster: Cluster, mlflow: MlflowServer | None = None)
 @pytest.fixture(scope="module")
 def mlflow(tmp_path_factory):
     """MLflow behind basic auth, as deploy/mlflow ships it, with the pipelines' own user."""
-    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow")), auth=True)
-    server.start(timeout=240)  # its auth app's first start migrates a user store: slow on a busy machine
-    server.pipelines_password = server.create_user(MLFLOW_USER)
-    yield server
-    server.stop()
+    with pipelines_server(str(tmp_path_factory.mktemp("mlflow"))) as server:
+        yield server
 
 
 @pytest.fixture

@@ -48,7 +48,7 @@ from cluster.sidecar import INJECTION_LABEL, PROXY_IMAGE, IstioInjector, inbound
 from conftest import SLOW_MODEL
 from elastic_step.audit import audit_report
 from elastic_step.protocol import WorkerEnv
-from mlflow_server import MlflowServer
+from mlflow_server import PIPELINES_USER, MlflowServer, pipelines_server
 from stores import REGION, S3Server
 from test_cluster_argo import JOB_DIR, StepOnNode, job_objects, worker_pods_made
 
@@ -58,7 +58,7 @@ RUN_ID = "7d1e2f3a-4b5c-4d6e-8f90-a1b2c3d4e5f6"
 STORE_SECRET = "mlpipeline-minio-artifact"  # KFP's own, keys accesskey / secretkey
 MINIO_SERVICE = "minio-service.kubeflow:9000"  # KFP's default MinIO endpoint
 BUCKET = "mlpipeline"
-MLFLOW_SECRET, MLFLOW_USER = "mlflow-credentials", "pipelines"  # the MLflow user's Secret: keys uri, username, password
+MLFLOW_SECRET, MLFLOW_USER = "mlflow-credentials", PIPELINES_USER  # the MLflow user's Secret: keys uri, username, password
 PIPELINES = {"training": os.path.join(REPO, "pipelines", "compiled", "training_pipeline.yaml"),
              "retraining": os.path.join(REPO, "pipelines", "compiled", "retraining_pipeline.yaml")}
 PARAMETERS = {"backend": "kubernetes", "model_def": "slow_digits", "workers": "2:3", "epochs": 2, "minibatch_size": 16,
@@ -89,11 +89,8 @@ def s3():
 @pytest.fixture(scope="module")
 def mlflow(tmp_path_factory):
     """MLflow behind basic auth, as deploy/mlflow ships it, with the pipelines' own user."""
-    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow")), auth=True)
-    server.start(timeout=240)  # its auth app's first start migrates a user store: slow on a busy machine
-    server.pipelines_password = server.create_user(MLFLOW_USER)
-    yield server
-    server.stop()
+    with pipelines_server(str(tmp_path_factory.mktemp("mlflow"))) as server:
+        yield server
 
 
 # The MLflow Secret on the task, as kfp-kubernetes compiles `use_secret_as_env(task, MLFLOW_SECRET,
