@@ -354,8 +354,13 @@ def test_the_api_server_answers_503_beyond_its_connection_limit(monkeypatch):
                    for m in job.state.round.members[:2]]
         for t in waiting:
             t.start()
-        time.sleep(0.3)
-        assert httpx.get(f"{url}/status", headers=AUTH).status_code == 503
+        # once both long polls hold their connections, a third request is turned away (they may
+        # take a while to connect on a loaded machine; they wait up to 5 s)
+        deadline, answers = time.monotonic() + 4, []
+        while 503 not in answers and time.monotonic() < deadline:
+            answers.append(httpx.get(f"{url}/status", headers=AUTH).status_code)
+            time.sleep(0.05)
+        assert answers[-1] == 503, answers
         for t in waiting:
             t.join()
         assert httpx.get(f"{url}/status", headers=AUTH).status_code == 200

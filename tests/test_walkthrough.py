@@ -173,8 +173,12 @@ def test_the_readme_walkthrough_on_the_local_cluster_with_docker_pods():
     assert "succeeded" in said["elastic-step get try"], said["elastic-step get try"]
     events = said["events try"]
     assert [e["event"] for e in events if e["event"].startswith("job_")] == ["job_succeeded"]
-    gone = [e for e in events if e["event"] in ("left", "died") and e["worker"].startswith("w1.")]
-    assert len(gone) == 1 and ("deleted" in gone[0]["reason"] or "SIGTERM" in gone[0]["reason"]), gone  # the pod the walk-through deleted
+    # The pod the walk-through deleted: its worker left on the kubelet's TERM, or its pod was seen
+    # deleted, or (on a loaded node, its TERM handled late) the master dropped it first as absent.
+    slot_1 = [e for e in events if str(e.get("worker", "")).startswith("w1.")]
+    gone = [e for e in slot_1 if e["event"] in ("left", "died", "dropped")]
+    assert len(gone) == 1, slot_1
+    assert gone[0]["event"] == "dropped" or "deleted" in gone[0]["reason"] or "SIGTERM" in gone[0]["reason"], slot_1
     relaunched = [e for e in events if e["event"] == "relaunched"]
     assert [e["slot"] for e in relaunched] == [1], relaunched  # replaced once: no relaunch loop
     dropped = [e for e in events if e["event"] == "dropped"]

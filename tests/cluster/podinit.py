@@ -35,7 +35,10 @@ NEW_ROOT = "/run/.root"
 
 
 def mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL)
+    # A session of its own: the kubelet's TERM goes to the container's process group, and one
+    # that comes while the root is still being built (a sidecar told to stop early) would kill
+    # this helper and fail the container with exit 1. PID 1 itself is immune to it until it execs.
+    subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def pass_on(child: int) -> None:
@@ -113,7 +116,8 @@ def main(spec_path: str) -> None:
         mount("--bind", path, mine)
         mount("-o", "remount,bind,ro", mine)
     for entry in node_folders:
-        subprocess.run(["mount", "-o", "remount,bind,ro", f"{root}/{entry}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(["mount", "-o", "remount,bind,ro", f"{root}/{entry}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       start_new_session=True)
     if spec.get("hostname"):  # its own UTS namespace (`unshare --uts`): the pod's name, as Kubernetes sets it
         socket.sethostname(spec["hostname"])
     os.chroot(root)
