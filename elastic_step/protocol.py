@@ -143,6 +143,7 @@ class EventKind(StrEnum):
     TASK_FAILED = "task_failed"  # a task's rows could not be read
     COLLECTIVE_FAILED = "collective_failed"
     CHECKPOINT = "checkpoint"  # a checkpoint was handed over
+    RESTORED = "restored"  # every worker holding the model died: the group goes on from the master's newest checkpoint
     MASTER_PAUSED = "master_paused"  # the master itself did not tick for a while: silence forgiven
     STOP_REQUESTED = "stop_requested"
     STOPPED = "stopped"
@@ -423,7 +424,7 @@ class Empty(BaseModel):
 SHOWN_EVENTS: tuple[EventKind, ...] = (
     EventKind.DIED, EventKind.DROPPED, EventKind.RELAUNCHED, EventKind.NOT_RELAUNCHED, EventKind.SLOT_EXHAUSTED,
     EventKind.LEFT, EventKind.REGROUPED, EventKind.RECOVERED, EventKind.SCALED, EventKind.CHECKPOINT,
-    EventKind.COLLECTIVE_FAILED, EventKind.MASTER_PAUSED, EventKind.STOP_REQUESTED, EventKind.STOPPED,
+    EventKind.RESTORED, EventKind.COLLECTIVE_FAILED, EventKind.MASTER_PAUSED, EventKind.STOP_REQUESTED, EventKind.STOPPED,
     EventKind.PREEMPTED, EventKind.JOB_FAILED, EventKind.JOB_SUCCEEDED,
 )
 
