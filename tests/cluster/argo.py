@@ -74,6 +74,24 @@ def task_arguments(spec: dict, template_name: str) -> dict[str, str]:
     return {}
 
 
+def task_when(spec: dict, template_name: str, workflow_name: str, outputs: dict[str, str]) -> str:
+    """The `when` of the DAG task (or step) that runs the template, with the run's parameters and
+    earlier tasks' outputs substituted (argowhen.py evaluates it); '' when it has none. A reference
+    left unresolved is refused in Argo's words (its node's Error)."""
+    for template in spec["templates"]:
+        tasks = (template.get("dag") or {}).get("tasks") or [s for group in template.get("steps") or [] for s in group]
+        for task in tasks:
+            if task.get("template") == template_name and task.get("when"):
+                parameters = {p["name"]: str(p.get("value", "")) for p in (spec.get("arguments") or {}).get("parameters") or []}
+                known = {"workflow.name": workflow_name, **{f"workflow.parameters.{k}": v for k, v in parameters.items()}, **outputs}
+                when = substitute(task["when"], known)
+                unresolved = PARAMETER_REFERENCE.search(when)
+                if unresolved:
+                    raise StepRefused(f"failed to resolve {unresolved.group(0)}")
+                return when
+    return ""
+
+
 def fnv32a(text: str) -> int:
     """FNV-1a, 32 bits: how Argo hashes a node's name into its ID and pod name."""
     h = 0x811C9DC5

@@ -44,6 +44,7 @@ class NodePhase(str, Enum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     ERROR = "Error"
+    SKIPPED = "Skipped"  # a task whose `when` evaluated false (argowhen.py): no pod
 
 
 class StrategyError(Exception):

@@ -33,6 +33,9 @@ workflow/artifactrepositories; workflow/controller/workflowpod.go through argo.p
   ended: Error, "pod deleted". The node's exit code is main's; its outputs are its
   WorkflowTaskResult's (what `wait` reported).
 - The controller acts as its own (cluster-wide) service account: here the admin's client.
+- A task's `when` (argowhen.py, govaluate as Argo calls it) with the run's parameters and the
+  given outputs substituted: false is the node Skipped, "when 'EXPR' evaluated false", and no pod;
+  an expression it cannot evaluate, or a reference it cannot resolve, is the node's Error.
 Not modelled: the DAG (one step at a time; earlier steps' outputs are given), suspend, deadlines,
 hooks, podGC, memoization, `failedPodRestart`, the informer's resync (the node is judged by
 watching its pod), the Workflow's status beyond `phase` and `nodes`.
@@ -48,8 +51,9 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import watch
 
-from .argo import StepRefused, node_id, step_pod
+from .argo import StepRefused, node_id, step_pod, task_when
 from .argoretry import Attempt, NodePhase, StrategyError, decide, retry_variables
+from .argowhen import WhenError, should_execute
 
 GROUP, VERSION = "argoproj.io", "v1alpha1"
 DEFAULT_REPOSITORY_ANNOTATION = "workflows.argoproj.io/default-artifact-repository"
@@ -67,6 +71,7 @@ class StepNode:
     attempts: list[Attempt] = field(default_factory=list)
     messages: list[str] = field(default_factory=list)  # every message the node showed, in order
     outputs: dict = field(default_factory=dict)
+    gated: bool = False  # its `when` kept it from running (Skipped), or could not be evaluated (Error)
 
 
 def resolve_repository(api: k8s.CoreV1Api, namespace: str, controller_namespace: str, ref: dict | None = None) -> dict:
@@ -139,6 +144,11 @@ def infer_failed_reason(pod: dict) -> tuple[NodePhase, str]:
     return NodePhase.FAILED, "pod failed: neither main nor wait container completed successfully"
 
 
+def workflow_phase(phase: NodePhase) -> str:
+    """The Workflow's phase when its one step ends so: a skipped task leaves its DAG Succeeded."""
+    return NodePhase.SUCCEEDED.value if phase == NodePhase.SKIPPED else phase.value
+
+
 def main_exit_code(pod: dict) -> str | None:
     for c in (pod.get("status") or {}).get("containerStatuses") or []:
         if c["name"] == "main" and (c.get("state") or {}).get("terminated"):
@@ -197,7 +207,8 @@ class WorkflowController:
         repository = resolve_repository(self.core, namespace, self.controller_namespace, spec.get("artifactRepositoryRef"))
         executor = controller_setting(self.core, self.controller_namespace, "executor")
         deadline = time.monotonic() + timeout
-        while not self._finished(node, strategy):
+        runs = self._when(spec, template_name, name, task_outputs or {}, node)
+        while runs and not self._finished(node, strategy):
             attempt_name = f"{node.name}({len(node.attempts)})" if strategy else node.name
             try:
                 pod = step_pod({"spec": spec}, template_name, name, task_outputs or {}, {}, input_artifacts or {},
@@ -226,6 +237,20 @@ class WorkflowController:
             node.outputs = node.attempts[-1].outputs
         self._write_status(workflow, node)
         return node
+
+    @staticmethod
+    def _when(spec: dict, template_name: str, workflow_name: str, outputs: dict[str, str], node: StepNode) -> bool:
+        """Whether the task's `when` lets it run; if not, the node is Skipped (or Error) as Argo's
+        DAG marks it, before any pod."""
+        try:
+            when = task_when(spec, template_name, workflow_name, outputs)
+            if should_execute(when):
+                return True
+            node.phase, node.message = NodePhase.SKIPPED, f"when '{when}' evaluated false"
+        except (StepRefused, WhenError) as exc:
+            node.phase, node.message = NodePhase.ERROR, str(exc)
+        node.gated = True
+        return False
 
     def _finished(self, node: StepNode, strategy: dict | None) -> bool:
         """Whether the node is done after its attempts so far (waiting out a backoff first)."""
@@ -288,8 +313,11 @@ class WorkflowController:
         nodes = {node_id(name, a.name): {"name": a.name, "type": "Pod", "phase": a.phase.value, "message": a.message,
                                         "outputs": {**a.outputs, **({"exitCode": a.exit_code} if a.exit_code is not None else {})}}
                  for a in node.attempts}
+        if node.gated:  # Argo's NodeTypeSkipped, whether Skipped or Error
+            nodes[node_id(name, node.name)] = {"name": node.name, "type": "Skipped", "phase": node.phase.value,
+                                               "message": node.message}
         if node.attempts and node.attempts[0].name != node.name:
             nodes[node_id(name, node.name)] = {"name": node.name, "type": "Retry", "phase": node.phase.value, "message": node.message,
                                                "children": [node_id(name, a.name) for a in node.attempts], "outputs": node.outputs}
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, workflow["metadata"]["namespace"], "workflows", name,
-                                                   {"status": {"phase": node.phase.value, "nodes": nodes}})
+                                                   {"status": {"phase": workflow_phase(node.phase), "nodes": nodes}})
