@@ -48,7 +48,7 @@ def test_a_profile_namespace_injects_the_proxy_a_native_sidecar_ends_with_the_po
         assert native.status.phase == "Succeeded", native.status
         assert [(c.name, c.restart_policy) for c in native.spec.init_containers] == [("istio-proxy", "Always")]
         deadline = time.monotonic() + 30
-        while not (proxy := phase_after(api, ns, "native", ()).status.init_container_statuses[0]).state.terminated:
+        while not (proxy := api.read_namespaced_pod("native", ns).status.init_container_statuses[0]).state.terminated:
             assert time.monotonic() < deadline, proxy
             time.sleep(0.1)
         assert proxy.state.terminated.exit_code == 0  # stopped by the kubelet's TERM once main had ended
