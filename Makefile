@@ -50,6 +50,8 @@ clean:
 # gives (a test keeps the two in step). `make images` builds each variant under its local name
 # elastic-step-VARIANT:VERSION and tags it into IMAGE_REGISTRY; `make push IMAGE_REGISTRY=...` tags
 # the local builds into that registry and pushes them (log in first: docker login REGISTRY).
+# IMAGE_VARIANTS=torch: build or push only the torch image. `make image-smoke` pushes it this way
+# to a registry it serves on 127.0.0.1 and pulls it back into a fresh Docker daemon.
 # Each variant installs exactly images/lock/ (hashes checked; regenerate with images/lock.sh after
 # changing constraints.txt). CPU torch; a CUDA build needs its own lock (see images/lock.sh) and
 # IMAGE_BUILD_ARGS='--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 --build-arg LOCK=...'.
@@ -57,7 +59,7 @@ clean:
 IMAGE_REGISTRY ?= ghcr.io/elastic-step
 VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' elastic_step/__init__.py)
 IMAGE_VERSION ?= $(VERSION)
-IMAGE_VARIANTS = torch tensorflow
+IMAGE_VARIANTS ?= torch tensorflow
 IMAGE_BUILD_ARGS ?=
 DOCKER ?= docker
 IMAGE_ARGS = --image-registry $(IMAGE_REGISTRY) --image-version $(IMAGE_VERSION)
