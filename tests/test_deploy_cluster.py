@@ -16,7 +16,9 @@ from kubernetes import client as k8s
 from mlflow.tracking import MlflowClient
 
 from cluster import Cluster
+from cluster.kserve import GROUP as KSERVE_GROUP
 from elastic_step.errors import ConfigError
+from elastic_step.tracking.run import TrackingError
 from registered_models import make_store, register_linear
 
 NAME = "digits"
@@ -110,9 +112,24 @@ def test_deploy_refuses_a_namespace_that_does_not_exist(cluster, store):
         deploy(cluster, store, namespace="nowhere", alias="champion")
 
 
-def test_a_rollback_with_no_previous_revision_is_refused(cluster, store):
+@pytest.mark.parametrize("target", ["mlflow", "kserve"])
+def test_a_rollback_with_no_previous_revision_is_refused(cluster, store, target):
     serving_account(cluster)
+    if target == "kserve":
+        cluster.server.install(KSERVE_GROUP)  # KServe's API served, no InferenceService yet
     mark = len(cluster.server.audit)
     with pytest.raises(ConfigError, match=f"{cluster.namespace}/{NAME} has no previous revision to roll back to"):
-        deploy(cluster, store, "mlflow", rollback=True)
+        deploy(cluster, store, target, rollback=True)
     assert writes_since(cluster, mark) == []
+
+
+@pytest.mark.parametrize("which, says", [
+    ({"alias": "nope"}, f"registered model '{NAME}' has no alias @nope"),
+    ({"version": "99"}, f"registered model '{NAME}' has no version '99'"),
+])
+def test_an_unknown_alias_or_version_is_refused_before_the_cluster_is_asked(cluster, store, which, says):
+    serving_account(cluster)
+    mark = len(cluster.server.audit)
+    with pytest.raises(TrackingError, match=re.escape(says)):  # a bad input: the CLI's exit 2
+        deploy(cluster, store, "mlflow", **which)
+    assert cluster.server.audit[mark:] == []  # resolved through the registry first: no request at all
