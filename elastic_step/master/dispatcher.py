@@ -387,6 +387,15 @@ class Dispatcher:
                 rows.append(entry)
         return rows
 
+    def start_over(self) -> None:
+        """Back to the job's start: no row applied, nothing in flight (a group restored before its
+        first checkpoint). Task ids go on from where they were, so no old id names a new task."""
+        self._objects, self.holder, self._epochs = {}, {}, {}
+        self._finished.clear()
+        self.current_epoch = 0
+        if self.epochs > 0:
+            self._open_epoch(0)
+
     def restore(self, snapshot: dict) -> None:
         """Continue from a checkpoint: applied rows stay applied, every other row is in todo."""
         self._objects, self.holder, self._epochs = {}, {}, {}

@@ -34,9 +34,10 @@ from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigt
 from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.ps_shards import check_ps_tables, start_ps_shards
 from elastic_step.master.publisher import StatusPublisher
+from elastic_step.master.restore import RestorePoint, restart_from
 from elastic_step.master.state import InitialState, MasterState, Timeouts
 from elastic_step.master.store import RendezvousStore
-from elastic_step.protocol import EventKind, JobSpec, JobState
+from elastic_step.protocol import EventKind, JobSpec, JobState, TrainingMode
 from elastic_step.tracking.recorder import TrainingRecorder
 from elastic_step.tracking.run import tracking_errors
 from elastic_step.tracking.uri import redact
@@ -201,26 +202,28 @@ def check_inputs(config: TrainConfig):
     return manifest, model_def, trainer
 
 
-def plan_start(config: TrainConfig, recorder: TrainingRecorder, dispatcher: Dispatcher, ledger: Ledger) -> InitialState | None:
-    """Where the first round's state comes from: this run's newest checkpoint (a retry of the same
-    command, --resume, or a retried pipeline step), else a warm-start model, else a fresh model (None)."""
+def plan_start(config: TrainConfig, recorder: TrainingRecorder, dispatcher: Dispatcher, ledger: Ledger) -> RestorePoint:
+    """Where the job starts: this run's newest checkpoint (a retry of the same command, --resume,
+    or a retried pipeline step), else the start with a warm-start model, else with a fresh model
+    (no initial state). The same restore point is where the group goes back to while no newer
+    checkpoint is taken, should every worker holding the model die (restore.py)."""
     checkpoint = recorder.resume_checkpoint()
     if checkpoint is not None:
-        dispatcher.restore(checkpoint.ledger)
-        ledger.resume_from(checkpoint.step)
+        point = RestorePoint(checkpoint.step, InitialState("checkpoint", checkpoint.state, checkpoint.step), checkpoint.ledger)
+        restart_from(point, dispatcher, ledger)
         print(f"resuming run {recorder.run_id} from its checkpoint of step {checkpoint.step} (epoch {checkpoint.epoch + 1})", file=sys.stderr)
-        return InitialState("checkpoint", checkpoint.state, checkpoint.step)
+        return point
     init_from = config.init_from
     if recorder.resumed:
         # Starting over: every row the earlier attempt applied is void, and the audit says so. From
         # the model the run started from, though this attempt was not told of it.
-        ledger.resume_from(0)
         init_from = init_from or recorder.lineage_warm_start()
         print(f"no checkpoint to resume from in run {recorder.run_id}; starting from the beginning"
               + (f" (warm start from {init_from})" if init_from else ""), file=sys.stderr)
-    if init_from:
-        return InitialState("model", recorder.warm_start_model(init_from), 0)
-    return None
+    point = RestorePoint(0, InitialState("model", recorder.warm_start_model(init_from), 0) if init_from else None)
+    if recorder.resumed:
+        restart_from(point, dispatcher, ledger)
+    return point
 
 
 def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, running: contextlib.ExitStack) -> Master:
@@ -234,7 +237,8 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     start_audit(config.audit, resuming=recorder.resumed)
     ledger = Ledger(dispatcher, config.audit)
     running.callback(ledger.close)
-    initial = plan_start(config, recorder, dispatcher, ledger)
+    start = plan_start(config, recorder, dispatcher, ledger)
+    initial = start.initial
     if not recorder.resumed:
         recorder.log_params()
 
@@ -280,7 +284,8 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
         step_log=step_log, initial_state=initial,
         on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None, spares=config.spares,
-        ps_shards=ps_shards,
+        # A PS-mode job's shards hold their part of the model: they cannot go back with the ledger.
+        ps_shards=ps_shards, restore_point=start if config.mode != TrainingMode.PS else None,
     )
     # Registered before the API's stop, so it runs after it: the folder then names no address
     # where a later process could listen and be handed the token.

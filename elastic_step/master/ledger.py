@@ -74,10 +74,13 @@ class Ledger:
         self.finalize_through(step - 1)
         return True
 
-    def resume_from(self, step: int) -> None:
-        """Continue after a checkpoint of `step`: audit entries written earlier with a later
-        step are void, which the audit file says for anyone reading it."""
+    def resume_from(self, step: int, rows_final: int = 0) -> None:
+        """Continue after a checkpoint of `step` (its dispatcher restored by the caller): audit
+        entries written earlier with a later step are void, which the audit file says for anyone
+        reading it. `rows_final`: the rows this ledger had finalized through `step`."""
+        self._tentative.clear()  # their tasks are the restored dispatcher's no longer
         self.applied_step = self.final_step = step
+        self.rows_final = rows_final
         self._append_audit([json.dumps({"resume_from_step": step})])
         self.write_audit()
 
@@ -115,6 +118,10 @@ class Ledger:
                 self._audit.write("\n".join(self._unwritten) + "\n")
                 self._audit.flush()
             self._unwritten = []
+
+    def rows_through(self, step: int) -> int:
+        """Rows applied in steps up to `step` that this ledger has taken (final or tentative)."""
+        return self.rows_final + sum(c.count for s, consumed in self._tentative.items() if s <= step for c in consumed)
 
     def tentative(self) -> dict[int, list[Consumed]]:
         """The steps reported but not yet final, with their ranges (a copy)."""

@@ -28,12 +28,14 @@ class HandedCheckpoint:
     epoch: int
     state: bytes
     ledger: dict
+    rows_final: int = 0  # rows the master's ledger holds through `step`: a restore's audit count
 
 
 @dataclass
 class PendingCheckpoint:
     ledger: dict | None = None
     epoch: int = 0
+    rows_final: int = 0
     state: bytes | None = None
     round_id: int = 0  # the round whose rank 0 sent the state
 
@@ -47,10 +49,10 @@ class CheckpointPairing:
     def enabled(self) -> bool:
         return self.on_checkpoint is not None
 
-    def ledger_at(self, step: int, ledger: dict, epoch: int, round_id: int) -> None:
+    def ledger_at(self, step: int, ledger: dict, epoch: int, round_id: int, rows_final: int = 0) -> None:
         """The ledger half of step `step`, reported in round `round_id`."""
         pending = self._pending.setdefault(step, PendingCheckpoint())
-        pending.ledger, pending.epoch = ledger, epoch
+        pending.ledger, pending.epoch, pending.rows_final = ledger, epoch, rows_final
         if pending.state is not None and pending.round_id != round_id:
             pending.state = None  # sent by a rank 0 of another round: not this step's state
 
@@ -75,7 +77,7 @@ class CheckpointPairing:
                 break
             if pending.ledger is not None and pending.state is not None:
                 del self._pending[step]
-                handed.append(HandedCheckpoint(step, pending.epoch, pending.state, pending.ledger))
+                handed.append(HandedCheckpoint(step, pending.epoch, pending.state, pending.ledger, pending.rows_final))
             elif pending.ledger is None or step < final_step - GIVE_UP_AFTER_STEPS:
                 # A state for a step nobody flagged (voided), or a flagged step whose state
                 # never came (rank 0 died first): no consistent cut, drop it.

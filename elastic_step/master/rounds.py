@@ -15,7 +15,6 @@ only at a settle.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from elastic_step.errors import JobFailed
@@ -24,17 +23,10 @@ from elastic_step.master.ledger import Ledger, StepGap, StepRejected
 from elastic_step.master.membership import Membership, Round, WorkerInfo, order_members
 from elastic_step.master.pairing import CheckpointPairing
 from elastic_step.master.refusals import Conflict, NotAMember
+from elastic_step.master.restore import InitialState, RestorePoint, restart_from
 from elastic_step.protocol import EventKind, Rendezvous, RendezvousReply, RoundState, StepRecord, WorkerState
 
-
-@dataclass
-class InitialState:
-    """Where the first round's state comes from when no worker holds one: a checkpoint
-    (resume) or a model's parameters (warm start)."""
-
-    kind: str  # "checkpoint" | "model"
-    data: bytes
-    step: int
+__all__ = ["InitialState", "Rounds", "inexact"]
 
 
 def inexact(reporter: str, round_id: int, exc: Exception) -> str:
@@ -53,12 +45,17 @@ class Rounds:
 
     def __init__(self, membership: Membership, dispatcher: Dispatcher, ledger: Ledger, checkpoints: CheckpointPairing,
                  initial_state: InitialState | None, event: Callable[..., None],
-                 ingest: Callable[[StepRecord, list[str]], None], fail: Callable[[str], None]):
+                 ingest: Callable[[StepRecord, list[str]], None], fail: Callable[[str], None],
+                 restore_point: RestorePoint | None = None):
         self.membership = membership
         self.dispatcher = dispatcher
         self.ledger = ledger
         self.checkpoints = checkpoints
         self.initial_state = initial_state
+        # Where the group goes back to if every worker holding the model dies: the job's start
+        # or its resumed checkpoint, then the newest checkpoint handed over (MasterState.tick).
+        # None: the job fails then (a PS-mode job: its shards cannot go back with the ledger).
+        self.restore_point = restore_point
         self.round: Round | None = None  # the newest round, ready or still gathering
         self.ready_round: Round | None = None  # the newest round that became ready
         self._counter = 0
@@ -153,24 +150,52 @@ class Rounds:
         self._event(EventKind.ROUND_PROPOSED, round=self.round.id, members=members, cause=cause[0])
 
     # -- settle -----------------------------------------------------------------------------------
+    def _pick_source(self, current: Round) -> tuple[str, int, int] | None:
+        """(initial-state kind or "", source rank, start step) of a round about to settle: the
+        member with the newest step; rank 0 loading the initial state while nobody holds one; the
+        group restored when every worker that held the newest final step is gone. None: the job
+        failed."""
+        steps = [self.membership.workers[m].step for m in current.members]
+        newest = max(steps)
+        initial = self.initial_state
+        if newest < 0 and initial is not None and initial.step >= self.ledger.final_step:
+            return initial.kind, 0, initial.step  # rank 0 loads the checkpoint (resume) or model (warm start)
+        if self.ledger.final_step > 0 and newest < self.ledger.final_step:
+            return self._restore(current, steps)
+        return "", steps.index(newest), max(newest, 0)
+
+    def _restore(self, current: Round, steps: list[int]) -> tuple[str, int, int] | None:
+        """Nobody alive holds the model at the newest final step: go back to the restore point
+        (see restore.py). Its state is loaded by rank 0; with none (no checkpoint yet, no warm
+        start) a fresh member, whose model is the job's seeded start, is the source."""
+        point, final = self.restore_point, self.ledger.final_step
+        if point is None or (point.initial is None and -1 not in steps):
+            self._fail(
+                f"every worker that held the model state of step {final} is gone (newest survivor is at "
+                f"step {max(max(steps), 0)}) and the master has no state to restore; rerun the job with "
+                "--resume to continue from its newest checkpoint"
+            )
+            return None
+        lost = self.ledger.applied_step - point.step
+        restart_from(point, self.dispatcher, self.ledger)
+        self.checkpoints.void_after(point.step)
+        self.initial_state = point.initial
+        source = f"checkpoint of step {point.step}" if point.step else "the job's start"
+        self._event(EventKind.RESTORED,
+                    f"every worker that held the model state of step {final} is gone: round {current.id} "
+                    f"goes on from the master's {source}; {lost} steps are lost and their rows return to the queue",
+                    round=current.id, step=point.step, steps_lost=lost)
+        if point.initial is not None:
+            return point.initial.kind, 0, point.step
+        return "", steps.index(-1), 0
+
     def _settle(self, current: Round) -> None:
         """Every member has called in: pick the state source, settle the ledger, go."""
         workers = self.membership.workers
-        steps = [workers[m].step for m in current.members]
-        newest = max(steps)
-        initial = ""
-        if newest < 0 and self.initial_state is not None and self.initial_state.step >= self.ledger.final_step:
-            # Nobody holds state yet: rank 0 loads the checkpoint (resume) or model (warm start).
-            initial, newest, steps[0] = self.initial_state.kind, self.initial_state.step, self.initial_state.step
-        if self.ledger.final_step > 0 and newest < self.ledger.final_step:
-            self._fail(
-                f"every worker that held the model state of step {self.ledger.final_step} is gone "
-                f"(newest survivor is at step {max(newest, 0)}); rerun the job with --resume to continue "
-                "from its newest checkpoint"
-            )
+        picked = self._pick_source(current)
+        if picked is None:
             return
-        source_rank = steps.index(newest)
-        start_step = max(newest, 0)
+        initial, source_rank, start_step = picked
         source = current.members[source_rank]
         # The source's unacknowledged steps were applied in the round it last trained in, the
         # newest ready one (a worker that missed a ready round holds no newer step than it).

@@ -30,6 +30,7 @@ from elastic_step.master.ledger import Consumed, Ledger, StepGap, StepRejected
 from elastic_step.master.membership import Membership, Round, WorkerInfo
 from elastic_step.master.pairing import CheckpointPairing
 from elastic_step.master.refusals import Conflict, NotAMember, Refused
+from elastic_step.master.restore import RestorePoint
 from elastic_step.master.rounds import InitialState, Rounds, inexact
 from elastic_step.master.status import job_status
 from elastic_step.master.stopping import StopCause, StopRequest, new_stop_request
@@ -84,6 +85,7 @@ class MasterState:
         on_checkpoint: Callable[[int, int, bytes, dict], None] | None = None,
         spares: int = 0,
         ps_shards=None,
+        restore_point: RestorePoint | None = None,
     ):
         self.lock = MasterLock()  # disk writes queued under it run once it is released
         self.spec = spec
@@ -99,7 +101,7 @@ class MasterState:
         self.membership = Membership(backend, min_workers, max_workers, max_relaunches, self.timeouts,
                                      event=self._event, regroup=self.request_regroup, spares=spares)
         self.rounds = Rounds(self.membership, dispatcher, ledger, self.checkpoints, initial_state,
-                             event=self._event, ingest=self._ingest, fail=self.fail)
+                             event=self._event, ingest=self._ingest, fail=self.fail, restore_point=restore_point)
         self.started_at = time.time()
         self.state = JobState.RUNNING
         self.failure = ""
@@ -291,7 +293,8 @@ class MasterState:
             self.lock.writes.put(f"log step {record.step}", lambda: step_log.add(record, world_size=len(record.ranges), round_id=round_id))
         if record.checkpoint and self.checkpoints.enabled:
             # The ledger as of exactly this step: the other half of the checkpoint.
-            self.checkpoints.ledger_at(record.step, self.dispatcher.snapshot(), self.dispatcher.current_epoch, self.ready_round_id)
+            self.checkpoints.ledger_at(record.step, self.dispatcher.snapshot(), self.dispatcher.current_epoch, self.ready_round_id,
+                                       rows_final=self.ledger.rows_through(record.step))
             if self.stop_request is not None:
                 self.stop_request.flagged(record.step)
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
@@ -446,6 +449,11 @@ class MasterState:
                 self.lock.writes.put(f"write the checkpoint of step {pair.step}",
                                      lambda pair=pair: self.checkpoints.on_checkpoint(pair.step, pair.epoch, pair.state, pair.ledger))
                 self._event(EventKind.CHECKPOINT, step=pair.step, epoch=pair.epoch)
+                # The newest committed checkpoint is where the group goes back to if every worker
+                # holding the model dies (rounds.py): kept here, so no store is read under the lock.
+                if self.rounds.restore_point is not None:
+                    self.rounds.restore_point = RestorePoint(
+                        pair.step, InitialState("checkpoint", pair.state, pair.step), pair.ledger, pair.rows_final)
             now = time.time()
             self._maybe_stop([(pair.step, pair.epoch) for pair in handed], now)
             if self.over:
