@@ -3,7 +3,7 @@ one: discovery and OpenAPI (what its RESTMapper, `explain` and `apply` read), `g
 `describe`, `delete`, `get --watch`, `logs` with `-c`, `--tail`, `-f` and `--previous`, `apply -f`
 and `apply -k deploy/` (client-side apply: a GET, then a create, or a strategic merge PATCH
 carrying the last-applied annotation; RBAC objects made this way grant at once; and server-side
-apply, `--server-side`), and `auth can-i`
+apply, `--server-side`), `--dry-run=server` (`?dryRun=All`: judged, answered, nothing stored), and `auth can-i`
 with and without `--list`, with the kubeconfig a user has (`Cluster.kubeconfig`)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 
 from cluster import Cluster, REPO
 from waiting import wait_for
@@ -84,6 +85,15 @@ def test_get_describe_logs_watch_and_delete_a_pod(cluster, kubectl, tmp_path):
             image: {cluster.project_image}
             command: [python, -c, "import signal, sys, time\\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\\nprint('up', flush=True)\\ntime.sleep(60)"]
         """))
+    # A server dry run: the pod as admission makes it (its service account, the token volume), not stored.
+    version = cluster.server.store.rv
+    answered = yaml.safe_load(kubectl("create", "--dry-run=server", "-f", str(manifest), "-o", "yaml").stdout)
+    assert answered["spec"]["serviceAccountName"] == "default" and "resourceVersion" not in answered["metadata"]
+    assert any(v["name"].startswith("kube-api-access-") for v in answered["spec"]["volumes"])
+    assert cluster.server.get("pods", cluster.namespace, "two") is None and cluster.server.store.rv == version
+    with pytest.raises(ApiException) as invalid:  # All is the only dry run there is
+        cluster.core().create_namespaced_config_map(cluster.namespace, {"metadata": {"name": "c"}}, dry_run="Some")
+    assert invalid.value.status == 422 and json.loads(invalid.value.body)["message"].startswith('dryRun: Unsupported value: "Some"')
     assert "pod/two created" in kubectl("apply", "-f", str(manifest)).stdout
     watcher = subprocess.Popen([KUBECTL, "get", "pods", "--watch", "-o", "wide"], stdout=subprocess.PIPE, text=True,
                                env={"PATH": os.environ["PATH"], "HOME": str(tmp_path),
@@ -121,7 +131,7 @@ def test_get_describe_logs_watch_and_delete_a_pod(cluster, kubectl, tmp_path):
     assert seen[0][:3] == ["NAME", "READY", "STATUS"] and "Running" in statuses and "Terminating" in statuses
 
 
-def test_apply_k_deploy_and_rbac_made_through_the_api_grants_at_once(cluster, kubectl, tmp_path):
+def test_apply_k_deploy_and_rbac_made_through_the_api_grants_at_once_and_a_server_dry_run_changes_nothing(cluster, kubectl, tmp_path):
     first = kubectl("apply", "-k", os.path.join(REPO, "deploy")).stdout
     assert "role.rbac.authorization.k8s.io/elastic-step-master created" in first
     again = kubectl("apply", "-k", os.path.join(REPO, "deploy")).stdout
@@ -132,7 +142,6 @@ def test_apply_k_deploy_and_rbac_made_through_the_api_grants_at_once(cluster, ku
     # A Role and RoleBinding applied for a service account of `other`: granted as soon as made, gone when deleted.
     token = cluster.token_for("other", "default")
     user = cluster.kubeconfig(tmp_path, "other-default", token)
-    assert kubectl("auth", "can-i", "list", "configmaps", "-n", "other", config=user, check=False).stdout.strip() == "no"
     grant = tmp_path / "grant.yaml"
     grant.write_text(textwrap.dedent("""\
         apiVersion: rbac.authorization.k8s.io/v1
@@ -146,11 +155,25 @@ def test_apply_k_deploy_and_rbac_made_through_the_api_grants_at_once(cluster, ku
         roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: reader}
         subjects: [{kind: ServiceAccount, name: default, namespace: other}]
         """))
+    version = cluster.server.store.rv  # a server dry run: answered as the write would be, nothing stored, no watch event
+    assert "rolebinding.rbac.authorization.k8s.io/reader created (server dry run)" in kubectl(
+        "create", "--dry-run=server", "-f", str(grant)).stdout
+    assert cluster.server.get("roles", "other", "reader") is None and cluster.server.store.rv == version
+    assert kubectl("auth", "can-i", "list", "configmaps", "-n", "other", config=user, check=False).stdout.strip() == "no"  # no grant yet
     kubectl("apply", "-f", str(grant))
     assert kubectl("auth", "can-i", "list", "configmaps", "-n", "other", config=user).stdout.strip() == "yes"
     assert kubectl("get", "configmaps", "-n", "other", config=user).returncode == 0
     # a strategic merge patch of the applied Role: the rule list is replaced, the annotation follows
     grant.write_text(grant.read_text().replace("verbs: [get, list]", "verbs: [get]"))
+    version = cluster.server.store.rv
+    assert "role.rbac.authorization.k8s.io/reader configured (server dry run)" in kubectl(
+        "apply", "--dry-run=server", "-f", str(grant)).stdout
+    assert "role.rbac.authorization.k8s.io/reader patched" in kubectl(  # kubectl patch prints no dry-run suffix
+        "patch", "role", "reader", "-n", "other", "--dry-run=server", "--type=merge", "-p", '{"rules": []}').stdout
+    assert 'role.rbac.authorization.k8s.io "reader" deleted (server dry run)' in kubectl(
+        "delete", "role", "reader", "-n", "other", "--dry-run=server").stdout
+    assert cluster.server.get("roles", "other", "reader")["rules"][0]["verbs"] == ["get", "list"]
+    assert cluster.server.store.rv == version
     assert "role.rbac.authorization.k8s.io/reader configured" in kubectl("apply", "-f", str(grant)).stdout
     assert kubectl("auth", "can-i", "list", "configmaps", "-n", "other", config=user, check=False).stdout.strip() == "no"
     kubectl("delete", "-f", str(grant))

@@ -27,7 +27,10 @@ As the real server does:
   ValidatingAdmissionPolicies stored, their CEL evaluated;
 - the garbage collector (garbage.py) deletes an object all of whose owners are gone, looking owners
   up by UID in the dependent's own namespace only (so a cross-namespace owner reference is dangling);
-- created objects are validated against the Kubernetes OpenAPI schema (422 Invalid).
+- created objects are validated against the Kubernetes OpenAPI schema (422 Invalid);
+- `?dryRun=All` on a create, update, patch (server-side apply's too), delete or eviction answers
+  as the request would, through the same validation and admission, and changes nothing: no
+  resourceVersion, no watch event, no grant (`kubectl apply|create|delete --dry-run=server`).
 
 Not modelled: admission webhooks, LimitRanges, managed fields but server-side apply's, impersonation.
 """
@@ -122,7 +125,8 @@ class ApiServer:
             return copy.deepcopy(obj) if obj else None
 
     # -- storage operations (the lock held by the caller) -----------------------------------------
-    def _create(self, plural: str, namespace: str, body: dict, strict: bool = False, user: str | None = None) -> dict:
+    def _create(self, plural: str, namespace: str, body: dict, strict: bool = False, user: str | None = None,
+                dry_run: bool = False) -> dict:
         group = GROUP_OF[plural]
         resource = RESOURCES[(group, plural)]
         kind, namespaced = resource.kind, resource.namespaced
@@ -161,6 +165,8 @@ class ApiServer:
         if resource.generation:
             meta["generation"] = 1
         meta.pop("deletionTimestamp", None)
+        if dry_run:  # admitted and validated, as it would be stored: but not stored (no resourceVersion)
+            return body
         self._rbac_changed(body)
         return store.commit("ADDED", plural, body)
 
@@ -169,8 +175,10 @@ class ApiServer:
         if obj.get("apiVersion", "").startswith("rbac.authorization.k8s.io/"):
             (self.authorizer.remove if deleted else self.authorizer.apply)(obj)
 
-    def _modified(self, plural: str, obj: dict) -> dict:
+    def _modified(self, plural: str, obj: dict, dry_run: bool = False) -> dict:
         """An update's commit; an object being deleted whose last finalizer just went is removed."""
+        if dry_run:  # the caller built `obj` afresh: the stored object is untouched
+            return obj
         meta = obj["metadata"]
         self._rbac_changed(obj)
         finished = meta.get("deletionTimestamp") and not meta.get("finalizers") and (
@@ -180,11 +188,14 @@ class ApiServer:
             return self._delete(plural, meta.get("namespace", ""), meta["name"], grace=0)
         return obj
 
-    def _delete(self, plural: str, namespace: str, name: str, grace: int | None = None, orphan: bool = False) -> dict:
+    def _delete(self, plural: str, namespace: str, name: str, grace: int | None = None, orphan: bool = False,
+                dry_run: bool = False) -> dict:
         store = self.store
         obj = store.objects.get((plural, namespace, name))
         if obj is None:
             raise not_found(plural, name)
+        if dry_run:  # the object as it stands: nothing marked, nothing removed, no dependent collected
+            return copy.deepcopy(obj)
         if plural == "pods":
             spec, status = obj.get("spec", {}), obj.get("status", {})
             if grace is None:
@@ -231,6 +242,16 @@ class _Server(ThreadingHTTPServer):
         # The TLS handshake happens in the request's own thread, not in the accept loop.
         return self.api.ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
 
+
+
+def dry_run(query: dict, options: dict | None = None) -> bool:
+    """`?dryRun=All`, or a DeleteOptions body's `dryRun: [All]` (kubectl delete's): the request is
+    judged and answered, nothing is stored. All is the only value there is."""
+    values = [query["dryRun"]] if query.get("dryRun") else list((options or {}).get("dryRun") or [])
+    for value in values:
+        if value != "All":
+            raise ApiError(422, "Invalid", f'dryRun: Unsupported value: "{value}": supported values: "All"')
+    return bool(values)
 
 
 def as_authorized(req: Request) -> Request:
@@ -388,7 +409,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(405, "MethodNotAllowed", f"{req.verb} is not supported on {req.resource}")
         self._send(201, review(self.server.api.authorizer, user, req.api_group, req.resource, self._body()))
 
-    def _apply_create(self, req: Request, query: dict, user: str):
+    def _apply_create(self, req: Request, query: dict, user: str, dry: bool):
         """Server-side apply of an object that does not exist: it is created, if the caller may create."""
         api, plural = self.server.api, req.resource
         create = Request("create", req.api_group, plural, req.namespace, "")
@@ -398,16 +419,17 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict) or (body.get("metadata") or {}).get("name") != req.name:
             raise ApiError(400, "BadRequest", "the name of the object in the apply patch does not match the name on the URL")
         body = apply_patch(self.headers.get("Content-Type"), None, body, RESOURCES[(req.api_group, plural)].kind, query)
-        return 201, copy.deepcopy(api._create(plural, req.namespace, body, query.get("fieldValidation") == "Strict", user))
+        return 201, copy.deepcopy(api._create(plural, req.namespace, body, query.get("fieldValidation") == "Strict", user, dry))
 
     def _dispatch(self, method: str, req: Request, query: dict, user: str):
         api, store = self.server.api, self.server.api.store
         plural, _, sub = req.resource.partition("/")
         key = (plural, req.namespace, req.name)
+        dry = req.verb not in ("get", "list") and dry_run(query)
         with store.cond:
             if req.verb == "create" and not sub:
                 strict = query.get("fieldValidation") == "Strict"
-                return 201, copy.deepcopy(api._create(plural, req.namespace, self._body(), strict, user))
+                return 201, copy.deepcopy(api._create(plural, req.namespace, self._body(), strict, user, dry))
             if req.verb == "list":
                 items = [copy.deepcopy(o) for (p, ns, _), o in store.objects.items()
                          if p == plural and (not req.namespace or ns == req.namespace)
@@ -417,7 +439,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return 200, {"kind": f"{kind}List", "apiVersion": "v1", "metadata": {"resourceVersion": str(store.rv)}, "items": items}
             obj = store.objects.get(key)
             if obj is None and req.verb == "patch" and not sub and is_apply(self.headers.get("Content-Type")):
-                return self._apply_create(req, query, user)
+                return self._apply_create(req, query, user, dry)
             if obj is None:
                 raise not_found(plural, req.name)
             if req.verb == "get" and not sub:
@@ -427,10 +449,14 @@ class _Handler(BaseHTTPRequestHandler):
                 grace = query.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
                 orphan = (query.get("propagationPolicy") or body.get("propagationPolicy")) == "Orphan"
                 admit_by_policies(store, user, "DELETE", req.api_group, plural, req.namespace, None, obj)
-                return 200, api._delete(plural, req.namespace, req.name, None if grace is None else int(grace), orphan)
+                return 200, api._delete(plural, req.namespace, req.name, None if grace is None else int(grace), orphan,
+                                        dry or dry_run({}, body))
             if sub == "eviction":
                 # The Eviction API (`kubectl drain`): the pod is marked as disrupted, then deleted gracefully.
-                grace = (self._body().get("deleteOptions") or {}).get("gracePeriodSeconds")
+                options = self._body().get("deleteOptions") or {}
+                grace = options.get("gracePeriodSeconds")
+                if dry or dry_run({}, options):
+                    return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
                 if obj.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
                     conditions = [c for c in obj.setdefault("status", {}).get("conditions", []) if c["type"] != "DisruptionTarget"]
                     conditions.append({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
@@ -443,6 +469,8 @@ class _Handler(BaseHTTPRequestHandler):
                 target = self._body().get("target", {})
                 if obj["spec"].get("nodeName"):
                     raise ApiError(409, "Conflict", f'pod {req.name} is already assigned to node "{obj["spec"]["nodeName"]}"')
+                if dry:
+                    return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
                 obj["spec"]["nodeName"] = target.get("name")
                 status = obj.setdefault("status", {})
                 status["conditions"] = [c for c in status.get("conditions", []) if c["type"] != "PodScheduled"] + [
@@ -464,7 +492,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{req.name}": the object has been '
                                                     "modified; please apply your changes to the latest version and try again")
                 if sub == "status":
-                    obj["status"] = body.get("status", {})
+                    obj = {**obj, "status": body.get("status", {})}  # a new object: the stored one changes at the commit only
                 else:
                     # the writable metadata is the body's (a key left out is removed), the rest the server's
                     writable = ("labels", "annotations", "ownerReferences", "finalizers")
@@ -482,5 +510,5 @@ class _Handler(BaseHTTPRequestHandler):
                         return 200, copy.deepcopy(obj)
                     admit_by_policies(store, user, "UPDATE", req.api_group, plural, req.namespace, body, obj)
                     obj = body
-                return 200, copy.deepcopy(api._modified(plural, obj))
+                return 200, copy.deepcopy(api._modified(plural, obj, dry))
         raise ApiError(405, "MethodNotAllowed", f"{req.verb} on {req.resource} is not supported")
