@@ -10,12 +10,16 @@ may do. What a platform engineer relies on:
   account or image, a patch of KFP's `kfp-launcher` or of the policy's own parameters, deleting
   MLflow's NetworkPolicy or Secret, a NetworkPolicy opening a job's pods to every namespace, a
   Secret minting a token of another service account;
+- jobs in one namespace are out of each other's reach: a master pod's token may write only its own
+  jobs' objects, so user code in one job cannot delete, rewrite or stop another's, nor pose as its worker;
 - other users are not judged.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -25,6 +29,7 @@ from cluster import Cluster
 from cluster.rbac import read_manifests
 from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
+from elastic_step.backends.kubernetes.manifests import STOP_ANNOTATION
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +50,7 @@ def messages() -> list[str]:
     return [v["message"].strip() for v in policy["spec"]["validations"]]
 
 
-CONFIGMAPS, SECRETS, NETWORK_POLICIES, POD_NAMES, POD_ACCOUNT, POD_IMAGE, POD_SECRETS = range(7)
+CONFIGMAPS, SECRETS, NETWORK_POLICIES, POD_NAMES, POD_ACCOUNT, POD_IMAGE, POD_SECRETS, OWN_JOBS = range(8)
 
 
 def install_policy(cluster: Cluster) -> None:
@@ -96,17 +101,34 @@ def worker_like(cluster: Cluster, name: str, instance: str = "job-abc123", **cha
 
 
 def runner_backend(cluster: Cluster, tmp_path, monkeypatch, job: str, settings: PodSettings,
-                   master: MasterPod | None = None) -> KubernetesBackend:
-    """The master's Kubernetes backend as it starts in a step pod of elastic-step-runner."""
-    folder = cluster.service_account_folder(str(tmp_path / "sa"), cluster.namespace, cluster.service_account)
-    for key, value in cluster.in_cluster_env(folder).items():
-        monkeypatch.setenv(key, value)
+                   master: MasterPod | None = None, token: str | None = None) -> KubernetesBackend:
+    """The master's Kubernetes backend as it starts in a step pod of elastic-step-runner (`token`:
+    the pod's own, else one bound to no pod)."""
+    if token is None:
+        folder = cluster.service_account_folder(str(tmp_path / "sa"), cluster.namespace, cluster.service_account)
+        for key, value in cluster.in_cluster_env(folder).items():
+            monkeypatch.setenv(key, value)
     for name in ("KUBECONFIG", "ELASTIC_STEP_IMAGE", "ELASTIC_STEP_POD_NAME", "KFP_POD_NAME"):
         monkeypatch.delenv(name, raising=False)
-    token = tmp_path / "job-token"
-    token.write_text("job-token-value")
-    return KubernetesBackend(LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path)), settings, job, master=master,
-                             watch_timeout_s=2)
+    os.makedirs(tmp_path, exist_ok=True)
+    job_token = tmp_path / "job-token"
+    job_token.write_text("job-token-value")
+    return KubernetesBackend(LaunchSpec("http://127.0.0.1:9", str(job_token), str(tmp_path)), settings, job, master=master,
+                             api=None if token is None else cluster.core(token), watch_timeout_s=1)
+
+
+def master_pod(cluster: Cluster, name: str) -> tuple[MasterPod, str]:
+    """A step pod of elastic-step-runner and its token, bound to it as the kubelet's is."""
+    ns = cluster.namespace
+    pod = cluster.core().create_namespaced_pod(ns, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {"serviceAccountName": cluster.service_account, "restartPolicy": "Never",
+                 "containers": [{"name": "main", "image": cluster.project_image,
+                                 "command": ["python", "-c", "import time; time.sleep(600)"]}]}})
+    bound = k8s.V1BoundObjectReference(api_version="v1", kind="Pod", name=name, uid=pod.metadata.uid)
+    request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[], bound_object_ref=bound))
+    token = cluster.core().create_namespaced_service_account_token(cluster.service_account, ns, request).status.token
+    return MasterPod(name=name, uid=pod.metadata.uid, ip="127.0.0.1", namespace=ns), token
 
 
 def exits_until(backend: KubernetesBackend, timeout_s: float = 60) -> list:
@@ -119,32 +141,58 @@ def exits_until(backend: KubernetesBackend, timeout_s: float = 60) -> list:
     raise AssertionError("no worker exit reported")
 
 
-def test_a_masters_own_requests_pass_the_policy(cluster, tmp_path, monkeypatch):
+def test_a_masters_own_requests_pass_the_policy_and_another_jobs_objects_are_out_of_its_reach(cluster, tmp_path,
+                                                                                                  monkeypatch):
+    """Two jobs in one namespace, each master with its own pod's token: each master's own requests
+    pass; what user code in one could do to the other (delete its worker, rewrite its status, stop
+    it, drop its NetworkPolicy or token, label a pod as its worker to mount its token) is refused."""
     ns, core = cluster.namespace, cluster.core()
-    master_pod = core.create_namespaced_pod(ns, {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "train-step", "labels": {"app": "train-step"}},
-        "spec": {"serviceAccountName": cluster.service_account, "restartPolicy": "Never",
-                 "containers": [{"name": "main", "image": cluster.project_image,
-                                 "command": ["python", "-c", "import time; time.sleep(600)"]}]}})
-    backend = runner_backend(cluster, tmp_path, monkeypatch, "admitted", PodSettings(namespace=ns, image=None),
-                             MasterPod(name="train-step", uid=master_pod.metadata.uid, ip="127.0.0.1", namespace=ns))
-    names = backend.names
+    (pod_a, token_a), (pod_b, token_b) = master_pod(cluster, "train-step-a"), master_pod(cluster, "train-step-b")
+    settings = PodSettings(namespace=ns, image=None)
+    with ThreadPoolExecutor(2) as pool:  # two masters start at once, as two jobs' steps do
+        backend, other = pool.map(lambda a: runner_backend(cluster, tmp_path / a[0], monkeypatch, "admitted", settings, *a[1]),
+                                  (("a", (pod_a, token_a)), ("b", (pod_b, token_b))))
+    names, theirs = backend.names, other.names
+    assert names.instance.endswith("-" + pod_a.uid[:6]) and theirs.instance.endswith("-" + pod_b.uid[:6])
     assert sorted(backend.network_policies) == sorted([f"{names.instance}-workers", f"{names.instance}-master"])
     backend.launch(0, "w0.0")
+    other.launch(0, "w0.0")
     deadline = time.monotonic() + 60
-    while cluster.server.get("pods", ns, names.pod("w0.0")) is None and not backend._pending_failures:
-        assert time.monotonic() < deadline, "the worker pod was never made"
+    while any(cluster.server.get("pods", ns, b.names.pod("w0.0")) is None and not b._pending_failures for b in (backend, other)):
+        assert time.monotonic() < deadline, "a worker pod was never made"
         time.sleep(0.1)
-    assert backend.poll() == []  # no create refused
+    assert backend.poll() == [] and other.poll() == []  # no create refused
     assert backend.publish({"job": "admitted", "state": "running"}) == {}  # created
     assert backend.publish({"job": "admitted", "state": "running", "step": 1}) == {}  # patched
+    assert other.publish({"job": "admitted", "state": "running"}) == {}
     assert "step" in cluster.server.get("configmaps", ns, names.status_map)["data"]["status.json"]
-    backend.stop("w0.0")
-    backend.shutdown(grace_s=0)
+
+    # User code in job A's master, with A's token, against job B.
+    runner, runner_net = cluster.core(token_a), cluster.networking(token_a)
+    worker_b = theirs.pod("w0.0")
+    assert refused(runner.delete_namespaced_pod, worker_b, ns) == denial("pods", worker_b, OWN_JOBS)
+    assert refused(runner.patch_namespaced_config_map, theirs.status_map, ns,
+                   {"metadata": {"annotations": {STOP_ANNOTATION: "now"}}}) == denial("configmaps", theirs.status_map, OWN_JOBS)
+    assert refused(runner.delete_namespaced_config_map, theirs.status_map, ns) == denial("configmaps", theirs.status_map, OWN_JOBS)
+    assert refused(runner.delete_namespaced_secret, theirs.secret, ns) == denial("secrets", theirs.secret, OWN_JOBS)
+    policy = theirs.network_policy("master")
+    assert refused(runner_net.delete_namespaced_network_policy, policy, ns) == \
+        denial("networkpolicies.networking.k8s.io", policy, OWN_JOBS)
+    # A pod labelled as B's worker, owned by A's master pod, mounting B's token Secret.
+    posing = worker_like(cluster, "posing", instance=theirs.instance, **{
+        "metadata.ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pod_a.name, "uid": pod_a.uid}],
+        "spec.volumes": [{"name": "token", "secret": {"secretName": theirs.secret}}]})
+    assert refused(runner.create_namespaced_pod, ns, posing) == denial("pods", posing["metadata"]["name"], OWN_JOBS)
+    assert cluster.server.get("pods", ns, worker_b) is not None
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda b: (b.stop("w0.0"), b.shutdown(grace_s=0)), (backend, other)))
     left = [f"{p}/{o['metadata']['name']}" for p in ("pods", "secrets", "configmaps", "networkpolicies")
-            for o in cluster.objects(p, ns) if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == names.instance]
+            for o in cluster.objects(p, ns)
+            if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") in (names.instance, theirs.instance)]
     assert left == []
-    core.delete_namespaced_pod("train-step", ns, grace_period_seconds=0)
+    for pod in (pod_a, pod_b):
+        core.delete_namespaced_pod(pod.name, ns, grace_period_seconds=0)
 
 
 def test_what_user_code_could_do_with_the_runners_token_is_refused_with_the_policys_message(cluster):

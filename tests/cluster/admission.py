@@ -277,7 +277,8 @@ def _text(value: Decimal) -> str:
 #   `RESOURCE "NAME" is forbidden: ValidatingAdmissionPolicy 'P' with binding 'B' denied request: MESSAGE`.
 # Only bindings with validationActions Deny act (Warn and Audit are not modelled), nor are
 # parameters (paramKind), the CEL cost budget, type checking, the authorizer variable, Kubernetes'
-# CEL extension libraries or selectors' matchExpressions. Requests of the server's own controllers (no user) are not judged.
+# CEL extension libraries (but the strings library's `substring`) or selectors' matchExpressions.
+# A token bound to a pod (the kubelet's) gives request.userInfo.extra its pod-name and pod-uid. Requests of the server's own controllers (no user) are not judged.
 POLICIES, BINDINGS = "validatingadmissionpolicies", "validatingadmissionpolicybindings"
 REASON_CODES = {"Forbidden": 403, "Unauthorized": 401, "RequestEntityTooLarge": 413, "Invalid": 422}
 
@@ -327,7 +328,7 @@ def _request(user: str, operation: str, group: str, plural: str, namespace: str,
         groups += ["system:serviceaccounts", f"system:serviceaccounts:{user.split(':')[2]}"]
     version = (target.get("apiVersion") or "v1").rpartition("/")[2]
     return {"operation": operation, "name": target["metadata"]["name"], "namespace": namespace,
-            "userInfo": {"username": user, "groups": groups},
+            "userInfo": {"username": str(user), "groups": groups, **({"extra": user.extra} if getattr(user, "extra", None) else {})},
             "resource": {"group": group, "version": version, "resource": plural},
             "kind": {"group": group, "version": version, "kind": target.get("kind", "")}}
 
@@ -423,6 +424,15 @@ class _Variables(celtypes.MapType):
         return super().__getitem__(key)
 
 
+def _substring(text, start, end=None):
+    """cel-go's ext.Strings `string.substring(start[, end])`: code points; an index out of range is an error."""
+    end = len(text) if end is None else int(end)
+    if not 0 <= int(start) <= end <= len(text):
+        return celpy.CELEvalError(f"index out of range: {start}, {end}")
+    return celtypes.StringType(text[int(start):end])
+
+
+_FUNCTIONS = {"substring": _substring}
 _PROGRAMS: dict[str, object] = {}
 
 
@@ -430,7 +440,7 @@ def _evaluate(expression: str, activation: dict):
     program = _PROGRAMS.get(expression)
     if program is None:
         environment = celpy.Environment()
-        program = _PROGRAMS[expression] = environment.program(environment.compile(expression))
+        program = _PROGRAMS[expression] = environment.program(environment.compile(expression), functions=_FUNCTIONS)
     try:
         result = program.evaluate(activation)
     except celpy.CELEvalError as exc:

@@ -56,7 +56,7 @@ from .discovery import GROUP_OF, GROUP_VERSIONS, RESOURCES, SUBRESOURCES
 from .admission import admit_by_policies, admit_pod
 from .objects import ApiError, Store, field_matches, label_matches, not_found, now_text
 from .patches import apply_patch, is_apply
-from .rbac import REVIEWS, Authorizer, Request, forbidden_message, review
+from .rbac import REVIEWS, Authorizer, Request, forbidden_message, pod_bound_extra, review
 
 log = logging.getLogger("cluster.apiserver")
 
@@ -479,8 +479,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
             if sub == "token":
                 user = f"system:serviceaccount:{req.namespace}:{req.name}"
-                token = api.authorizer.issue_token(user)
                 body = self._body()
+                bound = (body.get("spec") or {}).get("boundObjectRef") or {}  # a pod's token: its name and uid in extra
+                token = api.authorizer.issue_token(user, pod_bound_extra(bound["name"], bound.get("uid", ""))
+                                                   if bound.get("kind") == "Pod" else None)
                 body.setdefault("status", {}).update(token=token, expirationTimestamp=now_text())
                 return 201, body
             if req.verb in ("update", "patch"):

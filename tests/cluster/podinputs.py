@@ -58,7 +58,7 @@ class PodInputs:
             mode = volume["projected"].get("defaultMode", 0o644)
             for source in volume["projected"]["sources"]:
                 if "serviceAccountToken" in source:
-                    token = self.token(ns, pod["spec"]["serviceAccountName"])
+                    token = self.token(ns, pod["spec"]["serviceAccountName"], pod)
                     files[source["serviceAccountToken"]["path"]] = (token.encode(), mode)
                 elif "configMap" in source:
                     data = self.config_map(ns, source["configMap"]["name"])
@@ -107,8 +107,12 @@ class PodInputs:
             files.update({k: base64.b64decode(v) for k, v in (body.get("binaryData") or {}).items()})
         return files
 
-    def token(self, namespace: str, account: str) -> str:
-        request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[], expiration_seconds=3607))
+    def token(self, namespace: str, account: str, pod: dict) -> str:
+        """The kubelet's TokenRequest: a token bound to the pod (its name and UID in the user's extra)."""
+        bound = k8s.V1BoundObjectReference(api_version="v1", kind="Pod", name=pod["metadata"]["name"],
+                                           uid=pod["metadata"].get("uid"))
+        request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[], expiration_seconds=3607,
+                                                                                bound_object_ref=bound))
         reply = self.api.create_namespaced_service_account_token(account, namespace, request, _preload_content=False)
         return json.loads(reply.data)["status"]["token"]
 

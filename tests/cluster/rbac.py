@@ -124,6 +124,20 @@ def kustomize_namespace(objects: list[dict], namespace: str) -> list[dict]:
     return out
 
 
+class BoundUser(str):
+    """A user name that also carries its token's extra (kubernetes pkg/serviceaccount: a token bound
+    to a pod authenticates with `authentication.kubernetes.io/pod-name` and `pod-uid`)."""
+
+    def __new__(cls, name: str, extra: dict[str, list[str]]):
+        user = super().__new__(cls, name)
+        user.extra = {k: list(v) for k, v in extra.items()}
+        return user
+
+
+def pod_bound_extra(pod_name: str, pod_uid: str) -> dict[str, list[str]]:
+    return {"authentication.kubernetes.io/pod-name": [pod_name], "authentication.kubernetes.io/pod-uid": [pod_uid]}
+
+
 class Authorizer:
     """Tokens -> users, and users -> what RBAC allows them. Thread-safe."""
 
@@ -139,10 +153,12 @@ class Authorizer:
         self.add_role("", BASIC_USER, BASIC_USER_RULES)
         self.add_binding("", {"kind": "ClusterRole", "name": BASIC_USER}, [{"kind": "Group", "name": AUTHENTICATED}])
 
-    def issue_token(self, user: str) -> str:
+    def issue_token(self, user: str, extra: dict[str, list[str]] | None = None) -> str:
+        """`extra`: the user's extra of a token bound to a pod (TokenRequest's boundObjectRef),
+        which admission policies see as request.userInfo.extra."""
         token = secrets.token_urlsafe(24)
         with self.lock:
-            self.tokens[token] = user
+            self.tokens[token] = BoundUser(user, extra) if extra else user
         return token
 
     def user_of(self, authorization: str | None) -> str | None:

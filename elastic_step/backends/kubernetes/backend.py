@@ -82,7 +82,6 @@ class KubernetesBackend(Backend):
         self.preflight = Preflight.over(raw, request_timeout_s)
         self.timeout_s = request_timeout_s
         self.master = master if master is not None else master_pod_from_env()
-        self.names = manifests.JobNames.for_job(job_name)
         self.pods: dict[str, str] = {}  # worker id -> pod name, for workers not yet reported gone
         self.workers: dict[str, str] = {}  # pod name -> worker id
         self.last_seen: dict[str, k8s.V1Pod] = {}
@@ -98,6 +97,7 @@ class KubernetesBackend(Backend):
         self._check_reachable()
         self._check_permissions()
         own_pod = self._read_own_pod()
+        self.names = manifests.JobNames.for_master(job_name, self.master, settings.namespace)  # its UID now known
         if own_pod is not None:  # a required MLflow Secret this process lacks: named now, not at the first call
             missing_secret_env(main_container(own_pod), os.environ, self.master.namespace)
         self.image = self._worker_image(own_pod)

@@ -55,6 +55,15 @@ class JobNames:
         job = dns_label(job_name)
         return cls(job=job, instance=f"{job}-{suffix or secrets.token_hex(3)}")
 
+    @classmethod
+    def for_master(cls, job_name: str, master: MasterPod | None, namespace: str) -> "JobNames":
+        """A master pod's instance ends with its UID's first 6 characters: deploy/rbac's admission
+        policy holds a pod's token to the instances that end so, so the user code one job's master
+        imports cannot label a pod as another job's worker (mounting that job's token Secret,
+        passing its NetworkPolicies) or change another job's objects. Elsewhere: random."""
+        uid = master.uid[:6] if owns(master, namespace) else ""
+        return cls.for_job(job_name, uid if re.fullmatch(r"[0-9a-z]{6}", uid) else None)
+
     def pod(self, worker_id: str) -> str:
         return f"{self.instance}-{dns_label(worker_id.replace('.', '-'))}"
 
