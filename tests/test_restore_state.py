@@ -1,0 +1,155 @@
+"""The master restores the group when every worker holding the model dies, driven directly (no
+processes; test_restore_e2e.py runs real ones): the dispatcher and the ledger go back to the
+newest handed-over checkpoint, or to the job's start while there is none (warm start kept), and
+the relaunched rank 0 is told to load that state. The audit then holds every row exactly once."""
+
+import time
+
+from elastic_step.audit import read_audit
+from elastic_step.backends.api import WorkerExit
+from elastic_step.master.dispatcher import Dispatcher
+from elastic_step.master.events import EventLog
+from elastic_step.master.ledger import Ledger
+from elastic_step.master.restore import InitialState, RestorePoint
+from elastic_step.master.state import MasterState, Timeouts
+from elastic_step.protocol import RangeRecord, StepRecord, this_engine
+
+from test_master_state import SPEC, RecordingBackend, join_all
+
+ROWS, PER_TASK = 32, 4  # one epoch of eight tasks
+HELD: dict = {}  # (state, round) -> what each member holds, across train() calls
+
+
+def make_state(tmp_path, restore_point, checkpoints: list):
+    dispatcher = Dispatcher([ROWS], ["f1"], rows_per_task=PER_TASK, epochs=1, shuffle=False)
+    backend = RecordingBackend()
+    ledger = Ledger(dispatcher, str(tmp_path / "audit.jsonl"))
+    state = MasterState(SPEC, dispatcher, ledger, backend, EventLog(None), 1, 2,
+                        timeouts=Timeouts(heartbeat_s=60, rendezvous_s=60, startup_grace_s=60),
+                        on_checkpoint=lambda *pair: checkpoints.append(pair), restore_point=restore_point)
+    state.launch_all()
+    start_round(state, backend.launched)
+    return state, backend
+
+
+def start_round(state, workers):
+    """Fresh workers register and call in; the master proposes their round, which settles."""
+    for worker_id in workers:
+        state.register(worker_id, pid=1, host="h", engine=this_engine())
+        state.rendezvous(worker_id, -1, [], 0)
+    state.tick()
+    return join_all(state)
+
+
+def train(state, steps: int, first_step: int = 1, checkpoint_at: int | None = None):
+    """`steps` steps of two rows per rank, rank 0 reporting them (and a checkpoint's state)."""
+    round_id, members = state.round.id, state.round.members
+    held = HELD.setdefault((id(state), round_id), {})  # member -> [its task, rows of it consumed]
+    records = []
+    for step in range(first_step, first_step + steps):
+        ranges = []
+        for member in members:
+            if member not in held or held[member][1] >= held[member][0].count:
+                held[member] = [state.next_task(member, round_id).task, 0]
+            task, offset = held[member]
+            ranges.append(RangeRecord(task_id=task.id, offset=offset, count=2))
+            held[member][1] += 2
+        records.append(StepRecord(step=step, ranges=ranges, samples=4, loss=1.0, time=time.time(),
+                                  checkpoint=step == checkpoint_at))
+    for record in records:  # one report per step, as rank 0's reporter sends them
+        state.report_steps(members[0], round_id, [record])
+        if record.checkpoint:
+            state.checkpoint_state(members[0], round_id, record.step, b"state at %d" % record.step)
+    state.tick()
+
+
+def kill_everyone(state, backend):
+    """SIGKILL every worker of the round; the master relaunches each slot."""
+    dead = list(state.round.members)
+    backend.exits.extend(WorkerExit(w, "killed by SIGKILL", -9) for w in dead)
+    state.tick()
+    return [w for w in backend.launched if w not in dead and state.workers[w].state.value == "launched"]
+
+
+def finish(state):
+    """The restored group applies every row still to do, then rank 0 hands in the model."""
+    while not state.dispatcher.finished:
+        train(state, 1, first_step=state.ledger.applied_step + 1)
+    assert state.upload_model(state.round.members[0], state.ledger.applied_step, b"model")
+    state.ledger.write_audit()
+
+
+def assert_exact(tmp_path):
+    counts = [0] * ROWS
+    for entry in read_audit(str(tmp_path / "audit.jsonl")):
+        for row in range(entry["start"], entry["start"] + entry["count"]):
+            counts[row] += 1
+    assert counts == [1] * ROWS, counts
+
+
+def test_every_holder_dead_after_a_checkpoint_the_group_goes_on_from_it_exactly(tmp_path):
+    handed = []
+    state, backend = make_state(tmp_path, RestorePoint(0, None), handed)
+    train(state, 3, checkpoint_at=2)  # steps 1..3; step 2's checkpoint is handed once step 3 makes it final
+    assert [pair[0] for pair in handed] == [2]
+    train(state, 2, first_step=4)  # steps 4, 5 (4 final): rows applied after the checkpoint
+    relaunched = kill_everyone(state, backend)
+    replies = start_round(state, relaunched)
+    ready = state.round
+    assert ready.ready and ready.start_step == 2 and ready.source_rank == 0
+    assert replies[ready.members[0]].initial_state == "checkpoint"
+    assert state.initial_state.data == b"state at 2"  # what /initial-state hands rank 0
+    assert state.ledger.applied_step == state.ledger.final_step == 2
+    assert state.dispatcher.epoch_progress() == (8, ROWS)  # steps 3..5's rows are back in the queue
+    restored = state.events.of("restored")
+    assert [(e["step"], e["steps_lost"]) for e in restored] == [(2, 3)]
+    assert "3 steps are lost" in restored[0]["message"]
+    finish(state)
+    assert state.state.value == "succeeded"
+    assert state.ledger.rows_final == ROWS  # what result.json's rows_audited says
+    assert_exact(tmp_path)
+
+
+def test_every_holder_dead_before_any_checkpoint_the_group_starts_over_exactly(tmp_path):
+    state, backend = make_state(tmp_path, RestorePoint(0, None), [])
+    train(state, 3)
+    replies = start_round(state, kill_everyone(state, backend))
+    assert state.round.start_step == 0 and all(r.initial_state == "" for r in replies.values())
+    assert state.dispatcher.epoch_progress() == (0, ROWS)
+    assert [(e["step"], e["steps_lost"]) for e in state.events.of("restored")] == [(0, 3)]
+    finish(state)
+    assert_exact(tmp_path)
+
+
+def test_a_warm_started_job_starts_over_from_its_warm_start_model(tmp_path):
+    warm = InitialState("model", b"warm model", 0)
+    state, backend = make_state(tmp_path, RestorePoint(0, warm), [])
+    assert state.round.start_step == 0
+    train(state, 3)
+    replies = start_round(state, kill_everyone(state, backend))
+    assert replies[state.round.members[0]].initial_state == "model"
+    assert state.initial_state.data == b"warm model"
+    finish(state)
+    assert_exact(tmp_path)
+
+
+def test_without_a_restore_point_the_job_fails_saying_why(tmp_path):
+    # A PS-mode job: its shards hold part of the model and cannot go back with the ledger.
+    state, backend = make_state(tmp_path, None, [])
+    train(state, 3, checkpoint_at=2)
+    start_round(state, kill_everyone(state, backend))
+    assert state.state.value == "failed"
+    assert "no state to restore" in state.failure and "--resume" in state.failure
+
+
+def test_start_over_hands_out_the_same_tasks_as_a_new_dispatcher():
+    fresh = Dispatcher([10, 7], ["a", "b"], rows_per_task=3, epochs=2, seed=4)
+    used = Dispatcher([10, 7], ["a", "b"], rows_per_task=3, epochs=2, seed=4)
+    for _ in range(4):
+        task = used.next_task("w")
+        used.mark_applied(task.id, 0, task.count)
+    used.next_task("w")  # one in flight
+    used.start_over()
+    assert used.epoch_progress() == (0, 34) and not used.holder
+    pieces = lambda d: [(t.epoch, t.shard, t.start, t.count) for t in iter(lambda: d.next_task("w"), None)]  # noqa: E731
+    assert pieces(used) == pieces(fresh)
