@@ -76,9 +76,11 @@ def learning_rates(job) -> dict[int, tuple[str, int]]:
             by_round(job, r"round (\d+): learning rate x (\S+) \(linear: (\d+) of 48 rows").items()}
 
 
-def test_sigkill_the_rank0_worker(digits, start_job):
+def test_sigkill_the_rank0_worker_while_checkpointing_every_few_steps(digits, start_job):
     # --lr-scaling linear: the survivors' rounds of two train at 2/3 of the full group's rate.
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", "--lr-scaling", "linear", *SLOW)
+    # --checkpoint-steps 3: rank 0 (the checkpoint's writer) is likely killed mid-checkpoint.
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "2", "--lr-scaling", "linear", *SLOW,
+                    "--checkpoint-steps", "3")
     status = job.wait_for(mid_epoch)
     job.kill_worker(status, rank=0)
     assert job.finish() == 0, job.output()
@@ -87,6 +89,15 @@ def test_sigkill_the_rank0_worker(digits, start_job):
     assert rates[1] == ("1", 48), rates
     assert ("0.6667", 32) in rates.values(), rates
     assert set(rates.values()) <= {("1", 48), ("0.6667", 32)}, rates
+    # Every committed checkpoint is whole: its ledger and state load.
+    from elastic_step.tracking.checkpoints import read_local
+
+    folder = os.path.join(job.job_dir, "checkpoints")
+    names = [name for name in os.listdir(folder) if name.startswith("step-")]
+    assert names, os.listdir(folder)
+    for name in names:
+        checkpoint = read_local(os.path.join(folder, name))
+        assert checkpoint.step == int(name[5:]) and checkpoint.state and "epochs" in checkpoint.ledger
 
 
 def test_scale_out_from_two_to_three_the_joiner_gets_state_and_contributes(digits, start_job):

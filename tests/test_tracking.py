@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from elastic_step.audit import audit_report
-
 from conftest import MODEL, SLOW_MODEL, cli, kill_master, resume_exactly, worker_processes
 
 pytestmark = pytest.mark.e2e
@@ -118,20 +116,3 @@ def test_mlflow_outage_mid_run_the_job_finishes_and_no_checkpoint_is_lost(digits
         assert uploaded == {f"checkpoints/step-{s:06d}" for s in saved}
     finally:
         server.stop()
-
-
-def test_rank0_sigkill_while_checkpointing_every_few_steps(digits, start_job):
-    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "3", "--model-def", SLOW_MODEL, *FAST,
-                    "--checkpoint-steps", "3")
-    status = job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0.3 * s["rows_total"])
-    job.kill_worker(status, rank=0)
-    assert job.finish() == 0, job.output()
-    assert audit_report(job.audit, digits, epochs=3)["exact"]
-    # every committed checkpoint is whole: its ledger and state load
-    from elastic_step.tracking.checkpoints import read_local
-
-    folder = os.path.join(job.job_dir, "checkpoints")
-    for name in os.listdir(folder):
-        if name.startswith("step-"):
-            checkpoint = read_local(os.path.join(folder, name))
-            assert checkpoint.step == int(name[5:]) and checkpoint.state and "epochs" in checkpoint.ledger
