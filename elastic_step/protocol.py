@@ -40,6 +40,7 @@ class Route(StrEnum):
     EVENTS = "/events"  # membership events from an index on (read-only: `get -e`, the live page)
     HISTORY = "/history"  # loss, samples/s and world size over time (read-only: the live page)
     STOP = "/stop"  # the operator stops the job after a final checkpoint (resumable)
+    SCALE_PS = "/scale-ps"  # the operator changes the number of parameter-server shards (--mode ps)
 
 
 # The live status page, outside API: a page without data. Its script reads the read-only token
@@ -411,6 +412,10 @@ class FailJobRequest(Request):
 
 class ScaleRequest(Request):
     workers: Int = Field(ge=1, le=MAX_WORLD)
+
+
+class PsScaleRequest(Request):
+    shards: Int = Field(ge=1, le=128)  # at most the virtual shards (ps/routing.py's default)
 
 
 class Empty(BaseModel):

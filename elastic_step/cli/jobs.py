@@ -10,9 +10,13 @@ import os
 def register(sub) -> None:
     from elastic_step.cli.observe import add_job
 
-    p = sub.add_parser("scale", help="change the number of workers of a running job, within its --workers MIN:MAX")
+    p = sub.add_parser("scale", help="change the number of workers of a running job, within its --workers MIN:MAX "
+                                     "(or, with --ps, of a --mode ps job's parameter-server shards)")
     add_job(p, "scale")
-    p.add_argument("--workers", type=int, required=True, metavar="N", help="the number of workers to run from now on")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--workers", type=int, metavar="N", help="the number of workers to run from now on")
+    size.add_argument("--ps", type=int, metavar="N", help="the number of parameter-server shards to run from now on "
+                      "(a --mode ps job, local backend): moves only the rows that change shard, no worker restarts")
     p.set_defaults(func=scale)
     p = sub.add_parser("delete", help="delete a submitted job and everything it made (pods, ConfigMaps, Secrets, "
                                       "NetworkPolicies with its label)")
@@ -31,6 +35,11 @@ def register(sub) -> None:
 
 def scale(args) -> int:
     from elastic_step.cli.observe import job_of, operator
+
+    if args.ps is not None:
+        from elastic_step.cli.scale_ps import scale_ps
+
+        return scale_ps(args)
 
     print(operator(args).scale(job_of(args), args.workers))
     return 0

@@ -38,6 +38,7 @@ from elastic_step.protocol import (
     RendezvousReply,
     RendezvousRequest,
     RoundId,
+    PsScaleRequest,
     Route,
     ScaleRequest,
     StepsReply,
@@ -226,6 +227,16 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
         except ValueError as exc:  # outside the job's range, or the job has ended
             raise HTTPException(409, str(exc)) from exc
         return state.status()
+
+    @app.post(API + Route.SCALE_PS, responses=_declared(400, 409))
+    async def scale_ps(body: PsScaleRequest):
+        if state.ps_shards is None:
+            raise HTTPException(409, "this job has no parameter-server shards: scale --ps is for a --mode ps job")
+        try:  # moves rows between shards for a while: off the event loop (master/ps_shards.py)
+            moved = await asyncio.to_thread(state.ps_shards.scale, body.shards)
+        except ValueError as exc:  # the same count, a shard down, another scale under way, the job ended
+            raise HTTPException(409, str(exc)) from exc
+        return {**state.status(), "ps_scale": moved}
 
     @app.get(API + Route.STATUS, responses=_declared())
     async def status():

@@ -9,6 +9,10 @@ While they run the master's own model (validation) pulls from them. At the job's
 sent SIGTERM, which makes each take a last snapshot, and the master's models get the trained
 tables from those snapshots as buffers (the test-set evaluation, the exported models).
 
+`scale --ps N` (ShardMonitor.scale) adds or removes shard processes while the job trains,
+moving only the virtual shards that change owner (ps/moves.py); the workers learn the new
+routing from the shards' refusals of the old epoch and no worker restarts.
+
 `get`, `top` and /status show each shard (ShardMonitor: its address, state, rows, bytes, pushes
 applied and relaunches), and the job's MLflow run gets each shard's numbers as ps.shardI.*.
 """
@@ -92,7 +96,7 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     routes = shards.routes()
     from elastic_step.ps.torch_embedding import bind_tables
 
-    live = LiveRows(PsClient(_read_token(token_file), lambda: routes))
+    live = LiveRows(PsClient(_read_token(token_file), shards.routes))  # current after a scale --ps
     running.callback(live.client.close)
     bind_tables({spec.name: partial(live.pull, spec.name) for spec in specs})  # validation during training
     log.info("parameter servers: %d shards at %s holding %s", config.ps_shards, ", ".join(routes.endpoints),
@@ -173,6 +177,13 @@ class ShardSupervisor:
         self.stopping.set()
         self.thread.join()
 
+    def resized(self) -> None:
+        """Follow the shards' list after a scale --ps: the added ones serve, the removed ones gone."""
+        count = len(self.shards.shards)
+        self.ports = self.ports[:count] + [int(shard.ready()["port"]) for shard in self.shards.shards[len(self.ports):]]
+        self.states = (self.states + [PsShardState.SERVING] * count)[:count]
+        self.relaunches = (self.relaunches + [0] * count)[:count]
+
     def _watch(self) -> None:
         while not self.stopping.wait(self.POLL_S):
             for shard, port in zip(self.shards.shards, self.ports):
@@ -224,6 +235,7 @@ class ShardMonitor:
         self.numbers = [{"rows": 0, "bytes": 0, "pushes": 0} for _ in self.addresses]
         self.polls = 0
         self.stopping = threading.Event()
+        self.scaling = threading.Lock()
         self.thread = threading.Thread(target=self._watch, name="ps-monitor", daemon=True)
 
     def start(self) -> ShardMonitor:
@@ -237,10 +249,45 @@ class ShardMonitor:
         self.poll()  # the shards' last numbers, before they are stopped
         self.client.close()
 
+    def scale(self, shards: int) -> dict:
+        """`scale --ps`: run `shards` shard processes from now on; what moved (moves.MoveReport).
+        ValueError (the API's 409) when there is nothing to do or it cannot be done now."""
+        supervisor = self.supervisor
+        if not self.scaling.acquire(blocking=False):
+            raise ValueError("another scale --ps of this job is under way; try again when it is done")
+        try:
+            before = len(supervisor.shards.shards)
+            if self.stopping.is_set() or supervisor.stopping.is_set():
+                raise ValueError("the job is ending; there is nothing to scale")
+            if shards == before:
+                raise ValueError(f"the job already runs {shards} parameter-server shards")
+            if not 1 <= shards <= len(supervisor.shards.routing.owners):
+                raise ValueError(f"{shards} shards: use between 1 and {len(supervisor.shards.routing.owners)} (the virtual shards)")
+            down = [i for i, state in enumerate(supervisor.states) if state is not PsShardState.SERVING]
+            if down:
+                raise ValueError(f"shard {down[0]} is {supervisor.states[down[0]]}; scale once every shard serves")
+            client = PsClient(self.client.token, lambda: None, timeout_s=120.0)
+            try:
+                report = supervisor.shards.resize(shards, client.call)
+            finally:
+                client.close()
+            supervisor.resized()
+            self.numbers = self.numbers + [{"rows": 0, "bytes": 0, "pushes": 0} for _ in range(shards)]  # then cut: a poll may run
+            self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
+            self.numbers = self.numbers[:shards]
+            log.info("parameter servers scaled from %d to %d shards (routing epoch %d): moved %d of %d virtual shards, "
+                     "%d of %d rows, in %.2f s; the longest a moved virtual shard waited was %.2f s", before, shards,
+                     report.epoch, report.moved, report.virtual_shards, report.rows_moved, report.rows_total,
+                     report.seconds, max(report.pauses_s or [0.0]))
+            return report.to_json()
+        finally:
+            self.scaling.release()
+
     def rows(self) -> list[dict]:
         """One PsShardStatus each, as of the last poll."""
-        return [{"shard": i, "address": address, "state": self.supervisor.states[i], **self.numbers[i],
-                 "relaunches": self.supervisor.relaunches[i]} for i, address in enumerate(self.addresses)]
+        rows = zip(self.addresses, self.supervisor.states, self.numbers, self.supervisor.relaunches)  # zip: a scale may be resizing them
+        return [{"shard": i, "address": address, "state": state, **numbers, "relaunches": relaunches}
+                for i, (address, state, numbers, relaunches) in enumerate(rows)]
 
     def poll(self) -> None:
         self.polls += 1
@@ -255,6 +302,8 @@ class ShardMonitor:
                 log.debug("parameter-server shard %d refused its stats: %s", i, reply.get("detail"))
                 continue
             tables = reply.get("tables", {}).values()
+            if i >= len(self.numbers):  # removed by a scale --ps meanwhile
+                break
             self.numbers[i] = {key: sum(int(t[key]) for t in tables) for key in ("rows", "bytes", "pushes")}
             if self.metric is not None:
                 for key, value in self.numbers[i].items():

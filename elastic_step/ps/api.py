@@ -66,11 +66,12 @@ class Status(StrEnum):
     OK = "ok"
     STALE_EPOCH = "stale_epoch"  # the request's routing epoch is not the shard's: refresh routes, retry
     WRONG_SHARD = "wrong_shard"  # an id's virtual shard is not this shard's: refresh routes, retry
+    MOVING = "moving"  # an id's virtual shard is on its way to this shard (scale --ps): retry shortly
     UNAUTHORIZED = "unauthorized"  # missing or wrong job token: not retried
     BAD_REQUEST = "bad_request"  # a malformed request (unknown table, wrong sizes): not retried
 
 
-RETRY_AFTER_REFRESH = frozenset({Status.STALE_EPOCH, Status.WRONG_SHARD})
+RETRY_AFTER_REFRESH = frozenset({Status.STALE_EPOCH, Status.WRONG_SHARD, Status.MOVING})
 
 
 class PsError(RuntimeError):

@@ -6,8 +6,11 @@ one kept-open connection per shard.
 
 Retries are what make a shard's death invisible to the worker: a connection that fails (the
 shard was SIGKILLed, or is replaying its ledger) and a refusal for a stale routing epoch are
-both answered by refreshing the routes (`routes()`: the master's view, with a relaunched
-shard's new address) and sending again, until `deadline_s`. A push is re-sent with the same
+both answered by refreshing the routes and sending again, until `deadline_s`. The newest
+routing wins among `routes()` (the master's view, with a relaunched shard's new address), the
+routing a refusing shard sends with its refusal, and, after a connection failed and nothing
+newer came, what the other shards it knows say is current: after `scale --ps` the workers learn
+the shards' new routing from the shards themselves, however stale their job spec's is. A push is re-sent with the same
 (task, batch_seq): a shard that applied it before it died has it in its snapshot or ledger and
 acknowledges it without applying it again.
 """
@@ -93,7 +96,7 @@ class PsClient:
     def _each_shard(self, ids: np.ndarray, request: Callable, reply: PushReply | None = None):
         """Yield (positions in ids, (header, body)) once per shard that answered OK, retrying
         the rest after refreshing the routes until every id is answered or the deadline."""
-        pending = np.arange(len(ids))
+        pending, answered = np.arange(len(ids)), np.zeros(len(ids), bool)
         deadline, backoff = time.monotonic() + self.deadline_s, 0.02
         while len(pending):
             shard_of = self.routing.shard_of(ids[pending])
@@ -108,6 +111,7 @@ class PsClient:
                 except OSError:
                     self._drop(endpoint)
                     failed.append(positions)
+            lost, newer = len(failed) > 0, []
             for i, (endpoint, positions) in enumerate(sent):
                 try:
                     answer = self._answer(endpoint)
@@ -116,9 +120,14 @@ class PsClient:
                         self._drop(unread)
                     raise
                 if answer is not None and answer[0]["status"] == Status.OK:
-                    yield positions, answer
-                else:
-                    failed.append(positions)
+                    if not answered[positions].all():  # else a part re-sent whole (below), known already
+                        yield positions, answer
+                    answered[positions] = True
+                    continue
+                failed.append(positions)
+                lost |= answer is None
+                if answer is not None and "routing" in answer[0]:
+                    newer.append(RoutingTable.from_json(answer[0]["routing"]))
             if not failed:
                 return
             pending = np.concatenate(failed)
@@ -128,7 +137,32 @@ class PsClient:
                 raise ShardUnavailable(f"{len(pending)} ids unanswered after {self.deadline_s:.0f} s; are the shards running?")
             time.sleep(backoff)  # a relaunched shard needs a moment to replay its ledger
             backoff = min(0.2, backoff * 2)  # a refused connection is cheap: look again soon
-            self.routing = self.routes()
+            epoch = self.routing.epoch
+            self._refresh(newer, lost)
+            if reply is not None and self.routing.epoch != epoch:
+                # A push goes out whole again under a new routing: each shard's part then holds
+                # every id of the push it owns, which a shard's applied keys rely on
+                # (applied.py); the parts applied before are acknowledged as duplicates.
+                pending = np.arange(len(ids))
+
+    def _refresh(self, newer: list[RoutingTable], lost: bool) -> None:
+        """The newest routing known: the master's, the refusals', else the other shards' word."""
+        known = [self.routes(), *newer, self.routing]  # max() keeps the first of equal epochs: the master's
+        if lost and max(r.epoch for r in known) == self.routing.epoch:
+            known[1:1] = self._asked()
+        self.routing = max(known, key=lambda r: r.epoch)
+
+    def _asked(self) -> list[RoutingTable]:
+        """The routing each reachable shard of the current routing holds."""
+        found = []
+        for endpoint in self.routing.endpoints:
+            try:
+                header, _ = self.call(endpoint, {"op": "routing"})
+            except (OSError, wire.FrameError):
+                continue
+            if header.get("status") == Status.OK and "routing" in header:
+                found.append(RoutingTable.from_json(header["routing"]))
+        return found
 
     def _answer(self, endpoint: str) -> tuple[dict, bytearray] | None:
         try:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 from elastic_step.ps.api import TableSpec
+from elastic_step.ps.moves import MoveReport, move
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import CONFIG_FILE, READY_FILE
 
@@ -72,12 +76,38 @@ class LocalShards:
     """N shard processes under one routing table."""
 
     def __init__(self, root: str, specs: list[TableSpec], shards: int, token_file: str, snapshot_every: int = 1000, fsync: bool = True):
+        self.root, self.specs, self.token_file, self.snapshot_every, self.fsync = root, specs, token_file, snapshot_every, fsync
         self.routing = RoutingTable.initial(shards)
-        self.shards = []
+        self.shards: list[ShardProcess] = []
         for index in range(shards):
-            directory = os.path.join(root, f"shard-{index}")
-            write_config(directory, specs, self.routing, snapshot_every)
-            self.shards.append(ShardProcess(directory, index, token_file, fsync=fsync))
+            self.shards.append(self._new_shard(index))
+
+    def _new_shard(self, index: int, fresh: bool = False) -> ShardProcess:
+        directory = os.path.join(self.root, f"shard-{index}")
+        if fresh:  # a shard added by a resize: nothing of an earlier one that had its index
+            shutil.rmtree(directory, ignore_errors=True)
+        write_config(directory, self.specs, self.routing, self.snapshot_every)
+        return ShardProcess(directory, index, self.token_file, fsync=self.fsync)
+
+    def resize(self, shards: int, call: Callable[..., tuple[dict, bytearray]]) -> MoveReport:
+        """Run `shards` processes from now on, moving only the virtual shards that change owner
+        (moves.py) while clients go on. `call(endpoint, header, *arrays)` asks one shard. Added
+        shards start empty under the current routing; removed ones (the highest indices) are
+        stopped once they gave everything away, and leave the list first, so that a supervisor
+        does not relaunch them."""
+        added = [self._new_shard(index, fresh=True) for index in range(len(self.shards), shards)]
+        for shard in added:
+            shard.start()
+        for shard in added:
+            shard.wait_ready()
+        everyone = self.shards + added
+        resized = self.routing.resized(shards, [s.endpoint for s in everyone[:shards]])
+        report = move(lambda i, *request: call(everyone[i].endpoint, *request), self.routing, resized)
+        self.routing = resized
+        self.shards = everyone[:shards]
+        for shard in everyone[shards:]:
+            shard.kill(signal.SIGTERM)
+        return report
 
     def start(self) -> None:
         for shard in self.shards:

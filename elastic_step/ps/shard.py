@@ -9,7 +9,9 @@ load_s, replay_s): whoever launched it waits for that file. The token comes from
 the command line; every request carries it and one without it is refused. SIGTERM takes a last
 snapshot and exits, and so does the loss of the process that launched it (a master SIGKILLed).
 
-Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py).
+Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py), and
+a move's adopt, export, import and release (state.py, moves.py). A refusal for a stale epoch
+carries the shard's routing, so a client learns the next one from any shard it reaches.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from elastic_step.ps import wire
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.ledger import LedgerRecord
 from elastic_step.ps.routing import RoutingTable
-from elastic_step.ps.state import ShardState
+from elastic_step.ps.state import Refused, ShardState
 
 READY_FILE = "ready.json"
 PARENT_POLL_S = 1.0
 CONFIG_FILE = "config.json"
+MOVE_OPS = frozenset({"adopt", "export", "import", "release"})
 
 
 class ShardHandler(socketserver.BaseRequestHandler):
@@ -72,12 +75,15 @@ class ShardServer(socketserver.ThreadingTCPServer):
         op, state = header["op"], self.state
         if op == "stats":
             return {"status": Status.OK, **state.stats()}, ()
-        if op == "routing":
-            state.set_routing(RoutingTable.from_json(header["routing"]))
-            return {"status": Status.OK, "epoch": state.routing.epoch}, ()
+        if op == "routing":  # with a routing: take it as it is; without: say which is current
+            if "routing" in header:
+                state.set_routing(RoutingTable.from_json(header["routing"]))
+            return {"status": Status.OK, "epoch": state.routing.epoch, "routing": state.routing.to_json()}, ()
         if op == "snapshot":
             state.snapshot()
             return {"status": Status.OK}, ()
+        if op in MOVE_OPS:
+            return self._move(op, header, body)
         table = state.tables[header["table"]]
         if op == "digest":
             with state.lock:
@@ -90,18 +96,35 @@ class ShardServer(socketserver.ThreadingTCPServer):
         ids, grads = wire.ids_and_rows(body, count, table.spec.dim)
         status = state.check(int(header["epoch"]), ids)
         if status is not Status.OK:
-            return {"status": status, "epoch": state.routing.epoch}, ()
-        if op == "pull":
-            return {"status": Status.OK}, (state.pull(header["table"], ids),)
-        if op == "push":
-            return self._push(header, ids, grads)
+            return {"status": status, "epoch": state.routing.epoch, "routing": state.routing.to_json()}, ()
+        try:  # checked again under the shard's lock: a move may have begun meanwhile
+            if op == "pull":
+                return {"status": Status.OK}, (state.pull(header["table"], ids, int(header["epoch"])),)
+            if op == "push":
+                return self._push(header, ids, grads)
+        except Refused as refused:
+            return {"status": refused.status, "epoch": state.routing.epoch, "routing": state.routing.to_json()}, ()
         raise ValueError(f"unknown op {op!r}")
+
+    def _move(self, op: str, header: dict, body: bytearray) -> tuple[dict, tuple]:
+        state = self.state
+        if op == "adopt":
+            state.adopt(RoutingTable.from_json(header["routing"]))
+            return {"status": Status.OK, "epoch": state.routing.epoch}, ()
+        if op == "export":
+            spec, arrays = wire.pack(state.export([int(v) for v in header["vshards"]]))
+            return {"status": Status.OK, "arrays": spec}, arrays
+        if op == "import":
+            arrays = wire.unpack(header["arrays"], body)
+            installed = state.install(RoutingTable.from_json(header["routing"]), [int(v) for v in header["vshards"]], arrays)
+            return {"status": Status.OK, "rows": installed}, ()
+        return {"status": Status.OK, "rows": state.release()}, ()  # release
 
     def _push(self, header: dict, ids: np.ndarray, grads: np.ndarray | None) -> tuple[dict, tuple]:
         if grads is None or not np.isfinite(grads).all():
             raise ValueError("a push needs finite gradients, one row per id")
         record = LedgerRecord(header["table"], int(header["task"]), int(header["batch_seq"]), int(header["attempt"]), ids, grads)
-        return {"status": Status.OK, "applied": self.state.push(record)}, ()
+        return {"status": Status.OK, "applied": self.state.push(record, int(header["epoch"]))}, ()
 
 
 def _bind_host(host: str) -> str:

@@ -8,7 +8,9 @@ which made a 2.5M-row snapshot take ~2 s each way; .npy arrays go straight to an
 Arrays per table: `<table>.ids` (int64), `<table>.rows` (float32, weights and optimizer slots),
 `<table>.updates` (uint32), `<table>.index` (int32: the id index, so that loading does not
 rebuild it), and the pushes this shard has applied (applied.py): `<table>.applied_below`
-(k x 2 int64: task, watermark) and `<table>.applied_above` (k x 2 int64: task, batch_seq).
+(k x 2 int64: task, watermark) and `<table>.applied_above` (k x 2 int64: task, batch_seq), and
+for each group of virtual shards moved in with keys of their own `<table>.applied_gI.mask`
+(bool, one per virtual shard), `.applied_gI.below` and `.applied_gI.above`.
 
 A snapshot is written whole to a temporary file, fsync'd and renamed over the previous one, so a
 SIGKILL leaves either the old snapshot or the new one, never half of one.
@@ -21,15 +23,16 @@ import os
 
 import numpy as np
 
-from elastic_step.ps.applied import AppliedKeys
+from elastic_step.ps.applied import AppliedGroups
 from elastic_step.ps.ledger import _fsync_dir
+from elastic_step.ps.routing import DEFAULT_VIRTUAL_SHARDS
 
 MAGIC = b"ESS1\n"
 MAX_NAMES_LINE = 1 << 20
 TABLE_PARTS = ("ids", "rows", "updates", "index")
 
 
-def save(path: str, tables: dict[str, dict[str, np.ndarray]], applied: dict[str, AppliedKeys]) -> None:
+def save(path: str, tables: dict[str, dict[str, np.ndarray]], applied: dict[str, AppliedGroups]) -> None:
     arrays = {}
     for name, parts in tables.items():
         for key, array in parts.items():
@@ -55,7 +58,8 @@ def _read(path: str) -> dict[str, np.ndarray]:
         return {name: np.lib.format.read_array(f, allow_pickle=False) for name in json.loads(names_line)}
 
 
-def load(path: str, table_names: list[str]) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, AppliedKeys]]:
+def load(path: str, table_names: list[str], virtual_shards: int = DEFAULT_VIRTUAL_SHARDS
+         ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, AppliedGroups]]:
     """The snapshot's tables and applied batches; empty when there is no snapshot yet."""
     tables, applied = {}, {}
     if not os.path.exists(path):
@@ -65,5 +69,6 @@ def load(path: str, table_names: list[str]) -> tuple[dict[str, dict[str, np.ndar
         if f"{name}.ids" not in data:
             continue
         tables[name] = {key: data[f"{name}.{key}"] for key in TABLE_PARTS}
-        applied[name] = AppliedKeys.from_arrays(data[f"{name}.applied_below"], data[f"{name}.applied_above"])
+        prefix = f"{name}.applied_"
+        applied[name] = AppliedGroups.from_arrays(virtual_shards, {k[len(prefix):]: v for k, v in data.items() if k.startswith(prefix)})
     return tables, applied

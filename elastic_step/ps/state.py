@@ -14,6 +14,13 @@
   leaves records the snapshot already holds, replays nothing twice.
 - Requests name the routing epoch they were routed under; another epoch, or an id whose virtual
   shard this shard does not own, is refused for the client to re-route.
+- Moving virtual shards (`scale --ps`, moves.py): `adopt` takes the next routing and marks the
+  virtual shards it gains *pending* (refused as MOVING until they arrive); `export` hands over
+  the rows and applied keys of virtual shards it gives (from memory, under the lock: every
+  update it accepted is in them, fsync'd or not, as the snapshot plus the ledger's tail would
+  hold it); `install` takes them in, snapshots, and only then clears them from pending (a crash
+  in between leaves them pending, and the install is sent again); `release` forgets the rows it
+  gave and snapshots. Pending virtual shards are kept in routing.json beside the routing.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ import numpy as np
 
 from elastic_step.ps import snapshot
 from elastic_step.ps.api import Status, TableSpec
-from elastic_step.ps.applied import AppliedKeys
+from elastic_step.ps.applied import AppliedGroups
 from elastic_step.ps.ledger import Ledger, LedgerRecord, _fsync_dir, replay
-from elastic_step.ps.routing import RoutingTable
+from elastic_step.ps.routing import RoutingTable, virtual_shard_of
 from elastic_step.ps.table import EmbeddingTable
 
 SNAPSHOT_FILE = "snapshot.bin"
@@ -37,13 +44,23 @@ LEDGER_FILE = "ledger.bin"
 ROUTING_FILE = "routing.json"
 
 
+class Refused(Exception):
+    """A request that no longer fits the shard's routing (its status says why)."""
+
+    def __init__(self, status: Status):
+        super().__init__(status.value)
+        self.status = status
+
+
 class ShardState:
     def __init__(self, directory: str, specs: list[TableSpec], shard: int, routing: RoutingTable, snapshot_every: int = 1000, sync: bool = True):
         self.directory = directory
         self.tables = {spec.name: EmbeddingTable(spec) for spec in specs}
-        self.applied = {name: AppliedKeys() for name in self.tables}
         self.shard = shard
         self.routing = routing
+        self.virtual_shards = len(routing.owners)
+        self.applied = {name: AppliedGroups(self.virtual_shards) for name in self.tables}
+        self.pending: set[int] = set()  # virtual shards this shard owns whose rows have not arrived
         self.snapshot_every = snapshot_every
         self.sync = sync
         self.since_snapshot = 0
@@ -59,11 +76,12 @@ class ShardState:
         saved = self._path(ROUTING_FILE)
         if os.path.exists(saved):
             with open(saved, encoding="utf-8") as f:
-                newer = RoutingTable.from_json(json.load(f))
+                data = json.load(f)
+            newer = RoutingTable.from_json(data)
             if newer.epoch > self.routing.epoch:
-                self.routing = newer
+                self.routing, self.pending = newer, set(data.get("pending", []))
         started = time.perf_counter()
-        tables, applied = snapshot.load(self._path(SNAPSHOT_FILE), list(self.tables))
+        tables, applied = snapshot.load(self._path(SNAPSHOT_FILE), list(self.tables), self.virtual_shards)
         for name, parts in tables.items():
             self.tables[name].load(**parts)
             self.applied[name] = applied[name]
@@ -79,18 +97,31 @@ class ShardState:
     def check(self, epoch: int, ids: np.ndarray | None = None) -> Status:
         if epoch != self.routing.epoch:
             return Status.STALE_EPOCH
-        if ids is not None and len(ids) and not (self.routing.shard_of(ids) == self.shard).all():
-            return Status.WRONG_SHARD
+        if ids is not None and len(ids):
+            vshards = virtual_shard_of(ids, self.virtual_shards)
+            if not (self.routing.owners[vshards] == self.shard).all():
+                return Status.WRONG_SHARD
+            if self.pending and np.isin(vshards, list(self.pending)).any():
+                return Status.MOVING
         return Status.OK
 
-    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+    def _checked(self, epoch: int | None, ids: np.ndarray) -> None:
+        """Under the lock: a request routed under `epoch` still fits (a move may have begun since
+        the handler's first check, and a row updated after its export would be lost)."""
+        if epoch is not None and (status := self.check(epoch, ids)) is not Status.OK:
+            raise Refused(status)
+
+    def pull(self, table: str, ids: np.ndarray, epoch: int | None = None) -> np.ndarray:
         with self.lock:
+            self._checked(epoch, ids)
             return self.tables[table].pull(ids)
 
-    def push(self, record: LedgerRecord) -> bool:
-        """Apply a push once; False when its (table, task, batch_seq) was applied before."""
+    def push(self, record: LedgerRecord, epoch: int | None = None) -> bool:
+        """Apply a push once; False when its (table, task, batch_seq) was applied before.
+        Refused when `epoch` (that of the request, if any) no longer fits its ids."""
         with self.lock:
-            applied = (record.task, record.batch_seq) not in self.applied[record.table]
+            self._checked(epoch, record.ids)
+            applied = self.applied[record.table].missing((record.task, record.batch_seq))
             if applied:
                 mark = self.ledger.append(record)
                 self._apply(record)
@@ -103,40 +134,120 @@ class ShardState:
         return applied
 
     def _apply(self, record: LedgerRecord) -> int:
-        key = (record.task, record.batch_seq)
-        if key in self.applied[record.table]:
+        key, groups = (record.task, record.batch_seq), self.applied[record.table]
+        if not groups.missing(key):
             return 0
-        self.tables[record.table].push(record.ids, record.grads)
-        self.applied[record.table].add(key)
+        fresh = groups.take(key, virtual_shard_of(record.ids, self.virtual_shards) if groups.extra else record.ids, self.owned)
+        if fresh.all():
+            self.tables[record.table].push(record.ids, record.grads)
+        elif fresh.any():  # a part whose moved-in rows had not got this key yet (moves.py)
+            self.tables[record.table].push(record.ids[fresh], record.grads[fresh])
         return 1
 
     def snapshot(self) -> None:
         with self.lock:
             self._snapshot()
 
-    def _snapshot(self) -> None:
+    @property
+    def owned(self) -> np.ndarray:
+        return self.routing.owners == self.shard
+
+    def _snapshot(self, owned: np.ndarray | None = None) -> None:
+        for groups in self.applied.values():
+            groups.compact(self.owned if owned is None else owned)
         snapshot.save(self._path(SNAPSHOT_FILE), {n: t.arrays() for n, t in self.tables.items()}, self.applied)
         self.ledger.rotate()
         self.since_snapshot = 0
 
     def set_routing(self, routing: RoutingTable) -> None:
-        """Adopt a newer routing (an older or equal epoch is ignored), durably."""
+        """Adopt a newer routing (an older or equal epoch is ignored), durably, as it is: the
+        rows of virtual shards it gains are created afresh (`adopt` waits for them instead)."""
         with self.lock:
-            if routing.epoch <= self.routing.epoch:
-                return
-            partial = self._path(ROUTING_FILE + ".partial")
-            with open(partial, "w", encoding="utf-8") as f:
-                json.dump(routing.to_json(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(partial, self._path(ROUTING_FILE))
-            _fsync_dir(self._path(ROUTING_FILE))
-            self.routing = routing
+            if routing.epoch > self.routing.epoch:
+                self._save_routing(routing, self.pending)
+
+    def _save_routing(self, routing: RoutingTable, pending: set[int]) -> None:
+        partial = self._path(ROUTING_FILE + ".partial")
+        with open(partial, "w", encoding="utf-8") as f:
+            json.dump({**routing.to_json(), "pending": sorted(pending)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, self._path(ROUTING_FILE))
+        _fsync_dir(self._path(ROUTING_FILE))
+        self.routing, self.pending = routing, set(pending)
+
+    def adopt(self, routing: RoutingTable) -> None:
+        """Take a newer routing whose new virtual shards are moved in: they stay pending (refused
+        as MOVING) until `install` brings their rows and keys."""
+        with self.lock:
+            self._adopt(routing)
+
+    def _adopt(self, routing: RoutingTable) -> None:
+        """The flush: the virtual shards given away keep the keys they have now (frozen), in a
+        snapshot made before the routing is, so that a replay after a crash cannot mark them."""
+        if routing.epoch > self.routing.epoch:
+            lost = self.owned & (routing.owners != self.shard)
+            if lost.any():
+                for groups in self.applied.values():
+                    groups.split(lost)
+                self._snapshot(routing.owners == self.shard)
+            gained = set(routing.owned_by(self.shard).tolist()) - set(self.routing.owned_by(self.shard).tolist())
+            self._save_routing(routing, self.pending | gained)
+
+    def _held_in(self, table: EmbeddingTable, vshards) -> np.ndarray:
+        return np.isin(virtual_shard_of(table.ids[: table.size], self.virtual_shards), list(vshards))
+
+    def export(self, vshards: list[int]) -> dict[str, np.ndarray]:
+        """Copies of the rows and applied keys of `vshards` (moving away), named as a snapshot's."""
+        arrays = {}
+        with self.lock:
+            for name, table in self.tables.items():
+                arrays.update({f"{name}.{k}": v for k, v in table.where(self._held_in(table, vshards)).items()})
+                groups = AppliedGroups(self.virtual_shards, extra=self.applied[name].export(np.asarray(vshards, np.int64)))
+                arrays.update({f"{name}.applied_{k}": v for k, v in groups.to_arrays().items()})
+        return arrays
+
+    def install(self, routing: RoutingTable, vshards: list[int], arrays: dict[str, np.ndarray]) -> int:
+        """Take in moved virtual shards (`export`'s arrays), once: only those still pending.
+        The rows installed (0 when they had all arrived already)."""
+        with self.lock:
+            self._adopt(routing)
+            arriving = self.pending & set(vshards)
+            if not arriving:
+                return 0
+            installed = 0
+            for name, table in self.tables.items():
+                table.drop(self._held_in(table, arriving))  # a repeated install replaces its first copy
+                rows = {k: arrays[f"{name}.{k}"] for k in ("ids", "rows", "updates")}
+                mine = np.isin(virtual_shard_of(rows["ids"], self.virtual_shards), list(arriving))
+                table.put(*(rows[k][mine] for k in ("ids", "rows", "updates")))
+                installed += int(mine.sum())
+                prefix = f"{name}.applied_"
+                moved = AppliedGroups.from_arrays(self.virtual_shards, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+                keep = np.isin(np.arange(self.virtual_shards), list(arriving))
+                self.applied[name].install([(mask & keep, keys) for mask, keys in moved.extra if (mask & keep).any()])
+            self._snapshot()  # the rows are durable before anyone may update them
+            self._save_routing(self.routing, self.pending - arriving)
+            return installed
+
+    def release(self) -> int:
+        """Forget the rows of virtual shards owned elsewhere now (moved away), durably; how many."""
+        with self.lock:
+            dropped = 0
+            theirs = self.routing.owners != self.shard
+            for name, table in self.tables.items():
+                gone = theirs[virtual_shard_of(table.ids[: table.size], self.virtual_shards)]
+                dropped += int(gone.sum())
+                table.drop(gone)
+                self.applied[name].forget(theirs)
+            self._snapshot()
+            return dropped
 
     def stats(self) -> dict:
         with self.lock:
             return {
                 "epoch": self.routing.epoch,
+                "pending": len(self.pending),
                 "tables": {n: {"rows": t.size, "bytes": t.nbytes, "pushes": len(self.applied[n])} for n, t in self.tables.items()},
             }
 

@@ -131,6 +131,22 @@ class EmbeddingTable:
             self.index = IdIndex(capacity)
             self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
 
+    def where(self, keep: np.ndarray) -> dict[str, np.ndarray]:
+        """Copies of the held rows where `keep` (one flag per held row): what a move ships."""
+        n = self.size
+        return {"ids": self.ids[:n][keep].copy(), "rows": self.block[:n][keep].copy(), "updates": self.updates[:n][keep].copy()}
+
+    def drop(self, gone: np.ndarray) -> None:
+        """Forget the held rows where `gone` (rows that moved to another shard)."""
+        if gone.any():
+            self.load(**self.where(~gone))
+
+    def put(self, ids: np.ndarray, rows: np.ndarray, updates: np.ndarray) -> None:
+        """Hold these rows as given (moved in), replacing any held for the same ids."""
+        if len(ids):
+            slots = self.slots_of(ids)
+            self.block[slots], self.updates[slots] = rows, updates
+
     def digest(self) -> str:
         """A hash of every held row, its slots and counter, in id order: equal tables, equal digests."""
         order = np.argsort(self.ids[: self.size], kind="stable")

@@ -66,3 +66,35 @@ def ids_and_rows(body: bytearray, count: int, dim: int) -> tuple[np.ndarray, np.
     if len(body) == id_bytes:
         return ids, None
     return ids, np.frombuffer(body, dtype="<f4", offset=id_bytes).reshape(count, dim)
+
+
+# Named arrays in one body (a move's rows and keys): the header lists [name, dtype, shape] of
+# each in order. Only these dtypes: nothing but plain numbers is ever read from a body.
+ARRAY_DTYPES = frozenset({"<i8", "<f4", "<u4", "|b1"})
+
+
+def pack(arrays: dict[str, np.ndarray]) -> tuple[list, tuple[np.ndarray, ...]]:
+    """(the header's list describing `arrays`, the arrays to send) for `unpack` to read back."""
+    spec, out = [], []
+    for name, array in arrays.items():
+        array = np.ascontiguousarray(array)
+        dtype = array.dtype.newbyteorder("<").str if array.dtype.kind in "iuf" else array.dtype.str
+        spec.append([name, dtype, list(array.shape)])
+        out.append(array.astype(dtype, copy=False))
+    return spec, tuple(out)
+
+
+def unpack(spec: list, body: bytearray) -> dict[str, np.ndarray]:
+    arrays, offset = {}, 0
+    for name, dtype, shape in spec:
+        if dtype not in ARRAY_DTYPES or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise FrameError(f"array {str(name)[:64]!r}: dtype {dtype!r} or shape {shape!r} is not allowed")
+        count = int(np.prod(shape, dtype=np.int64))
+        size = count * np.dtype(dtype).itemsize
+        if offset + size > len(body):
+            raise FrameError(f"array {str(name)[:64]!r} runs past the body")
+        arrays[str(name)] = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
+        offset += size
+    if offset != len(body):
+        raise FrameError("the body holds more than its arrays")
+    return arrays

@@ -1,0 +1,182 @@
+"""`scale --ps`: moving virtual shards between shards while pushes go on.
+
+In-process shard states behind the shard's own request handling (no processes) for the rules:
+only the virtual shards that change owner move, every row arrives whole (weights, slots,
+counters), a push whose parts straddle the epoch change is applied once to every row, and a
+virtual shard on its way is refused until it is installed, durably. Then real shard processes
+resized 2 -> 3 -> 2 while a client pushes: every row updated exactly once per push."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from elastic_step.ps import wire
+from elastic_step.ps.api import Status, TableSpec
+from elastic_step.ps.client import PsClient
+from elastic_step.ps.ledger import LedgerRecord
+from elastic_step.ps.local import LocalShards
+from elastic_step.ps.moves import move, plan
+from elastic_step.ps.routing import RoutingTable, virtual_shard_of
+from elastic_step.ps.shard import ShardServer
+from elastic_step.ps.state import ShardState
+
+SPEC = TableSpec("emb", 4)
+TOKEN = "ps-scale-token"
+
+
+def state(tmp_path, shard: int, routing: RoutingTable) -> ShardState:
+    held = ShardState(str(tmp_path / f"shard-{shard}"), [SPEC], shard, routing, snapshot_every=10_000)
+    (tmp_path / f"shard-{shard}").mkdir(parents=True, exist_ok=True)
+    held.recover()
+    return held
+
+
+def caller(states: list[ShardState]):
+    """call(shard, header, *arrays) answered by the shard's own request handling, in process."""
+
+    def call(shard: int, header: dict, *arrays):
+        server = ShardServer.__new__(ShardServer)  # its answer() without a socket
+        server.state = states[shard]
+        body = bytearray(b"".join(np.ascontiguousarray(a).view(np.uint8).reshape(-1).tobytes() for a in arrays))
+        reply, out = server.answer(header, body)
+        return reply, bytearray(b"".join(np.ascontiguousarray(a).view(np.uint8).reshape(-1).tobytes() for a in out))
+
+    return call
+
+
+def push(states: list[ShardState], routing: RoutingTable, key: tuple[int, int], ids: np.ndarray, only=None) -> None:
+    """One push split over the owners as a client would (`only`: the shards whose part arrives)."""
+    owner = routing.shard_of(ids)
+    for shard in np.unique(owner):
+        if only is None or shard in only:
+            mine = ids[owner == shard]
+            assert states[shard].check(routing.epoch, mine) is Status.OK
+            states[shard].push(LedgerRecord(SPEC.name, *key, 0, mine, np.ones((len(mine), SPEC.dim), np.float32)))
+
+
+def held(states: list[ShardState]) -> dict[int, tuple]:
+    """id -> (row with its slots, updates) over all shards; each id held once."""
+    rows = {}
+    for s in states:
+        table = s.tables[SPEC.name]
+        for i in range(table.size):
+            assert int(table.ids[i]) not in rows, f"id {table.ids[i]} held twice"
+            rows[int(table.ids[i])] = (table.block[i].tobytes(), int(table.updates[i]))
+    return rows
+
+
+def test_only_the_virtual_shards_that_change_owner_move_and_every_row_arrives_whole(tmp_path):
+    old = RoutingTable.initial(2)
+    states = [state(tmp_path, i, old) for i in range(3)]  # the third starts empty, owning nothing
+    ids = np.arange(20_000)
+    for seq in range(5):
+        push(states, old, (1, seq), ids[seq::3])
+    before = held(states)
+    new = old.resized(3)
+    report = move(caller(states), old, new)
+    assert report.moved == sum(len(v) for v in plan(old, new).values()) == int((old.owners != new.owners).sum())
+    assert report.moved / 128 <= 1 / 3 + 0.05 and report.rows_moved / report.rows_total <= 1 / 3 + 0.05
+    assert held(states) == before  # weights, Adagrad slots and counters, each id on one shard
+    for s in states:
+        table = s.tables[SPEC.name]
+        assert (new.shard_of(table.ids[: table.size]) == s.shard).all() and table.size > 0
+        assert s.routing.epoch == new.epoch and not s.pending
+
+
+def test_a_push_straddling_the_epoch_change_is_applied_once_to_every_row(tmp_path):
+    old = RoutingTable.initial(2)
+    states = [state(tmp_path, i, old) for i in range(3)]
+    ids = np.arange(3000)
+    push(states, old, (7, 0), ids)
+    push(states, old, (7, 1), ids, only={1})  # shard 0's part is lost in the epoch change...
+    new = old.resized(3)
+    move(caller(states), old, new)
+    moved = ids[(old.shard_of(ids) != new.shard_of(ids))]
+    assert len(moved) and set(np.unique(old.shard_of(moved)).tolist()) == {0, 1}
+    for _ in range(2):  # ...and re-sent whole under the new routing, twice
+        push(states, new, (7, 1), ids)
+    counts = {i: n for i, (_, n) in held(states).items()}
+    assert counts == {int(i): 2 for i in ids}  # each row took each of the two keys once
+
+    reference = [state(tmp_path / "ref", 0, RoutingTable.initial(1))]
+    push(reference, reference[0].routing, (7, 0), ids)
+    push(reference, reference[0].routing, (7, 1), ids)
+    assert held(states) == held(reference)  # the same values as one shard applying each push once
+
+
+def test_a_virtual_shard_on_its_way_is_refused_until_installed_and_that_survives_a_crash(tmp_path):
+    old = RoutingTable.initial(2)
+    states = [state(tmp_path, i, old) for i in range(3)]
+    ids = np.arange(4000)
+    push(states, old, (3, 0), ids)
+    new = old.resized(3)
+    coming = ids[new.shard_of(ids) == 2]
+    states[2].adopt(new)
+    assert states[2].check(new.epoch, coming) is Status.MOVING
+    assert state(tmp_path, 2, old).check(new.epoch, coming) is Status.MOVING  # pending is durable
+    call = caller(states)
+    for source, vshards in ((s, v) for (s, t), v in plan(old, new).items() if t == 2):
+        reply, body = call(source, {"op": "export", "vshards": vshards})
+        arrays = wire.unpack(reply["arrays"], body)
+        assert states[2].install(new, vshards, arrays) > 0
+        assert states[2].install(new, vshards, arrays) == 0  # a re-sent import changes nothing
+    assert states[2].check(new.epoch, coming) is Status.OK
+    again = state(tmp_path, 2, old)  # a crash now: the snapshot has the rows, routing.json the epoch
+    assert again.check(new.epoch, coming) is Status.OK and again.routing.epoch == new.epoch
+    assert held([again]) == held([states[2]])
+    again.push(LedgerRecord(SPEC.name, 3, 0, 0, coming, np.ones((len(coming), SPEC.dim), np.float32)))
+    assert all(n == 1 for _, n in held([again]).values())  # the moved rows' keys came too
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    return str(path)
+
+
+def test_shard_processes_resized_while_a_client_pushes_apply_every_push_once(tmp_path, token_file):
+    shards = LocalShards(str(tmp_path / "ps"), [SPEC], 2, token_file)
+    shards.start()
+    try:
+        # The client only ever gets the first routing: it learns the next from the shards.
+        first = shards.routes()
+        client = PsClient(TOKEN, lambda: first, deadline_s=120)
+        ids, resized, sent = np.arange(5000), threading.Event(), []
+
+        def pushing():  # on through both resizes, and a few pushes after them
+            after = 0
+            while after < 5:
+                seq = len(sent)
+                part = ids[seq % 7 :: 7]
+                client.push(SPEC.name, 1, seq, 0, part, np.ones((len(part), SPEC.dim), np.float32))
+                sent.append(seq)
+                after += resized.is_set()
+
+        worker = threading.Thread(target=pushing)
+        worker.start()
+        admin = PsClient(TOKEN, lambda: None)
+        while len(sent) < 10:  # the shards hold rows before the first move
+            worker.join(timeout=0.05)
+        grown = shards.resize(3, admin.call)
+        shrunk = shards.resize(2, admin.call)
+        resized.set()
+        worker.join(timeout=300)
+        assert not worker.is_alive()
+        pushes = len(sent)
+        assert grown.rows_moved / grown.rows_total <= 1 / 3 + 0.05 and grown.moved > 0 and shrunk.moved > 0
+        assert client.routing.epoch == 3 and len(shards.shards) == 2
+        counts = {}
+        for shard in shards.shards:
+            reply, body = admin.call(shard.endpoint, {"op": "counters", "table": SPEC.name})
+            got = np.frombuffer(body, "<i8", count=reply["count"]), np.frombuffer(body, "<u4", offset=8 * reply["count"])
+            counts.update(zip(got[0].tolist(), got[1].tolist()))
+        expected = {int(i): sum(1 for seq in range(pushes) if i % 7 == seq % 7) for i in ids}
+        assert counts == expected
+        admin.close()
+        client.close()
+    finally:
+        shards.stop()
