@@ -23,6 +23,11 @@ command -v debootstrap >/dev/null || skip "no debootstrap (apt-get install deboo
 WHEEL=$(ls /opt/wheels/torch-2.13.0*.whl 2>/dev/null | head -1 || true)
 [ -n "$WHEEL" ] || WHEEL=$(find / -xdev -name 'torch-2.13.0*cpu*.whl' 2>/dev/null | head -1 || true)
 [ -n "$WHEEL" ] || skip "no local CPU torch 2.13.0 wheel to serve (an unpinned resolve would pull the CUDA build)"
+# A daemon already on this folder (`make cluster CLUSTER_DOCKER=1`, a Docker test): a second would take
+# its socket and, stopping, unmount its data root. Checked before the cleanup below is armed.
+if OTHER=$(cat "$WORK/dockerd.pid" 2>/dev/null) && [ "$(cat "/proc/$OTHER/comm" 2>/dev/null)" = dockerd ]; then
+  echo "image-smoke: FAILED: a Docker daemon already runs on $WORK (pid $OTHER): stop it first (make cluster-stop, else kill $OTHER), or set IMAGE_SMOKE_DIR to another folder"; exit 1
+fi
 
 mkdir -p "$WORK"
 started=$(date +%s)
@@ -62,7 +67,8 @@ python3 -m http.server --bind 127.0.0.1 --directory "$(dirname "$WHEEL")" "$PORT
 HTTP_PID=$!
 
 t=$(date +%s)
-DOCKER_BUILDKIT=0 docker build --network host -f images/Dockerfile -t "$IMAGE" \
+# Labelled with the digest of what goes into it: the cluster tests and `make cluster` reuse it only while that matches.
+DOCKER_BUILDKIT=0 docker build --network host -f images/Dockerfile -t "$IMAGE" --label "org.elastic-step.sources=$(python3 tests/cluster/image_sources.py)" \
   --build-arg BASE_IMAGE="$BASE" --build-arg PIP_FIND_LINKS="http://127.0.0.1:$PORT/" --build-arg TORCH_INDEX_URL= . >"$WORK/build.log" 2>&1 \
   || { tail -30 "$WORK/build.log"; echo "image-smoke: FAILED: docker build (log: $WORK/build.log)"; exit 1; }
 grep "^imports ok" "$WORK/build.log" || true

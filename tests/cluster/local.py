@@ -53,13 +53,20 @@ def docker_runtime():
     """The test's own Docker daemon on image-smoke's data root, which must hold the image."""
     from elastic_step.images import default_image
 
-    from cluster.runtime import DockerDaemon
+    from cluster.runtime import DaemonBusy, DockerDaemon, ImageState
 
     work = os.environ.get("IMAGE_SMOKE_DIR") or os.path.join(REPO, "build", "image-smoke")
-    daemon = DockerDaemon(work).start()
-    if not daemon.has_image(default_image()):
+    try:
+        daemon = DockerDaemon(work).start()
+    except DaemonBusy as exc:
+        print(f"cluster: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    state = daemon.image_state(default_image())
+    if state is not ImageState.CURRENT:
         daemon.stop()
-        print(f"cluster: --docker needs the image {default_image()} in {work}: run `make image-smoke` first", file=sys.stderr)
+        why = "not there" if state is ImageState.MISSING else "the one there was built from other sources than this checkout's"
+        print(f"cluster: --docker needs the image {default_image()} in {work} ({why}): run `make image-smoke` first",
+              file=sys.stderr)
         raise SystemExit(2)
     return daemon, {default_image(): Image(default_image(), {}, docker=default_image())}
 

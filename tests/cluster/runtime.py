@@ -15,6 +15,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
+
+from .image_sources import LABEL as SOURCES_LABEL
+from .image_sources import digest as sources_digest
 
 PODINIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "podinit.py")
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -216,10 +220,46 @@ class ProcessRuntime:
 
 
 # -- the Docker runtime ---------------------------------------------------------------------------
+class ImageState(Enum):
+    MISSING = "missing"
+    STALE = "built from other sources than the checkout's"  # its label is not the checkout's digest
+    CURRENT = "current"
+
+
+def live_daemon(work: str) -> int | None:
+    """The pid of the dockerd that runs on `work` (its pidfile there names a live dockerd), else None."""
+    try:
+        with open(os.path.join(work, "dockerd.pid")) as f:
+            pid = int(f.read().strip())
+        with open(f"/proc/{pid}/comm") as f:
+            program = f.read().strip()
+    except (OSError, ValueError):
+        return None  # no pidfile, or a stale one: its process is gone
+    return pid if program == "dockerd" else None  # a pid reused by another program is no daemon
+
+
+def _started_by(pid: int) -> str:
+    """The command line of `pid`'s parent (what started the daemon), for the refusal's message."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rpartition(")")[2].split()[1])
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            command = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())  # one line
+    except (OSError, ValueError, IndexError):
+        return "a process that is gone"
+    return f"pid {parent}: {command[:120]}" if parent > 1 else "a process that is gone"
+
+
+class DaemonBusy(RuntimeError):
+    """Another dockerd runs on this data root: two daemons on one root corrupt it."""
+
+
 class DockerDaemon:
     """A Docker daemon of the test's own (as images/smoke.sh starts one): no bridge, no iptables,
     so `--network host` is the only network; its data root is image-smoke's, where `make
-    image-smoke` left the built image. Stopped by its pid."""
+    image-smoke` left the built image. Stopped by its pid. It refuses to start where another
+    daemon runs on the same folder (`make cluster CLUSTER_DOCKER=1`, images/smoke.sh, another
+    test): a second one would take that one's socket and unmount its data root when it stops."""
 
     def __init__(self, work: str):
         self.work = work
@@ -231,6 +271,12 @@ class DockerDaemon:
         return {**os.environ, "DOCKER_HOST": f"unix://{self.socket}"}
 
     def start(self) -> "DockerDaemon":
+        running = live_daemon(self.work)
+        if running is not None:
+            owner = _started_by(running)
+            how = "`make cluster-stop`" if "cluster.local" in owner else f"`kill {running}`"
+            raise DaemonBusy(f"a Docker daemon already runs on {self.work} (pid {running}, started by {owner}): stop it "
+                             f"first ({how}), or give this one another folder with IMAGE_SMOKE_DIR")
         os.makedirs(self.work, exist_ok=True)
         with open(os.path.join(self.work, "dockerd.log"), "ab") as log:
             self.proc = subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false", "--data-root", os.path.join(self.work, "data"),
@@ -238,10 +284,12 @@ class DockerDaemon:
                                           "-H", f"unix://{self.socket}"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if subprocess.run(["docker", "version"], env=self.env, capture_output=True).returncode == 0:
-                return self
             if self.proc.poll() is not None:
                 break
+            # ours answers: the socket could be another daemon's, started on this folder meanwhile
+            if live_daemon(self.work) == self.proc.pid and \
+                    subprocess.run(["docker", "version"], env=self.env, capture_output=True).returncode == 0:
+                return self
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"dockerd did not start (see {self.work}/dockerd.log)")
@@ -252,11 +300,26 @@ class DockerDaemon:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def image_state(self, image: str) -> ImageState:
+        """Whether `image` is here, and built from the checkout as it is now (images/smoke.sh labels
+        it with image_sources.digest): an older build would run older code than the tests'."""
+        found = subprocess.run(["docker", "image", "inspect", "-f", f'{{{{index .Config.Labels "{SOURCES_LABEL}"}}}}', image],
+                               env=self.env, capture_output=True, text=True)
+        if found.returncode != 0:
+            return ImageState.MISSING
+        return ImageState.CURRENT if found.stdout.strip() == sources_digest() else ImageState.STALE
+
     def has_image(self, image: str) -> bool:
-        return subprocess.run(["docker", "image", "inspect", image], env=self.env, capture_output=True).returncode == 0
+        """`image`, built from the checkout's sources as they are now: a stale one is rebuilt (or refused) as a missing one is."""
+        return self.image_state(image) is ImageState.CURRENT
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is None:
+            return  # never started (or refused): the folder may be another daemon's
+        if live_daemon(self.work) not in (None, self.proc.pid):
+            self.proc = None  # ours never ran: the mounts below are the live daemon's
+            return
+        if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)
