@@ -20,11 +20,11 @@ ROWS, PER_TASK = 32, 4  # one epoch of eight tasks
 HELD: dict = {}  # (state, round) -> what each member holds, across train() calls
 
 
-def make_state(tmp_path, restore_point, checkpoints: list):
+def make_state(tmp_path, restore_point, checkpoints: list, max_relaunches: int = 3):
     dispatcher = Dispatcher([ROWS], ["f1"], rows_per_task=PER_TASK, epochs=1, shuffle=False)
     backend = RecordingBackend()
     ledger = Ledger(dispatcher, str(tmp_path / "audit.jsonl"))
-    state = MasterState(SPEC, dispatcher, ledger, backend, EventLog(None), 1, 2,
+    state = MasterState(SPEC, dispatcher, ledger, backend, EventLog(None), 1, 2, max_relaunches,
                         timeouts=Timeouts(heartbeat_s=60, rendezvous_s=60, startup_grace_s=60),
                         on_checkpoint=lambda *pair: checkpoints.append(pair), restore_point=restore_point)
     state.launch_all()
@@ -131,6 +131,40 @@ def test_a_warm_started_job_starts_over_from_its_warm_start_model(tmp_path):
     assert state.initial_state.data == b"warm model"
     finish(state)
     assert_exact(tmp_path)
+
+
+def test_the_last_survivor_dead_before_its_joiner_had_the_state_the_group_goes_on_from_the_checkpoint(tmp_path):
+    state, backend = make_state(tmp_path, RestorePoint(0, None), [])
+    train(state, 3, checkpoint_at=2)
+    survivor, victim = state.round.members
+    backend.exits.append(WorkerExit(victim, "killed by SIGKILL", -9))
+    state.tick()  # the victim's slot is relaunched; the survivor trains on alone
+    state.rendezvous(survivor, 3, [], state.round.id)
+    state.tick()
+    join_all(state, steps={survivor: 3})
+    train(state, 2, first_step=4)
+    joiner = [w for w in backend.launched if state.workers[w].state.value == "launched"]
+    state.register(joiner[0], pid=1, host="h", engine=this_engine())
+    state.rendezvous(joiner[0], -1, [], 0)
+    state.tick()  # a round of the survivor and its joiner is proposed; the survivor dies before it settles
+    assert sorted(state.round.members) == sorted([survivor, joiner[0]]) and not state.round.ready
+    backend.exits.append(WorkerExit(survivor, "killed by SIGKILL", -9))
+    state.tick()
+    start_round(state, [w for w in backend.launched if state.workers[w].state.value == "launched"])
+    assert state.round.ready and state.round.start_step == 2
+    assert [e["step"] for e in state.events.of("restored")] == [2]
+    finish(state)
+    assert_exact(tmp_path)
+
+
+def test_max_relaunches_still_bounds_a_group_that_keeps_dying(tmp_path):
+    state, backend = make_state(tmp_path, RestorePoint(0, None), [], max_relaunches=1)
+    train(state, 3, checkpoint_at=2)
+    start_round(state, kill_everyone(state, backend))
+    assert state.events.of("restored") and not state.over
+    train(state, 2, first_step=3)
+    kill_everyone(state, backend)  # no slot has a relaunch left
+    assert state.state.value == "failed" and "--max-relaunches 1" in state.failure
 
 
 def test_without_a_restore_point_the_job_fails_saying_why(tmp_path):
