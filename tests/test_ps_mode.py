@@ -4,12 +4,13 @@ Unit level: a PsEmbedding's pulled rows and merged gradients are nn.Embedding's;
 is a plain torch model (traceable, exported whole); a push's key names the rows, not the task
 that carried them; bad flag combinations are refused before anything starts.
 
-End to end: a DeepFM job with two workers and two shards, one worker SIGKILLed mid-epoch and
-later one shard SIGKILLed (real signals): each embedding row's update counter on the shards
-equals the count computed from the data alone (every minibatch updates each of its distinct ids
-once), so no re-issued minibatch was applied twice and no acknowledged update was lost. `get`
-shows both shards (shard 0 relaunched once, each one's rows those its snapshot holds) and the
-run holds each shard's pushes. The kills follow the job's progress, not sleeps; the model and
+End to end: a DeepFM job with two workers and two shards, scaled to three shards mid-epoch
+(`scale --ps 3`: only the virtual shards that change owner move, no worker restarts), then one
+worker SIGKILLed and later one shard SIGKILLed (real signals): each embedding row's update
+counter on the shards equals the count computed from the data alone (every minibatch updates
+each of its distinct ids once), so no re-issued minibatch was applied twice and no acknowledged
+update was lost, across the move too. `get` shows the three shards (shard 0 relaunched once,
+each one's rows those its snapshot holds) and the run holds each shard's pushes. The kills follow the job's progress, not sleeps; the model and
 data are small and the killed worker is not replaced (its start-up would only compete with the
 survivor for the CPUs), so the job trains for about 10 s of its ~2 minutes under load: the rest
 is the CLI, MLflow and worker start-ups and the final evaluation and model logging.
@@ -234,6 +235,11 @@ def test_every_minibatch_updates_each_embedding_row_exactly_once_through_a_worke
                     str(MINIBATCH), "--minibatches-per-task", "2")
     status = job.wait_for(lambda s: s["world_size"] == 2 and 0.1 < s["rows_done"] / s["rows_total"] < 0.5, timeout=300)
     assert [(s["shard"], s["state"]) for s in status["ps_shards"]] == [(0, "serving"), (1, "serving")], status["ps_shards"]
+    # Three shards while both workers train: about a third of the virtual shards (and rows) move.
+    scaled = cli("scale", job.job_dir, "--ps", "3", timeout=300)
+    assert scaled.returncode == 0, scaled.stderr
+    moved = re.search(r"moved (\d+) of 128 virtual shards, (\d+) of (\d+) rows", scaled.stdout)
+    assert moved and 0 < int(moved[1]) <= 128 // 3 + 7 and int(moved[2]) <= (1 / 3 + 0.05) * int(moved[3]), scaled.stdout
     victim = job.kill_worker(status, rank=1)
     # Then a shard, once the survivor has trained on: the master relaunches it on its port from
     # its snapshot and ledger while the workers retry what it had not acknowledged; no worker
@@ -244,7 +250,7 @@ def test_every_minibatch_updates_each_embedding_row_exactly_once_through_a_worke
         os.kill(ready["pid"], signal.SIGKILL)
     assert job.finish(timeout=600) == 0, job.output()
     died = [e for e in job.events() if e["event"] == "died"]
-    assert [e["worker"] for e in died] == [victim["id"]], died
+    assert [e["worker"] for e in died] == [victim["id"]], died  # none for the scale of the shards
     with open(os.path.join(job.job_dir, "logs", "master.log")) as f:
         assert "parameter-server shard 0 back in" in f.read()
     expected = counters_from_the_data(clicks, EPOCHS, MINIBATCH)
@@ -267,7 +273,7 @@ def shards_shown_after_the_job(job_dir: str, address: str, counters: Counter) ->
 
     view = job_view(job_dir)
     shards = view["ps_shards"]
-    assert [(s["shard"], s["state"], s["relaunches"]) for s in shards] == [(0, "ended", 1), (1, "ended", 0)], shards
+    assert [(s["shard"], s["state"], s["relaunches"]) for s in shards] == [(0, "ended", 1), (1, "ended", 0), (2, "ended", 0)], shards
     assert shards[0]["address"] == address and all(s["bytes"] > 0 for s in shards), shards
     for s in shards:  # the rows each holds: trained ones, and those only pulled (validation's unseen ids)
         tables, _ = snapshot.load(os.path.join(job_dir, "ps", f"shard-{s['shard']}", "snapshot.bin"), ["deepfm_ids"])
