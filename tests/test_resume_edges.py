@@ -64,10 +64,14 @@ def test_resume_before_the_first_checkpoint_starts_over_exactly_and_keeps_the_wa
     assert first_loss(second.job_dir) < 0.5 * first_loss(base.job_dir)
 
 
-def test_resume_refuses_other_data_model_or_task_size_then_resumes_past_a_torn_audit_line(digits, start_job, tmp_path):
-    args = ["--data", digits, "--workers", "2", "--epochs", "2", "--model-def", SLOW_MODEL, *FAST, "--checkpoint-steps", "15"]
+def test_a_sigkilled_master_resumes_exactly_past_a_torn_audit_line_and_refuses_other_data_model_or_task_size(digits, start_job, tmp_path):
+    # An elastic group (2:3), its master SIGKILLed in the second epoch, past its checkpoints.
+    args = ["--data", digits, "--workers", "2:3", "--epochs", "2", "--model-def", SLOW_MODEL, *FAST, "--checkpoint-steps", "15",
+            "--master-timeout", "5"]
     first = start_job(*args, name="job")
-    first.wait_for(lambda s: any(e["event"] == "checkpoint" for e in events(first.job_dir)) and s["rows_done"] > 0.3 * s["rows_total"])
+    first.wait_for(lambda s: s["epoch"] >= 1 and s["rows_done"] > 0.55 * s["rows_total"]
+                   and any(e["event"] == "checkpoint" for e in events(first.job_dir)))
+    assert worker_processes(first.job_dir)
     kill_master(first)
     audit_before = open(first.audit, "rb").read()
     client = MlflowClient(f"sqlite:///{os.path.join(first.job_dir, 'mlflow.db')}")
