@@ -100,21 +100,16 @@ def worker_like(cluster: Cluster, name: str, instance: str = "job-abc123", **cha
     return pod
 
 
-def runner_backend(cluster: Cluster, tmp_path, monkeypatch, job: str, settings: PodSettings,
-                   master: MasterPod | None = None, token: str | None = None) -> KubernetesBackend:
-    """The master's Kubernetes backend as it starts in a step pod of elastic-step-runner (`token`:
-    the pod's own, else one bound to no pod)."""
-    if token is None:
-        folder = cluster.service_account_folder(str(tmp_path / "sa"), cluster.namespace, cluster.service_account)
-        for key, value in cluster.in_cluster_env(folder).items():
-            monkeypatch.setenv(key, value)
+def runner_backend(cluster: Cluster, tmp_path, monkeypatch, job: str, settings: PodSettings, master: MasterPod,
+                   token: str) -> KubernetesBackend:
+    """The master's Kubernetes backend as it starts in a step pod of elastic-step-runner, with that pod's token."""
     for name in ("KUBECONFIG", "ELASTIC_STEP_IMAGE", "ELASTIC_STEP_POD_NAME", "KFP_POD_NAME"):
         monkeypatch.delenv(name, raising=False)
     os.makedirs(tmp_path, exist_ok=True)
     job_token = tmp_path / "job-token"
     job_token.write_text("job-token-value")
     return KubernetesBackend(LaunchSpec("http://127.0.0.1:9", str(job_token), str(tmp_path)), settings, job, master=master,
-                             api=None if token is None else cluster.core(token), watch_timeout_s=1)
+                             api=cluster.core(token), watch_timeout_s=1)
 
 
 def master_pod(cluster: Cluster, name: str) -> tuple[MasterPod, str]:
@@ -145,23 +140,28 @@ def test_a_masters_own_requests_pass_the_policy_and_another_jobs_objects_are_out
                                                                                                   monkeypatch):
     """Two jobs in one namespace, each master with its own pod's token: each master's own requests
     pass; what user code in one could do to the other (delete its worker, rewrite its status, stop
-    it, drop its NetworkPolicy or token, label a pod as its worker to mount its token) is refused."""
+    it, drop its NetworkPolicy or token, label a pod as its worker to mount its token) is refused.
+    Job B's image is one the policy does not allow (ELASTIC_STEP_IMAGE of another registry, say):
+    its master reports each refused worker as an exit that counts, saying why as the server did."""
     ns, core = cluster.namespace, cluster.core()
     (pod_a, token_a), (pod_b, token_b) = master_pod(cluster, "train-step-a"), master_pod(cluster, "train-step-b")
-    settings = PodSettings(namespace=ns, image=None)
+    settings = {"a": PodSettings(namespace=ns, image=None), "b": PodSettings(namespace=ns, image="registry.example/team/trainer:1")}
     with ThreadPoolExecutor(2) as pool:  # two masters start at once, as two jobs' steps do
-        backend, other = pool.map(lambda a: runner_backend(cluster, tmp_path / a[0], monkeypatch, "admitted", settings, *a[1]),
+        backend, other = pool.map(lambda a: runner_backend(cluster, tmp_path / a[0], monkeypatch, "admitted", settings[a[0]], *a[1]),
                                   (("a", (pod_a, token_a)), ("b", (pod_b, token_b))))
     names, theirs = backend.names, other.names
     assert names.instance.endswith("-" + pod_a.uid[:6]) and theirs.instance.endswith("-" + pod_b.uid[:6])
     assert sorted(backend.network_policies) == sorted([f"{names.instance}-workers", f"{names.instance}-master"])
     backend.launch(0, "w0.0")
-    other.launch(0, "w0.0")
+    # Job B's worker, made with B's token as its master makes it (a light command: only its pod matters here).
+    worker_b = theirs.pod("w0.0")
+    cluster.core(token_b).create_namespaced_pod(ns, worker_like(cluster, "w0-0", instance=theirs.instance, **{
+        "metadata.ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pod_b.name, "uid": pod_b.uid}]}))
     deadline = time.monotonic() + 60
-    while any(cluster.server.get("pods", ns, b.names.pod("w0.0")) is None and not b._pending_failures for b in (backend, other)):
-        assert time.monotonic() < deadline, "a worker pod was never made"
+    while cluster.server.get("pods", ns, names.pod("w0.0")) is None and not backend._pending_failures:
+        assert time.monotonic() < deadline, "the worker pod was never made"
         time.sleep(0.1)
-    assert backend.poll() == [] and other.poll() == []  # no create refused
+    assert backend.poll() == []  # no create refused
     assert backend.publish({"job": "admitted", "state": "running"}) == {}  # created
     assert backend.publish({"job": "admitted", "state": "running", "step": 1}) == {}  # patched
     assert other.publish({"job": "admitted", "state": "running"}) == {}
@@ -169,7 +169,6 @@ def test_a_masters_own_requests_pass_the_policy_and_another_jobs_objects_are_out
 
     # User code in job A's master, with A's token, against job B.
     runner, runner_net = cluster.core(token_a), cluster.networking(token_a)
-    worker_b = theirs.pod("w0.0")
     assert refused(runner.delete_namespaced_pod, worker_b, ns) == denial("pods", worker_b, OWN_JOBS)
     assert refused(runner.patch_namespaced_config_map, theirs.status_map, ns,
                    {"metadata": {"annotations": {STOP_ANNOTATION: "now"}}}) == denial("configmaps", theirs.status_map, OWN_JOBS)
@@ -185,8 +184,13 @@ def test_a_masters_own_requests_pass_the_policy_and_another_jobs_objects_are_out
     assert refused(runner.create_namespaced_pod, ns, posing) == denial("pods", posing["metadata"]["name"], OWN_JOBS)
     assert cluster.server.get("pods", ns, worker_b) is not None
 
+    other.launch(0, "w1.0")
+    [gone] = exits_until(other)
+    assert gone.worker_id == "w1.0" and gone.relaunch == "count"
+    assert f"403 Forbidden: {denial('pods', theirs.pod('w1.0'), POD_IMAGE)}" in gone.reason, gone.reason
+
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda b: (b.stop("w0.0"), b.shutdown(grace_s=0)), (backend, other)))
+        list(pool.map(lambda b: b.shutdown(grace_s=0), (backend, other)))
     left = [f"{p}/{o['metadata']['name']}" for p in ("pods", "secrets", "configmaps", "networkpolicies")
             for o in cluster.objects(p, ns)
             if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") in (names.instance, theirs.instance)]
@@ -263,18 +267,3 @@ def test_what_user_code_could_do_with_the_runners_token_is_refused_with_the_poli
     assert cluster.server.get("networkpolicies", ns, "mlflow") is not None
     admin.patch_namespaced_config_map("kfp-launcher", ns, {"data": {"defaultPipelineRoot": "s3://a/c"}})
     admin.delete_namespaced_pod("mlflow-0", ns, grace_period_seconds=0)
-
-
-def test_a_worker_pod_the_policy_refuses_is_a_counted_exit_in_the_policys_words(cluster, tmp_path, monkeypatch):
-    """A job whose image the policy does not allow (ELASTIC_STEP_IMAGE of another registry, say):
-    the master reports each refused worker as an exit that counts, saying why as the server did."""
-    settings = PodSettings(namespace=cluster.namespace, image="registry.example/team/trainer:1", master_network_policy=False)
-    backend = runner_backend(cluster, tmp_path, monkeypatch, "refused", settings,
-                             MasterPod(name="train-step-2", uid="", ip="127.0.0.1", namespace=cluster.namespace))
-    try:
-        backend.launch(0, "w0.0")
-        [gone] = exits_until(backend)
-        assert gone.worker_id == "w0.0" and gone.relaunch == "count"
-        assert f"403 Forbidden: {denial('pods', backend.names.pod('w0.0'), POD_IMAGE)}" in gone.reason, gone.reason
-    finally:
-        backend.shutdown(grace_s=0)
