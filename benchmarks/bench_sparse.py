@@ -15,7 +15,13 @@ batches (Zipf ids over --ids rows, as click logs have them), the same optimizers
 What is measured is one training process's steps (forward, backward, pull, push, optimizer), not
 a whole job (no master, no allreduce: the step a PS-mode worker runs, alone).
 
+`--scale` (or `--scale-only`): the same steps on --shards shard processes, resized to
+--shards + 1 midway (what `scale --ps` does: ps/moves.py) while the steps go on: the rows moved
+of the rows held (target <= 1/N + 5%), how long a moved virtual shard was refused, the longest
+step the training process saw during the move, and that the step count's pushes all landed.
+
     .venv/bin/python benchmarks/bench_sparse.py --ids 1000000 --batches 200 --batch 512
+    .venv/bin/python benchmarks/bench_sparse.py --scale-only --ids 1000000 --batches 300
 """
 
 from __future__ import annotations
@@ -147,6 +153,51 @@ def in_process_rate(data, root: str, shards: int) -> float:
     return _timed(step, data)
 
 
+def scale_figure(data, root: str, token_file: str, shards: int) -> dict:
+    """Train on `shards` shard processes and resize them to shards + 1 once a third of the steps
+    ran, the steps going on meanwhile on this thread's client."""
+    import threading
+
+    torch.manual_seed(0)
+    net = DeepFM(FIELDS, 2 * DENSE)
+    table = ps_tables(net)[0]
+    started = LocalShards(os.path.join(root, "scaled"), [table.spec], shards, token_file, snapshot_every=10**9)
+    started.start()
+    try:
+        first = started.routes()
+        client = PsClient(TOKEN, lambda: first)  # learns the next routing from the shards, as a worker does
+        table.source = partial(client.pull, TABLE)
+        dense, moving, times = dense_optimizer(net), threading.Event(), []
+        report: dict = {}
+
+        def resize():
+            admin = PsClient(TOKEN, lambda: None, timeout_s=120.0)
+            report.update(started.resize(shards + 1, admin.call).to_json())
+            admin.close()
+
+        mover = threading.Thread(target=resize)
+        for seq, (x, y) in enumerate(data):
+            if seq == len(data) // 3:
+                moving.set()
+                mover.start()
+            begun = time.perf_counter()
+            dense.zero_grad()
+            table.forget()
+            nn.functional.binary_cross_entropy_with_logits(net(x), y).backward()
+            pushed_ids, grads = table.take_gradients()
+            client.push(TABLE, 0, seq, 0, pushed_ids, grads)
+            dense.step()
+            times.append((mover.is_alive(), time.perf_counter() - begun))
+        mover.join()
+        during = [t for alive, t in times if alive] or [0.0]
+        report.update(longest_step_during_s=max(during), median_step_s=float(np.median([t for _, t in times])),
+                      steps_during=len(during), epoch_seen=client.routing.epoch)
+        client.close()
+        return report
+    finally:
+        started.stop()
+
+
 def _timed(step, data, warm_up: int = 5) -> float:
     for x, y in data[:warm_up]:
         step(x, y)
@@ -163,6 +214,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512, help="rows per step")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for both)")
+    parser.add_argument("--scale", action="store_true", help="also resize the shards to --shards + 1 midway (scale --ps)")
+    parser.add_argument("--scale-only", action="store_true", help="only the resize figure")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.sparse.check_sparse_tensor_invariants.disable()  # the peer's default, said out loud (no warning)
@@ -174,6 +227,10 @@ def main() -> None:
         token_file = os.path.join(root, "token")
         with open(token_file, "w") as f:
             f.write(TOKEN)
+        if args.scale or args.scale_only:
+            print_scale(scale_figure(data, root, token_file, args.shards), args.shards)
+        if args.scale_only:
+            return
         ours = ps_rate(data, root, token_file, args.shards, fsync=True)
         unsynced = ps_rate(data, root, token_file, args.shards, fsync=False)
         in_process = in_process_rate(data, root, args.shards)
@@ -183,6 +240,17 @@ def main() -> None:
     print(f"  elastic-step, the {args.shards} shards' state in-process (fsync'd ledger): {in_process:,.0f} rows/s "
           f"({in_process / peer:.2f}x the peer)")
     print(f"  elastic-step without fsync: {unsynced:,.0f} rows/s; the ledger's cost {1 - ours / unsynced:.1%}")
+
+
+def print_scale(report: dict, shards: int) -> None:
+    share = report["rows_moved"] / max(1, report["rows_total"])
+    print(f"  scale {shards} -> {shards + 1} shards while training: moved {report['moved']} of {report['virtual_shards']} "
+          f"virtual shards, {report['rows_moved']:,} of {report['rows_total']:,} rows ({share:.1%}; target <= "
+          f"{1 / (shards + 1) + 0.05:.1%}) in {report['seconds']:.2f} s")
+    print(f"  a moved virtual shard was refused for at most {report['pause_max_s']:.2f} s (mean {report['pause_mean_s']:.2f} s); "
+          f"the longest training step during the move {report['longest_step_during_s']:.2f} s (median step "
+          f"{report['median_step_s'] * 1000:.0f} ms, {report['steps_during']} steps during it); the client ended on routing "
+          f"epoch {report['epoch_seen']}")
 
 
 if __name__ == "__main__":
