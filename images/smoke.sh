@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# `make image-smoke`: build the torch image for real and train in it, on a machine without a
-# container registry. Starts its own Docker daemon (no bridge, no iptables: --network host is the
+# `make image-smoke`: build the torch image for real and train in it, on a machine with no
+# registry to pull from. Starts its own Docker daemon (no bridge, no iptables: --network host is the
 # only network), makes the base image with debootstrap + docker import, serves the local CPU
 # torch wheel to pip, builds, runs a container that trains digits with 2 workers and one
-# SIGKILL, and cleans up (daemon stopped by pid, its netns mount removed). Where no Docker
-# engine can be started it says so and exits 0 without claiming success.
+# SIGKILL, runs the compiled pipeline under kfp.local.DockerRunner, pushes the image with `make
+# push` to a registry it serves on 127.0.0.1 and pulls it back into a fresh daemon, and cleans up
+# (daemons and registry stopped by pid, their netns mounts removed). Where no Docker engine can be
+# started it says so and exits 0 without claiming success.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,16 +33,23 @@ fi
 
 mkdir -p "$WORK"
 started=$(date +%s)
-DOCKERD_PID= HTTP_PID=
+DOCKERD_PID= HTTP_PID= REGISTRY_PID= FRESH_PID=
+FRESH=$WORK/fresh  # the pull's second daemon: its own data and exec roots, removed at the end
+stop_daemon() {  # PID ROOT: stop that dockerd by its pid and remove what it left mounted under ROOT
+  if [ -n "$1" ]; then
+    kill "$1" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$1" 2>/dev/null || break; sleep 0.2; done
+  fi
+  mountpoint -q "$2/exec/netns/default" 2>/dev/null && umount "$2/exec/netns/default" || true
+  # dockerd bind-mounts its data-root onto itself; a daemon that was killed leaves that behind.
+  mountpoint -q "$2/data" 2>/dev/null && umount "$2/data" || true
+}
 cleanup() {
   [ -n "$HTTP_PID" ] && kill "$HTTP_PID" 2>/dev/null || true
-  if [ -n "$DOCKERD_PID" ]; then
-    kill "$DOCKERD_PID" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.2; done
-  fi
-  mountpoint -q "$WORK/exec/netns/default" 2>/dev/null && umount "$WORK/exec/netns/default" || true
-  # dockerd bind-mounts its data-root onto itself; a daemon that was killed leaves that behind.
-  mountpoint -q "$WORK/data" 2>/dev/null && umount "$WORK/data" || true
+  [ -n "$REGISTRY_PID" ] && kill "$REGISTRY_PID" 2>/dev/null || true
+  rm -rf "$WORK/registry"
+  if [ -n "$FRESH_PID" ]; then stop_daemon "$FRESH_PID" "$FRESH"; rm -rf "$FRESH"; fi
+  stop_daemon "$DOCKERD_PID" "$WORK"
   echo "image-smoke: cleaned up (daemon stopped, mounts removed); $(( $(date +%s) - started ))s in all"
 }
 trap cleanup EXIT
@@ -86,3 +95,48 @@ t=$(date +%s)
 .venv/bin/python images/kfp_docker_run.py >"$WORK/kfp-docker.log" 2>&1 \
   || { tail -40 "$WORK/kfp-docker.log"; echo "image-smoke: FAILED: the compiled pipeline under kfp.local.DockerRunner (log: $WORK/kfp-docker.log)"; exit 1; }
 grep '^kfp-docker:' "$WORK/kfp-docker.log"
+
+# The image pushed by `make push` to a real registry on 127.0.0.1 (Debian's docker-registry: the Go
+# distribution registry), proved by the registry's HTTP API, then pulled into a FRESH Docker daemon
+# (its own data root: nothing cached) and run there, with the same image id. Plain HTTP is allowed:
+# Docker treats registries on 127.0.0.0/8 as insecure-allowed.
+REGISTRY_BIN=$(command -v docker-registry || true)
+[ -n "$REGISTRY_BIN" ] || { echo "image-smoke: push NOT CHECKED: no docker-registry (apt-get install docker-registry; .ci/run installs it)"; exit 0; }
+t=$(date +%s)
+RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+rm -rf "$WORK/registry" && mkdir -p "$WORK/registry/data"
+printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s\nhttp:\n  addr: 127.0.0.1:%s\n' \
+  "$WORK/registry/data" "$RPORT" >"$WORK/registry/config.yml"
+"$REGISTRY_BIN" serve "$WORK/registry/config.yml" >"$WORK/registry.log" 2>&1 &
+REGISTRY_PID=$!
+for _ in $(seq 100); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$RPORT/v2/', timeout=2)" 2>/dev/null && break; sleep 0.2; done
+REPOSITORY=elastic-step/elastic-step-torch
+PUSHED=127.0.0.1:$RPORT/$REPOSITORY:$VERSION
+docker tag "$IMAGE" "elastic-step-torch:$VERSION"  # the name `make images` gives it, which `make push` starts from
+make --no-print-directory push IMAGE_REGISTRY="127.0.0.1:$RPORT/elastic-step" IMAGE_VARIANTS=torch DOCKER="docker -H unix://$SOCK" \
+  >"$WORK/push.log" 2>&1 || { tail -20 "$WORK/push.log" "$WORK/registry.log"; echo "image-smoke: FAILED: make push to 127.0.0.1:$RPORT"; exit 1; }
+proof=$(python3 images/registry_check.py "127.0.0.1:$RPORT" "$REPOSITORY" "$VERSION") \
+  || { echo "image-smoke: FAILED: the registry's API does not show the pushed image"; exit 1; }
+read -r DIGEST CONFIG <<<"$proof"
+ID=$(docker image inspect -f '{{.Id}}' "$IMAGE")
+[ "$CONFIG" = "$ID" ] || { echo "image-smoke: FAILED: the registry's manifest names config $CONFIG, the built image is $ID"; exit 1; }
+grep -q "digest: $DIGEST " "$WORK/push.log" || { tail -5 "$WORK/push.log"; echo "image-smoke: FAILED: docker push reported another digest than the registry's $DIGEST"; exit 1; }
+echo "image-smoke: pushed by make push in $(( $(date +%s) - t ))s; the registry lists $REPOSITORY:$VERSION, manifest $DIGEST, config $CONFIG"
+
+t=$(date +%s)
+rm -rf "$FRESH" && mkdir -p "$FRESH"
+dockerd --bridge=none --iptables=false --data-root "$FRESH/data" --exec-root "$FRESH/exec" \
+  --pidfile "$FRESH/dockerd.pid" -H "unix://$FRESH/docker.sock" >"$WORK/dockerd-fresh.log" 2>&1 &
+FRESH_PID=$!
+fresh() { docker -H "unix://$FRESH/docker.sock" "$@"; }
+for _ in $(seq 150); do fresh version >/dev/null 2>&1 && break; kill -0 "$FRESH_PID" 2>/dev/null || break; sleep 0.2; done
+fresh version >/dev/null 2>&1 || { tail -5 "$WORK/dockerd-fresh.log"; echo "image-smoke: FAILED: the fresh Docker daemon did not start"; exit 1; }
+[ -z "$(fresh images -q)" ] || { echo "image-smoke: FAILED: the fresh daemon already holds images"; exit 1; }
+fresh pull "$PUSHED" >"$WORK/pull.log" 2>&1 \
+  || { tail -10 "$WORK/pull.log" "$WORK/dockerd-fresh.log"; echo "image-smoke: FAILED: pull of $PUSHED into a fresh daemon"; exit 1; }
+[ "$(fresh image inspect -f '{{.Id}}' "$PUSHED")" = "$ID" ] || { echo "image-smoke: FAILED: the pulled image's id is not the built image's $ID"; exit 1; }
+fresh image inspect -f '{{join .RepoDigests " "}}' "$PUSHED" | grep -qwF "127.0.0.1:$RPORT/$REPOSITORY@$DIGEST" \
+  || { echo "image-smoke: FAILED: the pulled image is not the registry's $DIGEST"; exit 1; }
+said=$(fresh run --rm --network host "$PUSHED" --version 2>&1) || { echo "$said"; echo "image-smoke: FAILED: elastic-step --version in the pulled image"; exit 1; }
+[ "$said" = "elastic-step $VERSION" ] || { echo "image-smoke: FAILED: the pulled image says $said"; exit 1; }
+echo "image-smoke: PASSED: pulled into a fresh daemon in $(( $(date +%s) - t ))s, same id $ID and digest $DIGEST; it says '$said'"
