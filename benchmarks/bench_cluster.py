@@ -77,7 +77,7 @@ def run(root: str, kills: int, pauses: int, docker: bool) -> dict:
     from kubernetes import client as k8s
 
     from cluster import Cluster, Image, venv_image
-    from cluster.runtime import DockerDaemon
+    from cluster.runtime import DockerDaemon, ImageState
     from elastic_step.images import default_image
     from stores import S3Server
 
@@ -85,9 +85,11 @@ def run(root: str, kills: int, pauses: int, docker: bool) -> dict:
     daemon = None
     if docker:  # the image `make image-smoke` built, in its daemon's data root
         daemon = DockerDaemon(os.environ.get("IMAGE_SMOKE_DIR") or os.path.join(os.path.dirname(HERE), "build", "image-smoke")).start()
-        if not daemon.has_image(default_image()):
+        state = daemon.image_state(default_image())
+        if state is not ImageState.CURRENT:  # missing, or built from older sources: it would time older code
             daemon.stop()
-            sys.exit(f"--docker: no image {default_image()} in the image-smoke daemon's data root; run `make image-smoke` first")
+            sys.exit(f"--docker: the image {default_image()} in the image-smoke daemon's data root is {state.value}; "
+                     "run `make image-smoke` first")
         image, commit = Image(default_image(), {}, docker=default_image()), "the built image"
     else:
         code, commit = committed_code(root)
