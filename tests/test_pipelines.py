@@ -1,14 +1,20 @@
-"""The training pipeline end to end through KFP's local runner (SubprocessRunner, no venv per
+"""The retraining pipeline end to end through KFP's local runner (SubprocessRunner, no venv per
 task): real tasks, real worker processes, one of them SIGKILLed, a real MLflow store. The run
 happens once and the tests below inspect what it left; a weak champion is registered first, so
-the run must beat it to be promoted."""
+the run warm-starts from it and must beat it to be promoted. It then deploys the new champion
+(`serve_target=mlflow`) to the cluster its KUBECONFIG names, as a user of kfp.local has one: the
+tests' stand-in (tests/cluster), whose pods run on this node and read its MLflow store."""
 
 from __future__ import annotations
 
 import json
 import os
 import threading
+from types import SimpleNamespace
+from unittest import mock
 
+import httpx
+import numpy as np
 import pytest
 from conftest import cli
 from mlflow.tracking import MlflowClient
@@ -21,10 +27,34 @@ EPOCHS = 6
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(tmp_path_factory, digits):
+def serving_cluster(tmp_path_factory):
+    """The cluster the run deploys to: the stand-in with Deployments, Services and readiness
+    probes (apps.py), the server pods' account and Secret, and an admin's kubeconfig. Its pods
+    run on this node's filesystem (the process runtime without namespaces), so the server reads
+    the run's SQLite registry as the run's own tasks do."""
+    from kubernetes import client as k8s
+
+    from cluster import Cluster
+    from cluster.apps import start_apps
+
+    root = tmp_path_factory.mktemp("serving")
+    with Cluster(str(root / "cluster"), isolate=False) as cluster:
+        apps = start_apps(cluster)
+        try:
+            api = cluster.core()
+            api.create_namespaced_secret(cluster.namespace, k8s.V1Secret(metadata=k8s.V1ObjectMeta(name="model-store")))
+            api.create_namespaced_service_account(cluster.namespace, k8s.V1ServiceAccount(
+                metadata=k8s.V1ObjectMeta(name="model-server"), secrets=[k8s.V1ObjectReference(name="model-store")]))
+            yield SimpleNamespace(cluster=cluster, apps=apps, kubeconfig=cluster.kubeconfig(root, "admin", cluster.admin_token))
+        finally:
+            apps.close()
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, digits, serving_cluster):
     from kfp import local
 
-    from elastic_step.pipelines.training_pipeline import training_pipeline
+    from elastic_step.pipelines.retraining_pipeline import retraining_pipeline
     from elastic_step.release.export import export_model
     from elastic_step.release.promote import promote
     from elastic_step.training_step import train_step
@@ -46,14 +76,18 @@ def pipeline_run(tmp_path_factory, digits):
     killed, stop = [], threading.Event()
     watcher = threading.Thread(target=kill_one_worker_mid_epoch, args=(job_dir, killed, stop), daemon=True)
     watcher.start()
+    serve = dict(serve_target="mlflow", serve_namespace=serving_cluster.cluster.namespace,
+                 serve_service_account="model-server", serve_storage_secret="model-store")
     try:
-        training_pipeline(mlflow_uri=uri, job_dir=job_dir, registered_model=NAME, workers="2:3", epochs=EPOCHS,
-                          minibatch_size=16, rows_per_shard=256, floors={"accuracy": 0.9}, min_gains={"accuracy": 0.0})
+        with mock.patch.dict(os.environ, {"KUBECONFIG": serving_cluster.kubeconfig}):  # kfp.local's tasks inherit it
+            retraining_pipeline(mlflow_uri=uri, job_dir=job_dir, registered_model=NAME, workers="2:3", epochs=EPOCHS,
+                                minibatch_size=16, rows_per_shard=256, floors={"accuracy": 0.9}, min_gains={"accuracy": 0.0},
+                                **serve)
     finally:
         stop.set()
     result = json.load(open(os.path.join(job_dir, "result.json")))
     return dict(uri=uri, root=root, job_dir=job_dir, result=result, killed=killed, weak=weak, weak_version=weak_version,
-                client=MlflowClient(uri))
+                client=MlflowClient(uri), serving=serving_cluster)
 
 
 def champion_and_previous(client, name=NAME):
@@ -90,6 +124,26 @@ def test_a_better_model_is_promoted_and_the_previous_champion_kept(pipeline_run)
     assert children[0].info.experiment_id == candidate.info.experiment_id
     assert {a.path for a in client.list_artifacts(children[0].info.run_id)} >= {"confusion_matrix.png"}
     assert children[0].info.artifact_uri.startswith(client.get_experiment(candidate.info.experiment_id).artifact_location)
+    assert client.get_run(candidate.info.run_id).data.params["init_from"] == f"models:/{NAME}@champion"  # warm-started
+
+    # The run then deployed the new champion (dsl.If on promotion, serve_target mlflow): a request
+    # through its Service answers with the registered version's own predictions, loaded here.
+    from elastic_step import defaults
+    from elastic_step.frameworks.model_def import load_model_definition
+    from elastic_step.release.candidate import split_head
+    from elastic_step.release.deploy_render import object_name
+    from registered_models import predict
+
+    serving = pipeline_run["serving"]
+    (deployment,) = serving.cluster.objects("deployments")
+    assert deployment["metadata"]["labels"]["elastic-step.io/model-version"] == champion
+    data = json.load(open(os.path.join(pipeline_run["job_dir"], "model", "model.json")))["data"]
+    rows = split_head(data, load_model_definition(defaults.MODEL_DEF), rows=8)
+    url = serving.apps.service_url(serving.cluster.namespace, object_name(NAME))
+    reply = httpx.post(f"{url}/invocations", json={"inputs": rows.tolist()}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    expected = predict(pipeline_run["uri"], f"models:/{NAME}/{champion}", rows)
+    np.testing.assert_allclose(np.asarray(reply.json()["predictions"], dtype=np.float32), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_the_new_champion_answers_a_request_as_make_demo_sends_it(pipeline_run, digits, tmp_path):
