@@ -199,6 +199,12 @@ class KubernetesBackend(Backend):
         try:
             self.api.create_namespaced_secret(self.settings.namespace, secret, _request_timeout=self.timeout_s)
         except k8s.ApiException as exc:
+            if exc.status == 409:  # the instance is named after this pod: an earlier master in it left its objects
+                raise ConfigError(
+                    f"the job's token Secret {self.names.secret} is already in namespace {self.settings.namespace}: an "
+                    "earlier master in this pod left its objects; delete them with: kubectl delete "
+                    f"pods,secrets,networkpolicies,configmaps -n {self.settings.namespace} -l "
+                    f"app.kubernetes.io/instance={self.names.instance}") from None
             raise ConfigError(
                 f"cannot create the job's token Secret {self.names.secret} in namespace {self.settings.namespace}: "
                 f"{exc.status} {exc.reason}; the master's service account needs the Role in deploy/rbac"
