@@ -1,4 +1,5 @@
-"""What a `--mode ps` job resumed from a checkpoint gets back, as built today.
+"""What a `--mode ps` job resumed from a checkpoint gets back, as built today (and after `scale --ps`,
+the routing of its last move, which a resume finishes when its master stopped mid-way).
 
 The checkpoint holds the dense weights of step S; the shards are not checkpointed with it. A
 resume keeps the shards' folders, so the tables hold every update acknowledged before the master
@@ -80,3 +81,23 @@ def test_a_resume_keeps_every_acknowledged_update_and_drops_the_retrained_miniba
 
     with job(resuming=False) as (client, monitor):  # a fresh start: empty tables
         assert [(r["rows"], r["pushes"]) for r in monitor.rows()] == [(0, 0)]
+
+
+def test_a_resume_after_scale_ps_runs_the_last_routing_and_finishes_a_move_left_half_done(job):
+    ids = np.arange(200, dtype=np.int64)
+    with job(resuming=False) as (client, monitor):
+        client.push("resume_t", 1, 0, 0, ids, np.ones((len(ids), 2), np.float32))
+        assert monitor.scale(2)["moved"] == 64  # half the virtual shards go to the new shard
+        client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))  # re-routed from the shards' refusal
+        trained = client.pull("resume_t", ids).copy()
+        # The master dies mid-way through a move to 3 shards: only shard 0 took the new routing.
+        grown = client.routing.resized(3, client.routing.endpoints + ["127.0.0.1:1"])
+        assert client.call(client.routing.endpoints[0], {"op": "adopt", "routing": grown.to_json()})[0]["epoch"] == 3
+
+    with job(resuming=True) as (client, monitor):
+        assert client.routing.epoch == 3 and len(monitor.rows()) == 3  # the move was finished
+        np.testing.assert_allclose(client.pull("resume_t", ids), trained)  # every row arrived, none twice
+        reply = client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))
+        assert (reply.applied, reply.duplicate) == (0, 3)  # the keys moved with the rows
+        np.testing.assert_allclose(client.pull("resume_t", ids), trained)
+        assert sum(r["rows"] for r in monitor.rows()) == len(ids)  # each row on one shard only

@@ -39,7 +39,9 @@ from elastic_step.protocol import PsShardState, TrainingMode
 from elastic_step.ps import snapshot
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.client import PsClient
-from elastic_step.ps.local import LocalShards
+from elastic_step.ps.local import LocalShards, saved_routings
+from elastic_step.ps.moves import ask, move
+from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.state import SNAPSHOT_FILE
 
 log = logging.getLogger("elastic_step.master")
@@ -86,9 +88,15 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     root = os.path.join(config.job_dir, "ps")
     if not resuming:
         shutil.rmtree(root, ignore_errors=True)
-    shards = LocalShards(root, specs, config.ps_shards, token_file)
+    newest, previous = _last_move(saved_routings(root) if resuming else [])
+    count = max(newest.shards, previous.shards if previous else 0) if newest else config.ps_shards
+    # Shards that had not taken the newest routing start on the previous one: the move's adopt
+    # then marks what they gain as pending, instead of their serving it empty.
+    shards = LocalShards(root, specs, count, token_file, routing=previous or newest)
     running.callback(_stop_and_freeze, shards, specs)
     shards.start()
+    if newest is not None and newest.epoch > 1:
+        _finish_move(shards, newest, previous, _read_token(token_file))
     supervisor = ShardSupervisor(shards).start()
     running.callback(supervisor.stop)  # stops before the shards do (last in, first out)
     monitor = ShardMonitor(supervisor, _read_token(token_file), metric).start()
@@ -102,6 +110,39 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     log.info("parameter servers: %d shards at %s holding %s", config.ps_shards, ", ".join(routes.endpoints),
              ", ".join(f"{s.name} (dim {s.dim}, {s.optimizer})" for s in specs))
     return routes.to_json(), monitor
+
+
+def _last_move(saved: list[dict]) -> tuple[RoutingTable | None, RoutingTable | None]:
+    """A resumed job's newest routing (None before any scale --ps), and the one its last move
+    started from when that move is not finished (some shard on an older epoch, or waiting for
+    rows), else None."""
+    if not saved:
+        return None, None
+    newest = max((RoutingTable.from_json(r) for r in saved), key=lambda r: r.epoch)
+    previous = next((r["previous"] for r in saved if r["epoch"] == newest.epoch and r.get("previous")), None)
+    incomplete = len(saved) < newest.shards or any(r["epoch"] < newest.epoch or r.get("pending") for r in saved)
+    return newest, RoutingTable.from_json(previous) if incomplete and previous else None
+
+
+def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTable | None, token: str) -> None:
+    """After a scale --ps, at a resume: a move the last master did not see through is done
+    again (each of its steps is idempotent), and the shards beyond it stopped; else every shard
+    forgets any row it gave away (a release the master stopped mid-way may not have reached it)."""
+    client = PsClient(token, lambda: None, timeout_s=120.0)
+    try:
+        call = lambda i, *request: client.call(shards.shards[i].endpoint, *request)  # noqa: E731
+        if previous is not None:
+            log.warning("parameter servers: finishing the move to routing epoch %d that the last master left", newest.epoch)
+            move(call, previous, newest)
+        else:
+            for index in range(len(shards.shards)):
+                ask(call, index, {"op": "release"})
+    finally:
+        client.close()
+    shards.routing = newest
+    for shard in shards.shards[newest.shards :]:
+        shard.kill(signal.SIGTERM)
+    shards.shards = shards.shards[: newest.shards]
 
 
 def _read_token(path: str) -> str:

@@ -21,6 +21,7 @@ from elastic_step.ps.api import TableSpec
 from elastic_step.ps.moves import MoveReport, move
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import CONFIG_FILE, READY_FILE
+from elastic_step.ps.state import ROUTING_FILE
 
 
 def write_config(directory: str, specs: list[TableSpec], routing: RoutingTable, snapshot_every: int = 1000) -> None:
@@ -75,9 +76,10 @@ class ShardProcess:
 class LocalShards:
     """N shard processes under one routing table."""
 
-    def __init__(self, root: str, specs: list[TableSpec], shards: int, token_file: str, snapshot_every: int = 1000, fsync: bool = True):
+    def __init__(self, root: str, specs: list[TableSpec], shards: int, token_file: str, snapshot_every: int = 1000, fsync: bool = True,
+                 routing: RoutingTable | None = None):
         self.root, self.specs, self.token_file, self.snapshot_every, self.fsync = root, specs, token_file, snapshot_every, fsync
-        self.routing = RoutingTable.initial(shards)
+        self.routing = routing or RoutingTable.initial(shards)  # a resumed job's: that of its last scale --ps
         self.shards: list[ShardProcess] = []
         for index in range(shards):
             self.shards.append(self._new_shard(index))
@@ -123,6 +125,18 @@ class LocalShards:
             if shard.process is not None and shard.process.poll() is None:
                 shard.process.kill()
                 shard.process.wait()
+
+
+def saved_routings(root: str) -> list[dict]:
+    """Each shard folder's routing.json under `root` (what its shard adopted last), by index."""
+    found = []
+    for name in sorted(os.listdir(root) if os.path.isdir(root) else [], key=lambda n: (len(n), n)):
+        try:
+            with open(os.path.join(root, name, ROUTING_FILE), encoding="utf-8") as f:
+                found.append(json.load(f))
+        except (FileNotFoundError, json.JSONDecodeError, NotADirectoryError):
+            continue
+    return found
 
 
 def routes_from(directories: list[str], routing: RoutingTable) -> RoutingTable:

@@ -61,6 +61,7 @@ class ShardState:
         self.virtual_shards = len(routing.owners)
         self.applied = {name: AppliedGroups(self.virtual_shards) for name in self.tables}
         self.pending: set[int] = set()  # virtual shards this shard owns whose rows have not arrived
+        self.previous: RoutingTable | None = None  # the routing the last move started from (resuming one)
         self.snapshot_every = snapshot_every
         self.sync = sync
         self.since_snapshot = 0
@@ -80,6 +81,7 @@ class ShardState:
             newer = RoutingTable.from_json(data)
             if newer.epoch > self.routing.epoch:
                 self.routing, self.pending = newer, set(data.get("pending", []))
+                self.previous = RoutingTable.from_json(data["previous"]) if data.get("previous") else None
         started = time.perf_counter()
         tables, applied = snapshot.load(self._path(SNAPSHOT_FILE), list(self.tables), self.virtual_shards)
         for name, parts in tables.items():
@@ -124,7 +126,7 @@ class ShardState:
             applied = self.applied[record.table].missing((record.task, record.batch_seq))
             if applied:
                 mark = self.ledger.append(record)
-                self._apply(record)
+                applied = self._apply(record) > 0  # False when only groups without its rows lacked the key
                 self.since_snapshot += 1
                 if self.since_snapshot >= self.snapshot_every:
                     self._snapshot()
@@ -142,7 +144,7 @@ class ShardState:
             self.tables[record.table].push(record.ids, record.grads)
         elif fresh.any():  # a part whose moved-in rows had not got this key yet (moves.py)
             self.tables[record.table].push(record.ids[fresh], record.grads[fresh])
-        return 1
+        return int(fresh.any() or not len(fresh))
 
     def snapshot(self) -> None:
         with self.lock:
@@ -169,7 +171,7 @@ class ShardState:
     def _save_routing(self, routing: RoutingTable, pending: set[int]) -> None:
         partial = self._path(ROUTING_FILE + ".partial")
         with open(partial, "w", encoding="utf-8") as f:
-            json.dump({**routing.to_json(), "pending": sorted(pending)}, f)
+            json.dump({**routing.to_json(), "pending": sorted(pending), "previous": self.previous and self.previous.to_json()}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, self._path(ROUTING_FILE))
@@ -192,6 +194,7 @@ class ShardState:
                     groups.split(lost)
                 self._snapshot(routing.owners == self.shard)
             gained = set(routing.owned_by(self.shard).tolist()) - set(self.routing.owned_by(self.shard).tolist())
+            self.previous = self.routing
             self._save_routing(routing, self.pending | gained)
 
     def _held_in(self, table: EmbeddingTable, vshards) -> np.ndarray:
