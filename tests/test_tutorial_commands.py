@@ -10,6 +10,7 @@ pushes and pulls the image."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shlex
@@ -81,8 +82,13 @@ def flags(tokens: list[str]) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser()
+
+
 def check_elastic_step(tokens: list[str]) -> list[str]:
-    parser, path, rest = build_parser(), ["elastic-step"], tokens[1:]
+    parser, path, rest = cli_parser(), ["elastic-step"], tokens[1:]
     while rest and subparsers(parser):
         if rest[0] not in subparsers(parser):
             return [f"{' '.join(path)}: no subcommand {rest[0]!r}"]
