@@ -180,3 +180,29 @@ def test_shard_processes_resized_while_a_client_pushes_apply_every_push_once(tmp
         client.close()
     finally:
         shards.stop()
+
+
+def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path):
+    import subprocess
+    import sys
+
+    from elastic_step.master.ps_shards import ShardMonitor, ShardSupervisor
+    from elastic_step.protocol import PsShardState
+
+    out = subprocess.run([sys.executable, "-m", "elastic_step.cli", "scale", str(tmp_path), "--ps", "0"], capture_output=True, text=True)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "--ps 0" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "elastic_step.cli", "scale", str(tmp_path), "--ps", "2", "--workers", "2"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "not allowed with argument" in out.stderr, out.stderr
+
+    shards = LocalShards(str(tmp_path / "ps"), [SPEC], 2, str(tmp_path / "token"))  # never started: nothing may move
+    supervisor = ShardSupervisor.__new__(ShardSupervisor)
+    supervisor.shards, supervisor.stopping = shards, threading.Event()
+    supervisor.states = [PsShardState.SERVING, PsShardState.RELAUNCHING]
+    monitor = ShardMonitor.__new__(ShardMonitor)
+    monitor.supervisor, monitor.stopping, monitor.scaling = supervisor, threading.Event(), threading.Lock()
+    for count, words in [(2, "already runs 2"), (129, "between 1 and 128"), (3, "shard 1 is relaunching")]:
+        with pytest.raises(ValueError, match=words):
+            monitor.scale(count)
+    with monitor.scaling, pytest.raises(ValueError, match="under way"):
+        monitor.scale(3)

@@ -5,6 +5,7 @@ train on (elastic_step/ps/moves.py), and this waits for it and says what moved."
 from __future__ import annotations
 
 from elastic_step.errors import ConfigError
+from elastic_step.ps.routing import DEFAULT_VIRTUAL_SHARDS
 
 MOVE_TIMEOUT_S = 600.0  # moving a large table's rows takes a while; the master answers once done
 
@@ -15,6 +16,8 @@ def scale_ps(args) -> int:
     from elastic_step.operate.local import LocalJobs
     from elastic_step.protocol import Route
 
+    if not 1 <= args.ps <= DEFAULT_VIRTUAL_SHARDS:
+        raise ConfigError(f"--ps {args.ps}: give between 1 and {DEFAULT_VIRTUAL_SHARDS} shards (the tables' virtual shards)")
     jobs = operator(args)
     if not isinstance(jobs, LocalJobs):
         raise ConfigError("scale --ps: parameter-server shards run on the local backend only; scale a job started "
