@@ -206,3 +206,48 @@ def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path):
             monitor.scale(count)
     with monitor.scaling, pytest.raises(ValueError, match="under way"):
         monitor.scale(3)
+
+
+def test_applied_groups_answer_as_a_set_per_virtual_shard_would_through_moves_and_snapshots():
+    from elastic_step.ps.applied import AppliedGroups, AppliedKeys
+
+    rng, V = np.random.default_rng(9), 16
+    groups, reference = AppliedGroups(V), {v: set() for v in range(V)}
+    owned = np.zeros(V, bool)
+    owned[: V // 2] = True
+    for step in range(400):
+        if step % 50 == 49:  # a move: some owned vshards leave, some arrive with keys of their own
+            lost = owned & (rng.random(V) < 0.3)
+            gained = ~owned & (rng.random(V) < 0.3)
+            groups.split(lost)
+            kept, owned = owned & ~lost, (owned & ~lost) | gained
+            for _ in range(10):  # pushes go on before the rows arrive: what leaves stays as it was
+                key = (int(rng.integers(0, 3)), int(rng.integers(0, 40)))
+                groups.take(key, rng.choice(np.flatnonzero(kept), size=3), owned)
+                for v in np.flatnonzero(kept):
+                    reference[int(v)].add(key)
+            probes = [(t, s) for t in range(3) for s in range(40)]
+            for mask, keys in groups.export(np.flatnonzero(lost)):
+                for v in np.flatnonzero(mask):
+                    assert [p in keys for p in probes] == [p in reference[int(v)] for p in probes]
+            arriving = []
+            for v in np.flatnonzero(gained):
+                keys = {(t, s) for t in range(3) for s in range(int(rng.integers(0, 30)))}
+                reference[int(v)] = set(keys)
+                held, mask = AppliedKeys(), np.zeros(V, bool)
+                for key in keys:
+                    held.add(key)
+                mask[v] = True
+                arriving.append((mask, held))
+            groups.install(arriving)
+            groups.forget(~owned)
+            groups.compact(owned)
+            groups = AppliedGroups.from_arrays(V, groups.to_arrays())  # through a snapshot
+            continue
+        key = (int(rng.integers(0, 3)), int(rng.integers(0, 40)))
+        vshards = rng.choice(np.flatnonzero(owned), size=5)  # a part: ids in some owned vshards
+        expected = np.array([key not in reference[int(v)] for v in vshards])
+        assert groups.missing(key) or not expected.any()
+        np.testing.assert_array_equal(groups.take(key, vshards, owned), expected)
+        for v in np.flatnonzero(owned):
+            reference[int(v)].add(key)

@@ -139,7 +139,8 @@ class ShardState:
         key, groups = (record.task, record.batch_seq), self.applied[record.table]
         if not groups.missing(key):
             return 0
-        fresh = groups.take(key, virtual_shard_of(record.ids, self.virtual_shards) if groups.extra else record.ids, self.owned)
+        vshards = virtual_shard_of(record.ids, self.virtual_shards) if groups.extra else np.zeros(len(record.ids), np.int64)
+        fresh = groups.take(key, vshards, self.owned)  # one group (no move yet): no need to hash
         if fresh.all():
             self.tables[record.table].push(record.ids, record.grads)
         elif fresh.any():  # a part whose moved-in rows had not got this key yet (moves.py)
