@@ -37,7 +37,7 @@ from elastic_step.errors import ConfigError
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.protocol import PsShardState, TrainingMode
 from elastic_step.ps import snapshot
-from elastic_step.ps.api import Status, TableSpec
+from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.local import LocalShards, saved_routings
 from elastic_step.ps.moves import ask, move
@@ -310,6 +310,10 @@ class ShardMonitor:
             client = PsClient(self.client.token, lambda: None, timeout_s=120.0)
             try:
                 report = supervisor.shards.resize(shards, client.call)
+            except PsError as exc:
+                log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
+                raise ValueError(f"the move to {shards} shards did not finish ({exc}); the shards are left mid-move: stop "
+                                 "the job and resume it (train --resume), which finishes the move") from exc
             finally:
                 client.close()
             supervisor.resized()

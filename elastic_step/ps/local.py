@@ -104,7 +104,11 @@ class LocalShards:
             shard.wait_ready()
         everyone = self.shards + added
         resized = self.routing.resized(shards, [s.endpoint for s in everyone[:shards]])
-        report = move(lambda i, *request: call(everyone[i].endpoint, *request), self.routing, resized)
+        try:
+            report = move(lambda i, *request: call(everyone[i].endpoint, *request), self.routing, resized)
+        except BaseException:
+            self.shards = everyone  # stopped with the others at the end (a resume finishes the move)
+            raise
         self.routing = resized
         self.shards = everyone[:shards]
         for shard in everyone[shards:]:
