@@ -41,6 +41,8 @@ def test_every_worker_sigkilled_at_once_the_job_goes_on_from_the_masters_checkpo
     newest_checkpoint = [e["step"] for e in events[:kinds.index("restored")] if e["event"] == "checkpoint"][-1]
     assert restored[0]["step"] == newest_checkpoint >= first_checkpoint
     assert f"checkpoint of step {newest_checkpoint}" in restored[0]["message"]
+    with open(os.path.join(job.job_dir, "logs", "master.log")) as f:  # `elastic-step logs --master`
+        assert f"{restored[0]['steps_lost']} steps are lost" in f.read()
     assert {e["worker"] for e in events if e["event"] == "died"} >= {w["id"] for w in live}
     report = audit_report(job.audit, digits, EPOCHS)
     assert report["exact"], report
