@@ -61,8 +61,9 @@ class ElasticStep:
 
     def __init__(self, data: str, epochs: int, job_dir: str):
         self.job_dir = job_dir
-        # A checkpoint every 50 steps, as the peer's: what a retry resumes from if every worker
-        # that held the model is killed before a replacement has it (a preemption checkpoints too).
+        # A checkpoint every 50 steps, as the peer's: what the master restores the group from, in
+        # process, if every worker that held the model is killed before a replacement has it (a
+        # preemption checkpoints too).
         self.args = ["train", "--model-def", MLP512, "--data", data, "--job-dir", job_dir, "--workers", f"2:{WORKERS}",
                      "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "16",
                      "--checkpoint-steps", str(PEER_CHECKPOINT_EVERY), "--max-relaunches", "1000", "--no-progress"]
