@@ -6,7 +6,6 @@ holds (it would take that one's socket and unmount its data root): refused in on
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -70,9 +69,8 @@ def live(tmp_path):
     """A process named dockerd whose pid is in the folder's pidfile, as a running daemon leaves it."""
     work = tmp_path / "work"
     work.mkdir()
-    program = tmp_path / "dockerd"
-    shutil.copy(shutil.which("sleep"), program)
-    proc = subprocess.Popen([str(program), "120"])
+    named = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'dockerd'); time.sleep(120)"  # PR_SET_NAME: its comm
+    proc = subprocess.Popen([sys.executable, "-c", named])
     (work / "dockerd.pid").write_text(f"{proc.pid}\n")
     wait_for(lambda: live_daemon(str(work)) == proc.pid, 30, "the fake daemon listed")
     yield work, proc
