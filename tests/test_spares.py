@@ -25,39 +25,36 @@ def full_with_a_spare(status) -> bool:
     return status["world_size"] == 3 and len(spares(status)) == 1 and 0.1 < status["rows_done"] / status["rows_total"] < 0.5
 
 
-def test_a_spare_takes_a_lost_members_rank_and_never_holds_a_task(digits, start_job):
-    job = start_job("--data", digits, "--epochs", "4", *FIXED)
-    status = job.wait_for(full_with_a_spare)
-    spare = spares(status)[0]
-    assert spare["rank"] is None and spare["rows_applied"] == 0
+def test_a_spare_that_dies_is_relaunched_without_a_regroup_and_a_spare_takes_a_lost_members_rank(digits, start_job):
+    # Long enough for the relaunched spare to start and warm up (seconds), and a member to be
+    # replaced by it after that, before the job ends.
+    epochs = 24
+    job = start_job("--data", digits, "--epochs", str(epochs), *FIXED)
+    status = job.wait_for(lambda s: full_with_a_spare(s) and s["rows_done"] / s["rows_total"] < 0.25, timeout=300)
+    first = spares(status)[0]
+    assert first["rank"] is None and first["rows_applied"] == 0
     shown = cli("get", job.job_dir)
     assert "spares 1" in shown.stdout, shown.stdout
-    assert re.search(rf"^{re.escape(spare['id'])}\s+spare\s+live\s", shown.stdout, re.M), shown.stdout  # its RANK: spare
-    victim = job.kill_worker(status, rank=1)
-    after = job.wait_for(lambda s: s["round"] > status["round"] and s["world_size"] == 3)
+    assert re.search(rf"^{re.escape(first['id'])}\s+spare\s+live\s", shown.stdout, re.M), shown.stdout  # its RANK: spare
+
+    # The spare dies: it is relaunched, and the members train on undisturbed.
+    os.kill(first["pid"], signal.SIGKILL)
+    relaunched = job.wait_for(lambda s: len(spares(s)) == 1 and spares(s)[0]["id"] != first["id"], timeout=300)
+    assert relaunched["round"] == status["round"]
+    spare = spares(relaunched)[0]
+    assert spare["slot"] == first["slot"] and spare["rank"] is None and spare["rows_applied"] == 0
+
+    # A member dies: the (relaunched, warmed up) spare takes its rank in the very next round.
+    victim = job.kill_worker(relaunched, rank=1)
+    after = job.wait_for(lambda s: s["round"] > relaunched["round"] and s["world_size"] == 3)
     ranks = {w["id"]: w["rank"] for w in after["workers"]}
     assert ranks[spare["id"]] is not None, after  # the spare is a member now
     assert victim["id"] not in [w["id"] for w in after["workers"] if w["rank"] is not None]
     assert job.finish() == 0, job.output()
-    report = audit_report(job.audit, digits, 4)
-    assert report["exact"], report
+    assert audit_report(job.audit, digits, epochs)["exact"]
     events = job.events()
-    proposed = [e for e in events if e["event"] == "round_proposed" and e["round"] > status["round"]]
+    assert [e["worker"] for e in events if e["event"] == "died"] == [first["id"], victim["id"]]
+    proposed = [e for e in events if e["event"] == "round_proposed" and e["round"] > relaunched["round"]]
     assert spare["id"] in proposed[0]["members"]  # taken in the very next round, not after a relaunch
     assert len(proposed[0]["members"]) == 3
     assert any(e["event"] == "recovered" for e in events)
-
-
-def test_a_spare_that_dies_is_relaunched_and_the_group_does_not_regroup(digits, start_job):
-    # Long enough for the relaunched spare to start and warm up (seconds) before the job ends.
-    job = start_job("--data", digits, "--epochs", "20", *FIXED)
-    status = job.wait_for(lambda s: full_with_a_spare(s) and s["rows_done"] / s["rows_total"] < 0.25)
-    spare = spares(status)[0]
-    os.kill(spare["pid"], signal.SIGKILL)
-    relaunched = job.wait_for(lambda s: len(spares(s)) == 1 and spares(s)[0]["id"] != spare["id"])
-    assert relaunched["round"] == status["round"]  # the members trained on, undisturbed
-    assert spares(relaunched)[0]["slot"] == spare["slot"]
-    assert job.finish() == 0, job.output()
-    assert audit_report(job.audit, digits, 20)["exact"]
-    died = [e for e in job.events() if e["event"] == "died"]
-    assert [e["worker"] for e in died] == [spare["id"]]
