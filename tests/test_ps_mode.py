@@ -227,20 +227,23 @@ def counters_on_the_shards(job_dir: str) -> Counter:
     return counts
 
 
-def test_every_minibatch_updates_each_embedding_row_exactly_once_through_a_worker_and_a_shard_sigkill(clicks, start_job):
+def test_every_minibatch_updates_each_embedding_row_exactly_once_through_a_worker_and_a_shard_sigkill(clicks, start_job, capsys):
+    from elastic_step.cli import main as cli_main
+
     # --max-relaunches 0: the survivor trains on alone (MIN 1); a replacement's start-up would
     # only compete with it for the CPUs (re-issued tasks are what this test is about).
     job = start_job("--model-def", DEEPFM_PS, "--data", clicks, "--mode", "ps", "--ps-shards", "2",
                     "--workers", "1:2", "--max-relaunches", "0", "--epochs", str(EPOCHS), "--minibatch-size",
                     str(MINIBATCH), "--minibatches-per-task", "2")
-    status = job.wait_for(lambda s: s["world_size"] == 2 and 0.1 < s["rows_done"] / s["rows_total"] < 0.5, timeout=300)
+    status = job.wait_for(lambda s: s["world_size"] == 2 and 0.05 < s["rows_done"] / s["rows_total"] < 0.4, timeout=300)
     assert [(s["shard"], s["state"]) for s in status["ps_shards"]] == [(0, "serving"), (1, "serving")], status["ps_shards"]
     # Three shards while both workers train: about a third of the virtual shards (and rows) move.
-    scaled = cli("scale", job.job_dir, "--ps", "3", timeout=300)
-    assert scaled.returncode == 0, scaled.stderr
-    moved = re.search(r"moved (\d+) of 128 virtual shards, (\d+) of (\d+) rows", scaled.stdout)
-    assert moved and 0 < int(moved[1]) <= 128 // 3 + 7 and int(moved[2]) <= (1 / 3 + 0.05) * int(moved[3]), scaled.stdout
-    victim = job.kill_worker(status, rank=1)
+    # The CLI's code runs in this process: the job trains for seconds, a CLI process starts slower.
+    assert cli_main(["scale", job.job_dir, "--ps", "3"]) == 0
+    said = capsys.readouterr().out
+    moved = re.search(r"moved (\d+) of 128 virtual shards, (\d+) of (\d+) rows", said)
+    assert moved and 0 < int(moved[1]) <= 128 // 3 + 7 and int(moved[2]) <= (1 / 3 + 0.05) * int(moved[3]), said
+    victim = job.kill_worker(job.wait_for(lambda s: s["world_size"] == 2), rank=1)
     # Then a shard, once the survivor has trained on: the master relaunches it on its port from
     # its snapshot and ledger while the workers retry what it had not acknowledged; no worker
     # restarts for it.
