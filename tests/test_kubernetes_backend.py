@@ -140,6 +140,26 @@ def test_workers_run_the_main_containers_image_not_argos_wait_sidecar(tmp_path, 
     assert [p.spec.containers[0].image for p in fake.created] == ["registry.example/ml/es:2.0"]
 
 
+def test_worker_requests_not_given_are_the_step_containers_own_and_never_its_limits(tmp_path, fake, in_step_pod):
+    """A namespace's ResourceQuota that requires requests admits the workers as it admitted the step:
+    without --worker-cpu/--worker-memory they request what `main` requests (not `wait`'s, no limit);
+    a flag given wins for its resource."""
+    from kubernetes import client as k8s
+
+    main = in_step_pod.spec.containers[1]  # the fake's own pod object: what the backend reads
+    main.resources = k8s.V1ResourceRequirements(requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "3Gi"})
+    in_step_pod.spec.containers[0].resources = k8s.V1ResourceRequirements(requests={"cpu": "10m"})
+    for settings, requests, limits in [
+            (PodSettings(namespace="ml", image=None), {"cpu": "500m", "memory": "1Gi"}, None),
+            (PodSettings(namespace="ml", image=None, cpu_request="2", cpu_limit="4"), {"cpu": "2", "memory": "1Gi"}, {"cpu": "4"})]:
+        fake.created.clear()
+        backend = unit_backend(tmp_path, fake, settings)
+        backend.launch(0, "w0.1")
+        backend.shutdown(grace_s=0)
+        [pod] = fake.created
+        assert (pod.spec.containers[0].resources.requests, pod.spec.containers[0].resources.limits) == (requests, limits)
+
+
 def test_elastic_step_image_wins_over_the_pods_own(tmp_path, fake, in_step_pod, monkeypatch):
     monkeypatch.setenv("ELASTIC_STEP_IMAGE", "registry.example/ml/es:pinned")
     backend = unit_backend(tmp_path, fake, PodSettings(namespace="ml", image=None))

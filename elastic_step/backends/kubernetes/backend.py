@@ -101,6 +101,8 @@ class KubernetesBackend(Backend):
         if own_pod is not None:  # a required MLflow Secret this process lacks: named now, not at the first call
             missing_secret_env(main_container(own_pod), os.environ, self.master.namespace)
         self.image = self._worker_image(own_pod)
+        if own_pod is not None:  # requests not given: the step's own (a ResourceQuota requires them)
+            self.settings = settings = manifests.with_own_requests(settings, main_container(own_pod))
         self._check_service_account(own_pod)
         self.master_labels = master_policy_labels(settings, self.master, own_pod)  # refused here unless opted out
         self.secret_env = self._store_credentials(own_pod)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kubernetes import client as k8s
 
@@ -122,12 +122,25 @@ def token_secret(names: JobNames, master: MasterPod | None, token: str, namespac
     )
 
 
+def with_own_requests(settings: PodSettings, container: k8s.V1Container | None) -> PodSettings:
+    """The workers' cpu and memory requests not given (--worker-cpu, --worker-memory) are the master
+    container's own, as the step asked them: a namespace whose ResourceQuota requires requests
+    admits the workers as it admitted the step. Only requests: a step's limit is no worker's measure."""
+    own = (container.resources.requests or {}) if container is not None and container.resources else {}
+    return replace(settings, cpu_request=settings.cpu_request or own.get("cpu"),
+                   memory_request=settings.memory_request or own.get("memory"))
+
+
 def resources(settings: PodSettings) -> k8s.V1ResourceRequirements:
     requests, limits = {}, {}
     if settings.cpu_request:
-        requests["cpu"], limits["cpu"] = settings.cpu_request, settings.cpu_limit
+        requests["cpu"] = settings.cpu_request
     if settings.memory_request:
-        requests["memory"], limits["memory"] = settings.memory_request, settings.memory_limit
+        requests["memory"] = settings.memory_request
+    if settings.cpu_limit:
+        limits["cpu"] = settings.cpu_limit
+    if settings.memory_limit:
+        limits["memory"] = settings.memory_limit
     if settings.gpus:
         limits["nvidia.com/gpu"] = str(settings.gpus)  # extended resources: the limit is the request
     return k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None)
