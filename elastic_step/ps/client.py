@@ -99,26 +99,9 @@ class PsClient:
         pending, answered = np.arange(len(ids)), np.zeros(len(ids), bool)
         deadline, backoff = time.monotonic() + self.deadline_s, 0.02
         while len(pending):
-            shard_of = self.routing.shard_of(ids[pending])
-            sent, failed = [], []
-            for shard in np.unique(shard_of):
-                positions = pending[shard_of == shard]
-                header, arrays = request(ids[positions])
-                endpoint = self.routing.endpoints[shard]
-                try:
-                    wire.send(self._connection(endpoint), {**header, "token": self.token, "epoch": self.routing.epoch}, *arrays)
-                    sent.append((endpoint, positions))
-                except OSError:
-                    self._drop(endpoint)
-                    failed.append(positions)
+            sent, failed = self._send_parts(ids, pending, request)
             lost, newer = len(failed) > 0, []
-            for i, (endpoint, positions) in enumerate(sent):
-                try:
-                    answer = self._answer(endpoint)
-                except PsError:  # the replies not read yet would answer the next requests: drop them
-                    for unread, _ in sent[i + 1 :]:
-                        self._drop(unread)
-                    raise
+            for positions, answer in self._answers(sent):
                 if answer is not None and answer[0]["status"] == Status.OK:
                     if not answered[positions].all():  # else a part re-sent whole (below), known already
                         yield positions, answer
@@ -144,6 +127,33 @@ class PsClient:
                 # every id of the push it owns, which a shard's applied keys rely on
                 # (applied.py); the parts applied before are acknowledged as duplicates.
                 pending = np.arange(len(ids))
+
+    def _send_parts(self, ids: np.ndarray, pending: np.ndarray, request: Callable) -> tuple[list, list]:
+        """Send each shard its part of ids[pending]: ([(endpoint, positions)] sent, [positions] not)."""
+        shard_of = self.routing.shard_of(ids[pending])
+        sent, failed = [], []
+        for shard in np.unique(shard_of):
+            positions = pending[shard_of == shard]
+            header, arrays = request(ids[positions])
+            endpoint = self.routing.endpoints[shard]
+            try:
+                wire.send(self._connection(endpoint), {**header, "token": self.token, "epoch": self.routing.epoch}, *arrays)
+                sent.append((endpoint, positions))
+            except OSError:
+                self._drop(endpoint)
+                failed.append(positions)
+        return sent, failed
+
+    def _answers(self, sent: list):
+        """(positions, answer or None when the connection failed) for each part sent, in order."""
+        for i, (endpoint, positions) in enumerate(sent):
+            try:
+                answer = self._answer(endpoint)
+            except PsError:  # the replies not read yet would answer the next requests: drop them
+                for unread, _ in sent[i + 1 :]:
+                    self._drop(unread)
+                raise
+            yield positions, answer
 
     def _refresh(self, newer: list[RoutingTable], lost: bool) -> None:
         """The newest routing known: the master's, the refusals', else the other shards' word."""
