@@ -112,22 +112,11 @@ def test_master_pod_trains_on_worker_pods_through_the_api_with_its_role_through_
 
 @pytest.fixture(scope="module")
 def docker_daemon():
-    """A Docker daemon of the test's own, with the image `make image-smoke` builds (built here
-    first, by images/smoke.sh, when its data root does not hold it yet)."""
-    from cluster.runtime import DockerDaemon
-    from cluster.rbac import REPO
-    from elastic_step.images import default_image
+    """A Docker daemon of the test's own, with the image `make image-smoke` builds (built first
+    when its data root does not hold it, or holds one built from other sources)."""
+    from cluster.runtime import DockerDaemon, image_smoke_dir
 
-    work = os.environ.get("IMAGE_SMOKE_DIR") or os.path.join(REPO, "build", "image-smoke")
-    daemon = DockerDaemon(work).start()
-    if not daemon.has_image(default_image()):
-        daemon.stop()
-        import subprocess
-
-        built = subprocess.run([os.path.join(REPO, "images", "smoke.sh")], capture_output=True, text=True,
-                               env={**os.environ, "IMAGE_SMOKE_DIR": work})
-        assert built.returncode == 0 and "PASSED" in built.stdout, built.stdout[-3000:] + built.stderr[-2000:]
-        daemon.start()
+    daemon = DockerDaemon(image_smoke_dir()).start()
     yield daemon
     daemon.stop()
 

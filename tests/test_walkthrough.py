@@ -26,6 +26,7 @@ import time
 import pytest
 
 from cluster.network import available
+from cluster.runtime import image_smoke_dir
 from cluster.rbac import REPO
 
 pytestmark = pytest.mark.e2e
@@ -44,23 +45,6 @@ def walkthrough_blocks() -> list[list[str]]:
         joined = block.replace("\\\n", " ")
         commands.append([line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")])
     return commands
-
-
-def image_smoke_dir() -> str:
-    """The Docker data root holding `make image-smoke`'s image, built here first where it does not
-    yet (as the Docker tests' fixture does); no daemon is left on it, for `make cluster` starts its own."""
-    from elastic_step.images import default_image
-
-    from cluster.runtime import DockerDaemon
-
-    work = os.environ.get("IMAGE_SMOKE_DIR") or os.path.join(REPO, "build", "image-smoke")
-    with DockerDaemon(work).start() as daemon:
-        built = daemon.has_image(default_image())
-    if not built:
-        made = subprocess.run([os.path.join(REPO, "images", "smoke.sh")], capture_output=True, text=True,
-                              env={**os.environ, "IMAGE_SMOKE_DIR": work})
-        assert made.returncode == 0 and "PASSED" in made.stdout, made.stdout[-3000:] + made.stderr[-2000:]
-    return work
 
 
 def checkout_of_links() -> str:

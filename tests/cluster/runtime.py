@@ -332,6 +332,26 @@ class DockerDaemon:
         self.proc = None
 
 
+def image_smoke_dir() -> str:
+    """The Docker data root holding the image `make image-smoke` builds, built there first where it
+    is missing or stale (images/smoke.sh with IMAGE_SMOKE_STEPS=build: the Docker tests run their
+    own jobs in it; the image's own training, DockerRunner and push checks are `make
+    image-smoke`'s). No daemon is left on it."""
+    from elastic_step.images import default_image
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    work = os.environ.get("IMAGE_SMOKE_DIR") or os.path.join(repo, "build", "image-smoke")
+    with DockerDaemon(work).start() as daemon:
+        if daemon.has_image(default_image()):
+            return work
+    made = subprocess.run([os.path.join(repo, "images", "smoke.sh")], capture_output=True, text=True,
+                          env={**os.environ, "IMAGE_SMOKE_DIR": work, "IMAGE_SMOKE_STEPS": "build"})
+    with DockerDaemon(work).start() as daemon:
+        built = daemon.has_image(default_image())
+    assert made.returncode == 0 and built, made.stdout[-3000:] + made.stderr[-2000:]
+    return work
+
+
 class DockerRuntime:
     """Each container is `docker run` of the image's Docker image (`Image.docker`), on the node's
     network (`--network host`) or, on the pod network, in its pod's sandbox container's (see `_sandbox`):
