@@ -195,8 +195,8 @@ def test_submit_refuses_in_one_line_before_creating_anything(tmp_path, cluster, 
 def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(tmp_path, digits, cluster):
     """A model definition from a local file (shipped in a ConfigMap to the master and, through
     it, to every worker), data in a private bucket read with the Secret's keys, a known
-    PriorityClass: the master pod runs, its two worker pods train to Succeeded with an exact
-    audit, and `delete` removes every object with the job's label."""
+    PriorityClass: the master pod runs, `get`, `list` and `ui` show it running, its two worker pods
+    train to Succeeded with an exact audit, and `delete` removes every object with the job's label."""
     model = str(tmp_path / "my_digits.py")
     shutil.copy(MODEL, model)
     config = kubeconfig(cluster, tmp_path, "carol")  # a namespace owner, not the cluster's admin
@@ -227,6 +227,9 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
             view = json.loads(got.stdout) if got.returncode == 0 else None
             time.sleep(0.5)
         assert view["summary"]["job"] == JOB and view["summary"]["job_dir"] == f"pod {ns}/{pod_name}", view["summary"]
+        looked = time.monotonic()
+        list_and_live_page(config)  # while it runs: its workers and status exist until the master ends
+        print(f"list and ui took {time.monotonic() - looked:.1f}s")
         while cluster.core().read_namespaced_pod(pod_name, ns).status.phase not in ("Succeeded", "Failed"):
             assert time.monotonic() < deadline, cluster.core().read_namespaced_pod_log(pod_name, ns)
             time.sleep(0.5)
@@ -266,6 +269,36 @@ def test_a_submitted_job_trains_on_worker_pods_and_delete_leaves_nothing_of_it(t
     assert cluster.refused("carol") == {("get", "priorityclasses", "")}  # submit, get, logs, delete: her Role sufficed
 
 
+def list_and_live_page(config: str) -> None:
+    """`list` and `ui --backend kubernetes` on the submitted job, with the submitter's own
+    kubeconfig: the job among the namespace's, and its live page served on this machine's
+    loopback from the status its master publishes (the page's data behind the printed token)."""
+    import httpx
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "MLFLOW_", "AWS_"))}, "KUBECONFIG": config}
+    server = subprocess.Popen([sys.executable, "-m", "elastic_step.cli", "ui", JOB, "--backend", "kubernetes"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        listed = elastic_step(config, "list", "--backend", "kubernetes", "-o", "json")  # while `ui` starts
+        assert listed.returncode == 0, listed.stderr
+        row = next(r for r in json.loads(listed.stdout) if r["job"] == JOB)
+        assert row["state"] == "running" and row["epochs"] == 2 and row["target_workers"] == 2, row
+        line = server.stdout.readline()
+        assert f"live page of job {JOB} (pod " in line, (line, server.stderr.read() if server.poll() is not None else "")
+        url = line.split(": ", 1)[1].strip()
+        address, token = url.split("/ui#token=")
+        assert address.startswith("http://127.0.0.1:"), url
+        assert httpx.get(f"{address}/ui", timeout=30).status_code == 200
+        assert httpx.get(f"{address}/v1/status", timeout=30).status_code == 401  # the data needs the printed token
+        status = httpx.get(f"{address}/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert status.status_code == 200, status.text
+        published = status.json()
+        assert published["job"] == JOB and published["state"] == "running" and published["epochs"] == 2, published
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 @pytest.mark.parametrize("extra, expected", [
     (["--job-name", "Digits_1"], "--job-name 'Digits_1' is not a DNS label"),
     (["--data", "./digits"], "--data './digits' is a path on this machine"),
@@ -292,6 +325,33 @@ def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, e
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and expected in err, err
     assert "hunter2" not in err
+
+
+def test_data_on_gcs_reaches_the_master_as_its_uri_and_is_read_by_workload_identity_not_a_store_secret(capsys):
+    """A GKE user's `--data gs://...`: the master pod's `train` reads that URI, with the GCS
+    options given and the workers' service account (the one bound to a Google account by
+    workload identity); no store key is in its spec. The store Secret's keys are S3's, so naming
+    one for gs:// data is refused in one line rather than handed to pods that cannot use it."""
+    from elastic_step.cli import main
+
+    args = ["submit", "--job-name", JOB, "--image", "img", "--model-def", "elastic_step.model_zoo.digits_torch",
+            "--data", "gs://training-data/digits", "--storage-option", "project=ml-data", "--service-account", "gcs-reader"]
+    assert main(args + ["--dry-run"]) == 0
+    (pod,) = yaml.safe_load_all(capsys.readouterr().out)
+    kubernetes_validate.validate(pod, "1.30.0", strict=True)
+    main_container = pod["spec"]["containers"][0]
+    options = dict(zip(main_container["args"], main_container["args"][1:]))
+    assert options["--data"] == "gs://training-data/digits" and options["--storage-option"] == "project=ml-data"
+    assert options["--service-account"] == "gcs-reader" and pod["spec"]["serviceAccountName"] == "elastic-step-runner"
+    assert not [e["name"] for e in main_container["env"] if e["name"].startswith(("AWS_", "GOOGLE_")) or "secretKeyRef" in
+                json.dumps(e)]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["scratch"]
+
+    code = main(args + ["--store-secret", STORE_SECRET, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"--store-secret {STORE_SECRET}: its keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) are S3's" in err
+    assert "workload identity" in err
 
 
 def test_data_on_a_host_path_volume_as_elasticdl_mounts_it_reaches_the_master_and_every_worker(tmp_path, digits, cluster):

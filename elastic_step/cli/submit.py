@@ -58,7 +58,8 @@ def register(sub) -> None:
                    help="Secret of an MLflow user: keys uri (unless --mlflow-uri is given), username, password "
                         f"(e.g. {defaults.MLFLOW_CREDENTIALS_SECRET}, as deploy/mlflow's docs make it)")
     s.add_argument("--store-secret", dest="store_secret", metavar="NAME",
-                   help="Secret with the data store's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (master and workers)")
+                   help="Secret with the S3 store's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (master and workers); "
+                        "gs:// data takes none: the pods' service accounts reach GCS by workload identity")
     add_alias(s, "--worker-store-secret", "--store-secret", dest="store_secret")
     s.add_argument("--master-cpu", default=DEFAULT_MASTER_CPU, help="REQUEST[:LIMIT] (default %(default)s)")
     s.add_argument("--master-memory", default=DEFAULT_MASTER_MEMORY, help="REQUEST[:LIMIT] (default %(default)s)")
@@ -97,6 +98,7 @@ def submission(args):
         raise ConfigError(f"--job-dir: the job's folder is the master pod's own ({SCRATCH}/{args.job_name}); drop the flag")
     volumes = [parse_volume(text, i) for i, text in enumerate(args.volume)]
     checks.check_data(args.data, [v.mount_path for v in volumes])
+    checks.check_store_secret(args.data, args.store_secret)
     checks.check_pod_path("--audit", args.audit)
     checks.check_pod_path("--outputs", args.outputs)
     checks.check_mlflow_uri(args.mlflow_uri)

@@ -50,6 +50,17 @@ def check_data(data: str, mounts: list[str]) -> None:
                           "(e.g. --volume claim=training-data,mount_path=/data --data /data/digits)")
 
 
+def check_store_secret(data: str, secret: str | None) -> None:
+    """The store Secret's keys are S3's (STORE_KEYS); gcsfs reads GCS with none of them. A GCS
+    key file (GOOGLE_APPLICATION_CREDENTIALS) would not reach the worker pods either: GCS access
+    is the pods' service accounts' own, by workload identity."""
+    if secret and urlsplit(data or "").scheme in ("gs", "gcs"):
+        raise ConfigError(f"--store-secret {secret}: its keys ({', '.join(STORE_KEYS)}) are S3's, and --data {data!r} "
+                          "is on GCS, which reads none of them; drop --store-secret and give GCS access by workload "
+                          "identity to service account elastic-step-runner (the master) and the workers' "
+                          "(elastic-step-worker, or --service-account NAME)")
+
+
 def check_pod_path(option: str, path: str | None) -> None:
     """A file the master writes must be on its scratch volume: its root filesystem is read-only."""
     if path and not under(path, [SCRATCH]):
