@@ -1,7 +1,6 @@
 """A fixed global batch (`--global-batch-size G`): every optimizer step applies exactly G rows,
 whatever the group's size and wherever tasks end, so a run's steps do not depend on failures;
-the exactly-once audit holds step by step. Real worker processes, real signals (a worker
-SIGKILLed and relaunched under a fixed G: test_elastic_e2e.py's test_sigkill_one_of_three_workers_mid_epoch)."""
+the exactly-once audit holds step by step. Real worker processes, real signals."""
 
 import collections
 import json
@@ -11,7 +10,7 @@ import pytest
 
 from elastic_step.audit import audit_report
 
-from conftest import MODEL
+from conftest import MODEL, SLOW_MODEL
 
 pytestmark = pytest.mark.e2e
 
@@ -58,6 +57,23 @@ def test_a_global_batch_smaller_than_the_group_leaves_ranks_empty(digits, start_
     total = exact(job, digits, epochs=1)
     assert [s["samples"] for s in steps(job)] == fixed_batches(total, 2)
     assert max(ranges_per_step(job).values()) <= 2  # shares 1, 1, 0: the third rank is empty
+
+
+def test_killed_and_relaunched_workers_change_nothing_in_the_steps(digits, start_job):
+    """The group shrinks from 3 to 2 and grows back; the job applies the same steps of G rows as
+    a clean run would, and each row exactly once."""
+    job = start_job("--data", digits, "--workers", "2:3", "--epochs", "3", "--global-batch-size", "48",
+                    "--model-def", SLOW_MODEL, "--minibatch-size", "16", "--minibatches-per-task", "2",
+                    "--heartbeat-timeout", "4")
+    status = job.wait_for(lambda s: s["world_size"] == 3 and 0.15 < s["rows_done"] / s["rows_total"] < 0.5)
+    job.kill_worker(status, rank=1)
+    assert job.finish() == 0, job.output()
+    total = exact(job, digits, epochs=3)
+    applied = steps(job)
+    assert [s["samples"] for s in applied] == fixed_batches(total, 48)
+    assert {2, 3} <= {s["world_size"] for s in applied}  # steps were applied by groups of both sizes
+    assert any(e["event"] == "died" for e in job.events())
+    assert job.result()["test_metrics"]["accuracy"] >= 0.8  # it learns (about 60 steps of 50 rows)
 
 
 def test_a_global_batch_larger_than_an_epoch_still_fills_every_step(digits, start_job):
