@@ -336,8 +336,13 @@ def test_a_minio_artifact_uri_opens_the_s3_store(s3_digits, digits, monkeypatch)
 
 @pytest.mark.e2e
 def test_job_with_data_checkpoints_and_model_in_s3_survives_a_sigkilled_worker(s3, s3_digits, digits, start_job, tmp_path):
+    """Also the SIGKILL of one of three workers mid-epoch, end to end (test_elastic_e2e.py's
+    other losses): the group shrinks to 2, regroups without a state transfer, and grows back."""
+    import re
+
     from mlflow.tracking import MlflowClient
     from mlflow_server import MlflowServer
+    from test_elastic_e2e import state_transfers
 
     from elastic_step.audit import audit_report
 
@@ -357,9 +362,19 @@ def test_job_with_data_checkpoints_and_model_in_s3_survives_a_sigkilled_worker(s
         assert report["exact"], report
         assert report["rows_applied"] == report["rows_expected"] == job.result()["rows_audited"]
         assert job.result()["test_metrics"]["accuracy"] >= 0.90  # what the same job reaches on local data
-        died = [e for e in job.events() if e["event"] == "died"]
-        assert any(e["worker"] == victim["id"] and "SIGKILL" in e["reason"] for e in died), died
-        assert any(e["event"] == "recovered" for e in job.events())
+        events = job.events()
+        died = [e for e in events if e["event"] == "died"]
+        assert died and died[0]["worker"] == victim["id"] and "SIGKILL" in died[0]["reason"], died
+        assert any(e["event"] == "recovered" for e in events)
+        assert any(e["event"] == "relaunched" for e in events)
+        assert "test: loss" in job.output() and "accuracy" in job.output()
+        # The survivors were already identical: their regroup sent no state; a joiner (the relaunched
+        # worker, if it joined before the job ended) alone gets it.
+        transfers = state_transfers(job)
+        assert transfers[1] == "[1, 2]", transfers
+        assert "none (every member holds it)" in transfers.values(), transfers
+        later = [ranks for round_id, ranks in transfers.items() if round_id > 1]
+        assert all(ranks == "none (every member holds it)" or re.fullmatch(r"\[\d\]", ranks) for ranks in later), transfers
 
         # checkpoints and the model went through the MLflow server into the bucket
         run_id = job.result()["run_id"]
