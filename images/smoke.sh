@@ -77,9 +77,17 @@ HTTP_PID=$!
 
 t=$(date +%s)
 # Labelled with the digest of what goes into it: the cluster tests and `make cluster` reuse it only while that matches.
-DOCKER_BUILDKIT=0 docker build --network host -f images/Dockerfile -t "$IMAGE" --label "org.elastic-step.sources=$(python3 tests/cluster/image_sources.py)" \
-  --build-arg BASE_IMAGE="$BASE" --build-arg PIP_FIND_LINKS="http://127.0.0.1:$PORT/" --build-arg TORCH_INDEX_URL= . >"$WORK/build.log" 2>&1 \
-  || { tail -30 "$WORK/build.log"; echo "image-smoke: FAILED: docker build (log: $WORK/build.log)"; exit 1; }
+build() {
+  DOCKER_BUILDKIT=0 docker build --network host -f images/Dockerfile -t "$IMAGE" --label "org.elastic-step.sources=$(python3 tests/cluster/image_sources.py)" \
+    --build-arg BASE_IMAGE="$BASE" --build-arg PIP_FIND_LINKS="http://127.0.0.1:$PORT/" --build-arg TORCH_INDEX_URL= . >"$WORK/build.log" 2>&1
+}
+# runc can fail to start a build step's container on a loaded machine ("can't get final child's PID
+# from pipe"): that one failure is retried once, from the layers already built; any other fails.
+if ! build; then
+  grep -q "OCI runtime create failed" "$WORK/build.log" || { tail -30 "$WORK/build.log"; echo "image-smoke: FAILED: docker build (log: $WORK/build.log)"; exit 1; }
+  echo "image-smoke: a build step's container did not start ($(grep -m1 -o "OCI runtime create failed.*" "$WORK/build.log" | cut -c1-160)); building again"
+  build || { tail -30 "$WORK/build.log"; echo "image-smoke: FAILED: docker build (log: $WORK/build.log)"; exit 1; }
+fi
 grep "^imports ok" "$WORK/build.log" || true
 echo "image-smoke: built $IMAGE in $(( $(date +%s) - t ))s ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
 
