@@ -33,3 +33,21 @@ def test_an_undeclared_event_kind_is_refused_and_a_declared_one_is_kept_by_its_p
     record = log.record(EventKind.DIED, worker="w0.1")
     assert record["event"] == "died" and type(record["event"]) is str
     assert log.of(EventKind.DIED) == [record]
+
+
+def test_the_api_clients_name_routes_only_through_the_route_enum():
+    """The worker and the operating commands call the master's routes as Route members, so a route
+    renamed in protocol.py cannot leave a client calling a path the master no longer serves."""
+    import ast
+    from pathlib import Path
+
+    from elastic_step.protocol import Route
+
+    package = Path(__file__).resolve().parents[1] / "elastic_step"
+    paths = {r.value for r in Route}
+    literal = []
+    for source in [*sorted((package / "worker").glob("*.py")), *sorted((package / "operate").glob("*.py"))]:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Constant) and node.value in paths:
+                literal.append(f"{source.relative_to(package.parent)}:{node.lineno}: {node.value!r}")
+    assert not literal, "\n".join(literal)

@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 
-from elastic_step.protocol import HeartbeatRequest, StepRecord, StepsRequest
+from elastic_step.protocol import HeartbeatRequest, Route, StepRecord, StepsRequest
 from elastic_step.worker.client import MasterClient, MasterGone, Rejected
 from elastic_step.worker.resources import ResourceSampler
 
@@ -45,7 +45,7 @@ class Heartbeat(threading.Thread):
         while not self._halt.is_set():
             try:
                 reply = self.client.call(
-                    "POST", "/heartbeat",
+                    "POST", Route.HEARTBEAT,
                     HeartbeatRequest(worker_id=self.worker_id, round_id=self.round_id, step=self.step, resources=self._resources()),
                 )
             except MasterGone as exc:
@@ -107,7 +107,7 @@ class StepReporter(threading.Thread):
             for round_id in sorted({r for r, _ in batch}):
                 steps = [rec for r, rec in batch if r == round_id]
                 try:
-                    reply = self.client.call("POST", "/steps", StepsRequest(worker_id=self.worker_id, round_id=round_id, steps=steps))
+                    reply = self.client.call("POST", Route.STEPS, StepsRequest(worker_id=self.worker_id, round_id=round_id, steps=steps))
                     self._take_reply(reply)
                 except Rejected as exc:
                     # The ranges stay with every rank until acknowledged, and the next regroup

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from elastic_step.protocol import Route
 from elastic_step.worker.background import StepReporter
 from elastic_step.worker.client import MasterClient, Rejected
 
@@ -37,7 +38,7 @@ class Checkpoints:
     def send(self, round_id: int, step: int, state: bytes) -> None:
         def send():
             try:
-                self.client.call("PUT", "/checkpoint", content=state,
+                self.client.call("PUT", Route.CHECKPOINT, content=state,
                                  params={"worker_id": self.worker_id, "round_id": round_id, "step": step})
             except Rejected as exc:
                 log.warning("checkpoint of step %d refused: %s", step, exc)

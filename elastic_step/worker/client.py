@@ -16,7 +16,7 @@ import time
 import httpx
 
 from elastic_step import defaults
-from elastic_step.protocol import API, WorkerEnv
+from elastic_step.protocol import API, Route, WorkerEnv
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -62,13 +62,13 @@ class MasterClient:
             timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=2.0),
         )
 
-    def call(self, method: str, path: str, body=None, content: bytes | None = None, params=None, timeout=None):
+    def call(self, method: str, path: Route, body=None, content: bytes | None = None, params=None, timeout=None):
         return self._request(method, path, body, content, params, timeout).json()
 
-    def call_bytes(self, method: str, path: str) -> bytes:
+    def call_bytes(self, method: str, path: Route) -> bytes:
         return self._request(method, path, None, None, None, None).content
 
-    def _request(self, method: str, path: str, body, content, params, timeout) -> httpx.Response:
+    def _request(self, method: str, path: Route, body, content, params, timeout) -> httpx.Response:
         start = time.monotonic()
         deadline = start + self.master_timeout_s
         refused_since: float | None = None
@@ -102,7 +102,7 @@ class MasterClient:
                 time.sleep(min(delay, max(deadline - now, 0.0) + 0.01))
                 delay = min(delay * 2, 0.5 if refused_since is not None else 1.0)
                 continue
-            if response.status_code == 503 and path == "/register":
+            if response.status_code == 503 and path == Route.REGISTER:
                 # A master that answers 503 is alive and busy (its connections are full): a worker
                 # that gave up here would exit and cost its slot a relaunch, so it keeps asking.
                 time.sleep(delay)

@@ -27,6 +27,7 @@ from elastic_step.protocol import (
     Rendezvous,
     RendezvousReply,
     RendezvousRequest,
+    Route,
     StepRecord,
     this_engine,
 )
@@ -135,7 +136,7 @@ class Worker:
                 del unacked[step]
             body = RendezvousRequest(worker_id=self.worker_id, step=self.progress.step,
                                      unacked=list(unacked.values()), left_round=left_round)
-            reply = RendezvousReply(**self.client.call("POST", "/rendezvous", body, timeout=30.0))
+            reply = RendezvousReply(**self.client.call("POST", Route.RENDEZVOUS, body, timeout=30.0))
             if reply.status != Rendezvous.WAIT:
                 return reply
 
@@ -161,7 +162,7 @@ class Worker:
         except RuntimeError as exc:  # gloo: a peer died or hung
             log.warning("round %d collective failed: %s", rv.round_id, exc)
             try:
-                self.client.call("POST", "/collective-failed", CollectiveFailedRequest(worker_id=self.worker_id, round_id=rv.round_id, error=str(exc)))
+                self.client.call("POST", Route.COLLECTIVE_FAILED, CollectiveFailedRequest(worker_id=self.worker_id, round_id=rv.round_id, error=str(exc)))
             except Rejected:
                 pass
             return RoundOutcome.REGROUP
@@ -207,7 +208,7 @@ class Worker:
 
     def _load_initial_state(self, kind: str) -> None:
         """The first round's state source loads the master's checkpoint (resume) or model (warm start)."""
-        data = self.client.call_bytes("GET", "/initial-state")
+        data = self.client.call_bytes("GET", Route.INITIAL_STATE)
         if kind == "checkpoint":
             self.trainer.load_state_bytes(data)
         else:
@@ -236,7 +237,7 @@ class Worker:
             self.reporter.push(rv.round_id, record)
 
     def fail_job(self, reason: str) -> None:
-        self.client.call("POST", "/fail", FailJobRequest(worker_id=self.worker_id, reason=reason))
+        self.client.call("POST", Route.FAIL, FailJobRequest(worker_id=self.worker_id, reason=reason))
 
     def finish(self, rv: RendezvousReply) -> RoundOutcome:
         """Every rank has heard that all epochs are applied: rank 0 hands in the final model."""
@@ -244,7 +245,7 @@ class Worker:
             self.checkpoints.drain()  # earlier checkpoints are sent
             self.reporter.flush()
             try:
-                self.client.call("PUT", "/model", content=self.trainer.model_bytes(),
+                self.client.call("PUT", Route.MODEL, content=self.trainer.model_bytes(),
                                  params={"worker_id": self.worker_id, "step": self.progress.step})
             except Rejected as exc:  # the master no longer agrees the job is done here: regroup
                 log.warning("final model refused: %s", exc)
@@ -257,7 +258,7 @@ def register(client: MasterClient, worker_id: str) -> JobSpec:
     engine = this_engine()
     request = RegisterRequest(worker_id=worker_id, pid=os.getpid(), host=socket.gethostname(), engine=engine)
     try:
-        return JobSpec(**client.call("POST", "/register", request))
+        return JobSpec(**client.call("POST", Route.REGISTER, request))
     except Rejected as exc:
         if exc.status == 422:  # a master from before workers said which engine they run
             raise ElasticStepError(f"the master at {client.url} cannot read this worker's registration: it runs another "
@@ -277,7 +278,7 @@ def run_worker() -> int:
     except PreflightFailed as exc:
         # The master fails the job with this reason (a relaunch would fail the same way).
         try:
-            client.call("POST", "/preflight-failed", FailJobRequest(worker_id=worker_id, reason=str(exc)[:4000]))
+            client.call("POST", Route.PREFLIGHT_FAILED, FailJobRequest(worker_id=worker_id, reason=str(exc)[:4000]))
         except Exception as call_error:  # the master is gone or refuses: the exit says it all the same
             log.warning("could not report the pre-flight failure: %s", call_error)
         raise ElasticStepError(f"pre-flight: {exc}") from None

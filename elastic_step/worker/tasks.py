@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from elastic_step.frameworks.model_def import batch_arrays
-from elastic_step.protocol import JobSpec, TaskFailedRequest, TaskInfo, TaskReply, TaskRequest, TaskStatus
+from elastic_step.protocol import JobSpec, Route, TaskFailedRequest, TaskInfo, TaskReply, TaskRequest, TaskStatus
 from elastic_step.worker.client import MasterClient
 
 log = logging.getLogger("elastic_step.worker")
@@ -34,7 +34,7 @@ class TaskFeed:
         asked for at once, so WAIT always means the master has nothing to give now (it fails the
         job once a task has failed too often)."""
         while True:
-            reply = TaskReply(**self.client.call("POST", "/task", TaskRequest(worker_id=self.worker_id, round_id=round_id)))
+            reply = TaskReply(**self.client.call("POST", Route.TASK, TaskRequest(worker_id=self.worker_id, round_id=round_id)))
             if reply.status != TaskStatus.TASK or reply.task is None:
                 return reply.status, None, None
             task = reply.task
@@ -45,7 +45,7 @@ class TaskFeed:
                 rows = batch_arrays(self.model_def, rows, self.spec.features, self.spec.label)
             except Exception as exc:
                 log.error("task %d: %s", task.id, exc)
-                self.client.call("POST", "/task-failed", TaskFailedRequest(
+                self.client.call("POST", Route.TASK_FAILED, TaskFailedRequest(
                     worker_id=self.worker_id, task_id=task.id, error=f"{type(exc).__name__}: {exc}"))
                 continue
             return TaskStatus.TASK, task, rows
