@@ -50,6 +50,11 @@ def test_a_job_trains_on_docker_pods_each_on_its_own_address_and_another_jobs_po
         seen = subprocess.run(["docker", "exec", container, "cat", "/proc/net/fib_trie"], env=docker_daemon.env,
                               capture_output=True, text=True).stdout
         assert addresses["train-step-docker"] in seen, seen[-2000:]
+        # Its first process is its command itself, PID 1 of its own PID namespace: no init added (no --init).
+        first = subprocess.run(["docker", "exec", container, "cat", "/proc/1/cmdline"], env=docker_daemon.env,
+                               capture_output=True, text=True).stdout.split("\0")
+        names = [a.rsplit("/", 1)[-1] for a in first]  # the script, after its interpreter
+        assert names[1:3] == ["elastic-step", "train"] or names[:2] == ["elastic-step", "train"], first
         # A pod with another job's labels cannot open the master's API; the job's own worker can.
         target = f"{addresses['train-step-docker']}:{url_port(master)}"
         worker = api.read_namespaced_pod(sorted(workers)[0], ns)
