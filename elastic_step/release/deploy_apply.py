@@ -77,11 +77,24 @@ class ServingCluster:
                           KSERVE_PLURAL, name)
 
     def write_inference_service(self, obj: dict, existing: dict | None) -> dict:
+        from kubernetes.client.rest import ApiException
+
         if existing is None:
             return self.custom.create_namespaced_custom_object(KSERVE_GROUP, KSERVE_VERSION, self.namespace, KSERVE_PLURAL, obj)
-        obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": existing["metadata"]["resourceVersion"]}}
-        return self.custom.replace_namespaced_custom_object(KSERVE_GROUP, KSERVE_VERSION, self.namespace, KSERVE_PLURAL,
-                                                            obj["metadata"]["name"], obj)
+        for tries_left in reversed(range(5)):
+            body = {**obj, "metadata": {**obj["metadata"], "resourceVersion": existing["metadata"]["resourceVersion"]}}
+            try:
+                return self.custom.replace_namespaced_custom_object(KSERVE_GROUP, KSERVE_VERSION, self.namespace,
+                                                                    KSERVE_PLURAL, obj["metadata"]["name"], body)
+            except ApiException as exc:
+                current = self.inference_service(obj["metadata"]["name"]) if exc.status == 409 else None
+                # KServe's controller writes the status all the time (a new resourceVersion, the same
+                # generation): written again over it; a spec someone else changed stays a conflict
+                generation = existing["metadata"].get("generation")
+                if not tries_left or current is None or current["metadata"].get("generation") != generation:
+                    raise
+                existing = current
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def wait_inference_service(self, name: str, generation: int, timeout: float) -> str:
         """The URL once the InferenceService is Ready for `generation`; JobFailed with KServe's
