@@ -19,7 +19,7 @@ from conftest import SLOW_MODEL
 from elastic_step.audit import audit_report
 from stores import S3Server
 from test_cluster_e2e import JOB_DIR, TEST_IMAGE, docker_daemon  # noqa: F401 (a fixture)
-from test_cluster_network import PROBE, probe, start_job, url_port
+from test_cluster_network import PROBE, probe_result, start_job, start_probe, url_port
 
 pytestmark = pytest.mark.e2e
 
@@ -56,13 +56,18 @@ def test_a_job_trains_on_docker_pods_each_on_its_own_address_and_another_jobs_po
         names = [a.rsplit("/", 1)[-1] for a in first]  # the script, after its interpreter
         assert names[1:3] == ["elastic-step", "train"] or names[:2] == ["elastic-step", "train"], first
         # A pod with another job's labels cannot open the master's API; the job's own worker can.
+        # Both are asked while the job surely runs: the other pod is started first (its start takes
+        # seconds) and the worker is asked meanwhile; a short job may be over soon after.
         target = f"{addresses['train-step-docker']}:{url_port(master)}"
         worker = api.read_namespaced_pod(sorted(workers)[0], ns)
         another_job = {**worker.metadata.labels, "elastic-step/job": "another", "app.kubernetes.io/instance": "another-1a2b3c"}
-        assert probe(cluster, "another-jobs-worker", [target], labels=another_job)[target] == "timeout"
+        start_probe(cluster, "another-jobs-worker", [target], labels=another_job)
         net = cluster.network.pods[worker.metadata.uid]  # the worker's own namespace (its sandbox's), as the node names it
         inside = subprocess.run([*net.enter(), "python3", "-c", PROBE, target], capture_output=True, text=True, check=True).stdout
         assert json.loads(inside)[target] == "open", inside
+        assert probe_result(cluster, "another-jobs-worker")[target] == "timeout"
+        # ...and the master was still there to be refused: its pod still runs its job
+        assert api.read_namespaced_pod("train-step-docker", ns).status.phase == "Running", "the job ended before the probe: lengthen it"
         assert master.wait_ended(240) == "Succeeded", master.log()
         report = audit_report(master.path(f"{JOB_DIR}/audit.jsonl"), digits, 2)
         assert report["exact"] and report["rows_applied"] == report["rows_expected"], report
