@@ -118,3 +118,20 @@ def test_a_dense_job_shows_no_shard_table():
     console = Console(width=200, record=True)
     console.print(job_tables(view))
     assert "PS SHARD" not in console.export_text()
+
+
+def test_the_first_poll_after_a_relaunch_shows_the_relaunched_shards_numbers(served):
+    """A relaunched shard closed the connection the monitor kept to it: the next poll (the last
+    one, when the job ends right after) asks again on a new connection instead of keeping the
+    numbers the shard had before it died."""
+    state, server, supervisor = served
+    monitor = ShardMonitor(supervisor, TOKEN)
+    push(state, 1, [1, 2, 3])
+    monitor.poll()
+    assert monitor.rows()[0]["rows"] == 3
+    kept = monitor.client._connections[f"127.0.0.1:{supervisor.ports[0]}"]
+    kept.shutdown(__import__("socket").SHUT_RDWR)  # what the old process's death does to it
+    push(state, 2, [4, 5])
+    monitor.poll()
+    assert monitor.rows()[0]["rows"] == 5
+    monitor.client.close()

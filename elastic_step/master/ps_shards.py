@@ -339,7 +339,7 @@ class ShardMonitor:
         now = time.time()
         for i, address in enumerate(self.addresses):
             try:
-                reply, _ = self.client.call(address, {"op": "stats"})
+                reply = self._stats(address)
             except (OSError, ValueError) as exc:  # down or relaunching: its last numbers stand
                 log.debug("parameter-server shard %d did not answer its stats: %s", i, exc)
                 continue
@@ -353,6 +353,15 @@ class ShardMonitor:
             if self.metric is not None:
                 for key, value in self.numbers[i].items():
                     self.metric(f"ps.shard{i}.{key}", value, self.polls, now)
+
+    def _stats(self, address: str) -> dict:
+        """A shard's stats, asked again once on a new connection when the kept one fails: a shard
+        relaunched since the last poll closed it (the last poll before the shards stop would
+        otherwise keep the numbers it had before it died)."""
+        try:
+            return self.client.call(address, {"op": "stats"})[0]
+        except OSError:
+            return self.client.call(address, {"op": "stats"})[0]  # call() dropped the broken connection
 
     def _watch(self) -> None:
         while not self.stopping.wait(self.STATS_S):
