@@ -93,7 +93,7 @@ echo "image-smoke: built $IMAGE in $(( $(date +%s) - t ))s ($(docker image inspe
 
 [ "$(docker image inspect -f '{{.Config.User}}' "$IMAGE")" = "1000:1000" ] || { echo "image-smoke: FAILED: image does not run as the non-root user"; exit 1; }
 # IMAGE_SMOKE_STEPS=build: the image only, for the Docker tests of `make test`, which run their own
-# jobs in it; `make image-smoke` (CI's next step) runs every check below.
+# jobs in it; `make image-smoke` (which CI runs before `make test`) runs every check below.
 if [ "${IMAGE_SMOKE_STEPS:-all}" = build ]; then
   echo "image-smoke: built only (IMAGE_SMOKE_STEPS=build): the training run, the DockerRunner pipeline and the push were not tried"; exit 0
 fi
