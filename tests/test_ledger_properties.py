@@ -33,7 +33,8 @@ from elastic_step.backends.api import WorkerExit
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog
 from elastic_step.master.ledger import Ledger
-from elastic_step.master.state import Conflict, InitialState, MasterState, Refused, Timeouts
+from elastic_step.master.restore import InitialState
+from elastic_step.master.state import Conflict, MasterState, Refused, Timeouts
 from elastic_step.protocol import JobSpec, RangeRecord, StepRecord, this_engine
 
 from test_master_state import RecordingBackend

@@ -34,8 +34,8 @@ from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigt
 from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.ps_shards import check_ps_tables, start_ps_shards
 from elastic_step.master.publisher import StatusPublisher
-from elastic_step.master.restore import RestorePoint, restart_from
-from elastic_step.master.state import InitialState, MasterState, Timeouts
+from elastic_step.master.restore import InitialState, RestorePoint, restart_from
+from elastic_step.master.state import MasterState, Timeouts
 from elastic_step.master.store import RendezvousStore
 from elastic_step.protocol import EventKind, JobSpec, JobState, TrainingMode
 from elastic_step.tracking.recorder import TrainingRecorder

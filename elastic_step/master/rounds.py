@@ -26,8 +26,6 @@ from elastic_step.master.refusals import Conflict, NotAMember
 from elastic_step.master.restore import InitialState, RestorePoint, restart_from
 from elastic_step.protocol import EventKind, Rendezvous, RendezvousReply, RoundState, StepRecord, WorkerState
 
-__all__ = ["InitialState", "Rounds", "inexact"]
-
 
 def inexact(reporter: str, round_id: int, exc: Exception) -> str:
     """Why the job fails when a step cannot be applied exactly once."""

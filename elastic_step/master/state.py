@@ -30,8 +30,8 @@ from elastic_step.master.ledger import Consumed, Ledger, StepGap, StepRejected
 from elastic_step.master.membership import Membership, Round, WorkerInfo
 from elastic_step.master.pairing import CheckpointPairing
 from elastic_step.master.refusals import Conflict, NotAMember, Refused
-from elastic_step.master.restore import RestorePoint
-from elastic_step.master.rounds import InitialState, Rounds, inexact
+from elastic_step.master.restore import InitialState, RestorePoint
+from elastic_step.master.rounds import Rounds, inexact
 from elastic_step.master.status import job_status
 from elastic_step.master.stopping import StopCause, StopRequest, new_stop_request
 from elastic_step.master.throughput import Throughput
