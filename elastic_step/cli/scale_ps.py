@@ -14,7 +14,6 @@ def scale_ps(args) -> int:
     from elastic_step.cli.observe import job_of, operator
     from elastic_step.operate.client import JobClient
     from elastic_step.operate.local import LocalJobs
-    from elastic_step.protocol import Route
 
     if not 1 <= args.ps <= DEFAULT_VIRTUAL_SHARDS:
         raise ConfigError(f"--ps {args.ps}: give between 1 and {DEFAULT_VIRTUAL_SHARDS} shards (the tables' virtual shards)")
@@ -24,7 +23,7 @@ def scale_ps(args) -> int:
                           "with `train --mode ps` (backend local) by its folder or name")
     client = JobClient(jobs.locate(job_of(args)), timeout_s=MOVE_TIMEOUT_S)
     try:
-        status = client._call("POST", Route.SCALE_PS, {"shards": args.ps})
+        status = client.scale_ps(args.ps)
     finally:
         client.close()
     moved = status["ps_scale"]

@@ -160,6 +160,10 @@ class JobClient:
     def scale(self, workers: int) -> dict:
         return checked_status(self._call("POST", Route.SCALE, {"workers": workers}), f"the master at {self.info['url']}")
 
+    def scale_ps(self, shards: int) -> dict:
+        """`scale --ps`: the master's answer once the move is done (the job and what moved, `ps_scale`)."""
+        return self._call("POST", Route.SCALE_PS, {"shards": shards})
+
     def stop(self) -> dict:
         return checked_status(self._call("POST", Route.STOP), f"the master at {self.info['url']}")
 
