@@ -59,6 +59,11 @@ class Backend(abc.ABC):
         """Backend details shown by `elastic-step status` (pid, pod name, ...)."""
         return {}
 
+    def shard_launcher(self):
+        """A --mode ps job's shards, when this backend runs them itself (master/ps_shards.py's
+        ShardLauncher); None: they are processes beside the master."""
+        return None
+
     # Whether `publish` shows the job's status anywhere: locally the job folder and the master's
     # own API serve `get`, `top` and `stop`, and nothing needs publishing.
     publishes_status = False

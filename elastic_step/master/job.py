@@ -265,8 +265,13 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     running.callback(step_log.close)
 
     resuming = initial is not None and initial.kind == "checkpoint"
-    # mode ps: the shards (stopped after the workers), and their numbers for /status and the run
-    ps_routing, ps_shards = start_ps_shards(config, token_file, running, resuming, metric=recorder.tracker.log_metric)
+    launch = LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env),
+                        master_ports=[api_socket.getsockname()[1], store.port])  # what workers call: the job's NetworkPolicy
+    backend = create_backend(config.backend, launch, config=config)
+    # mode ps: the shards (stopped after the workers; pods when the backend runs them), and their
+    # numbers for /status and the run
+    ps_routing, ps_shards = start_ps_shards(config, token_file, running, resuming, metric=recorder.tracker.log_metric,
+                                            launcher=backend.shard_launcher())
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
@@ -276,9 +281,6 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         device=config.device, precision=config.precision, full_batch=config.minibatch_size * config.max_workers,
         mode=config.mode, ps_routing=ps_routing,
     )
-    launch = LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env),
-                        master_ports=[api_socket.getsockname()[1], store.port])  # what workers call: the job's NetworkPolicy
-    backend = create_backend(config.backend, launch, config=config)
     state = MasterState(
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Protocol
 
 import numpy as np
 
@@ -73,31 +74,31 @@ def check_ps_tables(config: TrainConfig, trainer) -> None:
 Metric = Callable[[str, float, int, float], None]  # (key, value, step, time): the run's log_metric
 
 
-def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack, resuming: bool = False,
-                    metric: Metric | None = None) -> tuple[dict, ShardMonitor | None]:
-    """Start the job's shards (nothing for another mode): the job spec's `ps_routing`, and the
-    monitor whose rows /status shows (None for another mode).
+class ShardLauncher(Protocol):
+    """A backend that runs the shards itself (kubernetes: pods of the job,
+    backends/kubernetes/ps_pods.py) instead of this machine's processes."""
 
-    A job resumed from a checkpoint keeps its shards' folders: their snapshots and ledgers hold
-    every update acknowledged before the master stopped, and the rows re-trained after the
-    checkpoint push the same keys, which the shards drop, so each minibatch still updates each
-    row once. Any other start begins with empty tables."""
+    def start_shards(self, specs: list[TableSpec], count: int, token: str, resuming: bool,
+                     running: contextlib.ExitStack) -> ShardSupervisor:
+        """Start `count` shards and watch them (relaunching one that dies); at `running`'s close
+        stop them with a last snapshot and freeze their tables into this process's models. The
+        returned watcher has ShardSupervisor's attributes (shards, ports, states, relaunches, stopping)."""
+        ...
+
+
+def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack, resuming: bool = False,
+                    metric: Metric | None = None, launcher: ShardLauncher | None = None) -> tuple[dict, ShardMonitor | None]:
+    """Start the job's shards (nothing for another mode): the job spec's `ps_routing`, and the
+    monitor whose rows /status shows (None for another mode). `launcher`: the backend's, when
+    it runs the shards itself; else they are processes of this machine (`_start_local`)."""
     if config.mode != TrainingMode.PS:
         return {}, None
     specs = table_specs(config.model_def)
-    root = os.path.join(config.job_dir, "ps")
-    if not resuming:
-        shutil.rmtree(root, ignore_errors=True)
-    newest, previous = _last_move(saved_routings(root) if resuming else [])
-    count = max(newest.shards, previous.shards if previous else 0) if newest else config.ps_shards
-    # Shards that had not taken the newest routing start on the previous one: the move's adopt
-    # then marks what they gain as pending, instead of their serving it empty.
-    shards = LocalShards(root, specs, count, token_file, routing=previous or newest)
-    running.callback(_stop_and_freeze, shards, specs)
-    shards.start()
-    if newest is not None and newest.epoch > 1:
-        _finish_move(shards, newest, previous, _read_token(token_file))
-    supervisor = ShardSupervisor(shards).start()
+    if launcher is not None:
+        supervisor = launcher.start_shards(specs, config.ps_shards, _read_token(token_file), resuming, running)
+    else:
+        supervisor = _start_local(config, specs, token_file, running, resuming)
+    shards = supervisor.shards
     running.callback(supervisor.stop)  # stops before the shards do (last in, first out)
     monitor = ShardMonitor(supervisor, _read_token(token_file), metric).start()
     running.callback(monitor.stop)
@@ -110,6 +111,29 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     log.info("parameter servers: %d shards at %s holding %s", config.ps_shards, ", ".join(routes.endpoints),
              ", ".join(f"{s.name} (dim {s.dim}, {s.optimizer})" for s in specs))
     return routes.to_json(), monitor
+
+
+def _start_local(config: TrainConfig, specs: list[TableSpec], token_file: str, running: contextlib.ExitStack,
+                 resuming: bool) -> ShardSupervisor:
+    """The shards as processes of this machine, each with its folder under JOB_DIR/ps.
+
+    A job resumed from a checkpoint keeps its shards' folders: their snapshots and ledgers hold
+    every update acknowledged before the master stopped, and the rows re-trained after the
+    checkpoint push the same keys, which the shards drop, so each minibatch still updates each
+    row once. Any other start begins with empty tables."""
+    root = os.path.join(config.job_dir, "ps")
+    if not resuming:
+        shutil.rmtree(root, ignore_errors=True)
+    newest, previous = _last_move(saved_routings(root) if resuming else [])
+    count = max(newest.shards, previous.shards if previous else 0) if newest else config.ps_shards
+    # Shards that had not taken the newest routing start on the previous one: the move's adopt
+    # then marks what they gain as pending, instead of their serving it empty.
+    shards = LocalShards(root, specs, count, token_file, routing=previous or newest)
+    running.callback(_stop_and_freeze, shards, specs)
+    shards.start()
+    if newest is not None and newest.epoch > 1:
+        _finish_move(shards, newest, previous, _read_token(token_file))
+    return ShardSupervisor(shards).start()
 
 
 def _last_move(saved: list[dict]) -> tuple[RoutingTable | None, RoutingTable | None]:
