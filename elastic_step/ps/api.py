@@ -69,6 +69,7 @@ class Status(StrEnum):
     MOVING = "moving"  # an id's virtual shard is on its way to this shard (scale --ps): retry shortly
     UNAUTHORIZED = "unauthorized"  # missing or wrong job token: not retried
     BAD_REQUEST = "bad_request"  # a malformed request (unknown table, wrong sizes): not retried
+    NO_CUT = "no_cut"  # no cut of the checkpoint's step can be had (ps/cuts.py): that checkpoint fails
 
 
 RETRY_AFTER_REFRESH = frozenset({Status.STALE_EPOCH, Status.WRONG_SHARD, Status.MOVING})

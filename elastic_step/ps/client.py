@@ -64,13 +64,16 @@ class PsClient:
             return np.zeros((0, 0), np.float32)
         return gathered[inverse.reshape(-1)]
 
-    def push(self, table: str, task: int, batch_seq: int, attempt: int, ids: np.ndarray, grads: np.ndarray) -> PushReply:
-        """Send one batch's gradients (summed per id) for the shards to apply once."""
+    def push(self, table: str, task: int, batch_seq: int, attempt: int, ids: np.ndarray, grads: np.ndarray,
+             step: int | None = None) -> PushReply:
+        """Send one batch's gradients (summed per id) for the shards to apply once. `step`: the
+        training step it belongs to, which tells a shard when a checkpoint's cut is due (cuts.py)."""
         unique, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
         merged = np.zeros((len(unique), grads.shape[1]), np.float32)
         np.add.at(merged, inverse.reshape(-1), np.asarray(grads, dtype=np.float32))
         reply = PushReply()
-        key = {"op": "push", "table": table, "task": int(task), "batch_seq": int(batch_seq), "attempt": int(attempt)}
+        key = {"op": "push", "table": table, "task": int(task), "batch_seq": int(batch_seq), "attempt": int(attempt),
+               "step": None if step is None else int(step)}
 
         def request(shard_ids):
             positions = np.searchsorted(unique, shard_ids)

@@ -24,9 +24,12 @@ from elastic_step.ps.shard import CONFIG_FILE, READY_FILE
 from elastic_step.ps.state import ROUTING_FILE
 
 
-def write_config(directory: str, specs: list[TableSpec], routing: RoutingTable, snapshot_every: int = 1000) -> None:
+def write_config(directory: str, specs: list[TableSpec], routing: RoutingTable, snapshot_every: int = 1000,
+                 checkpoint_every: int = 0) -> None:
+    """`checkpoint_every`: the job's --checkpoint-steps, the steps each shard cuts itself at (cuts.py)."""
     os.makedirs(directory, exist_ok=True)
-    config = {"tables": [s.to_json() for s in specs], "routing": routing.to_json(), "snapshot_every": snapshot_every}
+    config = {"tables": [s.to_json() for s in specs], "routing": routing.to_json(), "snapshot_every": snapshot_every,
+              "checkpoint_every": checkpoint_every}
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(config, f)
 
@@ -77,8 +80,9 @@ class LocalShards:
     """N shard processes under one routing table."""
 
     def __init__(self, root: str, specs: list[TableSpec], shards: int, token_file: str, snapshot_every: int = 1000, fsync: bool = True,
-                 routing: RoutingTable | None = None):
+                 routing: RoutingTable | None = None, checkpoint_every: int = 0):
         self.root, self.specs, self.token_file, self.snapshot_every, self.fsync = root, specs, token_file, snapshot_every, fsync
+        self.checkpoint_every = checkpoint_every
         self.routing = routing or RoutingTable.initial(shards)  # a resumed job's: that of its last scale --ps
         self.shards: list[ShardProcess] = []
         for index in range(shards):
@@ -88,7 +92,7 @@ class LocalShards:
         directory = os.path.join(self.root, f"shard-{index}")
         if fresh:  # a shard added by a resize: nothing of an earlier one that had its index
             shutil.rmtree(directory, ignore_errors=True)
-        write_config(directory, self.specs, self.routing, self.snapshot_every)
+        write_config(directory, self.specs, self.routing, self.snapshot_every, self.checkpoint_every)
         return ShardProcess(directory, index, self.token_file, fsync=self.fsync)
 
     def resize(self, shards: int, call: Callable[..., tuple[dict, bytearray]]) -> MoveReport:

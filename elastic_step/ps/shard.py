@@ -3,14 +3,14 @@
     python -m elastic_step.ps.shard --dir DIR --shard I --host 127.0.0.1 --port 0 --token-file F
 
 DIR holds `config.json` ({"tables": [TableSpec...], "routing": RoutingTable, "snapshot_every":
-n}), and the shard's snapshot, ledger and routing. The shard recovers first (snapshot, then the
+n, "checkpoint_every": K}), and the shard's snapshot, ledger, routing and checkpoint cuts. The shard recovers first (snapshot, then the
 ledger's tail) and only then listens and writes `ready.json` (host, port, pid, epoch, replayed,
 load_s, replay_s): whoever launched it waits for that file. The token comes from a file, never
 the command line; every request carries it and one without it is refused. SIGTERM takes a last
 snapshot and exits, and so does the loss of the process that launched it (a master SIGKILLed).
 
-Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py), and
-a move's adopt, export, import and release (state.py, moves.py). A refusal for a stale epoch
+Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py), a
+checkpoint's cut (cuts.py), and a move's adopt, export, import and release (state.py, moves.py). A refusal for a stale epoch
 carries the shard's routing, so a client learns the next one from any shard it reaches.
 """
 
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from elastic_step.ps import wire
+from elastic_step.ps import cuts, wire
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.ledger import LedgerRecord
 from elastic_step.ps.routing import RoutingTable
@@ -82,6 +82,11 @@ class ShardServer(socketserver.ThreadingTCPServer):
         if op == "snapshot":
             state.snapshot()
             return {"status": Status.OK}, ()
+        if op == "cut":
+            try:
+                return {"status": Status.OK, **state.cut(int(header["step"]), int(header.get("keep_from", 0)))}, ()
+            except cuts.CutMissing as exc:
+                return {"status": Status.NO_CUT, "detail": str(exc)}, ()
         if op in MOVE_OPS:
             return self._move(op, header, body)
         table = state.tables[header["table"]]
@@ -121,7 +126,8 @@ class ShardServer(socketserver.ThreadingTCPServer):
         if grads is None or not np.isfinite(grads).all():
             raise ValueError("a push needs finite gradients, one row per id")
         record = LedgerRecord(header["table"], int(header["task"]), int(header["batch_seq"]), int(header["attempt"]), ids, grads)
-        return {"status": Status.OK, "applied": self.state.push(record, int(header["epoch"]))}, ()
+        step = int(header["step"]) if header.get("step") is not None else None  # a checkpoint's cut may be due first
+        return {"status": Status.OK, "applied": self.state.push(record, int(header["epoch"]), step)}, ()
 
 
 def _bind_host(host: str) -> str:
@@ -147,11 +153,13 @@ def _write_ready(directory: str, info: dict) -> None:
     os.replace(partial, os.path.join(directory, READY_FILE))
 
 
-def load_config(directory: str) -> tuple[list[TableSpec], RoutingTable, int]:
+def load_config(directory: str) -> tuple[list[TableSpec], RoutingTable, int, int]:
+    """(tables, routing, snapshot_every, checkpoint_every) from the folder's config.json."""
     with open(os.path.join(directory, CONFIG_FILE), encoding="utf-8") as f:
         config = json.load(f)
     specs = [TableSpec.from_json(t) for t in config["tables"]]
-    return specs, RoutingTable.from_json(config["routing"]), int(config.get("snapshot_every", 1000))
+    return (specs, RoutingTable.from_json(config["routing"]), int(config.get("snapshot_every", 1000)),
+            int(config.get("checkpoint_every", 0)))
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -159,10 +167,10 @@ def serve(args: argparse.Namespace) -> None:
         os.unlink(os.path.join(args.dir, READY_FILE))
     except FileNotFoundError:
         pass
-    specs, routing, snapshot_every = load_config(args.dir)
+    specs, routing, snapshot_every, checkpoint_every = load_config(args.dir)
     with open(args.token_file, encoding="utf-8") as f:
         token = f.read().strip()
-    state = ShardState(args.dir, specs, args.shard, routing, snapshot_every, sync=not args.no_fsync)
+    state = ShardState(args.dir, specs, args.shard, routing, snapshot_every, sync=not args.no_fsync, checkpoint_every=checkpoint_every)
     replayed = state.recover()
     server = ShardServer((_bind_host(args.host), args.port), state, token)
 

@@ -21,6 +21,9 @@
   hold it); `install` takes them in, snapshots, and only then clears them from pending (a crash
   in between leaves them pending, and the install is sent again); `release` forgets the rows it
   gave and snapshots. Pending virtual shards are kept in routing.json beside the routing.
+- Checkpoint cuts (cuts.py): a push names the step it is trained in; before applying the first
+  push of a step past a multiple of `checkpoint_every`, the shard writes its cut of that
+  multiple, and `cut(S)` hands the master the cut of a checkpoint of step S.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 
 import numpy as np
 
-from elastic_step.ps import snapshot
+from elastic_step.ps import cuts, snapshot
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.applied import AppliedGroups
 from elastic_step.ps.ledger import Ledger, LedgerRecord, _fsync_dir, replay
@@ -53,7 +56,8 @@ class Refused(Exception):
 
 
 class ShardState:
-    def __init__(self, directory: str, specs: list[TableSpec], shard: int, routing: RoutingTable, snapshot_every: int = 1000, sync: bool = True):
+    def __init__(self, directory: str, specs: list[TableSpec], shard: int, routing: RoutingTable, snapshot_every: int = 1000, sync: bool = True,
+                 checkpoint_every: int = 0):
         self.directory = directory
         self.tables = {spec.name: EmbeddingTable(spec) for spec in specs}
         self.shard = shard
@@ -68,6 +72,9 @@ class ShardState:
         self.lock = threading.Lock()
         self.ledger: Ledger | None = None
         self.recovery_s: dict[str, float] = {}  # how long the last recovery took, by phase
+        self.checkpoint_every = checkpoint_every  # the job's --checkpoint-steps: cut at each multiple
+        self.cut_step = 0  # the newest step this folder holds a cut of
+        self.high: int | None = 0  # the newest step of a push applied; None: unknown (recovered state)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -92,6 +99,9 @@ class ShardState:
         for record in replay(self._path(LEDGER_FILE), lambda name: self.tables[name].spec.dim):
             replayed += self._apply(record)
         self.since_snapshot = replayed
+        self.cut_step = max(cuts.steps(self.directory), default=0)
+        if tables or replayed:  # pushes applied before this process: of which steps is not kept
+            self.high = None
         self.recovery_s = {"load_s": round(loaded - started, 3), "replay_s": round(time.perf_counter() - loaded, 3)}
         self.ledger = Ledger(self._path(LEDGER_FILE), sync=self.sync)
         return replayed
@@ -118,12 +128,16 @@ class ShardState:
             self._checked(epoch, ids)
             return self.tables[table].pull(ids)
 
-    def push(self, record: LedgerRecord, epoch: int | None = None) -> bool:
+    def push(self, record: LedgerRecord, epoch: int | None = None, step: int | None = None) -> bool:
         """Apply a push once; False when its (table, task, batch_seq) was applied before.
-        Refused when `epoch` (that of the request, if any) no longer fits its ids."""
+        Refused when `epoch` (that of the request, if any) no longer fits its ids. `step`: the
+        training step it belongs to (a checkpoint's cut may be due before it)."""
         with self.lock:
             self._checked(epoch, record.ids)
             applied = self.applied[record.table].missing((record.task, record.batch_seq))
+            if applied and step is not None:
+                self._cut_before(step)
+                self.high = max(self.high or 0, step)
             if applied:
                 mark = self.ledger.append(record)
                 applied = self._apply(record) > 0  # False when only groups without its rows lacked the key
@@ -150,6 +164,41 @@ class ShardState:
     def snapshot(self) -> None:
         with self.lock:
             self._snapshot()
+
+    # -- checkpoint cuts (cuts.py) -------------------------------------------------------------
+    CROSSED_LINKS = 16  # multiples of K crossed at once that get a cut (the master asks for the newest)
+
+    def _cut_before(self, step: int) -> None:
+        """Before a push of `step`: the cut of the last multiple of K below it, unless there is one."""
+        every = self.checkpoint_every
+        crossed = every * ((step - 1) // every) if every else 0
+        if crossed > self.cut_step:
+            skipped = range((self.cut_step // every + 1) * every, crossed, every)[-self.CROSSED_LINKS:]
+            self._write_cut(crossed, list(skipped))
+
+    def _write_cut(self, step: int, also: list[int] = ()) -> dict:
+        os.makedirs(cuts.folder(self.directory), exist_ok=True)
+        for groups in self.applied.values():
+            groups.compact(self.owned)
+        snapshot.save(cuts.path(self.directory, step), {n: t.arrays() for n, t in self.tables.items()}, self.applied)
+        self.cut_step = max(self.cut_step, step)
+        return cuts.seal(self.directory, step, self.routing.to_json(), also)
+
+    def cut(self, step: int, keep_from: int = 0) -> dict:
+        """The cut of a checkpoint of `step` (cuts.py's meta: step, routing, digest): the one
+        written at the first push after it, else one written now if no push after it has been
+        applied. Cuts before `keep_from` (the newest checkpoint recorded) are dropped.
+        CutMissing when the shard has moved past `step` without a cut of it."""
+        with self.lock:
+            found = cuts.meta(self.directory, step)
+            if found is None:
+                if self.high is None or self.high > step:
+                    why = "was relaunched since" if self.high is None else f"has applied pushes of step {self.high}"
+                    raise cuts.CutMissing(f"shard {self.shard} {why} and holds no cut of step {step} (shards cut "
+                                          "every --checkpoint-steps steps themselves; other checkpoints only until the next step's first push)")
+                found = self._write_cut(step)
+            cuts.drop_below(self.directory, min(keep_from, step))
+            return found
 
     @property
     def owned(self) -> np.ndarray:

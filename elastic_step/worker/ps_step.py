@@ -19,6 +19,8 @@ SIGKILLed after pushing, whose rows the master re-issues, is not applied twice.
 
 The push is acknowledged (on the shards' ledgers, fsync'd) before this rank joins the step's
 allreduce: once a step is applied and recorded, every rank's sparse update in it is durable.
+It names its step, so every push of a step reaches the shards before any push of the next:
+that is the cut a checkpoint of the step takes on every shard (ps/cuts.py).
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ class PsStep(AllreduceStep):
             if merged is None:
                 continue
             ids, grads = merged
-            reply = self.client.push(table.spec.name, *key, self.round_id, ids, grads / piece.count)
+            reply = self.client.push(table.spec.name, *key, self.round_id, ids, grads / piece.count,
+                                     step=self.host.progress.step + 1)  # the step this rank is training
             if reply.duplicate:
                 self.duplicates += 1
                 log.info("rows %d-%d of shard %d (epoch %d) were pushed before (re-issued rows): the shards kept the "

@@ -1,0 +1,127 @@
+"""Checkpoint cuts: a shard's snapshot of exactly the pushes of steps <= S, for a checkpoint of step S.
+
+A checkpoint of a `--mode ps` job is one cut across every shard: the dense weights of step S,
+the dispatcher's rows applied through step S, and each shard's tables holding exactly the
+pushes trained in steps 1..S. Every push names the step it is trained in (ps_step.py), and a
+worker pushes a step's gradients before it joins that step's allreduce, so every push of a step
+<= S is acknowledged before any push of a step > S is sent. A shard therefore holds the cut of
+S at the moment the first push of a step > S reaches it, and only then.
+
+Why the shards cut themselves, on that first push, rather than the master pausing pushes: rank 0
+decides a checkpoint after its step, while the other ranks already push the next one, so a
+request from the master arrives too late to pause anything, and a pause would cost every step a
+round trip. Checkpoints every K steps (`--checkpoint-steps`, in the shard's config) are known in
+advance, so before applying a push of step p the shard writes the cut of the last multiple of K
+below p if it has none yet (one file per multiple crossed; they hold the same rows). A checkpoint
+at another step (an epoch's end, a stop) is cut when the master asks, if no push of a later
+step has reached the shard yet; else that checkpoint fails (the master says so in one line) and
+the next multiple of K is taken.
+
+Crash-safe without remembering anything: the cut of C is written (fsync'd, renamed) before the
+first push of a step > C is applied, so a relaunched shard that finds no cut of C has applied no
+push after C. Files: `cuts/S.bin` (the snapshot format of snapshot.py) and `cuts/S.json`
+(step, routing epoch and routing, the .bin's SHA-256), the .json written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+
+from elastic_step.ps.ledger import _fsync_dir
+
+CUTS_DIR = "cuts"
+HASH_CHUNK = 1 << 22
+
+
+class CutMissing(ValueError):
+    """No cut of that step can be had from this shard (one line, for the master to say)."""
+
+
+def folder(directory: str) -> str:
+    return os.path.join(directory, CUTS_DIR)
+
+
+def path(directory: str, step: int, ext: str = "bin") -> str:
+    return os.path.join(folder(directory), f"{step}.{ext}")
+
+
+def steps(directory: str) -> list[int]:
+    """The steps this shard folder holds complete cuts of (their .json written), ascending."""
+    names = os.listdir(folder(directory)) if os.path.isdir(folder(directory)) else []
+    return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+
+def file_digest(file: str) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def meta(directory: str, step: int) -> dict | None:
+    try:
+        with open(path(directory, step, "json"), encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def seal(directory: str, step: int, routing: dict, also: list[int] = ()) -> dict:
+    """After cuts/STEP.bin is written: its .json; each step in `also` (multiples of K crossed
+    with no push between) gets the same file by a hard link."""
+    digest = file_digest(path(directory, step))
+    for other in also:
+        if not os.path.exists(path(directory, other)):
+            os.link(path(directory, step), path(directory, other))
+    written = {}
+    for each in [*also, step]:
+        written = {"step": each, "epoch": routing["epoch"], "routing": routing, "digest": digest}
+        partial = path(directory, each, "json.partial")
+        with open(partial, "w", encoding="utf-8") as f:
+            json.dump(written, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path(directory, each, "json"))
+    _fsync_dir(path(directory, step))
+    return written
+
+
+def drop_below(directory: str, step: int) -> None:
+    """Forget the cuts older than `step` (the newest checkpoint recorded before this one)."""
+    for old in steps(directory):
+        if old < step:
+            _remove(directory, old)
+
+
+def _remove(directory: str, step: int) -> None:
+    for ext in ("json", "bin"):  # the .json first: a cut without it is no cut
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path(directory, step, ext))
+
+
+def restore(directory: str, step: int, digest: str, snapshot_file: str, ledger_file: str, routing_file: str) -> None:
+    """Make a shard folder start from its cut of `step` and nothing else: the cut becomes its
+    snapshot, its ledger (updates after the cut) goes, its routing is the cut's, and any cut of
+    a later step goes. CutMissing when the cut is not there or is not the one the checkpoint
+    names (its digest)."""
+    found = meta(directory, step)
+    if found is None or not os.path.exists(path(directory, step)):
+        raise CutMissing(f"{directory} has no cut of step {step}")
+    if found["digest"] != digest or file_digest(path(directory, step)) != digest:
+        raise CutMissing(f"{directory}: the cut of step {step} is not the one the checkpoint recorded (its SHA-256 differs)")
+    partial = os.path.join(directory, snapshot_file + ".partial")
+    shutil.copyfile(path(directory, step), partial)
+    os.replace(partial, os.path.join(directory, snapshot_file))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, ledger_file))
+    with open(os.path.join(directory, routing_file), "w", encoding="utf-8") as f:
+        json.dump({**found["routing"], "pending": [], "previous": None}, f)
+    for later in steps(directory):
+        if later > step:
+            _remove(directory, later)
+    _fsync_dir(os.path.join(directory, snapshot_file))

@@ -1,0 +1,96 @@
+"""Checkpoint cuts on a shard (ps/cuts.py), in process: a checkpoint of step S gets, from every
+shard, the tables holding exactly the pushes of steps <= S, whether the shard cut itself at the
+first push after S (a multiple of --checkpoint-steps) or is asked before any later push; a
+relaunched shard still has its cut; a shard that moved past S without one refuses in one line;
+a folder restored from a cut holds that cut's tables and keys, and nothing newer or older."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from elastic_step.ps import cuts
+from elastic_step.ps.api import TableSpec
+from elastic_step.ps.ledger import LedgerRecord
+from elastic_step.ps.routing import RoutingTable
+from elastic_step.ps.state import LEDGER_FILE, ROUTING_FILE, SNAPSHOT_FILE, ShardState
+
+SPEC = TableSpec("emb", 2, optimizer="adagrad", lr=0.5)
+IDS = np.array([1, 5, 9], np.int64)
+
+
+def shard(directory, every: int = 2) -> ShardState:
+    held = ShardState(str(directory), [SPEC], 0, RoutingTable.initial(1), snapshot_every=10_000, checkpoint_every=every)
+    directory.mkdir(parents=True, exist_ok=True)
+    held.recover()
+    return held
+
+
+def push(held: ShardState, step: int, seq: int | None = None) -> bool:
+    """One minibatch's push, keyed by its step unless `seq` says otherwise (a re-issued minibatch)."""
+    return held.push(LedgerRecord("emb", 1, step if seq is None else seq, 0, IDS, np.full((3, 2), 0.1 * step, np.float32)), step=step)
+
+
+def restored(source, step: int, digest: str, into):
+    shutil.copytree(source, into)
+    cuts.restore(str(into), step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
+    return shard(into)
+
+
+def test_a_cut_holds_exactly_the_pushes_through_its_step_and_a_resume_from_it_re_applies_the_rest(tmp_path):
+    held = shard(tmp_path / "s")
+    push(held, 1), push(held, 2)
+    at_checkpoint = held.tables["emb"].digest()
+    push(held, 3)  # the first push after step 2 (a multiple of 2): cut before it is applied
+    assert held.tables["emb"].digest() != at_checkpoint
+    cut = held.cut(2)
+    assert (cut["step"], cut["epoch"]) == (2, 1)
+    back = restored(tmp_path / "s", 2, cut["digest"], tmp_path / "r")
+    assert back.tables["emb"].digest() == at_checkpoint  # not step 3's tables, and no ledger replayed
+    assert not push(back, 2)  # trained before the cut: applied once already
+    assert push(back, 3)  # trained after it: the dense weights train it again, and so do the tables
+    assert back.tables["emb"].digest() == held.tables["emb"].digest()
+
+
+def test_a_relaunched_shard_keeps_its_cut_and_multiples_crossed_at_once_share_one(tmp_path):
+    held = shard(tmp_path / "s")
+    push(held, 1)
+    before = held.tables["emb"].digest()
+    push(held, 7)  # steps 2..6 pushed nothing here: the cuts of 2, 4 and 6 are the same rows
+    held.close()
+    again = shard(tmp_path / "s")  # a relaunch: snapshot and ledger replayed
+    digests = {again.cut(step)["digest"] for step in (2, 4, 6)}
+    assert len(digests) == 1
+    assert restored(tmp_path / "s", 4, digests.pop(), tmp_path / "r").tables["emb"].digest() == before
+
+
+def test_another_step_is_cut_when_asked_before_a_later_push_and_refused_after_one(tmp_path):
+    held = shard(tmp_path / "s", every=10)
+    push(held, 1), push(held, 2), push(held, 3)
+    at_three = held.tables["emb"].digest()
+    cut = held.cut(3)  # an epoch's end, say: no push of step 4 yet, so the tables are step 3's
+    push(held, 4)
+    assert restored(tmp_path / "s", 3, cut["digest"], tmp_path / "r").tables["emb"].digest() == at_three
+    with pytest.raises(cuts.CutMissing, match="has applied pushes of step 4 and holds no cut of step 2"):
+        held.cut(2)
+    held.close()
+    with pytest.raises(cuts.CutMissing, match="was relaunched since"):
+        shard(tmp_path / "s", every=10).cut(4)
+
+
+def test_a_cut_that_is_not_the_recorded_one_is_refused_and_older_cuts_are_dropped(tmp_path):
+    held = shard(tmp_path / "s")
+    for step in range(1, 6):
+        push(held, step)
+    two, four = held.cut(2), held.cut(4, keep_from=2)
+    assert cuts.steps(str(tmp_path / "s")) == [2, 4]
+    held.cut(4, keep_from=4)  # checkpoint 2 is no longer the newest recorded: its cut goes
+    assert cuts.steps(str(tmp_path / "s")) == [4]
+    with pytest.raises(cuts.CutMissing, match="no cut of step 2"):
+        restored(tmp_path / "s", 2, two["digest"], tmp_path / "r")
+    with pytest.raises(cuts.CutMissing, match="not the one the checkpoint recorded"):
+        restored(tmp_path / "s", 4, "0" * 64, tmp_path / "r2")
+    back = restored(tmp_path / "s", 4, four["digest"], tmp_path / "r3")
+    assert cuts.steps(str(tmp_path / "r3")) == [4] and back.routing.epoch == 1
