@@ -137,8 +137,6 @@ class TrainConfig:
             raise ConfigError(f"--ps-shards must be between 1 and 128 (the virtual shards), got {self.ps_shards}")
         if self.global_batch_size:  # a push is keyed by its minibatch's rows: every minibatch is one task's
             raise ConfigError("--mode ps trains --minibatch-size rows per push; drop --global-batch-size")
-        if self.backend != "local":
-            raise ConfigError("--mode ps runs its shards on the local backend only for now; use --backend local (the component's and the Argo templates' backend=local)")
 
     @property
     def rows_per_task(self) -> int:

@@ -313,8 +313,6 @@ def list_and_live_page(config: str) -> None:
     (["--image", "ghcr.io/elastic-step/elastic-step-torch:0.1.0", "--worker-gpu", "1"],
      "--worker-gpu 1 but the workers' image ghcr.io/elastic-step/elastic-step-torch:0.1.0 is a CPU-only build"),
     (["--device", "cuda"], "--device cuda but the worker pods request no GPU"),
-    (["--mode", "ps", "--model-def", "elastic_step.model_zoo.deepfm_ps_torch"],
-     "--mode ps: submit runs the job on the Kubernetes backend, which has no parameter-server shards yet"),
 ])
 def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, extra, expected):
     """No kubeconfig at all: these are judged on the laptop, before any request."""
@@ -325,6 +323,20 @@ def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, e
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and expected in err, err
     assert "hunter2" not in err
+
+
+def test_a_ps_mode_job_is_submitted_with_its_shards_for_the_master_to_run_as_pods(capsys):
+    """`--mode ps` reaches the master pod's `train` with its shard count: the master's
+    Kubernetes backend runs the shards as pods of the job (tests/test_cluster_ps.py)."""
+    from elastic_step.cli import main
+
+    args = ["submit", "--job-name", JOB, "--image", "img", "--model-def", "elastic_step.model_zoo.deepfm_ps_torch",
+            "--data", "s3://b/ctr", "--mode", "ps", "--ps-shards", "3", "--dry-run"]
+    assert main(args) == 0
+    (pod,) = yaml.safe_load_all(capsys.readouterr().out)
+    argv = pod["spec"]["containers"][0]["args"]
+    options = dict(zip(argv, argv[1:]))
+    assert options["--mode"] == "ps" and options["--ps-shards"] == "3" and options["--backend"] == "kubernetes"
 
 
 def test_data_on_gcs_reaches_the_master_as_its_uri_and_is_read_by_workload_identity_not_a_store_secret(capsys):

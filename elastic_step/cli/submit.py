@@ -13,7 +13,6 @@ from elastic_step import defaults
 from elastic_step.cli import train
 from elastic_step.cli.aliases import add_alias
 from elastic_step.errors import ConfigError
-from elastic_step.protocol import TrainingMode
 
 # `train` options that submit sets itself or that mean something else for a pod; every other
 # `train` option goes to the master's command line as given.
@@ -127,12 +126,8 @@ def check_train_options(args, job_dir: str) -> None:
     """The job's settings checked here as the master will check them (train's own TrainConfig
     raises ConfigError), so a bad value is refused on the laptop rather than in the pod's log.
     The warm-start alias is the master's to look up: its MLflow may be reachable in the cluster
-    only; the device is the worker pods' (check_gpu_request), not this machine's. The master runs the
-    Kubernetes backend, which starts no parameter-server shards yet: PS mode is refused here."""
-    if args.mode == TrainingMode.PS.value:
-        raise ConfigError("--mode ps: submit runs the job on the Kubernetes backend, which has no parameter-server "
-                          "shards yet; run `elastic-step train --mode ps` (local backend) or the pipelines' train step "
-                          "with backend local")
+    only; the device is the worker pods' (check_gpu_request), not this machine's. A --mode ps job's
+    shards are pods the master makes (backends/kubernetes/ps_pods.py)."""
     train.train_config(argparse.Namespace(**{**vars(args), "job_dir": job_dir, "warm_start_alias": None,
                                              "backend": "local", "device": "auto"}))
 

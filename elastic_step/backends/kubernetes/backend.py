@@ -233,6 +233,12 @@ class KubernetesBackend(Backend):
             self.secret_env, self.shared,
         )
 
+    def shard_launcher(self):
+        """A --mode ps job's shards are pods of the job too (ps_pods.py)."""
+        from elastic_step.backends.kubernetes.ps_pods import PsPods
+
+        return PsPods(self)
+
     def _create_failed(self, worker_id: str, reason: str) -> None:
         with self._failures_lock:
             self._pending_failures.append(WorkerExit(worker_id, reason, None, "count"))

@@ -1,0 +1,379 @@
+"""A `--mode ps` job's parameter-server shards as pods of the job (the Kubernetes backend's
+ShardLauncher, master/ps_shards.py).
+
+Each shard is a pod of the workers' image running `python -m elastic_step.backends.kubernetes.ps_pods`
+(which writes the shard's config.json from its env, then serves as elastic_step.ps.shard does),
+labelled app.kubernetes.io/component=ps and elastic-step/ps-shard=I, bound to its pod IP on
+PS_PORT + I, with the job token mounted as the workers have it. The master and the workers reach
+it at that address; the job's `<instance>-ps` NetworkPolicy admits only the job's workers and
+its master pod, on those ports.
+
+Where the snapshot and ledger live: in an emptyDir of the shard's pod, whose restartPolicy is
+OnFailure. A shard that dies (SIGKILL, OOM, a crash) is restarted in place by the kubelet: the
+same pod, so the same IP and port (the workers' routes stay right) and the same emptyDir
+(Kubernetes keeps it across container restarts), where it loads its snapshot and replays its
+ledger's tail, exactly as ShardSupervisor relaunches a local shard process in its folder. The
+kubelet's restart is immediate the first time, where a pod made anew would wait for scheduling
+and image pulls, and no shard data crosses the network. A pod that is deleted or evicted loses
+its emptyDir, so its rows: the shard is then DOWN and the job fails, rather than going on with
+an empty shard and losing acknowledged updates.
+
+The master watches the pods (a list every POLL_S, on its own thread): a restarted container is
+RELAUNCHING until the shard answers again. At the job's end it asks each shard for its rows
+(`export`), gives this process's models the trained tables (torch_embedding.freeze_tables), and
+deletes the pods, whose SIGTERM makes each take a last snapshot and exit 0.
+
+Not yet: `scale --ps` (refused, 409) and resuming from a checkpoint (the shards' rows went with
+their pods: refused in one line)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+from kubernetes import client as k8s
+
+from elastic_step import defaults
+from elastic_step.backends.kubernetes.manifests import (ISTIO_INJECT_LABEL, RUN_AS, TOKEN_KEY, TOKEN_MOUNT, JobNames,
+                                                         master_selector, owner_references, resources)
+from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+from elastic_step.errors import ConfigError
+from elastic_step.protocol import PsShardState, WorkerEnv
+from elastic_step.ps import wire
+from elastic_step.ps.api import Status, TableSpec
+from elastic_step.ps.client import PsClient
+from elastic_step.ps.routing import RoutingTable
+
+log = logging.getLogger("elastic_step.backends.kubernetes")
+
+PS_PORT = 7460  # shard I listens on PS_PORT + I (distinct even where pods share the node's network)
+DATA_DIR = "/var/lib/elastic-step/ps"  # the shard's folder: an emptyDir, kept across container restarts
+CONFIG_ENV = "ELASTIC_STEP_PS_CONFIG"  # the shard's config.json (tables, routing): no secret in it
+POD_IP_ENV = "ELASTIC_STEP_POD_IP"
+DIR_ENV = "ELASTIC_STEP_PS_DIR"  # paths in the env, not the command: where a runtime relocates mounts, it rewrites the env
+SHARD_LABEL = "elastic-step/ps-shard"
+COMPONENT = "ps"
+
+
+def ps_labels(names: JobNames) -> dict[str, str]:
+    """What selects this job's shard pods (and nobody else's)."""
+    return {"app.kubernetes.io/instance": names.instance, "app.kubernetes.io/component": COMPONENT}
+
+
+def ps_selector(names: JobNames) -> str:
+    return ",".join(f"{k}={v}" for k, v in ps_labels(names).items())
+
+
+def ps_pod_name(names: JobNames, shard: int) -> str:
+    return f"{names.instance}-ps-{shard}"
+
+
+def shard_config(specs: list[TableSpec], routing: RoutingTable, snapshot_every: int = 1000) -> str:
+    return json.dumps({"tables": [s.to_json() for s in specs], "routing": routing.to_json(), "snapshot_every": snapshot_every})
+
+
+def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, image: str, shard: int, config: str) -> k8s.V1Pod:
+    """Shard `shard`'s pod: the workers' image, service account (no API rights, no token
+    mounted), security context and requests (no GPU), restarted in place when it fails."""
+    env = [
+        k8s.V1EnvVar(name=POD_IP_ENV, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP"))),
+        k8s.V1EnvVar(name=CONFIG_ENV, value=config),
+        k8s.V1EnvVar(name=DIR_ENV, value=DATA_DIR),
+        k8s.V1EnvVar(name=WorkerEnv.TOKEN_FILE.value, value=f"{TOKEN_MOUNT}/{TOKEN_KEY}"),
+        k8s.V1EnvVar(name="HOME", value="/tmp"),  # the root filesystem is read-only
+        k8s.V1EnvVar(name="OMP_NUM_THREADS", value="1"),
+    ]
+    command = ["python", "-m", "elastic_step.backends.kubernetes.ps_pods", "--shard", str(shard),
+               "--host", f"$({POD_IP_ENV})", "--port", str(PS_PORT + shard)]
+    container = k8s.V1Container(
+        name="ps", image=image, command=command, env=env, resources=resources(replace(settings, gpus=0)),
+        ports=[k8s.V1ContainerPort(name="ps", container_port=PS_PORT + shard, protocol="TCP")],
+        volume_mounts=[k8s.V1VolumeMount(name="token", mount_path=TOKEN_MOUNT, read_only=True),
+                       k8s.V1VolumeMount(name="ps-data", mount_path=DATA_DIR),
+                       k8s.V1VolumeMount(name="scratch", mount_path="/tmp")],
+        security_context=k8s.V1SecurityContext(allow_privilege_escalation=False, read_only_root_filesystem=True,
+                                               run_as_non_root=True, capabilities=k8s.V1Capabilities(drop=["ALL"])),
+    )
+    spec = k8s.V1PodSpec(
+        containers=[container],
+        restart_policy="OnFailure",  # a dead shard comes back in the same pod: same address, same emptyDir
+        termination_grace_period_seconds=int(defaults.TERMINATION_GRACE_S),  # its last snapshot on SIGTERM
+        enable_service_links=False,
+        automount_service_account_token=False,
+        service_account_name=settings.service_account,
+        priority_class_name=settings.priority_class,
+        node_selector=settings.node_selector or None,
+        tolerations=[k8s.V1Toleration(**t) for t in settings.tolerations] or None,
+        image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in settings.image_pull_secrets] or None,
+        security_context=k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=RUN_AS, run_as_group=RUN_AS, fs_group=RUN_AS,
+                                                  seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")),
+        volumes=[k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=names.secret, default_mode=0o440)),
+                 k8s.V1Volume(name="ps-data", empty_dir=k8s.V1EmptyDirVolumeSource()),
+                 k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())],
+    )
+    labels = {**names.labels(COMPONENT), SHARD_LABEL: str(shard), ISTIO_INJECT_LABEL: "false"}  # no sidecar: workers connect directly
+    return k8s.V1Pod(api_version="v1", kind="Pod", spec=spec,
+                     metadata=k8s.V1ObjectMeta(name=ps_pod_name(names, shard), labels=labels,
+                                               owner_references=owner_references(master, settings.namespace)))
+
+
+def ps_network_policy(names: JobNames, master: MasterPod | None, namespace: str, master_labels: dict[str, str] | None,
+                      shards: int) -> k8s.V1NetworkPolicy:
+    """The shards admit the job's workers and its master pod (stats, validation pulls, the last
+    rows), on the shards' ports only. The master is left out when its pod has no labels to select
+    it by (the user's --no-master-network-policy): an empty selector would admit every pod."""
+    ports = [k8s.V1NetworkPolicyPort(protocol="TCP", port=PS_PORT + i) for i in range(shards)]
+    peers = [k8s.V1NetworkPolicyPeer(pod_selector=k8s.V1LabelSelector(match_labels=names.worker_labels))]
+    selector = master_selector(master_labels)
+    if selector:
+        peers.append(k8s.V1NetworkPolicyPeer(pod_selector=k8s.V1LabelSelector(match_labels=selector)))
+    return k8s.V1NetworkPolicy(
+        api_version="networking.k8s.io/v1", kind="NetworkPolicy",
+        metadata=k8s.V1ObjectMeta(name=names.network_policy(COMPONENT), labels=names.labels("network-policy"),
+                                  owner_references=owner_references(master, namespace)),
+        spec=k8s.V1NetworkPolicySpec(pod_selector=k8s.V1LabelSelector(match_labels=ps_labels(names)), policy_types=["Ingress"],
+                                     ingress=[k8s.V1NetworkPolicyIngressRule(_from=peers, ports=ports)]),
+    )
+
+
+@dataclass
+class PodShard:
+    shard: int
+    host: str  # the pod's IP
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class PodShards:
+    """The shards' addresses under one routing table (what LocalShards is for processes)."""
+
+    def __init__(self, shards: list[PodShard], routing: RoutingTable):
+        self.shards, self.routing = shards, routing
+
+    def routes(self) -> RoutingTable:
+        return RoutingTable(self.routing.epoch, self.routing.owners, [s.endpoint for s in self.shards])
+
+    def resize(self, shards: int, call) -> None:
+        raise ValueError("scale --ps: the Kubernetes backend does not move shards between pods yet; run the job with the "
+                         "--ps-shards it needs")
+
+
+def _container_restarts(pod: k8s.V1Pod) -> tuple[int, bool]:
+    """(the shard container's restarts, whether it runs now)."""
+    for status in (pod.status.container_statuses or []) if pod.status else []:
+        if status.name == "ps":
+            return int(status.restart_count or 0), bool(status.state and status.state.running)
+    return 0, False
+
+
+class PodSupervisor:
+    """Watches the shard pods (ShardSupervisor's attributes, for ShardMonitor): a container the
+    kubelet restarted is RELAUNCHING until its shard answers again (snapshot loaded, ledger
+    replayed), then SERVING; a pod that ended or is gone is DOWN for good (its emptyDir, so its
+    rows, went with it)."""
+
+    POLL_S = 0.5
+
+    def __init__(self, launcher: PsPods, shards: PodShards, client: PsClient):
+        self.launcher, self.shards, self.client = launcher, shards, client
+        self.ports = [s.port for s in shards.shards]
+        self.states = [PsShardState.SERVING for _ in shards.shards]
+        self.relaunches = [0 for _ in shards.shards]
+        self.seen_restarts = [0 for _ in shards.shards]
+        self.since = [0.0 for _ in shards.shards]
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="ps-pods", daemon=True)
+
+    def start(self) -> PodSupervisor:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+    def resized(self) -> None:  # scale --ps is refused before this (PodShards.resize)
+        pass
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(self.POLL_S):
+            try:
+                pods = {p.metadata.name: p for p in self.launcher.list_pods()}
+            except Exception as exc:  # an API error or timeout: look again at the next poll
+                log.debug("listing the shard pods failed: %s", exc)
+                continue
+            for shard in self.shards.shards:
+                if self.states[shard.shard] is not PsShardState.DOWN and not self.stopping.is_set():
+                    self._judge(shard, pods.get(ps_pod_name(self.launcher.names, shard.shard)))
+
+    def _judge(self, shard: PodShard, pod: k8s.V1Pod | None) -> None:
+        i = shard.shard
+        phase = pod.status.phase if pod is not None and pod.status else None
+        if pod is None or phase in ("Failed", "Succeeded") or (pod.metadata.deletion_timestamp is not None):
+            log.error("parameter-server shard %d: its pod %s is %s; its rows were in that pod's emptyDir, so the shard is "
+                      "down for good and the job cannot go on exactly once: run it again", i, ps_pod_name(self.launcher.names, i),
+                      "gone" if pod is None else ("being deleted" if phase not in ("Failed", "Succeeded") else phase))
+            self.states[i] = PsShardState.DOWN
+            return
+        restarts, running = _container_restarts(pod)
+        if restarts > self.seen_restarts[i] or not running:
+            if self.states[i] is PsShardState.SERVING:
+                log.warning("parameter-server shard %d exited: the kubelet restarts it in its pod %s (same address, "
+                            "its snapshot and ledger in the pod's emptyDir)", i, pod.metadata.name)
+                self.states[i], self.since[i] = PsShardState.RELAUNCHING, time.monotonic()
+            self.seen_restarts[i] = max(restarts, self.seen_restarts[i])
+        if self.states[i] is PsShardState.RELAUNCHING and running and self.launcher.answers(self.client, shard.endpoint):
+            self.relaunches[i] += 1
+            self.states[i] = PsShardState.SERVING
+            log.info("parameter-server shard %d back in %.2f s", i, time.monotonic() - self.since[i])
+
+
+class PsPods:
+    """The Kubernetes backend's ShardLauncher: the shard pods, their NetworkPolicy, their
+    watcher, and the last rows at the job's end."""
+
+    READY_TIMEOUT_S = 300.0  # scheduling and an image pull, then the shard's start
+    EXPORT_TIMEOUT_S = 120.0
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.api, self.namespace, self.timeout_s = backend.api, backend.settings.namespace, backend.timeout_s
+        self.names: JobNames = backend.names
+        self.made: list[str] = []
+
+    def list_pods(self) -> list[k8s.V1Pod]:
+        return self.api.list_namespaced_pod(self.namespace, label_selector=ps_selector(self.names),
+                                            _request_timeout=self.timeout_s).items
+
+    @staticmethod
+    def answers(client: PsClient, endpoint: str) -> bool:
+        try:
+            return client.call(endpoint, {"op": "stats"})[0].get("status") == Status.OK
+        except (OSError, ValueError):
+            return False
+
+    def start_shards(self, specs: list[TableSpec], count: int, token: str, resuming: bool,
+                     running: contextlib.ExitStack) -> PodSupervisor:
+        if resuming:
+            raise ConfigError("--mode ps on the Kubernetes backend cannot resume from a checkpoint yet: the shards' rows "
+                              "went with their pods; start the job over (a new --job-name, or without --resume)")
+        routing = RoutingTable.initial(count)
+        running.callback(self._delete_pods)  # also when a start fails half-way
+        self._create_policy(count)
+        config = shard_config(specs, routing)
+        backend = self.backend
+        for shard in range(count):
+            pod = ps_pod(backend.settings, self.names, backend.master, backend.image, shard, config)
+            self.api.create_namespaced_pod(self.namespace, pod, _request_timeout=self.timeout_s)
+            self.made.append(pod.metadata.name)
+        client = PsClient(token, lambda: None, timeout_s=5.0)
+        running.callback(client.close)
+        shards = PodShards(self._wait_ready(count, client), routing)
+        running.callback(self._freeze, specs, shards, token)  # before the pods go (last in, first out)
+        return PodSupervisor(self, shards, client).start()
+
+    def _create_policy(self, count: int) -> None:
+        backend = self.backend
+        policy = ps_network_policy(self.names, backend.master, self.namespace, backend.master_labels, count)
+        try:
+            backend.networking.create_namespaced_network_policy(self.namespace, policy, _request_timeout=self.timeout_s)
+        except k8s.ApiException as exc:
+            raise ConfigError(f"cannot create the shards' NetworkPolicy {policy.metadata.name} in namespace {self.namespace}: "
+                              f"{exc.status} {exc.reason}; the master's service account needs the Role and admission "
+                              "policy in deploy/rbac") from None
+        backend.network_policies.append(policy.metadata.name)  # deleted with the job's others
+
+    def _wait_ready(self, count: int, client: PsClient) -> list[PodShard]:
+        """Each shard once its pod has an IP and the shard answers there."""
+        deadline, ready = time.monotonic() + self.READY_TIMEOUT_S, {}
+        while len(ready) < count:
+            for pod in self.list_pods():
+                shard = int(pod.metadata.labels.get(SHARD_LABEL, -1))
+                phase = pod.status.phase if pod.status else None
+                if phase in ("Failed", "Succeeded"):
+                    raise ConfigError(f"parameter-server pod {pod.metadata.name} ended ({phase}) before it served; "
+                                      f"see: kubectl logs -n {self.namespace} {pod.metadata.name}")
+                if shard in range(count) and shard not in ready and pod.status and pod.status.pod_ip:
+                    candidate = PodShard(shard, pod.status.pod_ip, PS_PORT + shard)
+                    if self.answers(client, candidate.endpoint):
+                        ready[shard] = candidate
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(count)) - set(ready))
+                raise ConfigError(f"parameter-server shards {missing} did not serve within {self.READY_TIMEOUT_S:.0f} s; "
+                                  f"see: kubectl describe pods -n {self.namespace} -l {ps_selector(self.names)}")
+            time.sleep(0.2)
+        log.info("parameter-server pods serving: %s", ", ".join(ready[i].endpoint for i in range(count)))
+        return [ready[i] for i in range(count)]
+
+    def _freeze(self, specs: list[TableSpec], shards: PodShards, token: str) -> None:
+        """Every shard's rows (`export` of the virtual shards it owns), as this process's models'
+        trained tables (torch_embedding.freeze_tables)."""
+        from elastic_step.ps.torch_embedding import freeze_tables
+
+        client = PsClient(token, lambda: None, timeout_s=self.EXPORT_TIMEOUT_S)
+        parts: dict[str, list] = {s.name: [] for s in specs}
+        try:
+            for shard in shards.shards:
+                vshards = shards.routing.owned_by(shard.shard).tolist()
+                try:
+                    reply, body = client.call(shard.endpoint, {"op": "export", "vshards": vshards})
+                except (OSError, ValueError) as exc:
+                    log.error("parameter-server shard %d did not give its rows (%s): its ids get zero rows in the "
+                              "evaluation and the exported model", shard.shard, exc)
+                    continue
+                arrays = wire.unpack(reply["arrays"], body)
+                for spec in specs:
+                    parts[spec.name].append((arrays[f"{spec.name}.ids"], arrays[f"{spec.name}.rows"][:, : spec.dim]))
+        finally:
+            client.close()
+        tables = {}
+        for spec in specs:
+            ids = [np.zeros(0, np.int64)] + [p[0] for p in parts[spec.name]]
+            rows = [np.zeros((0, spec.dim), np.float32)] + [p[1] for p in parts[spec.name]]
+            tables[spec.name] = (np.concatenate(ids), np.concatenate(rows))
+        freeze_tables(tables)
+
+    def _delete_pods(self) -> None:
+        """SIGTERM each shard (a last snapshot, exit 0) by deleting its pod."""
+        for name in self.made:
+            try:
+                self.api.delete_namespaced_pod(name, self.namespace, _request_timeout=self.timeout_s)
+            except Exception as exc:
+                if getattr(exc, "status", None) != 404:
+                    log.warning("deleting parameter-server pod %s failed: %s", name, exc)
+        self.made = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A shard pod's command: its config.json written from the env (again after each restart:
+    the same text), then the shard itself with the folder and token file the env names, which
+    recovers from the folder's snapshot and ledger before it listens."""
+    from elastic_step.ps import shard
+    from elastic_step.ps.shard import CONFIG_FILE
+
+    missing = [name for name in (CONFIG_ENV, DIR_ENV, WorkerEnv.TOKEN_FILE.value) if not os.environ.get(name)]
+    if missing:
+        print(f"elastic_step.backends.kubernetes.ps_pods: {', '.join(missing)} not set; this runs in a shard pod the master makes",
+              file=sys.stderr)
+        return 2
+    directory = os.environ[DIR_ENV]
+    partial = os.path.join(directory, CONFIG_FILE + ".partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(os.environ[CONFIG_ENV])
+    os.replace(partial, os.path.join(directory, CONFIG_FILE))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return shard.main([*argv, "--dir", directory, "--token-file", os.environ[WorkerEnv.TOKEN_FILE.value]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
