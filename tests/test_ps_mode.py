@@ -152,7 +152,6 @@ def test_a_worker_whose_shards_stay_unreachable_fails_the_job_rather_than_regrou
 @pytest.mark.parametrize("settings, words", [
     ({"global_batch_size": 128}, "drop --global-batch-size"),
     ({"ps_shards": 0}, "--ps-shards must be between 1 and 128"),
-    ({"backend": "kubernetes"}, "local backend only"),
 ])
 def test_bad_ps_settings_are_refused_before_anything_starts(tmp_path, settings, words):
     from elastic_step.config import TrainConfig
