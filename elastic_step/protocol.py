@@ -141,6 +141,8 @@ class EventKind(StrEnum):
     SLOT_EXHAUSTED = "slot_exhausted"  # a slot used its --max-relaunches
     LEFT = "left"  # a worker retired by scaling in, or left on SIGTERM (an eviction): not a failure
     SCALED = "scaled"
+    PS_SCALE_STARTED = "ps_scale_started"  # scale --ps began moving virtual shards (shards_from, shards_to)
+    PS_SCALE_FINISHED = "ps_scale_finished"  # ... and ended: ok, rows_moved of rows_total, pause_max_s, seconds
     TASK_FAILED = "task_failed"  # a task's rows could not be read
     COLLECTIVE_FAILED = "collective_failed"
     CHECKPOINT = "checkpoint"  # a checkpoint was handed over

@@ -1,24 +1,30 @@
-"""What a `--mode ps` job resumed from a checkpoint gets back, as built today (and after `scale --ps`,
-the routing of its last move, which a resume finishes when its master stopped mid-way).
+"""What a `--mode ps` job resumed from a checkpoint gets back: real shard processes started and
+stopped as the master does, the checkpoint recorded as the master records it.
 
-The checkpoint holds the dense weights of step S; the shards are not checkpointed with it. A
-resume keeps the shards' folders, so the tables hold every update acknowledged before the master
-stopped, including the minibatches trained after step S. The workers re-train those from S: the
-shards drop their pushes (the keys were applied), so each row is still updated exactly once per
-minibatch, while the dense weights take those minibatches' updates again, against tables that
-already hold them. Tables and dense weights are therefore not of one step after a resume; a
-checkpoint consistent across both (one snapshot generation per checkpoint) is not built yet.
-Any start other than a resume empties the tables.
+A checkpoint of step S is one cut across the shards (master/ps_checkpoints.py, ps/cuts.py): each
+shard's tables as they were after exactly the pushes of steps <= S, though the job went on
+pushing after S before the master stopped. A resume starts every shard from that cut: the tables
+hash as they did at the checkpoint, and the minibatches trained after S, which the workers
+train again with the dense weights of S, are applied again, once. A checkpoint whose step a
+shard has no cut of is not taken (one line), and a resume whose cut is not the recorded one
+stops in one line. Any start other than a resume empties the tables.
+
+After `scale --ps`, a resume from a checkpoint without a cut runs the routing of the last move,
+and finishes that move when its master stopped mid-way; the move's start and finish are events.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 
 import numpy as np
 import pytest
 
+from elastic_step.errors import ConfigError
+from elastic_step.master.events import EventLog
+from elastic_step.master.ps_checkpoints import PS_CUT, PsCheckpoints
 from elastic_step.master.ps_shards import start_ps_shards
 from elastic_step.protocol import TrainingMode
 from elastic_step.ps.client import PsClient
@@ -45,39 +51,60 @@ IDS = np.array([3, 8], np.int64)
 def job(tmp_path):
     (tmp_path / "model.py").write_text(MODEL)
     (tmp_path / "token").write_text(TOKEN)
-    config = types.SimpleNamespace(mode=TrainingMode.PS, model_def=str(tmp_path / "model.py"), job_dir=str(tmp_path / "job"),
-                                   ps_shards=1)
+    events = EventLog(None)
 
     @contextlib.contextmanager
-    def started(resuming: bool):
+    def started(resuming: bool, cut: dict | None = None, shards: int = 1):
+        config = types.SimpleNamespace(mode=TrainingMode.PS, model_def=str(tmp_path / "model.py"), job_dir=str(tmp_path / "job"),
+                                       ps_shards=shards, checkpoint_steps=2)
         with contextlib.ExitStack() as running:  # as the master's: the shards get SIGTERM (a last snapshot) at its end
-            routing, monitor = start_ps_shards(config, str(tmp_path / "token"), running, resuming)
+            routing, monitor = start_ps_shards(config, str(tmp_path / "token"), running, resuming, cut=cut, events=events)
             client = PsClient(TOKEN, lambda: RoutingTable.from_json(routing))
             running.callback(client.close)
             yield client, monitor
 
+    started.events = events
     return started
 
 
-def push(client: PsClient, task: int, seq: int):
-    return client.push("resume_t", task, seq, 0, IDS, np.ones((2, 2), np.float32))
+def push(client: PsClient, task: int, seq: int, step: int | None = None):
+    return client.push("resume_t", task, seq, 0, IDS, np.ones((2, 2), np.float32), step=step)
 
 
-def test_a_resume_keeps_every_acknowledged_update_and_drops_the_retrained_minibatches(job):
-    with job(resuming=False) as (client, _):
+def digests(client: PsClient) -> list[str]:
+    """Each shard's hash of its part of the table (rows, optimizer slots, update counters)."""
+    return [client.call(endpoint, {"op": "digest", "table": "resume_t"})[0]["digest"] for endpoint in client.routing.endpoints]
+
+
+def test_a_resume_puts_every_shard_back_to_the_checkpoints_cut_and_re_applies_what_came_after(job, caplog):
+    with job(resuming=False, shards=2) as (client, monitor):
         before = client.pull("resume_t", IDS).copy()
-        assert push(client, task=1, seq=0).applied == 1  # trained before the checkpoint
-        assert push(client, task=2, seq=0).applied == 1  # after it: the master then stops
+        assert push(client, task=1, seq=0, step=1).applied == 2  # IDS: on both shards
+        assert push(client, task=1, seq=1, step=2).applied == 2
+        at_checkpoint, rows_at_checkpoint = digests(client), client.pull("resume_t", IDS).copy()
+        assert push(client, task=2, seq=0, step=3).applied == 2  # after the checkpoint's step: each shard cuts first
         trained = client.pull("resume_t", IDS).copy()
-    np.testing.assert_allclose(trained, before - 2.0, rtol=1e-5)  # SGD, lr 1, two pushes of ones
+        recorded = []
+        taking = PsCheckpoints(monitor, lambda *checkpoint: recorded.append(checkpoint))
+        with caplog.at_level(logging.WARNING, logger="elastic_step.master"):
+            taking(1, 0, b"dense", {"current_epoch": 0})  # an epoch's end, say, asked for after step 3's pushes
+        assert not recorded and "checkpoint of step 1 not taken" in caplog.text and "pushes of step 3" in caplog.text
+        taking(2, 0, b"dense", {"current_epoch": 0})  # rank 0's checkpoint of step 2, handed over now
+        (step, _, _, ledger), = recorded
+        cut = ledger[PS_CUT]
+        assert step == 2 and cut["step"] == 2 and len(cut["digests"]) == 2
+    np.testing.assert_allclose(trained, before - 3.0, rtol=1e-5)  # SGD, lr 1, three pushes of ones
 
-    with job(resuming=True) as (client, monitor):
-        assert [(r["rows"], r["pushes"]) for r in monitor.rows()] == [(2, 2)]
-        np.testing.assert_allclose(client.pull("resume_t", IDS), trained)  # not rolled back to the checkpoint
-        reply = push(client, task=2, seq=0)  # the minibatch re-trained after the checkpoint
-        assert (reply.applied, reply.duplicate) == (0, 1)
+    with job(resuming=True, cut=cut, shards=2) as (client, monitor):
+        assert digests(client) == at_checkpoint  # the tables of step 2, not those the master stopped with
+        np.testing.assert_allclose(client.pull("resume_t", IDS), rows_at_checkpoint)
+        assert push(client, task=1, seq=1, step=2).duplicate == 2  # trained before the cut: applied once already
+        assert push(client, task=2, seq=0, step=3).applied == 2  # re-trained after it: applied again, once
         np.testing.assert_allclose(client.pull("resume_t", IDS), trained)
-        assert push(client, task=3, seq=0).applied == 1  # training goes on
+
+    with pytest.raises(ConfigError, match="shard 1's cut, but .* not the one the checkpoint recorded"):
+        with job(resuming=True, cut={**cut, "digests": [cut["digests"][0], "0" * 64]}, shards=2):
+            pass
 
     with job(resuming=False) as (client, monitor):  # a fresh start: empty tables
         assert [(r["rows"], r["pushes"]) for r in monitor.rows()] == [(0, 0)]
@@ -88,6 +115,10 @@ def test_a_resume_after_scale_ps_runs_the_last_routing_and_finishes_a_move_left_
     with job(resuming=False) as (client, monitor):
         client.push("resume_t", 1, 0, 0, ids, np.ones((len(ids), 2), np.float32))
         assert monitor.scale(2)["moved"] == 64  # half the virtual shards go to the new shard
+        started, finished = job.events.of("ps_scale_started"), job.events.of("ps_scale_finished")  # what get -e shows
+        assert [(e["shards_from"], e["shards_to"]) for e in started] == [(1, 2)]
+        assert finished[0]["ok"] and 0 < finished[0]["rows_moved"] < finished[0]["rows_total"] == len(ids)
+        assert finished[0]["pause_max_s"] >= 0 and "rows moved" in finished[0]["message"]
         client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))  # re-routed from the shards' refusal
         trained = client.pull("resume_t", ids).copy()
         # The master dies mid-way through a move to 3 shards: only shard 0 took the new routing.

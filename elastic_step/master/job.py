@@ -32,6 +32,7 @@ from elastic_step.master.events import EventLog, StepLog
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigterm_as_preemption
 from elastic_step.master.progress import ProgressDisplay
+from elastic_step.master.ps_checkpoints import checkpointing, resumed_cut
 from elastic_step.master.ps_shards import check_ps_tables, start_ps_shards
 from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.restore import InitialState, RestorePoint, restart_from
@@ -271,7 +272,8 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     # mode ps: the shards (stopped after the workers; pods when the backend runs them), and their
     # numbers for /status and the run
     ps_routing, ps_shards = start_ps_shards(config, token_file, running, resuming, metric=recorder.tracker.log_metric,
-                                            launcher=backend.shard_launcher())
+                                            launcher=backend.shard_launcher(), cut=resumed_cut(start.ledger) if resuming else None,
+                                            events=events)
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
@@ -285,7 +287,9 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
         step_log=step_log, initial_state=initial,
-        on_checkpoint=recorder.on_checkpoint if config.checkpoint_steps else None, spares=config.spares,
+        # mode ps: a checkpoint is recorded with the shards' cut of its step (ps_checkpoints.py)
+        on_checkpoint=checkpointing(ps_shards, recorder.on_checkpoint if config.checkpoint_steps else None, start.step),
+        spares=config.spares,
         # A PS-mode job's shards hold their part of the model: they cannot go back with the ledger.
         ps_shards=ps_shards, restore_point=start if config.mode != TrainingMode.PS else None,
     )

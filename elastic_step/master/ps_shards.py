@@ -36,7 +36,9 @@ import numpy as np
 from elastic_step.config import TrainConfig
 from elastic_step.errors import ConfigError
 from elastic_step.frameworks.model_def import load_model_definition
-from elastic_step.protocol import PsShardState, TrainingMode
+from elastic_step.master.events import EventLog
+from elastic_step.master.ps_checkpoints import restore_cut
+from elastic_step.protocol import EventKind, PsShardState, TrainingMode
 from elastic_step.ps import snapshot
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
@@ -87,20 +89,23 @@ class ShardLauncher(Protocol):
 
 
 def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack, resuming: bool = False,
-                    metric: Metric | None = None, launcher: ShardLauncher | None = None) -> tuple[dict, ShardMonitor | None]:
+                    metric: Metric | None = None, launcher: ShardLauncher | None = None, cut: dict | None = None,
+                    events: EventLog | None = None) -> tuple[dict, ShardMonitor | None]:
     """Start the job's shards (nothing for another mode): the job spec's `ps_routing`, and the
     monitor whose rows /status shows (None for another mode). `launcher`: the backend's, when
-    it runs the shards itself; else they are processes of this machine (`_start_local`)."""
+    it runs the shards itself; else they are processes of this machine (`_start_local`).
+    `cut`: the resumed checkpoint's cut of the shards (ps_checkpoints.py), which they start from.
+    `events`: the job's event log, where a scale --ps is recorded."""
     if config.mode != TrainingMode.PS:
         return {}, None
     specs = table_specs(config.model_def)
     if launcher is not None:
         supervisor = launcher.start_shards(specs, config.ps_shards, _read_token(token_file), resuming, running)
     else:
-        supervisor = _start_local(config, specs, token_file, running, resuming)
+        supervisor = _start_local(config, specs, token_file, running, resuming, cut)
     shards = supervisor.shards
     running.callback(supervisor.stop)  # stops before the shards do (last in, first out)
-    monitor = ShardMonitor(supervisor, _read_token(token_file), metric).start()
+    monitor = ShardMonitor(supervisor, _read_token(token_file), metric, events).start()
     running.callback(monitor.stop)
     routes = shards.routes()
     from elastic_step.ps.torch_embedding import bind_tables
@@ -114,21 +119,24 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
 
 
 def _start_local(config: TrainConfig, specs: list[TableSpec], token_file: str, running: contextlib.ExitStack,
-                 resuming: bool) -> ShardSupervisor:
+                 resuming: bool, cut: dict | None = None) -> ShardSupervisor:
     """The shards as processes of this machine, each with its folder under JOB_DIR/ps.
 
-    A job resumed from a checkpoint keeps its shards' folders: their snapshots and ledgers hold
-    every update acknowledged before the master stopped, and the rows re-trained after the
-    checkpoint push the same keys, which the shards drop, so each minibatch still updates each
-    row once. Any other start begins with empty tables."""
+    A job resumed from a checkpoint with the shards' cut starts every shard from that cut
+    (ps_checkpoints.py). One resumed from a checkpoint without it (taken before cuts existed)
+    keeps its shards' folders: their snapshots and ledgers hold every update acknowledged before
+    the master stopped, and the rows re-trained after the checkpoint push the same keys, which
+    the shards drop. Any other start begins with empty tables."""
     root = os.path.join(config.job_dir, "ps")
     if not resuming:
         shutil.rmtree(root, ignore_errors=True)
+    elif cut is not None:
+        restore_cut(root, cut)
     newest, previous = _last_move(saved_routings(root) if resuming else [])
     count = max(newest.shards, previous.shards if previous else 0) if newest else config.ps_shards
     # Shards that had not taken the newest routing start on the previous one: the move's adopt
     # then marks what they gain as pending, instead of their serving it empty.
-    shards = LocalShards(root, specs, count, token_file, routing=previous or newest)
+    shards = LocalShards(root, specs, count, token_file, routing=previous or newest, checkpoint_every=config.checkpoint_steps)
     running.callback(_stop_and_freeze, shards, specs)
     shards.start()
     if newest is not None and newest.epoch > 1:
@@ -292,9 +300,10 @@ class ShardMonitor:
 
     STATS_S = 2.0
 
-    def __init__(self, supervisor: ShardSupervisor, token: str, metric: Metric | None = None):
+    def __init__(self, supervisor: ShardSupervisor, token: str, metric: Metric | None = None, events: EventLog | None = None):
         self.supervisor = supervisor
         self.metric = metric
+        self.events = events  # the job's: each scale --ps is recorded there (get -e)
         self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
         self.client = PsClient(token, lambda: None, timeout_s=5.0)  # call() only: no routing needed
         self.numbers = [{"rows": 0, "bytes": 0, "pushes": 0} for _ in self.addresses]
@@ -316,26 +325,22 @@ class ShardMonitor:
 
     def scale(self, shards: int) -> dict:
         """`scale --ps`: run `shards` shard processes from now on; what moved (moves.MoveReport).
-        ValueError (the API's 409) when there is nothing to do or it cannot be done now."""
+        ValueError (the API's 409) when there is nothing to do or it cannot be done now. Its
+        start and finish are events of the job (get -e), the finish with the rows moved and pauses."""
         supervisor = self.supervisor
         if not self.scaling.acquire(blocking=False):
-            raise ValueError("another scale --ps of this job is under way; try again when it is done")
+            raise ValueError("another scale --ps of this job (or a checkpoint's cut) is under way; try again when it is done")
         try:
             before = len(supervisor.shards.shards)
-            if self.stopping.is_set() or supervisor.stopping.is_set():
-                raise ValueError("the job is ending; there is nothing to scale")
-            if shards == before:
-                raise ValueError(f"the job already runs {shards} parameter-server shards")
-            if not 1 <= shards <= len(supervisor.shards.routing.owners):
-                raise ValueError(f"{shards} shards: use between 1 and {len(supervisor.shards.routing.owners)} (the virtual shards)")
-            down = [i for i, state in enumerate(supervisor.states) if state is not PsShardState.SERVING]
-            if down:
-                raise ValueError(f"shard {down[0]} is {supervisor.states[down[0]]}; scale once every shard serves")
+            self._check_scale(before, shards)
+            sizes = {"shards_from": before, "shards_to": shards}
+            self._event(EventKind.PS_SCALE_STARTED, f"scale --ps: from {before} to {shards} shards", **sizes)
             client = PsClient(self.client.token, lambda: None, timeout_s=120.0)
             try:
                 report = supervisor.shards.resize(shards, client.call)
             except PsError as exc:
                 log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
+                self._event(EventKind.PS_SCALE_FINISHED, f"scale --ps to {shards} shards did not finish: {exc}", ok=False, **sizes)
                 raise ValueError(f"the move to {shards} shards did not finish ({exc}); the shards are left mid-move: stop "
                                  "the job and resume it (train --resume), which finishes the move") from exc
             finally:
@@ -344,13 +349,33 @@ class ShardMonitor:
             self.numbers = self.numbers + [{"rows": 0, "bytes": 0, "pushes": 0} for _ in range(shards)]  # then cut: a poll may run
             self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
             self.numbers = self.numbers[:shards]
-            log.info("parameter servers scaled from %d to %d shards (routing epoch %d): moved %d of %d virtual shards, "
-                     "%d of %d rows, in %.2f s; the longest a moved virtual shard waited was %.2f s", before, shards,
-                     report.epoch, report.moved, report.virtual_shards, report.rows_moved, report.rows_total,
-                     report.seconds, max(report.pauses_s or [0.0]))
-            return report.to_json()
+            moved = report.to_json()
+            self._event(EventKind.PS_SCALE_FINISHED, f"scale --ps: {before} -> {shards} shards, {report.rows_moved} of "
+                        f"{report.rows_total} rows moved in {report.seconds:.2f} s, longest pause {moved['pause_max_s']:.2f} s",
+                        ok=True, **sizes, **moved)
+            return moved
         finally:
             self.scaling.release()
+
+    def _check_scale(self, before: int, shards: int) -> None:
+        supervisor = self.supervisor
+        if self.stopping.is_set() or supervisor.stopping.is_set():
+            raise ValueError("the job is ending; there is nothing to scale")
+        if shards == before:
+            raise ValueError(f"the job already runs {shards} parameter-server shards")
+        if not 1 <= shards <= len(supervisor.shards.routing.owners):
+            raise ValueError(f"{shards} shards: use between 1 and {len(supervisor.shards.routing.owners)} (the virtual shards)")
+        down = [i for i, state in enumerate(supervisor.states) if state is not PsShardState.SERVING]
+        if down:
+            raise ValueError(f"shard {down[0]} is {supervisor.states[down[0]]}; scale once every shard serves")
+
+    def _event(self, kind: EventKind, message: str, **fields) -> None:
+        """Recorded and written at once (events.jsonl, the log, the run): this thread holds no
+        master lock."""
+        if self.events is not None:
+            self.events.add(kind, message, **fields)
+        else:
+            log.info("%s %s", kind.value, message)
 
     def rows(self) -> list[dict]:
         """One PsShardStatus each, as of the last poll."""
