@@ -15,6 +15,33 @@ from elastic_step.release.deploy_render import (PREVIOUS_VERSION_ANNOTATION, SER
                                                 DeploySettings, Target, Track)
 
 KSERVE_GROUP, KSERVE_VERSION, KSERVE_PLURAL = "serving.kserve.io", "v1beta1", "inferenceservices"
+# The Ready condition's reasons after which KServe does not become Ready without a new spec: Knative's
+# (the revision's container exited, or its image cannot be resolved), which KServe's status passes on.
+FINAL_REASONS = {"RevisionFailed", "ContainerMissing"}
+# A container waiting for one of these restarts or pulls again and again: it exited, or cannot start.
+FINAL_WAITING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError"}
+
+
+def pod_failure(pod: dict) -> str:
+    """Why a server pod will not become Ready by waiting ("" while it may): a container that exited
+    with an error (its readiness fails while it is down, and it comes back to the same model), or
+    one the kubelet restarts in CrashLoopBackOff or cannot start. A pod being deleted is no verdict."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return ""
+    for c in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        state = c.get("state") or {}
+        waiting = (state.get("waiting") or {}).get("reason", "")
+        ended = state.get("terminated") or (c.get("lastState") or {}).get("terminated") or {}
+        if ended.get("exitCode"):
+            said = f": {ended['message'].strip()}" if (ended.get("message") or "").strip() else ""
+            looping = f", {waiting}" if waiting else ""
+            return (f"pod {meta.get('name')}: container {c.get('name')} exited with code {ended['exitCode']} "
+                    f"({ended.get('reason') or 'Error'}{looping}){said}")
+        if waiting in FINAL_WAITING:
+            said = f": {(state['waiting'].get('message') or '').strip()}" if state["waiting"].get("message") else ""
+            return f"pod {meta.get('name')}: container {c.get('name')} is waiting in {waiting}{said}"
+    return ""
 
 
 class ServingCluster:
@@ -98,7 +125,8 @@ class ServingCluster:
 
     def wait_inference_service(self, name: str, generation: int, timeout: float) -> str:
         """The URL once the InferenceService is Ready for `generation`; JobFailed with KServe's
-        own reason when it is not within `timeout`."""
+        own reason as soon as it reports that generation's revision failed, else when it is not
+        Ready within `timeout`."""
         deadline, reason = time.monotonic() + timeout, "no status yet"
         while time.monotonic() < deadline:
             obj = self.inference_service(name) or {}
@@ -108,6 +136,8 @@ class ServingCluster:
                 if ready.get("status") == "True":
                     return status.get("url", "")
                 reason = ready.get("message") or ready.get("reason") or "not ready"
+                if ready.get("reason") in FINAL_REASONS:  # waiting longer changes nothing: roll back now
+                    raise JobFailed(f"InferenceService {name!r} failed its rollout: {reason}")
             time.sleep(1)
         raise JobFailed(f"InferenceService {name!r} was not Ready within {timeout:.0f}s: {reason}")
 
@@ -168,7 +198,8 @@ class ServingCluster:
     def wait_deployment(self, name: str, track: Track, timeout: float) -> None:
         """Until the track's rollout is complete as `kubectl rollout status` judges it: every
         replica of the newest template is there and available, and no older one is left (an old
-        Ready pod must not count for a new one that never becomes Ready)."""
+        Ready pod must not count for a new one that never becomes Ready). A pod of the newest
+        template whose server exited or cannot start fails it at once, with the pod's reason."""
         deadline, seen = time.monotonic() + timeout, "no status yet"
         while time.monotonic() < deadline:
             obj = self.apps.read_namespaced_deployment(f"{name}-{track.value}", self.namespace)
@@ -178,9 +209,22 @@ class ServingCluster:
                 if updated >= want and (status.replicas or 0) <= updated and available >= want:
                     return
                 seen = f"{updated}/{want} replicas updated, {available} available"
+            failure = self._failed_pod(obj.spec.template.metadata.labels or {})
+            if failure:  # its server exited: it is not Ready now and will not be by waiting
+                raise JobFailed(f"Deployment {name}-{track.value} failed its rollout ({seen}): {failure}")
             time.sleep(1)
         raise JobFailed(f"Deployment {name}-{track.value} was not Ready within {timeout:.0f}s ({seen}): its "
                         "server did not answer /ping")
+
+    def _failed_pod(self, template_labels: dict) -> str:
+        """Why a pod of the newest template will not become Ready ("" while one may)."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(template_labels.items()))
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector)
+        for pod in self.api_client.sanitize_for_serialization(pods).get("items", []):
+            reason = pod_failure(pod)
+            if reason:
+                return reason
+        return ""
 
     @staticmethod
     def _read(read, *args):
