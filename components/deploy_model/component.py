@@ -27,8 +27,9 @@ def deploy_model(
     version and its artifact location resolved through the MLflow registry.
 
     When a previous revision serves, the new version starts as a canary with `canary_percent` of
-    the traffic and takes all of it once Ready; if it is not Ready within `timeout_seconds`, the
-    traffic goes back to the previous revision and the step fails with the reason. Refused before
+    the traffic and takes all of it once Ready; if it is not Ready within `timeout_seconds`, or
+    sooner its server exits or cannot start (KServe: the revision failed), the traffic goes back
+    to the previous revision and the step fails with the reason. Refused before
     anything is written (exit code 2): an unknown alias or version, a version without a
     signature, a cluster without KServe (target kserve), a namespace without the service account
     or the Secret.
