@@ -426,11 +426,12 @@ class Empty(BaseModel):
 
 # ---- what /status and /events answer: read by `get`, `top`, `list`, the live page and the report --
 # The events people are shown (`get -e`, the live page, the KFP report): deaths, relaunches,
-# regroups, scaling, checkpoints and the job's end. The rest (joins, rounds proposed, task
+# regroups, scaling (of the workers and of the PS shards), checkpoints and the job's end. The rest (joins, rounds proposed, task
 # failures) are for the master's log and events.jsonl.
 SHOWN_EVENTS: tuple[EventKind, ...] = (
     EventKind.DIED, EventKind.DROPPED, EventKind.RELAUNCHED, EventKind.NOT_RELAUNCHED, EventKind.SLOT_EXHAUSTED,
-    EventKind.LEFT, EventKind.REGROUPED, EventKind.RECOVERED, EventKind.SCALED, EventKind.CHECKPOINT,
+    EventKind.LEFT, EventKind.REGROUPED, EventKind.RECOVERED, EventKind.SCALED, EventKind.PS_SCALE_STARTED,
+    EventKind.PS_SCALE_FINISHED, EventKind.CHECKPOINT,
     EventKind.RESTORED, EventKind.COLLECTIVE_FAILED, EventKind.MASTER_PAUSED, EventKind.STOP_REQUESTED, EventKind.STOPPED,
     EventKind.PREEMPTED, EventKind.JOB_FAILED, EventKind.JOB_SUCCEEDED,
 )

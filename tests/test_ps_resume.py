@@ -22,6 +22,7 @@ import types
 import numpy as np
 import pytest
 
+from elastic_step.cli.render import describe_event
 from elastic_step.errors import ConfigError
 from elastic_step.master.events import EventLog
 from elastic_step.master.ps_checkpoints import PS_CUT, PsCheckpoints
@@ -118,7 +119,9 @@ def test_a_resume_after_scale_ps_runs_the_last_routing_and_finishes_a_move_left_
         started, finished = job.events.of("ps_scale_started"), job.events.of("ps_scale_finished")  # what get -e shows
         assert [(e["shards_from"], e["shards_to"]) for e in started] == [(1, 2)]
         assert finished[0]["ok"] and 0 < finished[0]["rows_moved"] < finished[0]["rows_total"] == len(ids)
-        assert finished[0]["pause_max_s"] >= 0 and "rows moved" in finished[0]["message"]
+        assert finished[0]["pause_max_s"] >= 0 and finished[0]["routing_epoch"] == 2
+        shown = describe_event(finished[0])
+        assert f"rows_moved={finished[0]['rows_moved']}" in shown and "pause_max_s=" in shown and not shown.endswith("...")
         client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))  # re-routed from the shards' refusal
         trained = client.pull("resume_t", ids).copy()
         # The master dies mid-way through a move to 3 shards: only shard 0 took the new routing.

@@ -334,13 +334,13 @@ class ShardMonitor:
             before = len(supervisor.shards.shards)
             self._check_scale(before, shards)
             sizes = {"shards_from": before, "shards_to": shards}
-            self._event(EventKind.PS_SCALE_STARTED, f"scale --ps: from {before} to {shards} shards", **sizes)
+            self._event(EventKind.PS_SCALE_STARTED, **sizes)
             client = PsClient(self.client.token, lambda: None, timeout_s=120.0)
             try:
                 report = supervisor.shards.resize(shards, client.call)
             except PsError as exc:
                 log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
-                self._event(EventKind.PS_SCALE_FINISHED, f"scale --ps to {shards} shards did not finish: {exc}", ok=False, **sizes)
+                self._event(EventKind.PS_SCALE_FINISHED, f"did not finish: {exc}", ok=False, **sizes)
                 raise ValueError(f"the move to {shards} shards did not finish ({exc}); the shards are left mid-move: stop "
                                  "the job and resume it (train --resume), which finishes the move") from exc
             finally:
@@ -350,9 +350,9 @@ class ShardMonitor:
             self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
             self.numbers = self.numbers[:shards]
             moved = report.to_json()
-            self._event(EventKind.PS_SCALE_FINISHED, f"scale --ps: {before} -> {shards} shards, {report.rows_moved} of "
-                        f"{report.rows_total} rows moved in {report.seconds:.2f} s, longest pause {moved['pause_max_s']:.2f} s",
-                        ok=True, **sizes, **moved)
+            # what get -e shows (one line): the rows moved and the longest a moved virtual shard was refused
+            self._event(EventKind.PS_SCALE_FINISHED, ok=True, **sizes, rows_moved=report.rows_moved, rows_total=report.rows_total,
+                        pause_max_s=moved["pause_max_s"], seconds=moved["seconds"], routing_epoch=report.epoch)
             return moved
         finally:
             self.scaling.release()
@@ -369,13 +369,13 @@ class ShardMonitor:
         if down:
             raise ValueError(f"shard {down[0]} is {supervisor.states[down[0]]}; scale once every shard serves")
 
-    def _event(self, kind: EventKind, message: str, **fields) -> None:
+    def _event(self, kind: EventKind, message: str = "", **fields) -> None:
         """Recorded and written at once (events.jsonl, the log, the run): this thread holds no
         master lock."""
         if self.events is not None:
             self.events.add(kind, message, **fields)
         else:
-            log.info("%s %s", kind.value, message)
+            log.info("%s %s %s", kind.value, message, fields)
 
     def rows(self) -> list[dict]:
         """One PsShardStatus each, as of the last poll."""
