@@ -2,19 +2,25 @@
 shard, the tables holding exactly the pushes of steps <= S, whether the shard cut itself at the
 first push after S (a multiple of --checkpoint-steps) or is asked before any later push; a
 relaunched shard still has its cut; a shard that moved past S without one refuses in one line;
-a folder restored from a cut holds that cut's tables and keys, and nothing newer or older."""
+a folder restored from a cut holds that cut's tables and keys, and nothing newer or older, and
+only once the shard a killed master left there is gone."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
+from elastic_step.master.ps_checkpoints import restore_cut
 from elastic_step.ps import cuts
 from elastic_step.ps.api import TableSpec
 from elastic_step.ps.ledger import LedgerRecord
 from elastic_step.ps.routing import RoutingTable
+from elastic_step.ps.shard import READY_FILE
 from elastic_step.ps.state import LEDGER_FILE, ROUTING_FILE, SNAPSHOT_FILE, ShardState
 
 SPEC = TableSpec("emb", 2, optimizer="adagrad", lr=0.5)
@@ -94,3 +100,24 @@ def test_a_cut_that_is_not_the_recorded_one_is_refused_and_older_cuts_are_droppe
         restored(tmp_path / "s", 4, "0" * 64, tmp_path / "r2")
     back = restored(tmp_path / "s", 4, four["digest"], tmp_path / "r3")
     assert cuts.steps(str(tmp_path / "r3")) == [4] and back.routing.epoch == 1
+
+
+def test_a_resume_waits_for_a_killed_masters_last_shard_before_putting_its_cut_back(tmp_path):
+    """A SIGKILLed master's shards stop on their own with a last snapshot: it must not land over the cut."""
+    held = shard(tmp_path / "ps" / "shard-0")
+    push(held, 1), push(held, 2)
+    at_checkpoint = held.tables["emb"].digest()
+    push(held, 3)
+    cut = {"step": 2, "routing": held.routing.to_json(), "digests": [held.cut(2)["digest"]]}
+    held.close()
+    ready = tmp_path / "ps" / "shard-0" / READY_FILE  # written by the shard process, as shard.py does
+    orphan = subprocess.Popen([sys.executable, "-c", "import json, os, sys, time; open(sys.argv[1] + '.p', 'w').write("
+                               "json.dumps({'pid': os.getpid()})); os.replace(sys.argv[1] + '.p', sys.argv[1]); time.sleep(1.0)",
+                               str(ready), "elastic_step.ps.shard"])
+    while not ready.exists():
+        time.sleep(0.02)
+    (tmp_path / "ps" / "shard-7").mkdir()  # a shard a later scale --ps added: not in the cut
+    restore_cut(str(tmp_path / "ps"), cut)
+    assert orphan.poll() is not None  # waited for it
+    assert shard(tmp_path / "ps" / "shard-0").tables["emb"].digest() == at_checkpoint
+    assert sorted(p.name for p in (tmp_path / "ps").iterdir()) == ["shard-0"]

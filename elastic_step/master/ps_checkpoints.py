@@ -16,19 +16,23 @@ the resume in one line rather than training on tables of another step.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 
 from elastic_step.errors import ConfigError
 from elastic_step.ps import cuts
 from elastic_step.ps.api import Status
 from elastic_step.ps.client import PsClient
+from elastic_step.ps.shard import READY_FILE
 from elastic_step.ps.state import LEDGER_FILE, ROUTING_FILE, SNAPSHOT_FILE
 
 log = logging.getLogger("elastic_step.master")
 
+ORPHAN_WAIT_S = 120.0  # a SIGKILLed master's shards take their last snapshot before they exit
 PS_CUT = "ps_cut"  # the key of a checkpoint's ledger that holds its shards' cut
 CUT_TIMEOUT_S = 120.0  # a cut written on request: a snapshot of the shard's tables
 
@@ -99,6 +103,7 @@ def restore_cut(root: str, cut: dict) -> None:
     count = len(cut["digests"])
     for index, digest in enumerate(cut["digests"]):
         directory = os.path.join(root, f"shard-{index}")
+        _wait_for_the_last_shard(directory)
         try:
             cuts.restore(directory, int(cut["step"]), digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
         except (cuts.CutMissing, OSError) as exc:
@@ -108,3 +113,24 @@ def restore_cut(root: str, cut: dict) -> None:
         if name.startswith("shard-") and name[6:].isdigit() and int(name[6:]) >= count:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     log.info("parameter servers: %d shards start from their cuts of step %d", count, cut["step"])
+
+
+def _wait_for_the_last_shard(directory: str) -> None:
+    """After a master SIGKILL its shards stop on their own with a last snapshot (shard.py): wait
+    until the folder's last shard process is gone, so that snapshot cannot land over the cut."""
+    try:
+        with open(os.path.join(directory, READY_FILE), encoding="utf-8") as f:
+            pid = int(json.load(f)["pid"])
+    except (OSError, ValueError, KeyError):
+        return
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while _is_shard(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _is_shard(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"elastic_step.ps.shard" in f.read()
+    except OSError:  # gone (or no /proc: nothing to wait on)
+        return False
