@@ -54,7 +54,7 @@ from elastic_step.ps.routing import RoutingTable
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
 PS_PORT = 7460  # shard I listens on PS_PORT + I (distinct even where pods share the node's network)
-DATA_DIR = "/var/lib/elastic-step/ps"  # the shard's folder: an emptyDir, kept across container restarts
+DATA_DIR = "/tmp/ps"  # the shard's folder, on the pod's scratch emptyDir: kept across container restarts
 CONFIG_ENV = "ELASTIC_STEP_PS_CONFIG"  # the shard's config.json (tables, routing): no secret in it
 POD_IP_ENV = "ELASTIC_STEP_POD_IP"
 DIR_ENV = "ELASTIC_STEP_PS_DIR"  # paths in the env, not the command: where a runtime relocates mounts, it rewrites the env
@@ -96,7 +96,6 @@ def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, ima
         name="ps", image=image, command=command, env=env, resources=resources(replace(settings, gpus=0)),
         ports=[k8s.V1ContainerPort(name="ps", container_port=PS_PORT + shard, protocol="TCP")],
         volume_mounts=[k8s.V1VolumeMount(name="token", mount_path=TOKEN_MOUNT, read_only=True),
-                       k8s.V1VolumeMount(name="ps-data", mount_path=DATA_DIR),
                        k8s.V1VolumeMount(name="scratch", mount_path="/tmp")],
         security_context=k8s.V1SecurityContext(allow_privilege_escalation=False, read_only_root_filesystem=True,
                                                run_as_non_root=True, capabilities=k8s.V1Capabilities(drop=["ALL"])),
@@ -115,7 +114,6 @@ def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, ima
         security_context=k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=RUN_AS, run_as_group=RUN_AS, fs_group=RUN_AS,
                                                   seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")),
         volumes=[k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=names.secret, default_mode=0o440)),
-                 k8s.V1Volume(name="ps-data", empty_dir=k8s.V1EmptyDirVolumeSource()),
                  k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())],
     )
     labels = {**names.labels(COMPONENT), SHARD_LABEL: str(shard), ISTIO_INJECT_LABEL: "false"}  # no sidecar: workers connect directly
@@ -367,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     directory = os.environ[DIR_ENV]
+    os.makedirs(directory, exist_ok=True)
     partial = os.path.join(directory, CONFIG_FILE + ".partial")
     with open(partial, "w", encoding="utf-8") as f:
         f.write(os.environ[CONFIG_ENV])

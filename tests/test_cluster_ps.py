@@ -1,0 +1,167 @@
+"""A `--mode ps` job on the cluster stand-in: the master pod runs its parameter-server shards as
+pods of the job (backends/kubernetes/ps_pods.py) beside its worker pods.
+
+Unit level: a shard pod's manifest (labels, the workers' service account and security context,
+the shard's folder an emptyDir of a pod restarted in place, its address and token from the env)
+and the shards' NetworkPolicy (the job's workers and master, the shards' ports, nothing else).
+
+End to end (tests/cluster, deploy/'s Role and admission policy enforced): a DeepFM job of two
+worker pods and two shard pods on the synthetic CTR data read from a private bucket; one shard's
+container is SIGKILLed mid-training (`docker kill`). The kubelet restarts it in its pod, where it
+loads its snapshot and replays its ledger from the pod's emptyDir, at the same address; the
+workers retry what it had not acknowledged and none of them restarts. Once every row is trained,
+each embedding row's update counter on the shards equals the count computed from the data alone
+(each minibatch updates each of its distinct ids once): nothing acknowledged was lost and nothing
+applied twice. The job then succeeds and leaves none of its pods or NetworkPolicies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from cluster import Cluster, venv_image
+from conftest import cli
+from elastic_step.backends.kubernetes.manifests import JobNames, to_dict
+from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+from elastic_step.backends.kubernetes.ps_pods import PS_PORT, ps_network_policy, ps_pod
+from stores import S3Server, upload
+from test_cluster_e2e import JOB_DIR, MasterOnNode, master_pod, store_secret
+from test_ps_mode import DEEPFM_PS, counters_from_the_data
+
+TEST_IMAGE = "registry.example/ml/elastic-step-torch-test:0.1.0"
+ROWS_PER_SHARD, MINIBATCH, EPOCHS = 800, 128, 2
+
+
+def test_a_shard_pod_runs_as_a_worker_with_its_folder_kept_across_restarts():
+    names = JobNames.for_job("ctr", suffix="abc123")
+    master = MasterPod(name="train-step", namespace="ml", uid="abc123-uid", ip="10.0.0.5")
+    settings = PodSettings(namespace="ml", image=None, cpu_request="500m", memory_request="1Gi", gpus=1)
+    pod = to_dict(ps_pod(settings, names, master, "img:1", 1, '{"tables": []}'))
+    labels = pod["metadata"]["labels"]
+    assert labels["app.kubernetes.io/component"] == "ps" and labels["elastic-step/ps-shard"] == "1"
+    assert labels["app.kubernetes.io/instance"] == "ctr-abc123" and labels["sidecar.istio.io/inject"] == "false"
+    assert pod["metadata"]["name"] == "ctr-abc123-ps-1" and pod["metadata"]["ownerReferences"][0]["uid"] == "abc123-uid"
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "OnFailure"  # the kubelet restarts a dead shard in place: same IP, same emptyDir
+    assert spec["serviceAccountName"] == "elastic-step-worker" and spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = spec["containers"]
+    assert container["image"] == "img:1" and container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}}  # the workers' requests, no GPU
+    assert container["command"][-4:] == ["--host", "$(ELASTIC_STEP_POD_IP)", "--port", str(PS_PORT + 1)]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["ELASTIC_STEP_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["ELASTIC_STEP_TOKEN_FILE"]["value"] == "/var/run/elastic-step/token/token"  # a file, never the token
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["scratch"] == {"name": "scratch", "emptyDir": {}}
+    assert volumes["token"]["secret"] == {"secretName": "ctr-abc123-token", "defaultMode": 0o440}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert env["ELASTIC_STEP_PS_DIR"]["value"].startswith("/tmp/") and mounts["/tmp"]["name"] == "scratch"
+
+
+def test_the_shards_admit_the_jobs_workers_and_master_on_their_ports_only():
+    names = JobNames.for_job("ctr", suffix="abc123")
+    master_labels = {"app.kubernetes.io/name": "train-step", "workflows.argoproj.io/completed": "false"}
+    policy = to_dict(ps_network_policy(names, None, "ml", master_labels, 2))
+    assert policy["metadata"]["name"] == "ctr-abc123-ps"
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/instance": "ctr-abc123", "app.kubernetes.io/component": "ps"}}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": PS_PORT}, {"protocol": "TCP", "port": PS_PORT + 1}]
+    assert [peer["podSelector"]["matchLabels"] for peer in rule["from"]] == [
+        {"app.kubernetes.io/instance": "ctr-abc123", "app.kubernetes.io/component": "worker"},
+        {"app.kubernetes.io/name": "train-step"}]  # the master by its stable labels
+    # A master pod without labels is left out, never admitted as an empty selector (every pod).
+    unlabelled = to_dict(ps_network_policy(names, None, "ml", {}, 1))
+    assert [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in unlabelled["spec"]["ingress"][0]["from"]] == ["worker"]
+
+
+# -- end to end ----------------------------------------------------------------------------------
+@pytest.fixture
+def clicks(tmp_path) -> str:
+    data = tmp_path / "ctr"
+    done = cli("prepare-data", "--source", "synthetic:criteo?rows=6000&seed=5", "--out", str(data),
+               "--categorical", "auto", "--rows-per-shard", str(ROWS_PER_SHARD))
+    assert done.returncode == 0, done.stderr
+    return str(data)
+
+
+def shard_counters(endpoints: list[str], token: str) -> Counter:
+    """Each id's update count as the running shards hold it (their `counters`)."""
+    from elastic_step.ps.client import PsClient
+
+    client, counts = PsClient(token, lambda: None, timeout_s=10.0), Counter()
+    try:
+        for endpoint in endpoints:
+            header, body = client.call(endpoint, {"op": "counters", "table": "deepfm_ids"})
+            ids = np.frombuffer(body, "<i8", count=header["count"])
+            updates = np.frombuffer(body, "<u4", offset=8 * header["count"])
+            counts.update({i: u for i, u in zip(ids.tolist(), updates.tolist()) if u})
+    finally:
+        client.close()
+    return counts
+
+
+@pytest.mark.e2e
+def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_pod_sigkill(tmp_path, clicks):
+    expected = counters_from_the_data(clicks, EPOCHS, MINIBATCH)
+    with S3Server() as s3, Cluster(str(tmp_path / "cluster"), images={TEST_IMAGE: venv_image(TEST_IMAGE)}) as cluster:
+        print(f"kubelet runtime: {cluster.kubelet.mode}")
+        data = upload(s3.endpoint, clicks, "training-data", "ctr")
+        args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3.endpoint}",
+                "--model-def", DEEPFM_PS, "--mode", "ps", "--ps-shards", "2", "--job-dir", JOB_DIR, "--workers", "2",
+                "--epochs", str(EPOCHS), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
+                "--checkpoint-steps", "0", "--worker-cpu", "500m", "--worker-memory", "1Gi", "--max-relaunches", "0",
+                "--no-progress"]
+        ns, api = cluster.namespace, cluster.core()
+        store_secret(api, ns)
+        api.create_namespaced_pod(ns, master_pod(cluster, "train-step-ps", args))
+        master = MasterOnNode(cluster, "train-step-ps")
+        started = time.monotonic()
+        status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2
+                             and 0.05 < s["rows_done"] / s["rows_total"] < 0.5, timeout=240)
+        print(f"training on 2 worker pods and 2 shard pods after {time.monotonic() - started:.1f}s")
+        endpoints = [s["address"] for s in status["ps_shards"]]
+        shard_pods = sorted(p["metadata"]["name"] for p in cluster.pods()
+                            if p["metadata"]["labels"].get("app.kubernetes.io/component") == "ps")
+        assert len(shard_pods) == 2 and shard_pods[0].endswith("-ps-0"), shard_pods
+        cluster.kubelet.kill(ns, shard_pods[0])  # docker kill: the shard's container dies with SIGKILL
+
+        status = master.wait(lambda s: s["ps_shards"][0]["relaunches"] == 1 and s["ps_shards"][0]["state"] == "serving", timeout=120)
+        assert status["ps_shards"][0]["address"] == endpoints[0]  # back in its pod, at its address
+        with open(master.path(f"{JOB_DIR}/token")) as f:
+            token = f.read().strip()
+        # Every row trained, the master still evaluating: the shards hold every update, each once.
+        master.wait(lambda s: s["rows_done"] == s["rows_total"], timeout=300)
+        got = shard_counters(endpoints, token)
+        wrong = {i: (got[i], expected[i]) for i in set(got) | set(expected) if got[i] != expected[i]}
+        assert not wrong, f"{len(wrong)} rows updated other than once per minibatch, e.g. {list(wrong.items())[:5]}"
+
+        phase = master.wait_ended(300)
+        log = master.log()
+        assert phase == "Succeeded", log
+        print(f"job done {time.monotonic() - started:.1f}s after it started")
+        with open(master.path(f"{JOB_DIR}/events.jsonl")) as f:
+            events = [json.loads(line) for line in f]
+        assert not [e for e in events if e["event"] in ("died", "relaunched")], events  # no worker restarted
+        with open(master.path(f"{JOB_DIR}/result.json")) as f:
+            assert json.load(f)["test_metrics"]["auc"] > 0.6  # the tables the master froze from the shards' rows
+
+        restarted = [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[4]["metadata"]["name"] == shard_pods[0]]
+        assert max(s.get("restartCount", 0) for p in restarted for s in p.get("status", {}).get("containerStatuses", [])) == 1
+        instance = restarted[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
+        policies = {e[4]["metadata"]["name"]: e[4] for e in cluster.server.store.history if e[1] == "networkpolicies"}
+        assert f"{instance}-ps" in policies, list(policies)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and [p for p in cluster.pods() if p["metadata"]["labels"].get("app.kubernetes.io/instance") == instance]:
+            time.sleep(0.5)
+        left = [o["metadata"]["name"] for plural in ("pods", "secrets", "networkpolicies") for o in cluster.objects(plural)
+                if o["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == instance]
+        assert left == []
+        assert cluster.refused() == set()  # deploy/'s Role and admission policy allow every call
