@@ -4,6 +4,7 @@ tracking URI with a password in it."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -121,6 +122,13 @@ def test_workers_leave_within_5s_of_their_master_being_killed(digits, start_job)
     took = time.monotonic() - killed
     assert not worker_processes(job.job_dir), "workers outlived their master"
     assert took < 5.5, f"workers took {took:.1f}s to leave a dead master"
+    # Each left through its main thread (its exit path logged the code), not from a background thread.
+    logs = glob.glob(os.path.join(job.job_dir, "logs", "w*.log"))
+    assert len(logs) == 3, logs
+    for path in logs:
+        text = open(path, errors="replace").read()
+        assert "worker leaves: master at" in text and "(exit code 3)" in text, (path, text[-2000:])
+        assert "stacks follow" not in text, (path, text[-2000:])
 
 
 TRAIN_STEP = """

@@ -56,9 +56,9 @@ def delete(args) -> int:
 
 
 def worker(args) -> int:
-    from elastic_step.worker.leaving import leave_on_sigterm
+    from elastic_step.worker.leaving import leave_on_sigterm, run_until_leaving
 
     leave_on_sigterm()  # before the framework's imports, which take seconds: an eviction may come meanwhile
     from elastic_step.worker.loop import run_worker
 
-    return run_worker()
+    return run_until_leaving(run_worker)  # an eviction or a master gone leaves through here

@@ -1,16 +1,18 @@
 """The worker's two background threads: heartbeats (which also bring news of a new round) and
-rank 0's step reporter (which sends applied steps in batches, off the training path)."""
+rank 0's step reporter (which sends applied steps in batches, off the training path). Neither
+ends the process: one that finds the master gone says so (leaving.depart) and the main thread
+leaves."""
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 
 from elastic_step.protocol import HeartbeatRequest, Route, StepRecord, StepsRequest
 from elastic_step.worker.client import MasterClient, MasterGone, Rejected
+from elastic_step.worker.leaving import LeaveReason, depart
 from elastic_step.worker.resources import ResourceSampler
 
 log = logging.getLogger("elastic_step.worker")
@@ -49,10 +51,10 @@ class Heartbeat(threading.Thread):
                     HeartbeatRequest(worker_id=self.worker_id, round_id=self.round_id, step=self.step, resources=self._resources()),
                 )
             except MasterGone as exc:
-                # No master: nobody will ever tell this worker to stop. Leave without running
-                # destructors (a gloo group mid-collective could otherwise abort noisily).
-                log.error("%s; exiting", exc)
-                os._exit(3)
+                # No master: nobody will ever tell this worker to stop. The main thread leaves
+                # (leaving.py); this thread's work is over.
+                depart(LeaveReason.MASTER_GONE, str(exc))
+                return
             except Rejected as exc:
                 log.warning("heartbeat rejected: %s", exc)
             else:
@@ -114,7 +116,8 @@ class StepReporter(threading.Thread):
                     # settles them from the state source: nothing is lost by dropping the report.
                     log.warning("step report rejected: %s", exc)
                 except MasterGone as exc:
-                    log.error("%s; exiting", exc)
-                    os._exit(3)
+                    # The main thread leaves (leaving.py); this thread goes on marking its
+                    # batches sent, so that nothing waiting on `flush` waits for ever.
+                    depart(LeaveReason.MASTER_GONE, str(exc))
             for _ in batch:
                 self._queue.task_done()
