@@ -23,6 +23,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from kubernetes import client as k8s
 
 from cluster import Cluster, venv_image
 from conftest import cli
@@ -80,6 +81,81 @@ def test_the_shards_admit_the_jobs_workers_and_master_on_their_ports_only():
     # A master pod without labels is left out, never admitted as an empty selector (every pod).
     unlabelled = to_dict(ps_network_policy(names, None, "ml", {}, 1))
     assert [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in unlabelled["spec"]["ingress"][0]["from"]] == ["worker"]
+
+
+class _Pods:
+    """The launcher's pod list as the supervisor sees it, set by the test."""
+
+    names = JobNames.for_job("ctr", suffix="abc123")
+
+    def __init__(self):
+        self.pods, self.serving = [], True
+
+    def list_pods(self):
+        return self.pods
+
+    def answers(self, client, endpoint):
+        return self.serving
+
+
+def _shard_pod(restarts: int, running: bool, phase: str = "Running"):
+    state = k8s.V1ContainerState(running=k8s.V1ContainerStateRunning() if running else None)
+    return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="ctr-abc123-ps-0"), status=k8s.V1PodStatus(
+        phase=phase, container_statuses=[k8s.V1ContainerStatus(name="ps", restart_count=restarts, state=state, image="i",
+                                                                image_id="", ready=running)]))
+
+
+def test_a_restarted_shard_is_relaunching_until_it_answers_and_a_gone_pod_is_down():
+    from elastic_step.backends.kubernetes.ps_pods import PodShard, PodShards, PodSupervisor
+    from elastic_step.ps.routing import RoutingTable
+
+    pods = _Pods()
+    supervisor = PodSupervisor(pods, PodShards([PodShard(0, "10.0.0.7", PS_PORT)], RoutingTable.initial(1)), client=None)
+    judge = lambda pod: supervisor._judge(supervisor.shards.shards[0], pod)  # noqa: E731
+    judge(_shard_pod(0, running=True))
+    assert supervisor.states == ["serving"] and supervisor.relaunches == [0]
+    pods.serving = False  # SIGKILLed; the kubelet restarted the container, which replays its ledger
+    judge(_shard_pod(1, running=True))
+    assert supervisor.states == ["relaunching"]
+    pods.serving = True
+    judge(_shard_pod(1, running=True))
+    assert supervisor.states == ["serving"] and supervisor.relaunches == [1]
+    judge(None)  # deleted: its emptyDir, so its rows, went with it
+    assert supervisor.states == ["down"]
+
+
+@pytest.fixture(scope="module")
+def policed(tmp_path_factory):
+    from test_admission_policy import install_policy
+
+    with Cluster(str(tmp_path_factory.mktemp("cluster"))) as c:
+        install_policy(c)
+        yield c
+
+
+@pytest.mark.e2e
+def test_deploys_admission_policy_admits_a_masters_shard_pods_and_policy_and_no_wider_one(policed, tmp_path, monkeypatch):
+    """With the master pod's own token (deploy/rbac's runner, its admission policy installed):
+    its shard pods and their NetworkPolicy pass (server-side dry runs); a -ps policy that
+    selects other pods than the job's shards is refused."""
+    from test_admission_policy import master_pod as runner_pod
+    from test_admission_policy import runner_backend
+
+    cluster, ns = policed, policed.namespace
+    master, token = runner_pod(cluster, "train-step-ps")
+    backend = runner_backend(cluster, tmp_path, monkeypatch, "ctr", PodSettings(namespace=ns, image=None), master, token)
+    try:
+        api, networking = cluster.core(token), k8s.NetworkingV1Api(cluster.core(token).api_client)
+        pod = ps_pod(backend.settings, backend.names, master, backend.image, 0, '{"tables": []}')
+        api.create_namespaced_pod(ns, pod, dry_run="All")
+        policy = ps_network_policy(backend.names, master, ns, backend.master_labels, 2)
+        networking.create_namespaced_network_policy(ns, policy, dry_run="All")
+        policy.spec.pod_selector.match_labels = backend.names.worker_labels  # opening the job's workers instead
+        with pytest.raises(k8s.ApiException) as refused:
+            networking.create_namespaced_network_policy(ns, policy, dry_run="All")
+        assert refused.value.status == 403 and "parameter-server pods" in refused.value.body
+    finally:
+        backend.shutdown(grace_s=0)
 
 
 # -- end to end ----------------------------------------------------------------------------------
