@@ -1,7 +1,7 @@
 """Checkpoint cuts on a shard (ps/cuts.py), in process: a checkpoint of step S gets, from every
 shard, the tables holding exactly the pushes of steps <= S, whether the shard cut itself at the
-first push after S (a multiple of --checkpoint-steps) or is asked before any later push; a
-relaunched shard still has its cut; a shard that moved past S without one refuses in one line;
+first push after S (a multiple of --checkpoint-steps) or cuts it from its snapshot and ledger
+when asked; a relaunched shard still has its cut; a shard that cannot cut S refuses in one line;
 a folder restored from a cut holds that cut's tables and keys, and nothing newer or older, and
 only once the shard a killed master left there is gone."""
 
@@ -72,18 +72,23 @@ def test_a_relaunched_shard_keeps_its_cut_and_multiples_crossed_at_once_share_on
     assert restored(tmp_path / "s", 4, digests.pop(), tmp_path / "r").tables["emb"].digest() == before
 
 
-def test_another_step_is_cut_when_asked_before_a_later_push_and_refused_after_one(tmp_path):
+def test_another_step_is_cut_from_the_snapshot_and_ledger_unless_a_snapshot_or_a_relaunch_came_since(tmp_path):
     held = shard(tmp_path / "s", every=10)
+    held.snapshot_every = 4
     push(held, 1), push(held, 2), push(held, 3)
     at_three = held.tables["emb"].digest()
-    cut = held.cut(3)  # an epoch's end, say: no push of step 4 yet, so the tables are step 3's
-    push(held, 4)
-    assert restored(tmp_path / "s", 3, cut["digest"], tmp_path / "r").tables["emb"].digest() == at_three
-    with pytest.raises(cuts.CutMissing, match="has applied pushes of step 4 and holds no cut of step 2"):
+    push(held, 4), push(held, 4, seq=40)  # a snapshot is due now, but waits for the next step's first push
+    at_four = held.tables["emb"].digest()
+    three = held.cut(3)  # an epoch's end, say, asked for after step 4's pushes: no multiple of 10
+    push(held, 5)  # the snapshot is taken first: it holds steps <= 4
+    four = held.cut(4)
+    assert restored(tmp_path / "s", 3, three["digest"], tmp_path / "r3").tables["emb"].digest() == at_three
+    assert restored(tmp_path / "s", 4, four["digest"], tmp_path / "r4").tables["emb"].digest() == at_four
+    with pytest.raises(cuts.CutMissing, match="shard 0 took a snapshot after step 2"):
         held.cut(2)
     held.close()
-    with pytest.raises(cuts.CutMissing, match="was relaunched since"):
-        shard(tmp_path / "s", every=10).cut(4)
+    with pytest.raises(cuts.CutMissing, match="was relaunched since its last snapshot"):
+        shard(tmp_path / "s", every=10).cut(5)
 
 
 def test_a_cut_that_is_not_the_recorded_one_is_refused_and_older_cuts_are_dropped(tmp_path):

@@ -6,8 +6,8 @@ shard's tables as they were after exactly the pushes of steps <= S, though the j
 pushing after S before the master stopped. A resume starts every shard from that cut: the tables
 hash as they did at the checkpoint, and the minibatches trained after S, which the workers
 train again with the dense weights of S, are applied again, once. A checkpoint whose step a
-shard has no cut of is not taken (one line), and a resume whose cut is not the recorded one
-stops in one line. Any start other than a resume empties the tables.
+shard cannot cut is not taken (one line), and a resume whose cut is not the recorded one stops
+in one line. Any start other than a resume empties the tables.
 
 After `scale --ps`, a resume from a checkpoint without a cut runs the routing of the last move,
 and finishes that move when its master stopped mid-way; the move's start and finish are events.
@@ -87,9 +87,10 @@ def test_a_resume_puts_every_shard_back_to_the_checkpoints_cut_and_re_applies_wh
         trained = client.pull("resume_t", IDS).copy()
         recorded = []
         taking = PsCheckpoints(monitor, lambda *checkpoint: recorded.append(checkpoint))
+        client.call(client.routing.endpoints[1], {"op": "snapshot"})  # as one every 1000 pushes would be
         with caplog.at_level(logging.WARNING, logger="elastic_step.master"):
-            taking(1, 0, b"dense", {"current_epoch": 0})  # an epoch's end, say, asked for after step 3's pushes
-        assert not recorded and "checkpoint of step 1 not taken" in caplog.text and "pushes of step 3" in caplog.text
+            taking(1, 0, b"dense", {"current_epoch": 0})  # not a multiple of 2, and shard 1's ledger no longer reaches back
+        assert not recorded and "checkpoint of step 1 not taken" in caplog.text and "shard 1 took a snapshot after step 1" in caplog.text
         taking(2, 0, b"dense", {"current_epoch": 0})  # rank 0's checkpoint of step 2, handed over now
         (step, _, _, ledger), = recorded
         cut = ledger[PS_CUT]

@@ -17,10 +17,19 @@ at another step (an epoch's end, a stop) is cut when the master asks, if no push
 step has reached the shard yet; else that checkpoint fails (the master says so in one line) and
 the next multiple of K is taken.
 
-Crash-safe without remembering anything: the cut of C is written (fsync'd, renamed) before the
-first push of a step > C is applied, so a relaunched shard that finds no cut of C has applied no
-push after C. Files: `cuts/S.bin` (the snapshot format of snapshot.py) and `cuts/S.json`
-(step, routing epoch and routing, the .bin's SHA-256), the .json written last.
+Any other step S is cut when the master asks, from what the shard keeps anyway: its snapshot
+and its ledger's records up to the first push of a step after S (the shard notes where each
+step begins in the ledger, and takes its periodic snapshot only between two steps). That fails
+only when a snapshot was taken after S, or the shard was relaunched since its last snapshot
+(where steps begin is kept in memory): the master then says, in one line, that the checkpoint
+of S is not taken.
+
+The cut of a multiple C of K is written (fsync'd, renamed) before the first push of a step > C
+is applied, so a relaunched shard that finds no cut of C has applied no push after C. Files:
+`cuts/S.bin` (the snapshot format of snapshot.py; a hard link to the shard's snapshot for a cut
+asked for), `cuts/S.ledger` (the ledger's records to replay over it, for a cut asked for) and
+`cuts/S.json` (step, routing epoch and routing, the SHA-256 of the .bin and .ledger), the .json
+written last.
 """
 
 from __future__ import annotations
@@ -55,12 +64,25 @@ def steps(directory: str) -> list[int]:
     return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
 
 
-def file_digest(file: str) -> str:
+def digest_of(directory: str, step: int) -> str:
+    """SHA-256 of the cut's snapshot, then its ledger records if it has any."""
     digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
+    for file in (path(directory, step), path(directory, step, "ledger")):
+        if os.path.exists(file) or file.endswith(".bin"):
+            with open(file, "rb") as f:
+                while chunk := f.read(HASH_CHUNK):
+                    digest.update(chunk)
     return digest.hexdigest()
+
+
+def copy_prefix(source: str, target: str, length: int) -> None:
+    """The first `length` bytes of `source` (whole ledger records) as `target`, durably."""
+    with open(source, "rb") as f:
+        data = f.read(length)
+    with open(target, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def meta(directory: str, step: int) -> dict | None:
@@ -74,7 +96,7 @@ def meta(directory: str, step: int) -> dict | None:
 def seal(directory: str, step: int, routing: dict, also: list[int] = ()) -> dict:
     """After cuts/STEP.bin is written: its .json; each step in `also` (multiples of K crossed
     with no push between) gets the same file by a hard link."""
-    digest = file_digest(path(directory, step))
+    digest = digest_of(directory, step)
     for other in also:
         if not os.path.exists(path(directory, other)):
             os.link(path(directory, step), path(directory, other))
@@ -99,26 +121,30 @@ def drop_below(directory: str, step: int) -> None:
 
 
 def _remove(directory: str, step: int) -> None:
-    for ext in ("json", "bin"):  # the .json first: a cut without it is no cut
+    for ext in ("json", "bin", "ledger"):  # the .json first: a cut without it is no cut
         with contextlib.suppress(FileNotFoundError):
             os.remove(path(directory, step, ext))
 
 
 def restore(directory: str, step: int, digest: str, snapshot_file: str, ledger_file: str, routing_file: str) -> None:
     """Make a shard folder start from its cut of `step` and nothing else: the cut becomes its
-    snapshot, its ledger (updates after the cut) goes, its routing is the cut's, and any cut of
+    snapshot and ledger (the updates after the cut go), its routing is the cut's, and any cut of
     a later step goes. CutMissing when the cut is not there or is not the one the checkpoint
     names (its digest)."""
     found = meta(directory, step)
     if found is None or not os.path.exists(path(directory, step)):
         raise CutMissing(f"{directory} has no cut of step {step}")
-    if found["digest"] != digest or file_digest(path(directory, step)) != digest:
+    if found["digest"] != digest or digest_of(directory, step) != digest:
         raise CutMissing(f"{directory}: the cut of step {step} is not the one the checkpoint recorded (its SHA-256 differs)")
     partial = os.path.join(directory, snapshot_file + ".partial")
     shutil.copyfile(path(directory, step), partial)
     os.replace(partial, os.path.join(directory, snapshot_file))
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(directory, ledger_file))
+    if os.path.exists(path(directory, step, "ledger")):  # replayed over the snapshot when the shard starts
+        shutil.copyfile(path(directory, step, "ledger"), os.path.join(directory, ledger_file + ".partial"))
+        os.replace(os.path.join(directory, ledger_file + ".partial"), os.path.join(directory, ledger_file))
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, ledger_file))
     with open(os.path.join(directory, routing_file), "w", encoding="utf-8") as f:
         json.dump({**found["routing"], "pending": [], "previous": None}, f)
     for later in steps(directory):

@@ -23,11 +23,14 @@
   gave and snapshots. Pending virtual shards are kept in routing.json beside the routing.
 - Checkpoint cuts (cuts.py): a push names the step it is trained in; before applying the first
   push of a step past a multiple of `checkpoint_every`, the shard writes its cut of that
-  multiple, and `cut(S)` hands the master the cut of a checkpoint of step S.
+  multiple, and `cut(S)` hands the master the cut of a checkpoint of step S: that one, or the
+  snapshot plus the ledger's records up to the first push of a step after S. For that, a
+  snapshot due after `snapshot_every` pushes waits for the first push of the next step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -75,6 +78,9 @@ class ShardState:
         self.checkpoint_every = checkpoint_every  # the job's --checkpoint-steps: cut at each multiple
         self.cut_step = 0  # the newest step this folder holds a cut of
         self.high: int | None = 0  # the newest step of a push applied; None: unknown (recovered state)
+        self.snapshot_high: int | None = 0  # the newest step the snapshot holds a push of; None: unknown
+        self.steps_begun: list[tuple[int, int]] = []  # (step, ledger offset of its first push) since the snapshot
+        self.ledger_origin = 0  # ledger.written where the ledger file began
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -101,9 +107,10 @@ class ShardState:
         self.since_snapshot = replayed
         self.cut_step = max(cuts.steps(self.directory), default=0)
         if tables or replayed:  # pushes applied before this process: of which steps is not kept
-            self.high = None
+            self.high = self.snapshot_high = None
         self.recovery_s = {"load_s": round(loaded - started, 3), "replay_s": round(time.perf_counter() - loaded, 3)}
         self.ledger = Ledger(self._path(LEDGER_FILE), sync=self.sync)
+        self.ledger_origin = -os.path.getsize(self._path(LEDGER_FILE))
         return replayed
 
     def check(self, epoch: int, ids: np.ndarray | None = None) -> Status:
@@ -136,13 +143,12 @@ class ShardState:
             self._checked(epoch, record.ids)
             applied = self.applied[record.table].missing((record.task, record.batch_seq))
             if applied and step is not None:
-                self._cut_before(step)
-                self.high = max(self.high or 0, step)
+                self._begin(step)
             if applied:
                 mark = self.ledger.append(record)
                 applied = self._apply(record) > 0  # False when only groups without its rows lacked the key
                 self.since_snapshot += 1
-                if self.since_snapshot >= self.snapshot_every:
+                if self.since_snapshot >= self.snapshot_every and step is None:
                     self._snapshot()
             else:
                 mark = self.ledger.written
@@ -168,6 +174,17 @@ class ShardState:
     # -- checkpoint cuts (cuts.py) -------------------------------------------------------------
     CROSSED_LINKS = 16  # multiples of K crossed at once that get a cut (the master asks for the newest)
 
+    def _begin(self, step: int) -> None:
+        """Before a push of `step` is applied: at the first push of a new step, the cut a
+        multiple of K needs, a snapshot that is due, and where the step begins in the ledger."""
+        self._cut_before(step)
+        if self.high is not None and step <= self.high:
+            return
+        if self.since_snapshot >= self.snapshot_every:
+            self._snapshot()  # between steps, so that any step since can still be cut
+        self.steps_begun.append((step, self.ledger.written - self.ledger_origin))
+        self.high = step
+
     def _cut_before(self, step: int) -> None:
         """Before a push of `step`: the cut of the last multiple of K below it, unless there is one."""
         every = self.checkpoint_every
@@ -186,19 +203,40 @@ class ShardState:
 
     def cut(self, step: int, keep_from: int = 0) -> dict:
         """The cut of a checkpoint of `step` (cuts.py's meta: step, routing, digest): the one
-        written at the first push after it, else one written now if no push after it has been
-        applied. Cuts before `keep_from` (the newest checkpoint recorded) are dropped.
-        CutMissing when the shard has moved past `step` without a cut of it."""
+        written at the first push after it, else the snapshot with the ledger's records of steps
+        <= `step`. Cuts before `keep_from` (the newest checkpoint recorded) are dropped.
+        CutMissing when neither can be had (a snapshot or a relaunch since `step`)."""
         with self.lock:
             found = cuts.meta(self.directory, step)
             if found is None:
-                if self.high is None or self.high > step:
-                    why = "was relaunched since" if self.high is None else f"has applied pushes of step {self.high}"
-                    raise cuts.CutMissing(f"shard {self.shard} {why} and holds no cut of step {step} (shards cut "
-                                          "every --checkpoint-steps steps themselves; other checkpoints only until the next step's first push)")
-                found = self._write_cut(step)
+                found = self._ledger_cut(step, self._ledger_through(step))
             cuts.drop_below(self.directory, min(keep_from, step))
             return found
+
+    def _ledger_through(self, step: int) -> int:
+        """How many bytes of the ledger hold the pushes of steps <= `step` after the snapshot."""
+        if self.high is None or self.snapshot_high is None:
+            raise cuts.CutMissing(f"shard {self.shard} was relaunched since its last snapshot and holds no cut of step {step}")
+        if self.snapshot_high > step:
+            raise cuts.CutMissing(f"shard {self.shard} took a snapshot after step {step} (one every {self.snapshot_every} "
+                                  f"pushes) and holds no cut of it")
+        later = [offset for begun, offset in self.steps_begun if begun > step]
+        return later[0] if later else self.ledger.written - self.ledger_origin
+
+    def _ledger_cut(self, step: int, length: int) -> dict:
+        """cuts/STEP: the snapshot (a hard link: it is replaced, never rewritten) and a copy of
+        the ledger's first `length` bytes."""
+        os.makedirs(cuts.folder(self.directory), exist_ok=True)
+        target = cuts.path(self.directory, step)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(target)
+        if os.path.exists(self._path(SNAPSHOT_FILE)):
+            os.link(self._path(SNAPSHOT_FILE), target)
+        else:  # none yet: the tables were empty
+            snapshot.save(target, {}, {})
+        cuts.copy_prefix(self._path(LEDGER_FILE), cuts.path(self.directory, step, "ledger"), length)
+        self.cut_step = max(self.cut_step, step)
+        return cuts.seal(self.directory, step, self.routing.to_json())
 
     @property
     def owned(self) -> np.ndarray:
@@ -210,6 +248,7 @@ class ShardState:
         snapshot.save(self._path(SNAPSHOT_FILE), {n: t.arrays() for n, t in self.tables.items()}, self.applied)
         self.ledger.rotate()
         self.since_snapshot = 0
+        self.snapshot_high, self.steps_begun, self.ledger_origin = self.high, [], self.ledger.written
 
     def set_routing(self, routing: RoutingTable) -> None:
         """Adopt a newer routing (an older or equal epoch is ignored), durably, as it is: the
