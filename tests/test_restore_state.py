@@ -9,7 +9,7 @@ from elastic_step.audit import read_audit
 from elastic_step.backends.api import WorkerExit
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog
-from elastic_step.master.ledger import Ledger
+from elastic_step.master.ledger import Consumed, Ledger
 from elastic_step.master.restore import InitialState, RestorePoint
 from elastic_step.master.state import MasterState, Timeouts
 from elastic_step.protocol import RangeRecord, StepRecord, this_engine
@@ -79,6 +79,11 @@ def finish(state):
     state.ledger.write_audit()
 
 
+def worker_rows(state) -> dict:
+    """Each worker's rows_applied, as /status (and so `get`) shows it."""
+    return {w["id"]: w["rows_applied"] for w in state.status()["workers"]}
+
+
 def assert_exact(tmp_path):
     counts = [0] * ROWS
     for entry in read_audit(str(tmp_path / "audit.jsonl")):
@@ -93,9 +98,13 @@ def test_every_holder_dead_after_a_checkpoint_the_group_goes_on_from_it_exactly(
     train(state, 3, checkpoint_at=2)  # steps 1..3; step 2's checkpoint is handed once step 3 makes it final
     assert [pair[0] for pair in handed] == [2]
     train(state, 2, first_step=4)  # steps 4, 5 (4 final): rows applied after the checkpoint
+    dead = list(state.round.members)
+    assert worker_rows(state) == {w: 10 for w in dead}  # two rows a step each, steps 1..5
     relaunched = kill_everyone(state, backend)
     replies = start_round(state, relaunched)
     ready = state.round
+    # Each dead worker keeps its share of the checkpoint's steps only: steps 3..5 are trained again.
+    assert worker_rows(state) == {**{w: 4 for w in dead}, **{w: 0 for w in ready.members}}
     assert ready.ready and ready.start_step == 2 and ready.source_rank == 0
     assert replies[ready.members[0]].initial_state == "checkpoint"
     assert state.initial_state.data == b"state at 2"  # what /initial-state hands rank 0
@@ -107,6 +116,7 @@ def test_every_holder_dead_after_a_checkpoint_the_group_goes_on_from_it_exactly(
     finish(state)
     assert state.state.value == "succeeded"
     assert state.ledger.rows_final == ROWS  # what result.json's rows_audited says
+    assert sum(worker_rows(state).values()) == ROWS  # what `get` shows per worker adds up to it
     assert_exact(tmp_path)
 
 
@@ -187,3 +197,16 @@ def test_start_over_hands_out_the_same_tasks_as_a_new_dispatcher():
     assert used.epoch_progress() == (0, 34) and not used.holder
     pieces = lambda d: [(t.epoch, t.shard, t.start, t.count) for t in iter(lambda: d.next_task("w"), None)]  # noqa: E731
     assert pieces(used) == pieces(fresh)
+
+
+def test_a_voided_or_restored_step_no_longer_counts_in_its_workers_rows():
+    dispatcher = Dispatcher([ROWS], ["f1"], rows_per_task=PER_TASK, epochs=1, shuffle=False)
+    ledger = Ledger(dispatcher)
+    tasks = {w: dispatcher.next_task(w) for w in ("a", "b")}
+    for step in (1, 2):  # two rows a step from each worker's task
+        ledger.ingest(step, [Consumed(tasks[w].id, 2 * (step - 1), 2) for w in "ab"], ["a", "b"])
+    assert ledger.worker_rows() == {"a": 4, "b": 4} and ledger.worker_rows(1) == {"a": 2, "b": 2}
+    ledger.void_after(1)  # a regroup settles at step 1: step 2 is trained again
+    assert ledger.worker_rows() == {"a": 2, "b": 2}
+    ledger.resume_from(0, 0, {"a": 1})  # a restore to a checkpoint at which a alone had rows
+    assert ledger.worker_rows() == {"a": 1}

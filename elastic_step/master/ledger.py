@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import IO
 
@@ -45,6 +46,11 @@ class Ledger:
         self.final_step = 0  # newest step that can no longer be voided
         self.rows_final = 0
         self._tentative: dict[int, list[Consumed]] = {}
+        # Rows each worker's rank consumed, what status shows per worker: of final steps, and
+        # the holders of each tentative step's ranges, so a voided step or a restore takes its
+        # rows back from the workers' counts as it does from the dispatcher.
+        self._worker_rows_final: Counter[str] = Counter()
+        self._tentative_holders: dict[int, list[str]] = {}
         self._audit: IO[str] | None = open(audit_path, "a", encoding="utf-8") if audit_path else None
         # Audit lines of finalized steps not yet written. The master's state sets `defer_audit`
         # and writes them (`write_audit`) once its lock is released; anyone else gets them
@@ -70,23 +76,30 @@ class Ledger:
         for c in consumed:
             self.dispatcher.mark_applied(c.task_id, c.offset, c.count)
         self._tentative[step] = consumed
+        if holders:
+            self._tentative_holders[step] = list(holders)
         self.applied_step = step
         self.finalize_through(step - 1)
         return True
 
-    def resume_from(self, step: int, rows_final: int = 0) -> None:
+    def resume_from(self, step: int, rows_final: int = 0, worker_rows: dict[str, int] | None = None) -> None:
         """Continue after a checkpoint of `step` (its dispatcher restored by the caller): audit
         entries written earlier with a later step are void, which the audit file says for anyone
-        reading it. `rows_final`: the rows this ledger had finalized through `step`."""
+        reading it. `rows_final`: the rows this ledger had finalized through `step`;
+        `worker_rows`: each worker's share of them (`worker_rows(step)` when the checkpoint was taken)."""
         self._tentative.clear()  # their tasks are the restored dispatcher's no longer
+        self._tentative_holders.clear()
         self.applied_step = self.final_step = step
         self.rows_final = rows_final
+        self._worker_rows_final = Counter(worker_rows or {})
         self._append_audit([json.dumps({"resume_from_step": step})])
         self.write_audit()
 
     def finalize_through(self, step: int) -> None:
         lines = []
         for s in range(self.final_step + 1, min(step, self.applied_step) + 1):
+            for holder, c in zip(self._tentative_holders.pop(s, []), self._tentative[s]):
+                self._worker_rows_final[holder] += c.count
             for c in self._tentative.pop(s):
                 task = self.dispatcher.tasks[c.task_id]
                 self.rows_final += c.count
@@ -123,6 +136,16 @@ class Ledger:
         """Rows applied in steps up to `step` that this ledger has taken (final or tentative)."""
         return self.rows_final + sum(c.count for s, consumed in self._tentative.items() if s <= step for c in consumed)
 
+    def worker_rows(self, step: int | None = None) -> dict[str, int]:
+        """Rows each worker's rank consumed in the steps up to `step` (default: every step taken)
+        that this ledger holds: voided steps and steps a restore went back over count no more."""
+        rows = Counter(self._worker_rows_final)
+        for s, holders in self._tentative_holders.items():
+            if step is None or s <= step:
+                for holder, c in zip(holders, self._tentative[s]):
+                    rows[holder] += c.count
+        return dict(rows)
+
     def tentative(self) -> dict[int, list[Consumed]]:
         """The steps reported but not yet final, with their ranges (a copy)."""
         return {step: list(consumed) for step, consumed in self._tentative.items()}
@@ -131,6 +154,7 @@ class Ledger:
         """Undo tentative steps above `step`; returns how many rows went back."""
         rows = 0
         for s in sorted((s for s in self._tentative if s > step), reverse=True):
+            self._tentative_holders.pop(s, None)
             for c in reversed(self._tentative.pop(s)):
                 self.dispatcher.unapply(c.task_id, c.count)
                 rows += c.count

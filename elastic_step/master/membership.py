@@ -40,7 +40,6 @@ class WorkerInfo:
     ready: bool = False
     unacked: list[StepRecord] = field(default_factory=list)
     exit_reason: str = ""
-    rows_applied: int = 0  # rows of steps it took part in (shown by status)
     resources: ResourceSample | None = None  # its newest heartbeat's figures (CPU, RSS, GPUs)
     exited_at: float | None = None
     dropped: bool = False  # the master gave it up and asked the backend to stop it: once

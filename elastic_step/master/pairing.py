@@ -13,7 +13,7 @@ the handed-over pairs are written (`on_checkpoint`) by the master once that lock
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 # A flagged step whose state never came (rank 0 died first) is given up this many steps later.
@@ -29,6 +29,7 @@ class HandedCheckpoint:
     state: bytes
     ledger: dict
     rows_final: int = 0  # rows the master's ledger holds through `step`: a restore's audit count
+    worker_rows: dict = field(default_factory=dict)  # each worker's share of them: a restore's per-worker rows
 
 
 @dataclass
@@ -36,6 +37,7 @@ class PendingCheckpoint:
     ledger: dict | None = None
     epoch: int = 0
     rows_final: int = 0
+    worker_rows: dict = field(default_factory=dict)
     state: bytes | None = None
     round_id: int = 0  # the round whose rank 0 sent the state
 
@@ -49,10 +51,12 @@ class CheckpointPairing:
     def enabled(self) -> bool:
         return self.on_checkpoint is not None
 
-    def ledger_at(self, step: int, ledger: dict, epoch: int, round_id: int, rows_final: int = 0) -> None:
+    def ledger_at(self, step: int, ledger: dict, epoch: int, round_id: int, rows_final: int = 0,
+                  worker_rows: dict | None = None) -> None:
         """The ledger half of step `step`, reported in round `round_id`."""
         pending = self._pending.setdefault(step, PendingCheckpoint())
         pending.ledger, pending.epoch, pending.rows_final = ledger, epoch, rows_final
+        pending.worker_rows = dict(worker_rows or {})
         if pending.state is not None and pending.round_id != round_id:
             pending.state = None  # sent by a rank 0 of another round: not this step's state
 
@@ -77,7 +81,8 @@ class CheckpointPairing:
                 break
             if pending.ledger is not None and pending.state is not None:
                 del self._pending[step]
-                handed.append(HandedCheckpoint(step, pending.epoch, pending.state, pending.ledger, pending.rows_final))
+                handed.append(HandedCheckpoint(step, pending.epoch, pending.state, pending.ledger, pending.rows_final,
+                                               pending.worker_rows))
             elif pending.ledger is None or step < final_step - GIVE_UP_AFTER_STEPS:
                 # A state for a step nobody flagged (voided), or a flagged step whose state
                 # never came (rank 0 died first): no consistent cut, drop it.

@@ -11,7 +11,7 @@ the model state goes back with the ledger."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.ledger import Ledger
@@ -35,6 +35,7 @@ class RestorePoint:
     initial: InitialState | None  # what the state source loads; None: a fresh model (seeded as every worker's)
     ledger: dict | None = None  # the dispatcher's snapshot as of `step`; None: the job's start
     rows_final: int = 0  # rows the ledger had finalized through `step` (what the audit then holds from this master)
+    worker_rows: dict = field(default_factory=dict)  # each worker's share of them (what status shows per worker)
 
 
 def restart_from(point: RestorePoint, dispatcher: Dispatcher, ledger: Ledger) -> None:
@@ -43,4 +44,4 @@ def restart_from(point: RestorePoint, dispatcher: Dispatcher, ledger: Ledger) ->
         dispatcher.restore(point.ledger)
     else:
         dispatcher.start_over()
-    ledger.resume_from(point.step, point.rows_final)
+    ledger.resume_from(point.step, point.rows_final, point.worker_rows)

@@ -283,8 +283,6 @@ class MasterState:
                 for r in (entry if isinstance(entry, list) else [entry])]
         if not self.ledger.ingest(record.step, [c for c, _ in held], [m for _, m in held]):
             return
-        for consumed, member in held:
-            self.workers[member].rows_applied += consumed.count
         self.throughput.add(record.time, record.samples, record.loss)
         current = self.round
         self._audit_written()
@@ -294,7 +292,8 @@ class MasterState:
         if record.checkpoint and self.checkpoints.enabled:
             # The ledger as of exactly this step: the other half of the checkpoint.
             self.checkpoints.ledger_at(record.step, self.dispatcher.snapshot(), self.dispatcher.current_epoch, self.ready_round_id,
-                                       rows_final=self.ledger.rows_through(record.step))
+                                       rows_final=self.ledger.rows_through(record.step),
+                                       worker_rows=self.ledger.worker_rows(record.step))
             if self.stop_request is not None:
                 self.stop_request.flagged(record.step)
         if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
@@ -453,7 +452,8 @@ class MasterState:
                 # holding the model dies (rounds.py): kept here, so no store is read under the lock.
                 if self.rounds.restore_point is not None:
                     self.rounds.restore_point = RestorePoint(
-                        pair.step, InitialState("checkpoint", pair.state, pair.step), pair.ledger, pair.rows_final)
+                        pair.step, InitialState("checkpoint", pair.state, pair.step), pair.ledger, pair.rows_final,
+                        pair.worker_rows)
             now = time.time()
             self._maybe_stop([(pair.step, pair.epoch) for pair in handed], now)
             if self.over:

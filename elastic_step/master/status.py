@@ -13,6 +13,7 @@ def job_status(master) -> dict:
     done, total = master.dispatcher.epoch_progress()
     current = master.round
     membership = master.membership
+    rows = master.ledger.worker_rows()  # voided steps, and steps a restore went back over, count no more
     return JobStatus.model_validate({
         "job": master.spec.job_name,
         "state": master.state,
@@ -32,13 +33,13 @@ def job_status(master) -> dict:
         "loss": master.throughput.loss,
         "samples_per_s": round(master.throughput.samples_per_second(), 1),
         "spares": membership.spares,
-        "workers": [_worker(w, current, master.backend, membership.is_spare(w, current))
+        "workers": [_worker(w, current, master.backend, membership.is_spare(w, current), rows.get(w.id, 0))
                     for w in membership.workers.values() if w.alive or w.exit_reason],
         "ps_shards": master.ps_shards.rows() if master.ps_shards is not None else [],
     }).model_dump(mode="json")
 
 
-def _worker(w, current, backend, spare: bool) -> dict:
+def _worker(w, current, backend, spare: bool, rows_applied: int) -> dict:
     described = backend.describe(w.id)
     return {
         "id": w.id,
@@ -47,7 +48,7 @@ def _worker(w, current, backend, spare: bool) -> dict:
         "rank": current.members.index(w.id) if current and w.id in current.members else None,
         "spare": spare,  # warmed up and waiting to take a member's place
         "step": w.step,
-        "rows_applied": w.rows_applied,
+        "rows_applied": rows_applied,  # rows of the steps it took part in that the ledger holds
         "exit": w.exit_reason,
         "host": w.host,
         "launched_at": w.launched_at,
