@@ -17,6 +17,7 @@ from elastic_step.durable import write_json_atomic
 from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore, parse_best_rule
 from elastic_step.tracking.handover import step_tracking_uri, take_task_run
 from elastic_step.tracking.run import RunOutcome, RunTracker, TrackingError, connect, default_tracking_uri
+from elastic_step.tracking.step_metrics import StepMetrics
 from elastic_step.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardLog
 from elastic_step.tracking.uri import redact
 
@@ -25,7 +26,8 @@ log = logging.getLogger("elastic_step.tracking")
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 FINAL_MODEL_ARTIFACTS = "elastic_step_model"  # model.bin + model.json of the finished job
 # Membership events counted as MLflow metrics (each logged as the running count).
-HISTORY_COUNTS = {"relaunched": "relaunches", "regrouped": "regroups", "died": "worker_deaths", "dropped": "workers_dropped"}
+HISTORY_COUNTS = {"relaunched": "relaunches", "regrouped": "regroups", "died": "worker_deaths", "dropped": "workers_dropped",
+                  "restored": "restores"}
 
 
 def model_def_digest(model_def) -> str:
@@ -100,11 +102,11 @@ class TrainingRecorder:
                                            sync_before_commit=[config.audit] if config.audit else [])
         self._evaluated_epoch = 0
         self._finished = False
-        self.metrics_interval_s = 1.0
-        self._window: list[dict] = []
-        self._window_start: float | None = None
         self._counts: dict[str, int] = {}
         self.tensorboard = TensorBoardLog(config.job_dir)
+        # A reopened run's steps already logged are not logged again (step_metrics.py).
+        self.step_metrics = StepMetrics(self.tracker.log_metric, self.tensorboard,
+                                        logged_through=self._logged_steps() if self.resumed else 0)
 
     @property
     def run_id(self) -> str:
@@ -148,38 +150,13 @@ class TrainingRecorder:
     def log_params(self, params: dict | None = None) -> None:
         self.tracker.log_params(self.params if params is None else params)
 
-    def on_step(self, entry: dict) -> None:
-        """Per-step metrics, summarised once a second (and at every change of world size): each
-        MLflow metric row costs the master about a millisecond of CPU on a SQLite store, which at
-        hundreds of steps per second would take a core from the workers. Every single step is in
-        the run's metrics.jsonl artifact."""
-        tb = self.tensorboard
-        tb.scalar("train/loss", entry["loss"], entry["step"], entry["time"])
-        tb.scalar("train/samples_per_s", entry["samples_per_s"], entry["step"], entry["time"])
-        tb.scalar("train/world_size", entry["world_size"], entry["step"], entry["time"])
-        window = self._window
-        if window and entry["world_size"] != window[-1]["world_size"]:
-            self._log_window()
-        self._window.append(entry)
-        if entry["time"] - self._window[0]["time"] >= self.metrics_interval_s:
-            self._log_window()
+    def _logged_steps(self) -> int:
+        """The newest step of the reopened run's per-step metrics (0: none)."""
+        return max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
 
-    def _log_window(self) -> None:
-        window, self._window = self._window, []
-        if not window:
-            return
-        last = window[-1]
-        span = last["time"] - (self._window_start or window[0]["time"])
-        self._window_start = last["time"]
-        values = {
-            "loss": sum(e["loss"] for e in window) / len(window),
-            "world_size": last["world_size"],
-            "round": last["round"],
-        }
-        if span > 0:
-            values["samples_per_s"] = sum(e["samples"] for e in window) / span
-        for key, value in values.items():
-            self.tracker.log_metric(key, value, last["step"], last["time"])
+    def on_step(self, entry: dict) -> None:
+        """Per-step metrics: summarised once a second, each step once (step_metrics.py)."""
+        self.step_metrics.add(entry)
 
     def on_event(self, event: dict) -> None:
         """Restart and recovery history as metrics, where people look for it: recovery seconds
@@ -245,7 +222,7 @@ class TrainingRecorder:
         deadline = time.monotonic() + timeout_s
         left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
         model_uri = None
-        self._log_window()
+        self.step_metrics.flush()
         for name in ("events.jsonl", "metrics.jsonl"):
             path = os.path.join(job_dir, name)
             if os.path.exists(path):
