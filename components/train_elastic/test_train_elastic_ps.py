@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 from kfp.dsl import HTML, Dataset, Markdown, Metrics, Model
 from mlflow.tracking import MlflowClient
 
@@ -39,17 +38,3 @@ def test_train_elastic_in_ps_mode_keeps_the_tables_on_shards_and_outputs_them_in
         assert held[i] > 0 and run.data.metrics[f"ps.shard{i}.rows"] == held[i]
     assert json.load(open(os.path.join(model.path, "model.json")))["framework"] == "pytorch"
     assert model.metadata["model_uri"].startswith("models:/") and dict(metrics.metadata)
-
-
-def test_ps_mode_with_worker_pods_is_refused_in_one_line_before_anything_starts(tmp_path, capsys):
-    """backend=kubernetes starts no shards yet: exit 2 (never retried), no job folder, no model."""
-    from elastic_step.components import train_elastic
-
-    model = Model(uri=str(tmp_path / "model"))
-    with pytest.raises(SystemExit) as refused:
-        train_elastic.python_func(dataset=Dataset(uri="s3://training-data/ctr"), model=model,
-                                  metrics=Metrics(uri=str(tmp_path / "metrics")), report=HTML(uri=str(tmp_path / "r.html")),
-                                  model_def=DEEPFM_PS, mode="ps", backend="kubernetes", job_dir=str(tmp_path / "job"))
-    err = capsys.readouterr().err
-    assert refused.value.code == 2 and err.count("\n") == 1 and "--mode ps runs its shards on the local backend" in err
-    assert os.listdir(tmp_path) == []

@@ -53,7 +53,7 @@ PARAMETERS = {
     "minibatches-per-task": str(defaults.MINIBATCHES_PER_TASK),
     "global-batch-size": str(defaults.GLOBAL_BATCH_SIZE),
     "lr-scaling": defaults.LR_SCALING,
-    # ps: embedding tables on shard processes in the train step's pod (needs backend local).
+    # ps: embedding tables on shards beside the workers (processes in the step's pod, or pods with backend kubernetes).
     "mode": defaults.MODE,
     "ps-shards": str(defaults.PS_SHARDS),
     "checkpoint-steps": str(defaults.CHECKPOINT_STEPS),
