@@ -83,6 +83,30 @@ def test_the_shards_admit_the_jobs_workers_and_master_on_their_ports_only():
     assert [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in unlabelled["spec"]["ingress"][0]["from"]] == ["worker"]
 
 
+def test_a_ps_jobs_dry_run_shows_its_shard_pods_valid_and_podsecurity_restricted(tmp_path, monkeypatch):
+    """`train --backend kubernetes --mode ps --dry-run`: the shard pods and their policy with the
+    rest, each as the API server's schema takes it (strict), the pods restricted."""
+    import kubernetes_validate
+    import yaml
+
+    from elastic_step.backends.kubernetes.manifests import dry_run_manifests
+    from elastic_step.backends.kubernetes.options import settings_from_config
+    from elastic_step.config import TrainConfig
+    from test_step_pod_security import violations
+
+    monkeypatch.setenv("ELASTIC_STEP_POD_NAMESPACE", "ml")
+    config = TrainConfig(model_def=DEEPFM_PS, data="s3://bucket/ctr", job_dir=str(tmp_path), workers="2", backend="kubernetes",
+                         mode="ps", ps_shards=3, host="10.0.0.5")
+    master = MasterPod(name="m", uid="u", ip="10.0.0.5", namespace="ml")
+    objects = [o for o in yaml.safe_load_all(dry_run_manifests(config, settings_from_config(config), master, "img:1")) if o]
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    shards = [o for o in objects if o["kind"] == "Pod" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "ps"]
+    assert [p["metadata"]["labels"]["elastic-step/ps-shard"] for p in shards] == ["0", "1", "2"]
+    assert all(violations(pod) == [] for pod in shards), [violations(p) for p in shards]
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "NetworkPolicy"][-1].endswith("-ps")
+
+
 class _Pods:
     """The launcher's pod list as the supervisor sees it, set by the test."""
 

@@ -1,4 +1,5 @@
-"""The master's parameter-server shards for a `--mode ps` job (local backend).
+"""The master's parameter-server shards for a `--mode ps` job (local backend; a backend that
+runs them itself, kubernetes' pods, does so behind ShardLauncher).
 
 The tables are the model definition's PsEmbedding modules. Each shard is a child process bound
 to 127.0.0.1 that checks the job's token (the file the workers read theirs from) on every

@@ -355,12 +355,18 @@ def to_yaml(objects) -> str:
 
 def dry_run_manifests(config, settings: PodSettings, master: MasterPod | None, image: str) -> str:
     """What `train --backend kubernetes --dry-run` prints: the Secret, the workers'
-    NetworkPolicy and every worker pod of the first launch. The token and the API port are only
+    NetworkPolicy, a --mode ps job's shard pods and their policy, and every worker pod of the first launch. The token and the API port are only
     known once the job starts (and the master's own policy once its pod's labels are read)."""
     names = JobNames.for_job(config.job_name, suffix="xxxxxx")
     url = f"http://{config.host}:{config.port or '<port chosen at start>'}"
     objects = [token_secret(names, master, "<generated when the job starts>", settings.namespace)]
     objects += network_policies(names, master, settings.namespace, None)
+    if config.mode == "ps":  # the shards' pods and policy (ps_pods.py); their tables are the model's, read at the start
+        from elastic_step.backends.kubernetes.ps_pods import ps_network_policy, ps_pod
+
+        objects.append(ps_network_policy(names, master, settings.namespace, None, config.ps_shards))
+        objects += [ps_pod(settings, names, master, image, shard, "<the model's tables and routing, when the job starts>")
+                    for shard in range(config.ps_shards)]
     for slot in range(config.max_workers + config.spares):
         objects.append(worker_pod(settings, names, master, image, f"w{slot}.1", slot, url, dict(config.worker_env)))
     return to_yaml(objects)
