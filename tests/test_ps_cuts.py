@@ -117,7 +117,7 @@ def test_a_resume_waits_for_a_killed_masters_last_shard_before_putting_its_cut_b
     held.close()
     ready = tmp_path / "ps" / "shard-0" / READY_FILE  # written by the shard process, as shard.py does
     orphan = subprocess.Popen([sys.executable, "-c", "import json, os, sys, time; open(sys.argv[1] + '.p', 'w').write("
-                               "json.dumps({'pid': os.getpid()})); os.replace(sys.argv[1] + '.p', sys.argv[1]); time.sleep(1.0)",
+                               "json.dumps({'pid': os.getpid()})); os.replace(sys.argv[1] + '.p', sys.argv[1]); time.sleep(0.5)",
                                str(ready), "elastic_step.ps.shard"])
     while not ready.exists():
         time.sleep(0.02)
