@@ -90,6 +90,21 @@ class ElasticStep:
         return [w["pid"] for w in status["workers"] if w["rank"] is not None and w["state"] == "live" and w.get("pid")]
 
 
+class ElasticStepForks(ElasticStep):
+    """The same, its workers forked from a warm parent that has imported what they import
+    (ELASTIC_STEP_LOCAL_FORKS=1): a replacement's start-up takes little CPU from the survivors."""
+
+    name = "es+forks"
+
+    def start(self) -> subprocess.Popen:
+        with open(os.path.join(self.job_dir, "output.log"), "ab") as out:
+            return elastic_step(*self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, ELASTIC_STEP_LOCAL_FORKS="1"))
+
+
+OURS = {"plain": ElasticStep, "forks": ElasticStepForks}
+
+
 class TorchrunDDP:
     name = "torchrun+DDP"
 
@@ -247,6 +262,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each; goodput medians are compared")
     parser.add_argument("--no-peer", action="store_true", help="elastic-step only")
+    parser.add_argument("--ours", nargs="+", choices=sorted(OURS), default=["plain", "forks"],
+                        help="elastic-step's variants: workers started as programs (plain), forked from a warm parent (forks)")
     parser.add_argument("--quick", action="store_true", help="4 epochs, a worker SIGKILL every 10 s only")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one job may take")
     parser.add_argument("--keep", metavar="DIR", help="put the data and the jobs' folders (events, logs) here and keep them")
@@ -256,7 +273,8 @@ def main() -> None:
         os.makedirs(args.keep, exist_ok=True)
     if args.quick:
         args.copies, args.epochs, args.disturbances = 40, 4, ["kill10"]
-    kinds = [ElasticStep] + ([] if args.no_peer else [TorchrunDDP])
+    ours = [OURS[name] for name in args.ours]
+    kinds = ours + ([] if args.no_peer else [TorchrunDDP])
     print(f"goodput: MLP 64-512-512-10, digits x{args.copies}, {args.epochs} epochs, {WORKERS} workers x {MINIBATCH} rows; "
           f"{args.repeats} alternating runs; {machine()}", flush=True)
     with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as root:
@@ -287,29 +305,33 @@ def main() -> None:
                     print(f"  {name:6s} {kind.name:13s} {seconds:7.2f} s, {count} disturbances: goodput {base / seconds:.3f}, "
                           f"{(seconds - base) / max(count, 1):.2f} s lost per disturbance, {retries} retries after a failure  "
                           f"({at})", flush=True)
-                    if kind is ElasticStep:
+                    if kind in ours:
                         print(f"         lost {seconds - base:.1f} s: {where_it_went(steps, base)}", flush=True)
-            ours = statistics.median(goodput[ElasticStep.name])
-            line = f"  => {name}: elastic-step goodput {ours:.3f} ({statistics.median(lost[ElasticStep.name]):.2f} s per disturbance)"
-            if not args.no_peer:
-                theirs = statistics.median(goodput[TorchrunDDP.name])
-                share = (1 - ours) / (1 - theirs) if theirs < 1 else float("nan")
-                line += (f"; torchrun+DDP {theirs:.3f} ({statistics.median(lost[TorchrunDDP.name]):.2f} s per disturbance); "
-                         f"lost time ours/theirs {share:.2f} (target <= 0.25)")
-            print(line + ("  (target >= 0.90)" if name == "kill10" else ""), flush=True)
+            theirs = None if args.no_peer else statistics.median(goodput[TorchrunDDP.name])
+            if theirs is not None:
+                print(f"  => {name}: torchrun+DDP goodput {theirs:.3f} ({statistics.median(lost[TorchrunDDP.name]):.2f} s per disturbance)")
+            for kind in ours:
+                mine = statistics.median(goodput[kind.name])
+                line = f"  => {name}: {kind.name} goodput {mine:.3f} ({statistics.median(lost[kind.name]):.2f} s per disturbance)"
+                if theirs is not None:
+                    share = (1 - mine) / (1 - theirs) if theirs < 1 else float("nan")
+                    line += f"; lost time ours/theirs {share:.2f} (target <= 0.25)"
+                print(line + ("  (target >= 0.90)" if name == "kill10" else ""), flush=True)
             table.append((name, goodput, lost))
-        summary(table, [k.name for k in kinds])
+        summary(table, [k.name for k in kinds], peer=not args.no_peer)
 
 
-def summary(table: list[tuple[str, dict, dict]], names: list[str]) -> None:
-    """Every disturbance's medians in one table (goodput, and seconds lost per disturbance)."""
+def summary(table: list[tuple[str, dict, dict]], names: list[str], peer: bool) -> None:
+    """Every disturbance's medians in one table (goodput, and seconds lost per disturbance), and
+    each of our variants' lost time against the peer's (the last name, when there is a peer)."""
+    ours = names[:-1] if peer else names
     print("\n| disturbance | " + " | ".join(f"{n} goodput | {n} s lost each" for n in names) + " | lost time ours/peer |")
     print("|---" * (2 * len(names) + 2) + "|")
     for name, goodput, lost in table:
         cells = [f"{statistics.median(goodput[n]):.3f} | {statistics.median(lost[n]):.2f}" for n in names]
-        ours, theirs = statistics.median(goodput[names[0]]), statistics.median(goodput[names[-1]])
-        share = f"{(1 - ours) / (1 - theirs):.2f}" if len(names) > 1 and theirs < 1 else "-"
-        print(f"| {name} | " + " | ".join(cells) + f" | {share} |")
+        theirs = statistics.median(goodput[names[-1]])
+        shares = " / ".join(f"{(1 - statistics.median(goodput[n])) / (1 - theirs):.2f}" for n in ours) if peer and theirs < 1 else "-"
+        print(f"| {name} | " + " | ".join(cells) + f" | {shares} |")
 
 
 if __name__ == "__main__":
