@@ -2,10 +2,12 @@
 once, after a checkpoint. The master restores the group from that checkpoint (without restarting
 itself), the job succeeds, and the audit holds every row of every epoch exactly once."""
 
+import json
 import os
 import signal
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from elastic_step.audit import audit_report
 
@@ -47,3 +49,14 @@ def test_every_worker_sigkilled_at_once_the_job_goes_on_from_the_masters_checkpo
     report = audit_report(job.audit, digits, EPOCHS)
     assert report["exact"], report
     assert report["rows_applied"] == report["rows_expected"] == job.result()["rows_audited"]
+    # What `get` shows per worker adds up to the rows trained, not counting the steps the restore
+    # went back over twice; and the run's loss history has each step once.
+    with open(os.path.join(job.job_dir, "status.json")) as f:
+        workers = json.load(f)["workers"]
+    assert sum(w["rows_applied"] for w in workers) == report["rows_applied"], workers
+    with open(os.path.join(job.job_dir, "mlflow_run.json")) as f:
+        run = json.load(f)
+    client = MlflowClient(run["tracking_uri"])
+    steps = [m.step for m in client.get_metric_history(run["run_id"], "loss")]
+    assert len(steps) == len(set(steps)), sorted(steps)
+    assert [m.value for m in client.get_metric_history(run["run_id"], "restores")] == [1]
