@@ -272,7 +272,12 @@ class PsPods:
         backend = self.backend
         for shard in range(count):
             pod = ps_pod(backend.settings, self.names, backend.master, backend.image, shard, config)
-            self.api.create_namespaced_pod(self.namespace, pod, _request_timeout=self.timeout_s)
+            try:
+                self.api.create_namespaced_pod(self.namespace, pod, _request_timeout=self.timeout_s)
+            except k8s.ApiException as exc:
+                raise ConfigError(f"cannot create parameter-server pod {pod.metadata.name} in namespace {self.namespace}: "
+                                  f"{exc.status} {exc.reason}; the master's service account needs the Role and admission "
+                                  "policy in deploy/rbac") from None
             self.made.append(pod.metadata.name)
         client = PsClient(token, lambda: None, timeout_s=5.0)
         running.callback(client.close)
