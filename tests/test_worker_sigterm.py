@@ -56,6 +56,8 @@ def test_a_sigtermed_worker_leaves_its_rows_return_and_no_relaunch_is_charged(di
     left = [e for e in events if e["event"] == "left"]
     assert [e["worker"] for e in left] == [victim["id"]], events
     assert f"exited with code {WORKER_LEFT_EXIT_CODE}" in left[0]["reason"] and "SIGTERM" in left[0]["reason"]
+    with open(os.path.join(job.job_dir, "logs", f"{victim['id']}.log")) as f:  # it left through its main thread
+        assert f"worker leaves: SIGTERM: leaving the group now (a departure, not a failure) (exit code {WORKER_LEFT_EXIT_CODE})" in f.read()
     assert not [e for e in events if e["event"] in ("died", "dropped", "slot_exhausted", "not_relaunched")], events
     relaunched = [e for e in events if e["event"] == "relaunched"]
     assert [(e["worker"], e["counted"], e["slot_relaunches"]) for e in relaunched] == [(victim["id"], False, 0)]
@@ -97,7 +99,8 @@ def test_a_worker_as_pid_1_leaves_on_sigterm(tmp_path):
         assert _namespace_pid(worker) == 1
         os.kill(worker, signal.SIGTERM)  # from the parent namespace, as the kubelet's runtime does
         assert outer.wait(10) == WORKER_LEFT_EXIT_CODE, outer.stdout.read()
-        assert "SIGTERM: leaving the group now" in outer.stdout.read()
+        # The main thread, woken from its blocked call to the master, left through the exit path.
+        assert "worker leaves: SIGTERM: leaving the group now" in outer.stdout.read()
     finally:
         if outer.poll() is None:
             outer.kill()
