@@ -10,26 +10,24 @@ S at the moment the first push of a step > S reaches it, and only then.
 Why the shards cut themselves, on that first push, rather than the master pausing pushes: rank 0
 decides a checkpoint after its step, while the other ranks already push the next one, so a
 request from the master arrives too late to pause anything, and a pause would cost every step a
-round trip. Checkpoints every K steps (`--checkpoint-steps`, in the shard's config) are known in
-advance, so before applying a push of step p the shard writes the cut of the last multiple of K
-below p if it has none yet (one file per multiple crossed; they hold the same rows). A checkpoint
-at another step (an epoch's end, a stop) is cut when the master asks, if no push of a later
-step has reached the shard yet; else that checkpoint fails (the master says so in one line) and
-the next multiple of K is taken.
+round trip. So a cut is made of what a shard keeps anyway: its snapshot (a hard link: a snapshot
+is replaced, never rewritten) and its ledger's records up to the first push of a step after S.
+The shard notes where each step begins in its ledger, and takes its periodic snapshot only
+between two steps, so any step since its last snapshot can be cut when the master asks.
 
-Any other step S is cut when the master asks, from what the shard keeps anyway: its snapshot
-and its ledger's records up to the first push of a step after S (the shard notes where each
-step begins in the ledger, and takes its periodic snapshot only between two steps). That fails
-only when a snapshot was taken after S, or the shard was relaunched since its last snapshot
-(where steps begin is kept in memory): the master then says, in one line, that the checkpoint
-of S is not taken.
+Checkpoints every K steps (`--checkpoint-steps`, in the shard's config) are known in advance:
+before applying the first push past a multiple C of K, the shard writes the cut of C (links and
+a copy of the ledger's head, hashed only when the master asks, as pushes wait meanwhile), so
+they survive a later snapshot or a relaunch. A relaunched shard does not know where steps begin
+in its replayed ledger: finding no cut of C, it has applied no push after C (that push would
+have written one first), so it writes its tables whole as the cut; and it takes a snapshot at
+its first push, from which on steps can be cut again. A checkpoint at another step (an epoch's
+end, a stop) fails only when a snapshot, or a relaunch, came after S; the master says so in one
+line and goes on to the next.
 
-The cut of a multiple C of K is written (fsync'd, renamed) before the first push of a step > C
-is applied, so a relaunched shard that finds no cut of C has applied no push after C. Files:
-`cuts/S.bin` (the snapshot format of snapshot.py; a hard link to the shard's snapshot for a cut
-asked for), `cuts/S.ledger` (the ledger's records to replay over it, for a cut asked for) and
-`cuts/S.json` (step, routing epoch and routing, the SHA-256 of the .bin and .ledger), the .json
-written last.
+Files: `cuts/S.bin` (snapshot.py's format), `cuts/S.ledger` (records replayed over it; absent for
+a cut written whole) and `cuts/S.json` (step, routing epoch and routing, the SHA-256 of .bin and
+.ledger), the .json written last.
 """
 
 from __future__ import annotations
@@ -93,13 +91,16 @@ def meta(directory: str, step: int) -> dict | None:
         return None
 
 
-def seal(directory: str, step: int, routing: dict, also: list[int] = ()) -> dict:
-    """After cuts/STEP.bin is written: its .json; each step in `also` (multiples of K crossed
-    with no push between) gets the same file by a hard link."""
-    digest = digest_of(directory, step)
+def seal(directory: str, step: int, routing: dict, also: list[int] = (), hashed: bool = True) -> dict:
+    """After cuts/STEP.bin (and .ledger) are written: its .json, with their SHA-256 unless not
+    `hashed` yet (a cut written at a step's first push: hashing a large snapshot there would
+    hold every push; `seal` again when the master asks). Each step in `also` (multiples of K
+    crossed with no push between) gets the same files by hard links."""
+    digest = digest_of(directory, step) if hashed else None
     for other in also:
-        if not os.path.exists(path(directory, other)):
-            os.link(path(directory, step), path(directory, other))
+        for ext in ("bin", "ledger"):
+            if os.path.exists(path(directory, step, ext)) and not os.path.exists(path(directory, other, ext)):
+                os.link(path(directory, step, ext), path(directory, other, ext))
     written = {}
     for each in [*also, step]:
         written = {"step": each, "epoch": routing["epoch"], "routing": routing, "digest": digest}

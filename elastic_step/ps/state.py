@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -44,6 +45,8 @@ from elastic_step.ps.applied import AppliedGroups
 from elastic_step.ps.ledger import Ledger, LedgerRecord, _fsync_dir, replay
 from elastic_step.ps.routing import RoutingTable, virtual_shard_of
 from elastic_step.ps.table import EmbeddingTable
+
+log = logging.getLogger("elastic_step.ps")
 
 SNAPSHOT_FILE = "snapshot.bin"
 LEDGER_FILE = "ledger.bin"
@@ -180,18 +183,33 @@ class ShardState:
         self._cut_before(step)
         if self.high is not None and step <= self.high:
             return
-        if self.since_snapshot >= self.snapshot_every:
+        if self.snapshot_high is None:
+            # Relaunched: the replayed ledger does not say where its steps begin. A snapshot now
+            # holds no push of a step after this one (none was sent yet), so later steps can be cut.
+            self.high = step
+            self._snapshot()
+        elif self.since_snapshot >= self.snapshot_every:
             self._snapshot()  # between steps, so that any step since can still be cut
         self.steps_begun.append((step, self.ledger.written - self.ledger_origin))
         self.high = step
 
     def _cut_before(self, step: int) -> None:
-        """Before a push of `step`: the cut of the last multiple of K below it, unless there is one."""
+        """Before a push of `step`: the cut of the last multiple of K below it, unless there is
+        one. Cheap (links and the ledger's tail; hashed when the master asks), as it holds pushes."""
         every = self.checkpoint_every
         crossed = every * ((step - 1) // every) if every else 0
-        if crossed > self.cut_step:
-            skipped = range((self.cut_step // every + 1) * every, crossed, every)[-self.CROSSED_LINKS:]
-            self._write_cut(crossed, list(skipped))
+        if crossed <= self.cut_step:
+            return
+        skipped = list(range((self.cut_step // every + 1) * every, crossed, every)[-self.CROSSED_LINKS:])
+        if self.high is None or self.snapshot_high is None:
+            # Relaunched since the snapshot, where steps begin in the ledger is not known; no cut
+            # of `crossed` means no push after it was applied, so the tables now are its cut.
+            self._write_cut(crossed, skipped)
+            return
+        try:
+            self._ledger_cut(crossed, self._ledger_through(crossed), skipped, hashed=False)
+        except cuts.CutMissing as exc:  # never expected; the push goes on, the master's ask will fail
+            log.warning("no cut of step %d: %s", crossed, exc)
 
     def _write_cut(self, step: int, also: list[int] = ()) -> dict:
         os.makedirs(cuts.folder(self.directory), exist_ok=True)
@@ -199,7 +217,7 @@ class ShardState:
             groups.compact(self.owned)
         snapshot.save(cuts.path(self.directory, step), {n: t.arrays() for n, t in self.tables.items()}, self.applied)
         self.cut_step = max(self.cut_step, step)
-        return cuts.seal(self.directory, step, self.routing.to_json(), also)
+        return cuts.seal(self.directory, step, self.routing.to_json(), also, hashed=False)
 
     def cut(self, step: int, keep_from: int = 0) -> dict:
         """The cut of a checkpoint of `step` (cuts.py's meta: step, routing, digest): the one
@@ -210,6 +228,8 @@ class ShardState:
             found = cuts.meta(self.directory, step)
             if found is None:
                 found = self._ledger_cut(step, self._ledger_through(step))
+            elif found["digest"] is None:  # written at a step's first push: hashed only now
+                found = cuts.seal(self.directory, step, found["routing"])
             cuts.drop_below(self.directory, min(keep_from, step))
             return found
 
@@ -223,9 +243,9 @@ class ShardState:
         later = [offset for begun, offset in self.steps_begun if begun > step]
         return later[0] if later else self.ledger.written - self.ledger_origin
 
-    def _ledger_cut(self, step: int, length: int) -> dict:
+    def _ledger_cut(self, step: int, length: int, also: list[int] = (), hashed: bool = True) -> dict:
         """cuts/STEP: the snapshot (a hard link: it is replaced, never rewritten) and a copy of
-        the ledger's first `length` bytes."""
+        the ledger's first `length` bytes; the steps in `also` get the same files."""
         os.makedirs(cuts.folder(self.directory), exist_ok=True)
         target = cuts.path(self.directory, step)
         with contextlib.suppress(FileNotFoundError):
@@ -236,7 +256,7 @@ class ShardState:
             snapshot.save(target, {}, {})
         cuts.copy_prefix(self._path(LEDGER_FILE), cuts.path(self.directory, step, "ledger"), length)
         self.cut_step = max(self.cut_step, step)
-        return cuts.seal(self.directory, step, self.routing.to_json())
+        return cuts.seal(self.directory, step, self.routing.to_json(), also, hashed)
 
     @property
     def owned(self) -> np.ndarray:
