@@ -30,7 +30,7 @@ WORKER = textwrap.dedent("""
     block = sys.argv[2]
 
     def run():
-        beat = Heartbeat(MasterClient(sys.argv[1], "t", master_timeout_s=20.0), "w0.1", 0.05)
+        beat = Heartbeat(MasterClient(sys.argv[1], "t", master_timeout_s=20.0, refused_grace_s=0.5), "w0.1", 0.05)
         beat.start()
         read_fd, _ = os.pipe()
         try:
@@ -48,6 +48,8 @@ WORKER = textwrap.dedent("""
 
 
 class _Master(http.server.BaseHTTPRequestHandler):
+    answered = threading.Event()
+
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         body = b'{"round_id": 0, "acked_step": 0, "action": "none"}'
@@ -56,6 +58,7 @@ class _Master(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        self.answered.set()
 
     def log_message(self, *args):
         pass
@@ -74,7 +77,7 @@ def start(block: str = "syscall", last_resort_s: float = 60.0):
 def test_a_worker_whose_master_dies_leaves_through_its_main_thread_with_code_3():
     master, worker = start()
     try:
-        time.sleep(0.3)  # a few heartbeats answered
+        assert _Master.answered.wait(30)  # the heartbeat reached its master
         master.shutdown()
         master.server_close()  # nothing listens: connections are refused, the master is gone
         gone = time.monotonic()
@@ -86,7 +89,7 @@ def test_a_worker_whose_master_dies_leaves_through_its_main_thread_with_code_3()
         assert "MainThread: finally ran on the main thread" in out, out
         assert f"MainThread: worker leaves: master at" in out and f"(exit code {MASTER_GONE_EXIT_CODE})" in out, out
         assert "last-resort" not in out and "stacks follow" not in out, out
-        assert took < 15, f"{took:.1f}s"  # refused for 2 s counts as gone (measured: about 2.2 s)
+        assert took < 15, f"{took:.1f}s"  # refused for 0.5 s counts as gone (measured: about 0.6 s)
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -110,12 +113,12 @@ def test_sigterm_leaves_through_the_main_thread_with_the_departure_code():
 
 
 def test_a_main_thread_that_cannot_be_woken_is_ended_by_the_last_resort_with_its_stacks():
-    master, worker = start(block="native", last_resort_s=1.0)
+    master, worker = start(block="native", last_resort_s=0.5)
     try:
         worker.terminate()
         assert worker.wait(30) == WORKER_LEFT_EXIT_CODE
         out = worker.stdout.read()
-        assert "did not leave within 1 s" in out and "stacks follow" in out, out
+        assert "did not leave within 0.5 s" in out and "stacks follow" in out, out
         assert "most recent call first" in out, out  # faulthandler's dump of every thread
         assert "finally ran" not in out, out
     finally:

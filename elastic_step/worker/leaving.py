@@ -128,7 +128,7 @@ def _last_resort(reason: LeaveReason) -> None:
     nothing ends a worker whose master is gone, which would hold its cores or GPU for good. Every
     thread's stack goes to stderr first, to show where the main thread was held."""
     time.sleep(LAST_RESORT_S)
-    log.error("the main thread did not leave within %.0f s of being told to (%s): ending the process; stacks follow",
+    log.error("the main thread did not leave within %g s of being told to (%s): ending the process; stacks follow",
               LAST_RESORT_S, reason.value)
     logging.shutdown()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
