@@ -5,12 +5,13 @@ Unit level: a shard pod's manifest (labels, the workers' service account and sec
 the shard's folder an emptyDir of a pod restarted in place, its address and token from the env)
 and the shards' NetworkPolicy (the job's workers and master, the shards' ports, nothing else).
 
-End to end (tests/cluster, deploy/'s Role and admission policy enforced): a DeepFM job of two
-worker pods and two shard pods on the synthetic CTR data read from a private bucket; one shard's
-container is SIGKILLed mid-training (`docker kill`). The kubelet restarts it in its pod, where it
+End to end (tests/cluster with its pod network: each pod its own address, the job's
+NetworkPolicies enforced): a DeepFM job of two worker pods and two shard pods on the synthetic CTR
+data read from a private bucket; one shard's container is SIGKILLed mid-training (`docker kill`),
+and a pod without the job's labels cannot connect to the shards. The kubelet restarts it in its pod, where it
 loads its snapshot and replays its ledger from the pod's emptyDir, at the same address; the
 workers retry what it had not acknowledged and none of them restarts. Once every row is trained,
-each embedding row's update counter on the shards equals the count computed from the data alone
+each embedding row's update counter on the shards (asked from the master pod's network) equals the count computed from the data alone
 (each minibatch updates each of its distinct ids once): nothing acknowledged was lost and nothing
 applied twice. The job then succeeds and leaves none of its pods or NetworkPolicies.
 """
@@ -31,7 +32,8 @@ from elastic_step.backends.kubernetes.manifests import JobNames, to_dict
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
 from elastic_step.backends.kubernetes.ps_pods import PS_PORT, ps_network_policy, ps_pod
 from stores import S3Server, upload
-from test_cluster_e2e import JOB_DIR, MasterOnNode, master_pod, store_secret
+from test_cluster_e2e import JOB_DIR, master_pod, store_secret
+from test_cluster_network import PROBE, MasterOnPodNetwork, pod_network_cluster, python_pod
 from test_ps_mode import DEEPFM_PS, counters_from_the_data
 
 TEST_IMAGE = "registry.example/ml/elastic-step-torch-test:0.1.0"
@@ -192,28 +194,41 @@ def clicks(tmp_path) -> str:
     return str(data)
 
 
-def shard_counters(endpoints: list[str], token: str) -> Counter:
-    """Each id's update count as the running shards hold it (their `counters`)."""
-    from elastic_step.ps.client import PsClient
+COUNTERS = r"""
+import json, sys
+from collections import Counter
+import numpy as np
+from elastic_step.ps.client import PsClient
 
-    client, counts = PsClient(token, lambda: None, timeout_s=10.0), Counter()
-    try:
-        for endpoint in endpoints:
-            header, body = client.call(endpoint, {"op": "counters", "table": "deepfm_ids"})
-            ids = np.frombuffer(body, "<i8", count=header["count"])
-            updates = np.frombuffer(body, "<u4", offset=8 * header["count"])
-            counts.update({i: u for i, u in zip(ids.tolist(), updates.tolist()) if u})
-    finally:
-        client.close()
-    return counts
+token, endpoints = open(sys.argv[1]).read().strip(), sys.argv[2:]
+client, counts = PsClient(token, lambda: None, timeout_s=10.0), Counter()
+for endpoint in endpoints:
+    header, body = client.call(endpoint, {"op": "counters", "table": "deepfm_ids"})
+    ids = np.frombuffer(body, "<i8", count=header["count"])
+    updates = np.frombuffer(body, "<u4", offset=8 * header["count"])
+    counts.update({i: u for i, u in zip(ids.tolist(), updates.tolist()) if u})
+print(json.dumps(counts))
+"""
+
+
+def in_pod_network(cluster, pod: str, script: str, *args: str) -> str:
+    """Run a Python script on the node in the pod's own network namespace (what a process of
+    that pod reaches, its policies applied): its output."""
+    import subprocess
+    import sys
+
+    net = cluster.network.pods[cluster.core().read_namespaced_pod(pod, cluster.namespace).metadata.uid]
+    done = subprocess.run([*net.enter(), sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 @pytest.mark.e2e
 def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_pod_sigkill(tmp_path, clicks):
-    with S3Server() as s3, Cluster(str(tmp_path / "cluster"), images={TEST_IMAGE: venv_image(TEST_IMAGE)}) as cluster:
+    with S3Server() as s3, pod_network_cluster(tmp_path, images={TEST_IMAGE: venv_image(TEST_IMAGE)}) as cluster:
         print(f"kubelet runtime: {cluster.kubelet.mode}")
         data = upload(s3.endpoint, clicks, "training-data", "ctr")
-        args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={s3.endpoint}",
+        args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={cluster.pod_url(s3.endpoint)}",
                 "--model-def", DEEPFM_PS, "--mode", "ps", "--ps-shards", "2", "--job-dir", JOB_DIR, "--workers", "2",
                 "--epochs", str(EPOCHS), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
                 "--checkpoint-steps", "0", "--worker-cpu", "500m", "--worker-memory", "1Gi", "--max-relaunches", "0",
@@ -221,7 +236,8 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         ns, api = cluster.namespace, cluster.core()
         store_secret(api, ns)
         api.create_namespaced_pod(ns, master_pod(cluster, "train-step-ps", args))
-        master = MasterOnNode(cluster, "train-step-ps")
+        api.create_namespaced_pod(ns, python_pod(cluster, "stranger", "import time; time.sleep(600)", []))
+        master = MasterOnPodNetwork(cluster, "train-step-ps")
         started = time.monotonic()
         expected = counters_from_the_data(clicks, EPOCHS, MINIBATCH)  # while the pods start
         status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2
@@ -229,17 +245,19 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         print(f"training on 2 worker pods and 2 shard pods after {time.monotonic() - started:.1f}s")
         endpoints = [s["address"] for s in status["ps_shards"]]
         shard_pods = sorted(p["metadata"]["name"] for p in cluster.pods()
-                            if p["metadata"]["labels"].get("app.kubernetes.io/component") == "ps")
+                            if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "ps")
         assert len(shard_pods) == 2 and shard_pods[0].endswith("-ps-0"), shard_pods
         cluster.kubelet.kill(ns, shard_pods[0])  # docker kill: the shard's container dies with SIGKILL
+        # A pod of the namespace without the job's labels: the shards' policy drops its connections.
+        seen = json.loads(in_pod_network(cluster, "stranger", PROBE, *endpoints).strip().splitlines()[-1])
+        assert {seen[e] for e in endpoints} == {"timeout"}, seen
 
         status = master.wait(lambda s: s["ps_shards"][0]["relaunches"] == 1 and s["ps_shards"][0]["state"] == "serving", timeout=120)
         assert status["ps_shards"][0]["address"] == endpoints[0]  # back in its pod, at its address
-        with open(master.path(f"{JOB_DIR}/token")) as f:
-            token = f.read().strip()
         # Every row trained, the master still evaluating: the shards hold every update, each once.
         master.wait(lambda s: s["rows_done"] == s["rows_total"], timeout=300)
-        got = shard_counters(endpoints, token)
+        counted = json.loads(in_pod_network(cluster, "train-step-ps", COUNTERS, master.path(f"{JOB_DIR}/token"), *endpoints))
+        got = Counter({int(i): n for i, n in counted.items()})
         wrong = {i: (got[i], expected[i]) for i in set(got) | set(expected) if got[i] != expected[i]}
         assert not wrong, f"{len(wrong)} rows updated other than once per minibatch, e.g. {list(wrong.items())[:5]}"
 
@@ -259,7 +277,7 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         policies = {e[4]["metadata"]["name"]: e[4] for e in cluster.server.store.history if e[1] == "networkpolicies"}
         assert f"{instance}-ps" in policies, list(policies)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and [p for p in cluster.pods() if p["metadata"]["labels"].get("app.kubernetes.io/instance") == instance]:
+        while time.monotonic() < deadline and [p for p in cluster.pods() if p["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == instance]:
             time.sleep(0.5)
         left = [o["metadata"]["name"] for plural in ("pods", "secrets", "networkpolicies") for o in cluster.objects(plural)
                 if o["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == instance]
