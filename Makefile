@@ -50,11 +50,14 @@ clean:
 # gives (a test keeps the two in step). `make images` builds each variant under its local name
 # elastic-step-VARIANT:VERSION and tags it into IMAGE_REGISTRY; `make push IMAGE_REGISTRY=...` tags
 # the local builds into that registry and pushes them (log in first: docker login REGISTRY).
-# IMAGE_VARIANTS=torch: build or push only the torch image. `make image-smoke` pushes it this way
-# to a registry it serves on 127.0.0.1 and pulls it back into a fresh Docker daemon.
+# IMAGE_VARIANTS=torch: build or push only the torch image. The tensorflow image is the torch image's
+# layers plus one (TensorFlow, Keras): built after it, it reuses them, and a push sends only that one.
+# `make image-smoke` builds both, trains in each, pushes both this way to a registry it serves on
+# 127.0.0.1 and pulls them back into a fresh Docker daemon.
 # Each variant installs exactly images/lock/ (hashes checked; regenerate with images/lock.sh after
-# changing constraints.txt). CPU torch; a CUDA build needs its own lock (see images/lock.sh) and
-# IMAGE_BUILD_ARGS='--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 --build-arg LOCK=...'.
+# changing constraints.txt). CPU torch; a CUDA build needs its own locks (see images/lock.sh) and
+# IMAGE_BUILD_ARGS='--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 --build-arg LOCK=...
+# --build-arg EXTRAS_LOCK=...' (EXTRAS_LOCK: the tensorflow image's).
 .PHONY: images push image-smoke
 IMAGE_REGISTRY ?= ghcr.io/elastic-step
 VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' elastic_step/__init__.py)
@@ -85,6 +88,7 @@ images:
 push:
 	$(foreach v,$(IMAGE_VARIANTS),$(call push_image,$(v)))
 
-# Builds the torch image with its own Docker daemon and trains in it; says SKIPPED where it cannot.
+# Builds both images with its own Docker daemon, trains in each and pushes them to a registry on
+# 127.0.0.1; says SKIPPED where it cannot.
 image-smoke: $(STAMP)
 	images/smoke.sh

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# `make image-smoke`: build the torch image for real and train in it, on a machine with no
-# registry to pull from. Starts its own Docker daemon (no bridge, no iptables: --network host is the
+# `make image-smoke`: build both images (torch, tensorflow) for real and train in each, on a machine
+# with no registry to pull from. Starts its own Docker daemon (no bridge, no iptables: --network host is the
 # only network), makes the base image with debootstrap + docker import, serves the local CPU
 # torch wheel to pip, builds, runs a container that trains digits with 2 workers and one
-# SIGKILL, runs the compiled pipeline under kfp.local.DockerRunner, pushes the image with `make
-# push` to a registry it serves on 127.0.0.1 and pulls it back into a fresh daemon, and cleans up
+# SIGKILL, runs the compiled pipeline under kfp.local.DockerRunner, builds the tensorflow image
+# on the torch image's layers and trains the Keras digits model in it (2 workers, exact audit),
+# pushes both images with `make push` to a registry it serves on 127.0.0.1 and pulls them back into
+# a fresh daemon, and cleans up
 # (daemons and registry stopped by pid, their netns mounts removed). Where no Docker engine can be
 # started it says so and exits 0 without claiming success.
 set -euo pipefail
@@ -13,6 +15,7 @@ cd "$(dirname "$0")/.."
 WORK=${IMAGE_SMOKE_DIR:-$PWD/build/image-smoke}
 VERSION=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' elastic_step/__init__.py)
 IMAGE=ghcr.io/elastic-step/elastic-step-torch:$VERSION
+IMAGE_TF=ghcr.io/elastic-step/elastic-step-tensorflow:$VERSION
 BASE=elastic-step-base:bookworm
 SOCK=$WORK/docker.sock
 export DOCKER_HOST=unix://$SOCK
@@ -75,27 +78,30 @@ PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); p
 python3 -m http.server --bind 127.0.0.1 --directory "$(dirname "$WHEEL")" "$PORT" >/dev/null 2>&1 &
 HTTP_PID=$!
 
-t=$(date +%s)
 # Labelled with the digest of what goes into it: the cluster tests and `make cluster` reuse it only while that matches.
-build() {
-  DOCKER_BUILDKIT=0 docker build --network host -f images/Dockerfile -t "$IMAGE" --label "org.elastic-step.sources=$(python3 tests/cluster/image_sources.py)" \
-    --build-arg BASE_IMAGE="$BASE" --build-arg PIP_FIND_LINKS="http://127.0.0.1:$PORT/" --build-arg TORCH_INDEX_URL= . >"$WORK/build.log" 2>&1
+build() {  # VARIANT EXTRAS IMAGE LOG
+  DOCKER_BUILDKIT=0 docker build --network host -f images/Dockerfile -t "$3" --label "org.elastic-step.sources=$(python3 tests/cluster/image_sources.py --variant "$1")" \
+    --build-arg EXTRAS="$2" --build-arg BASE_IMAGE="$BASE" --build-arg PIP_FIND_LINKS="http://127.0.0.1:$PORT/" --build-arg TORCH_INDEX_URL= . >"$4" 2>&1
 }
 # runc can fail to start a build step's container on a loaded machine ("can't get final child's PID
 # from pipe"): that one failure is retried once, from the layers already built; any other fails.
-if ! build; then
-  grep -q "OCI runtime create failed" "$WORK/build.log" || { tail -30 "$WORK/build.log"; echo "image-smoke: FAILED: docker build (log: $WORK/build.log)"; exit 1; }
-  echo "image-smoke: a build step's container did not start ($(grep -m1 -o "OCI runtime create failed.*" "$WORK/build.log" | cut -c1-160)); building again"
-  build || { tail -30 "$WORK/build.log"; echo "image-smoke: FAILED: docker build (log: $WORK/build.log)"; exit 1; }
-fi
+build_image() {  # VARIANT EXTRAS IMAGE LOG
+  if ! build "$@"; then
+    grep -q "OCI runtime create failed" "$4" || { tail -30 "$4"; echo "image-smoke: FAILED: docker build of the $1 image (log: $4)"; exit 1; }
+    echo "image-smoke: a build step's container did not start ($(grep -m1 -o "OCI runtime create failed.*" "$4" | cut -c1-160)); building again"
+    build "$@" || { tail -30 "$4"; echo "image-smoke: FAILED: docker build of the $1 image (log: $4)"; exit 1; }
+  fi
+  [ "$(docker image inspect -f '{{.Config.User}}' "$3")" = "1000:1000" ] || { echo "image-smoke: FAILED: the $1 image does not run as the non-root user"; exit 1; }
+}
+t=$(date +%s)
+build_image torch torch "$IMAGE" "$WORK/build.log"
 grep "^imports ok" "$WORK/build.log" || true
 echo "image-smoke: built $IMAGE in $(( $(date +%s) - t ))s ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
 
-[ "$(docker image inspect -f '{{.Config.User}}' "$IMAGE")" = "1000:1000" ] || { echo "image-smoke: FAILED: image does not run as the non-root user"; exit 1; }
-# IMAGE_SMOKE_STEPS=build: the image only, for the Docker tests of `make test`, which run their own
+# IMAGE_SMOKE_STEPS=build: the torch image only, for the Docker tests of `make test`, which run their own
 # jobs in it; `make image-smoke` (which CI runs before `make test`) runs every check below.
 if [ "${IMAGE_SMOKE_STEPS:-all}" = build ]; then
-  echo "image-smoke: built only (IMAGE_SMOKE_STEPS=build): the training run, the DockerRunner pipeline and the push were not tried"; exit 0
+  echo "image-smoke: built only (IMAGE_SMOKE_STEPS=build): the training run, the DockerRunner pipeline, the tensorflow image and the push were not tried"; exit 0
 fi
 t=$(date +%s)
 docker run --rm --network host -v "$PWD/images/smoke_job.py:/smoke_job.py:ro" --entrypoint python "$IMAGE" /smoke_job.py \
@@ -109,7 +115,21 @@ t=$(date +%s)
   || { tail -40 "$WORK/kfp-docker.log"; echo "image-smoke: FAILED: the compiled pipeline under kfp.local.DockerRunner (log: $WORK/kfp-docker.log)"; exit 1; }
 grep '^kfp-docker:' "$WORK/kfp-docker.log"
 
-# The image pushed by `make push` to a real registry on 127.0.0.1 (Debian's docker-registry: the Go
+# The tensorflow image: the torch image's layers plus TensorFlow and Keras from their lock (the
+# Dockerfile's last variant step), then a Keras job in it: 2 workers, 1 epoch, an exact audit.
+t=$(date +%s)
+build_image tensorflow torch,tensorflow "$IMAGE_TF" "$WORK/build-tensorflow.log"
+grep "^tensorflow " "$WORK/build-tensorflow.log" || true
+shared=$(python3 -c 'import sys; a, b = (set(l.split()) for l in sys.argv[1:]); print(len(a & b), len(b))' \
+  "$(docker image inspect -f '{{join .RootFS.Layers " "}}' "$IMAGE")" "$(docker image inspect -f '{{join .RootFS.Layers " "}}' "$IMAGE_TF")")
+echo "image-smoke: built $IMAGE_TF in $(( $(date +%s) - t ))s ($(docker image inspect -f '{{.Size}}' "$IMAGE_TF" | awk '{printf "%.0f MB", $1/1e6}'), layers shared with the torch image: ${shared% *} of ${shared#* })"
+t=$(date +%s)
+docker run --rm --network host -v "$PWD/images/smoke_keras_job.py:/smoke_keras_job.py:ro" --entrypoint python "$IMAGE_TF" /smoke_keras_job.py \
+  >"$WORK/run-tensorflow.log" 2>&1 || { tail -30 "$WORK/run-tensorflow.log"; echo "image-smoke: FAILED: the Keras training run in the tensorflow image"; exit 1; }
+grep '^smoke:' "$WORK/run-tensorflow.log"
+echo "image-smoke: PASSED: trained with Keras in the tensorflow image in $(( $(date +%s) - t ))s"
+
+# Both images pushed by `make push` to a real registry on 127.0.0.1 (Debian's docker-registry: the Go
 # distribution registry), proved by the registry's HTTP API, then pulled into a FRESH Docker daemon
 # (its own data root: nothing cached) and run there, with the same image id. Plain HTTP is allowed:
 # Docker treats registries on 127.0.0.0/8 as insecure-allowed.
@@ -123,18 +143,24 @@ printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdire
 "$REGISTRY_BIN" serve "$WORK/registry/config.yml" >"$WORK/registry.log" 2>&1 &
 REGISTRY_PID=$!
 for _ in $(seq 100); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$RPORT/v2/', timeout=2)" 2>/dev/null && break; sleep 0.2; done
-REPOSITORY=elastic-step/elastic-step-torch
-PUSHED=127.0.0.1:$RPORT/$REPOSITORY:$VERSION
-docker tag "$IMAGE" "elastic-step-torch:$VERSION"  # the name `make images` gives it, which `make push` starts from
-make --no-print-directory push IMAGE_REGISTRY="127.0.0.1:$RPORT/elastic-step" IMAGE_VARIANTS=torch DOCKER="docker -H unix://$SOCK" \
+# Both images, under the names `make images` gives them, which `make push` starts from.
+declare -A BUILT=([torch]="$IMAGE" [tensorflow]="$IMAGE_TF") DIGESTS=() IDS=()
+for v in torch tensorflow; do docker tag "${BUILT[$v]}" "elastic-step-$v:$VERSION"; done
+make --no-print-directory push IMAGE_REGISTRY="127.0.0.1:$RPORT/elastic-step" IMAGE_VARIANTS="torch tensorflow" DOCKER="docker -H unix://$SOCK" \
   >"$WORK/push.log" 2>&1 || { tail -20 "$WORK/push.log" "$WORK/registry.log"; echo "image-smoke: FAILED: make push to 127.0.0.1:$RPORT"; exit 1; }
-proof=$(python3 images/registry_check.py "127.0.0.1:$RPORT" "$REPOSITORY" "$VERSION") \
-  || { echo "image-smoke: FAILED: the registry's API does not show the pushed image"; exit 1; }
-read -r DIGEST CONFIG <<<"$proof"
-ID=$(docker image inspect -f '{{.Id}}' "$IMAGE")
-[ "$CONFIG" = "$ID" ] || { echo "image-smoke: FAILED: the registry's manifest names config $CONFIG, the built image is $ID"; exit 1; }
-grep -q "digest: $DIGEST " "$WORK/push.log" || { tail -5 "$WORK/push.log"; echo "image-smoke: FAILED: docker push reported another digest than the registry's $DIGEST"; exit 1; }
-echo "image-smoke: pushed by make push in $(( $(date +%s) - t ))s; the registry lists $REPOSITORY:$VERSION, manifest $DIGEST, config $CONFIG"
+for v in torch tensorflow; do
+  REPOSITORY=elastic-step/elastic-step-$v
+  proof=$(python3 images/registry_check.py "127.0.0.1:$RPORT" "$REPOSITORY" "$VERSION") \
+    || { echo "image-smoke: FAILED: the registry's API does not show the pushed $v image"; exit 1; }
+  read -r DIGEST CONFIG <<<"$proof"
+  ID=$(docker image inspect -f '{{.Id}}' "${BUILT[$v]}")
+  [ "$CONFIG" = "$ID" ] || { echo "image-smoke: FAILED: the registry's manifest of $REPOSITORY names config $CONFIG, the built image is $ID"; exit 1; }
+  grep -q "digest: $DIGEST " "$WORK/push.log" || { tail -5 "$WORK/push.log"; echo "image-smoke: FAILED: docker push reported another digest than the registry's $DIGEST for $v"; exit 1; }
+  DIGESTS[$v]=$DIGEST IDS[$v]=$ID
+  echo "image-smoke: the registry lists $REPOSITORY:$VERSION, manifest $DIGEST, config $CONFIG"
+done
+# The tensorflow image's push sends only its own layer: the torch image's are already there.
+echo "image-smoke: pushed both by make push in $(( $(date +%s) - t ))s ($(grep -c 'Layer already exists\|Mounted from' "$WORK/push.log") layers the registry already held)"
 
 t=$(date +%s)
 rm -rf "$FRESH" && mkdir -p "$FRESH"
@@ -145,11 +171,16 @@ fresh() { docker -H "unix://$FRESH/docker.sock" "$@"; }
 for _ in $(seq 150); do fresh version >/dev/null 2>&1 && break; kill -0 "$FRESH_PID" 2>/dev/null || break; sleep 0.2; done
 fresh version >/dev/null 2>&1 || { tail -5 "$WORK/dockerd-fresh.log"; echo "image-smoke: FAILED: the fresh Docker daemon did not start"; exit 1; }
 [ -z "$(fresh images -q)" ] || { echo "image-smoke: FAILED: the fresh daemon already holds images"; exit 1; }
-fresh pull "$PUSHED" >"$WORK/pull.log" 2>&1 \
-  || { tail -10 "$WORK/pull.log" "$WORK/dockerd-fresh.log"; echo "image-smoke: FAILED: pull of $PUSHED into a fresh daemon"; exit 1; }
-[ "$(fresh image inspect -f '{{.Id}}' "$PUSHED")" = "$ID" ] || { echo "image-smoke: FAILED: the pulled image's id is not the built image's $ID"; exit 1; }
-fresh image inspect -f '{{join .RepoDigests " "}}' "$PUSHED" | grep -qwF "127.0.0.1:$RPORT/$REPOSITORY@$DIGEST" \
-  || { echo "image-smoke: FAILED: the pulled image is not the registry's $DIGEST"; exit 1; }
-said=$(fresh run --rm --network host "$PUSHED" --version 2>&1) || { echo "$said"; echo "image-smoke: FAILED: elastic-step --version in the pulled image"; exit 1; }
-[ "$said" = "elastic-step $VERSION" ] || { echo "image-smoke: FAILED: the pulled image says $said"; exit 1; }
-echo "image-smoke: PASSED: pulled into a fresh daemon in $(( $(date +%s) - t ))s, same id $ID and digest $DIGEST; it says '$said'"
+: >"$WORK/pull.log"
+for v in torch tensorflow; do
+  REPOSITORY=elastic-step/elastic-step-$v PUSHED=127.0.0.1:$RPORT/elastic-step/elastic-step-$v:$VERSION
+  fresh pull "$PUSHED" >>"$WORK/pull.log" 2>&1 \
+    || { tail -10 "$WORK/pull.log" "$WORK/dockerd-fresh.log"; echo "image-smoke: FAILED: pull of $PUSHED into a fresh daemon"; exit 1; }
+  [ "$(fresh image inspect -f '{{.Id}}' "$PUSHED")" = "${IDS[$v]}" ] || { echo "image-smoke: FAILED: the pulled $v image's id is not the built image's ${IDS[$v]}"; exit 1; }
+  fresh image inspect -f '{{join .RepoDigests " "}}' "$PUSHED" | grep -qwF "127.0.0.1:$RPORT/$REPOSITORY@${DIGESTS[$v]}" \
+    || { echo "image-smoke: FAILED: the pulled $v image is not the registry's ${DIGESTS[$v]}"; exit 1; }
+  said=$(fresh run --rm --network host "$PUSHED" --version 2>&1) || { echo "$said"; echo "image-smoke: FAILED: elastic-step --version in the pulled $v image"; exit 1; }
+  [ "$said" = "elastic-step $VERSION" ] || { echo "image-smoke: FAILED: the pulled $v image says $said"; exit 1; }
+  echo "image-smoke: PASSED: $v pulled into a fresh daemon, same id ${IDS[$v]} and digest ${DIGESTS[$v]}; it says '$said'"
+done
+echo "image-smoke: both images pulled and run in the fresh daemon in $(( $(date +%s) - t ))s"

@@ -76,6 +76,16 @@ def test_each_lock_covers_everything_its_variant_needs(lock, extras):
     assert missing == set(), f"{lock}.txt lacks {sorted(missing)} (run images/lock.sh)"
 
 
+@pytest.mark.parametrize("lock", [name for name in LOCKS if name != "torch"])
+def test_a_variant_lock_adds_to_the_torch_lock_without_changing_a_pin_or_hash(lock):
+    """The tensorflow image installs its lock on top of the torch image's environment: a package both
+    name at other versions or hashes would be reinstalled over the shared layer, or refused."""
+    torch, variant = pins(ROOT / "images" / "lock" / "torch.txt"), pins(ROOT / "images" / "lock" / f"{lock}.txt")
+    changed = {name: (pinned, variant.get(name)) for name, pinned in torch.items() if variant.get(name) != pinned}
+    assert changed == {}, f"{lock}.txt changes the torch lock's pins (run images/lock.sh): {changed}"
+    assert {"tensorflow-cpu", "keras"} <= set(variant) - set(torch)
+
+
 def test_the_torch_lock_takes_the_cpu_build_and_the_build_lock_has_setuptools():
     assert pins(ROOT / "images" / "lock" / "torch.txt")["torch"][0].endswith("+cpu")
     assert "setuptools" in pins(ROOT / "images" / "lock" / "build.txt")
@@ -86,6 +96,11 @@ def test_the_dockerfile_pins_its_base_by_digest_and_installs_only_hashed_files()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}$", dockerfile, re.M)
     commands = " ".join(line for line in dockerfile.replace("\\\n", " ").splitlines() if not line.lstrip().startswith("#"))
     installs = [re.split(r"&&|;", part)[0] for part in commands.split("pip install")[1:]]
-    assert len(installs) == 3 and all("--require-hashes" in i or "--no-index" in i for i in installs), installs
+    assert len(installs) == 4 and all("--require-hashes" in i or "--no-index" in i for i in installs), installs
+    # The variant's own step comes after everything the variants share (the torch venv copied in, the
+    # user): EXTRAS is declared nowhere before it, so its value cannot change the shared layers' cache.
+    final = commands[commands.rindex(" FROM "):]
+    assert "ARG EXTRAS" not in commands[:commands.rindex(" FROM ")]
+    assert final.index("COPY --from=build /opt/venv") < final.index("useradd") < final.index("ARG EXTRAS=torch")
     # The build context (everything else excluded) carries the locks.
     assert "!images/lock" in (ROOT / ".dockerignore").read_text().splitlines()

@@ -45,6 +45,11 @@ def test_the_digest_follows_what_goes_into_the_image_and_nothing_else(tmp_path):
         change()
         seen.add(digest(str(tmp_path)))
     assert len(seen) == len(changes) + 1  # each change made a digest of its own
+    # The tensorflow image is built from the same files: its digest is its own, and follows them too.
+    tensorflow = digest(str(tmp_path), "tensorflow")
+    assert tensorflow not in seen and digest(str(tmp_path), "torch") in seen
+    write(tmp_path, "images/lock/torch-tensorflow.txt", "keras==3\n")
+    assert digest(str(tmp_path), "tensorflow") != tensorflow
 
 
 def test_an_image_labelled_with_another_digest_is_stale_and_counts_as_absent(tmp_path, monkeypatch):
@@ -61,7 +66,25 @@ def test_an_image_labelled_with_another_digest_is_stale_and_counts_as_absent(tmp
     assert states == {"missing": (ImageState.MISSING, False), "unlabelled": (ImageState.STALE, False),
                       "older": (ImageState.STALE, False), "current": (ImageState.CURRENT, True)}
     with open(os.path.join(REPO, "images", "smoke.sh")) as f:  # the label smoke.sh gives what it builds
-        assert f'--label "{LABEL}=$(python3 tests/cluster/image_sources.py)"' in f.read()
+        assert f'--label "{LABEL}=$(python3 tests/cluster/image_sources.py --variant "$1")"' in f.read()
+    for variant, expected in {"torch": digest(), "tensorflow": digest(variant="tensorflow")}.items():
+        said = subprocess.run(["python3", os.path.join(REPO, "tests", "cluster", "image_sources.py"), "--variant", variant],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        assert said == expected
+
+
+def test_the_smoke_builds_trains_in_pushes_and_pulls_both_variants():
+    """CI's `make image-smoke` covers every image `make images` builds: the tensorflow image is built
+    with its own extras and label, trained in with Keras, pushed by `make push` and pulled back."""
+    with open(os.path.join(REPO, "images", "smoke.sh")) as f:
+        smoke = f.read()
+    assert 'build_image torch torch "$IMAGE"' in smoke and 'build_image tensorflow torch,tensorflow "$IMAGE_TF"' in smoke
+    assert '--entrypoint python "$IMAGE_TF" /smoke_keras_job.py' in smoke
+    assert 'push IMAGE_REGISTRY="127.0.0.1:$RPORT/elastic-step" IMAGE_VARIANTS="torch tensorflow"' in smoke
+    assert smoke.count("for v in torch tensorflow; do") == 3  # tagged, checked in the registry, pulled and run
+    with open(os.path.join(REPO, "images", "smoke_keras_job.py")) as f:
+        job = f.read()
+    assert '"elastic_step.model_zoo.digits_keras"' in job and '"--workers", "2"' in job and 'report.get("exact")' in job
 
 
 @pytest.fixture

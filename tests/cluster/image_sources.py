@@ -7,7 +7,8 @@ now. The digest covers what images/Dockerfile copies into the image (the lock, c
 pyproject and the package's folders, as .dockerignore lets them through) and the Dockerfile
 itself; README.md, which the build copies only as the package's long description, is left out,
 so editing the prose does not force a rebuild. Standard library only: smoke.sh runs it with the
-system's python3 (`python3 tests/cluster/image_sources.py` prints the digest)."""
+system's python3 (`python3 tests/cluster/image_sources.py` prints the torch image's digest, `... --variant tensorflow`
+the tensorflow image's)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ def source_files(repo: str = REPO) -> list[str]:
     return sorted(found)
 
 
-def digest(repo: str = REPO) -> str:
-    """sha256 over each source file's path and contents: any edit, addition, removal or rename changes it."""
+def digest(repo: str = REPO, variant: str = "torch") -> str:
+    """sha256 over each source file's path and contents: any edit, addition, removal or rename changes it.
+    Another variant than torch (built from the same files with other build arguments) also hashes its
+    name, so one variant's image never passes for another's."""
     total = hashlib.sha256()
+    if variant != "torch":
+        total.update(f"variant\0{variant}\0".encode())
     for path in source_files(repo):
         with open(os.path.join(repo, path), "rb") as f:
             content = f.read()
@@ -46,5 +51,7 @@ def digest(repo: str = REPO) -> str:
     return total.hexdigest()
 
 
-if __name__ == "__main__":
-    print(digest(sys.argv[1] if len(sys.argv) > 1 else REPO))
+if __name__ == "__main__":  # image_sources.py [REPO] [--variant VARIANT]
+    args = sys.argv[1:]
+    variant = args.pop(args.index("--variant") + 1) if "--variant" in args[:-1] else "torch"
+    print(digest(next((a for a in args if a != "--variant"), REPO), variant))
