@@ -1,18 +1,22 @@
 """`deploy` on the cluster stand-in with its Deployments, ReplicaSets, Services and readiness
 probes (tests/cluster/apps.py) and KServe's controller as it plays it (tests/cluster/kserve.py):
-real `mlflow models serve` pods of the registered versions, fetched from a real MLflow server,
-each pod on an address of its own (the pod network: process runtime with namespaces; Docker is
-slower here and its pods share the host's network), every request made through the Service or
-the InferenceService's route, as a client of the cluster makes it.
+real `mlflow models serve` pods of the registered versions, fetched from a real MLflow server
+through the pod network, each pod on an address of its own, every request made through the
+Service or the InferenceService's route, as a client of the cluster makes it.
 
 The tests of this module run in order on one cluster: a first deploy serves, a canary shifts the
 traffic, a bad version rolls back, a rollback returns to the replaced version; then the same for
-the kserve target."""
+the kserve target. The first deploy's pod is a Docker container of the project's image (the one
+`make image-smoke` builds), as a real cluster runs it; the rest of the sequence runs the same code
+from this machine's environment on the process runtime (PROCESS_IMAGE), beside it on the same pod
+network, because each Docker pod costs seconds more on a loaded 2-core machine."""
 
 from __future__ import annotations
 
 import glob
+import ipaddress
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -25,17 +29,19 @@ import pytest
 from kubernetes import client as k8s
 from mlflow.tracking import MlflowClient
 
-from cluster import Cluster
+from cluster import Cluster, Image, venv_image
 from elastic_step.errors import JobFailed
 from cluster.apps import start_apps
 from cluster.kserve import install_kserve
 from cluster.network import available
 from mlflow_server import MlflowServer
 from registered_models import predict, register_linear, rows
+from test_cluster_e2e import docker_daemon  # noqa: F401 (a fixture: the daemon holding make image-smoke's image)
 
 pytestmark = pytest.mark.e2e
 NAME = "cluster-deploy"
 DATA = rows(6, seed=3)
+PROCESS_IMAGE = "registry.example/ml/elastic-step-venv:test"  # the project as this machine's venv: process runtime
 
 
 @dataclass
@@ -48,16 +54,16 @@ class World:
     expected: dict[str, np.ndarray]  # version -> its predictions of DATA, loaded in the test
     folder: str
 
-    def settings(self, name: str):
+    def settings(self, name: str, image: str = PROCESS_IMAGE):
         from elastic_step.release.deploy_render import DeploySettings
 
         return DeploySettings(namespace=self.cluster.namespace, name=name, service_account="model-server",
-                              storage_secret="model-store", mlflow_uri=self.pod_mlflow, image=self.cluster.project_image)
+                              storage_secret="model-store", mlflow_uri=self.pod_mlflow, image=image)
 
-    def deploy(self, name: str, target: str, timeout: float = 120, **kwargs):
+    def deploy(self, name: str, target: str, timeout: float = 120, image: str = PROCESS_IMAGE, **kwargs):
         from elastic_step.release.deploy import deploy_model
 
-        return deploy_model(registered_model=NAME, settings=self.settings(name), target=target, timeout=timeout,
+        return deploy_model(registered_model=NAME, settings=self.settings(name, image), target=target, timeout=timeout,
                             mlflow_uri=self.server.uri, api_client=k8s.ApiClient(self.cluster.configuration()), **kwargs)
 
     def which(self, answer: np.ndarray) -> str:
@@ -66,11 +72,15 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, docker_daemon):  # noqa: F811
+    from elastic_step.images import default_image
+
     if not available():
         pytest.fail("this node cannot make network namespaces (needs root, iproute2 and unshare --net)")
     root = str(tmp_path_factory.mktemp("cluster-deploy"))
-    with Cluster(os.path.join(root, "cluster"), pod_network=True) as cluster:
+    images = {default_image(): Image(default_image(), {}, docker=default_image()), PROCESS_IMAGE: venv_image(PROCESS_IMAGE)}
+    with Cluster(os.path.join(root, "cluster"), images=images, docker=docker_daemon, docker_by_image=True,
+                 pod_network=True) as cluster:
         print(f"kubelet runtime: {cluster.kubelet.mode}")
         server = MlflowServer(os.path.join(root, "mlflow"))
         os.makedirs(server.root, exist_ok=True)
@@ -78,7 +88,7 @@ def world(tmp_path_factory):
         server.allowed_hosts = [gateway, f"127.0.0.1:{server.port}", f"localhost:{server.port}"]
         server.start(timeout=300)  # a loaded 2-core machine: minutes
         apps = start_apps(cluster)
-        kserve = install_kserve(cluster, apps)
+        kserve = install_kserve(cluster, apps, PROCESS_IMAGE)
         try:
             versions = {"good": register_linear(server.uri, NAME, seed=1), "bad": register_linear(server.uri, NAME, seed=2),
                         "better": register_linear(server.uri, NAME, seed=3)}
@@ -129,13 +139,21 @@ def answer(url: str, patience_s: float = 30.0) -> np.ndarray:
     return np.asarray(reply.json()["predictions"], dtype=np.float32)
 
 
-def test_the_mlflow_target_serves_the_registered_versions_predictions_through_its_service(world):
-    good = world.versions["good"]
-    result = world.deploy("digits", "mlflow", version=good)
+def test_the_mlflow_target_serves_the_registered_versions_predictions_through_its_service(world, docker_daemon):  # noqa: F811
+    good, image = world.versions["good"], world.cluster.project_image
+    result = world.deploy("digits", "mlflow", version=good, image=image)  # elastic-step deploy's default image
     assert (result.version, result.previous_version, result.applied) == (good, "", True)
     url = world.apps.service_url(world.cluster.namespace, "digits")
     np.testing.assert_allclose(answer(url), world.expected[good], rtol=1e-5, atol=1e-6)
     (pod,) = world.cluster.pods(selector="app.kubernetes.io/instance=digits")
+    # The server is a container of the built image, on its pod's own address in the pod network,
+    # which the Service's request reached (the server listens on that address alone: -h $(POD_IP)).
+    container = world.cluster.kubelet.record(world.cluster.namespace, pod["metadata"]["name"]).containers[0].proc.container
+    inspect = subprocess.run(["docker", "inspect", "-f", "{{.Config.Image}} {{.State.Running}}", container], env=docker_daemon.env,
+                             capture_output=True, text=True)
+    assert inspect.stdout.split() == [image, "true"], inspect.stdout + inspect.stderr
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network("10.244.0.0/16"), pod["status"]
+    assert pod["spec"]["containers"][0]["command"][-4:] == ["-h", "$(POD_IP)", "-p", "8080"]
     labels = pod["metadata"]["labels"]
     run = MlflowClient(world.server.uri).get_model_version(NAME, good).run_id
     assert (labels["elastic-step.io/registered-model"], labels["elastic-step.io/model-version"],
@@ -179,17 +197,17 @@ def test_a_bad_version_rolls_back_and_the_cli_exits_non_zero_with_the_reason(wor
     better, bad = world.versions["better"], world.versions["bad"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "MLFLOW_"))}
     kubeconfig = world.cluster.kubeconfig(tmp_path, "admin", world.cluster.admin_token)
-    # The wait runs to its --timeout (the canary never becomes Ready): short, as 1/1 updated is seen within a second.
+    # The bad server exits while loading its model: the deploy rolls back then, long before its --timeout.
     done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "deploy", "--registered-model", NAME, "--version", bad,
                            "--target", "mlflow", "--name", "digits", "--namespace", world.cluster.namespace,
-                           "--service-account", "model-server", "--storage-secret", "model-store", "--timeout", "15",
-                           "--image", world.cluster.project_image, "--mlflow-uri", world.server.uri,
+                           "--service-account", "model-server", "--storage-secret", "model-store", "--timeout", "600",
+                           "--image", PROCESS_IMAGE, "--mlflow-uri", world.server.uri,
                            "--serving-mlflow-uri", world.pod_mlflow],
                           capture_output=True, text=True, env={**env, "KUBECONFIG": kubeconfig}, timeout=240)
     assert done.returncode == 1, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
-        "elastic-step deploy: error: Deployment digits-canary was not Ready within 15s (1/1 replicas updated, 0 available): "
-        f"its server did not answer /ping; traffic stays on version {better}")
+    assert re.fullmatch(r"elastic-step deploy: error: Deployment digits-canary failed its rollout \(1/1 replicas updated, 0 "
+                        r"available\): pod digits-canary-[0-9a-f]+-[0-9a-z]+: container model-server exited with code 1 "
+                        rf"\(Error(, CrashLoopBackOff)?\); traffic stays on version {better}", done.stderr.strip().splitlines()[-1]), done.stderr
     url = world.apps.service_url(world.cluster.namespace, "digits")
     assert {world.which(answer(url)) for _ in range(4)} == {better}
     assert [d["metadata"]["name"] for d in world.cluster.objects("deployments")] == ["digits-stable"]
@@ -223,12 +241,11 @@ def test_the_kserve_target_through_kserves_controller_rolls_a_canary_out(world):
 
 def test_a_bad_kserve_canary_sends_the_traffic_back_and_a_rollback_rolls_the_replaced_version_out(world):
     good, bad, better = world.versions["good"], world.versions["bad"], world.versions["better"]
-    # The wait runs to its timeout, but the reason asserted needs the bad server to have started and
-    # exited first: 45s, as a good revision takes up to ~25s to be Ready on a loaded machine.
-    with pytest.raises(JobFailed, match=r"^InferenceService 'kdigits' was not Ready within 45s: Revision "
+    # KServe reports the revision failed once its server exited: the deploy rolls back then, not at its timeout.
+    with pytest.raises(JobFailed, match=r"^InferenceService 'kdigits' failed its rollout: Revision "
                                         r'"kdigits-predictor-00003" failed with message: container kserve-container '
                                         rf"exited with code 1\.; traffic stays on version {better}$"):
-        world.deploy("kdigits", "kserve", version=bad, timeout=45)
+        world.deploy("kdigits", "kserve", version=bad, timeout=600)
     isvc = world.cluster.server.get("inferenceservices", world.cluster.namespace, "kdigits")
     assert isvc["spec"]["predictor"]["canaryTrafficPercent"] == 0  # KServe: all to the last rolled-out revision
     assert isvc["status"]["components"]["predictor"]["traffic"] == [

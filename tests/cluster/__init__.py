@@ -21,7 +21,7 @@ from kubernetes import client as k8s
 
 from .apiserver import ApiServer
 from .kubelet import Kubelet
-from .runtime import DockerRuntime, Image, venv_image
+from .runtime import DockerRuntime, Image, ImageRuntime, venv_image
 from .scheduling import SCHEDULER_RULES, SCHEDULER_USER, Scheduler, node_object
 from .rbac import DEPLOY_RBAC, REPO, SUPERUSER, Authorizer, kustomize_namespace, read_manifests, service_account_user
 
@@ -100,14 +100,16 @@ class Cluster:
 
     def __init__(self, root: str, namespace: str | None = None, images: dict[str, Image] | None = None,
                  isolate: bool | None = None, docker=None, allocatable: dict[str, str] | None = None,
-                 pod_network: bool = False, ipv6: bool = False):
+                 pod_network: bool = False, ipv6: bool = False, docker_by_image: bool = False):
         """`docker`: a started runtime.DockerDaemon: containers run as Docker containers of their
         image's `docker` image (`--network host`, or with `pod_network` in each pod's sandbox
         container's network); else the process runtime. `allocatable`: the
         node's cpu/memory/pods (scheduling.DEFAULT_ALLOCATABLE for what is not given).
         `pod_network`: each pod in a network namespace and address of its own on the cluster's own
         bridge, NetworkPolicies enforced (network.py, netpolicy.py; namespaces or Docker runtime), `ipv6`
-        with IPv6 pod addresses first; pods reach the node's servers through `pod_url`."""
+        with IPv6 pod addresses first; pods reach the node's servers through `pod_url`.
+        `docker_by_image`: with `docker`, only the images that name a Docker image run on it, the
+        others on the process runtime (runtime.ImageRuntime)."""
         from elastic_step.images import default_image
 
         self.root = str(root)
@@ -116,6 +118,7 @@ class Cluster:
         self.images = {self.project_image: venv_image(self.project_image), **(images or {})}
         self.isolate = isolate
         self.docker = docker
+        self.docker_by_image = docker_by_image
         self.authorizer = Authorizer()
         self.admin_token = self.authorizer.issue_token(SUPERUSER)
         self.server: ApiServer | None = None
@@ -162,7 +165,7 @@ class Cluster:
         self.authorizer.add_binding("", {"kind": "ClusterRole", "name": "kubelet"}, [{"kind": "User", "name": KUBELET_USER}])
         self.kubelet = Kubelet(self.core(self.authorizer.issue_token(KUBELET_USER)), os.path.join(self.root, "node"),
                                self.images, self.network.gateway if self.network else "127.0.0.1", self.server.port,
-                               isolate=self.isolate, runtime=DockerRuntime(self.docker) if self.docker is not None else None,
+                               isolate=self.isolate, runtime=self._runtime(),
                                network=self.network, policy_agent=self._policy_agent())
         self.server.log_reader = self.kubelet.read_log
         self.kubelet.start()
@@ -184,6 +187,11 @@ class Cluster:
             self.network.stop()
         if self.server is not None:
             self.server.close()
+
+    def _runtime(self):
+        if self.docker is None:
+            return None  # the kubelet's process runtime
+        return ImageRuntime(self.docker) if self.docker_by_image else DockerRuntime(self.docker)
 
     def _policy_agent(self):
         """The pod network's NetworkPolicy agent, with its own token (netpolicy.AGENT_RULES)."""

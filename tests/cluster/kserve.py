@@ -229,11 +229,11 @@ class KServe:
             self.api.call("PUT", f"/apis/{GROUP}/{VERSION}/namespaces/{meta['namespace']}/{PLURAL}/{meta['name']}/status", body)
 
 
-def install_kserve(cluster, apps) -> KServe:
+def install_kserve(cluster, apps, image: str = "") -> KServe:
     """KServe installed on `cluster`: its CRD's group served, its controller running with its
-    own token (the pods' image: the cluster's project image). close() it before `apps`."""
+    own token (the pods' image: `image`, else the cluster's project image). close() it before `apps`."""
     cluster.server.install(GROUP)
     cluster.authorizer.add_role("", "kserve-manager", RULES)
     cluster.authorizer.add_binding("", {"kind": "ClusterRole", "name": "kserve-manager"}, [{"kind": "User", "name": USER}])
     client = k8s.ApiClient(cluster.configuration(cluster.authorizer.issue_token(USER)))
-    return KServe(client, apps, cluster.project_image).start()
+    return KServe(client, apps, image or cluster.project_image).start()

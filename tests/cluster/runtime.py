@@ -490,3 +490,47 @@ class DockerRuntime:
             self.sandboxes.clear()
         for name in sandboxes:
             self._docker("rm", "-f", name)
+
+
+class ImageRuntime:
+    """A node with two runtime handlers (as a RuntimeClass names one), chosen by the image: the
+    images that name a Docker image (`Image.docker`) run on the Docker runtime, the others on the
+    process runtime (namespaces), all on the same pod network. A test serves one pod as a real
+    cluster would, a container of the built image, and runs the rest of its sequence faster."""
+
+    isolation = "namespaces"  # what either gives a pod: its own /tmp, /dev/shm, hostname, network
+
+    def __init__(self, daemon: DockerDaemon):
+        self.docker, self.process = DockerRuntime(daemon), ProcessRuntime(isolate=True)
+        if self.process.isolation != "namespaces":
+            raise RuntimeError("the process runtime beside Docker needs namespaces (root and unshare)")
+
+    @property
+    def cgroup_parent(self) -> str | None:
+        return self.process.cgroup_parent
+
+    @property
+    def mode(self) -> str:
+        return f"by image: {self.docker.mode}; else {self.process.mode}"
+
+    def _of(self, cgroup: str | None):
+        return self.docker if cgroup in self.docker.names else self.process  # Docker's are container names
+
+    def run(self, folder: str, cgroup_name: str, image: Image, *args, **kwargs) -> Started:
+        return (self.docker if image.docker else self.process).run(folder, cgroup_name, image, *args, **kwargs)
+
+    def signal(self, proc: subprocess.Popen, sig: int) -> None:
+        (self.docker if hasattr(proc, "container") else self.process).signal(proc, sig)
+
+    def fill_memory(self, proc: subprocess.Popen, cgroup: str | None, megabytes: int) -> None:
+        (self.docker if hasattr(proc, "container") else self.process).fill_memory(proc, cgroup, megabytes)
+
+    def oom_killed(self, cgroup: str | None) -> bool:
+        return self._of(cgroup).oom_killed(cgroup)
+
+    def remove_cgroup(self, cgroup: str | None, tries: int = 20) -> None:
+        self._of(cgroup).remove_cgroup(cgroup, tries)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.docker.close(timeout_s)
+        self.process.close(timeout_s)
