@@ -10,9 +10,15 @@ Disturbances (each in a run of its own):
                   command run again at once, as a pipeline's retry runs it.
 
 elastic-step: `train --workers 2:3` (the group shrinks and grows back), checkpoints only when
-preempted. Peer: torchrun as a one-node user runs it (`--standalone --max-restarts`) + DDP
+preempted; run twice, alternating: its workers started as programs ("elastic-step") and forked from
+a warm parent that has imported torch ("es+forks", ELASTIC_STEP_LOCAL_FORKS=1), whose replacements
+take almost none of the survivors' CPU to start. Peer: torchrun as a one-node user runs it (`--standalone --max-restarts`) + DDP
 (`ddp_peer.py`), a checkpoint every 50 steps from which every restart resumes. Both: the MLP
 64 -> 512 -> 512 -> 10 (`mlp512_digits.py`), the same data, 3 workers of 64 rows per step.
+
+`--startup-cpu N` measures only the CPU seconds a replacement spends from its start to its first
+round, N kills of each variant: on 2 cores that the survivors keep busy, a kill costs about half of
+that in progress, and unlike a rate on a shared machine it does not move with the load.
 
 Runs alternate (ours, peer, ours, peer): on a shared machine the rate moves from one minute to
 the next, so the load average is printed beside every figure."""
@@ -240,6 +246,51 @@ def run_job(system, disturbance: Disturbance | None, seed: int, timeout_s: float
     return wall(system.steps()), count, retries
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The process's user + system CPU time so far (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def startup_cpu(kind, data: str, root: str, kills: int) -> list[float]:
+    """CPU seconds each of `kills` replacements spends from its start to its first round: what a
+    kill takes from the survivors' cores, whatever the load (a rate on a busy machine is noise)."""
+    job_dir = os.path.join(root, f"{kind.name}-startup-cpu")
+    shutil.rmtree(job_dir, ignore_errors=True)
+    os.makedirs(job_dir)
+    system = kind(data, 1000, job_dir)
+    proc = system.start()
+    seconds = []
+    try:
+        from elastic_step.operate.client import try_status
+
+        for _ in range(kills):
+            full = wait_until(lambda: (s := try_status(system.job_dir)) and s["round_ready"] and s["world_size"] == WORKERS and s,
+                              600, "a full group")
+            victim = next(w for w in full["workers"] if w["rank"] == 1 and w["state"] == "live")
+            os.kill(victim["pid"], signal.SIGKILL)
+            seen: dict = {}
+
+            def ready_replacement():
+                status = try_status(system.job_dir) or {"workers": [], "round_ready": False}
+                for w in status["workers"]:
+                    if w["slot"] == victim["slot"] and w["id"] != victim["id"] and w.get("pid"):
+                        seen["cpu"] = cpu_seconds(w["pid"]) or seen.get("cpu")
+                        if w["rank"] is not None and status["round_ready"]:
+                            return seen["cpu"]
+                return None
+
+            seconds.append(wait_until(ready_replacement, 600, "the replacement in a round"))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return seconds
+
+
 def load() -> str:
     return "load {:.1f}".format(os.getloadavg()[0])
 
@@ -265,6 +316,8 @@ def main() -> None:
     parser.add_argument("--ours", nargs="+", choices=sorted(OURS), default=["plain", "forks"],
                         help="elastic-step's variants: workers started as programs (plain), forked from a warm parent (forks)")
     parser.add_argument("--quick", action="store_true", help="4 epochs, a worker SIGKILL every 10 s only")
+    parser.add_argument("--startup-cpu", type=int, metavar="N",
+                        help="only measure each variant's replacement start-up CPU, over N kills (load-independent)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one job may take")
     parser.add_argument("--keep", metavar="DIR", help="put the data and the jobs' folders (events, logs) here and keep them")
     args = parser.parse_args()
@@ -279,6 +332,12 @@ def main() -> None:
           f"{args.repeats} alternating runs; {machine()}", flush=True)
     with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as root:
         data = prepared_digits(root, args.copies)
+        if args.startup_cpu:
+            for kind in ours:
+                spent = startup_cpu(kind, data, root, args.startup_cpu)
+                print(f"  {kind.name:13s} a replacement's CPU from its start to its first round: "
+                      f"{' '.join(f'{s:.2f}' for s in spent)} s  ({load()})", flush=True)
+            return
         clean = {k.name: [] for k in kinds}
         for seed in range(args.repeats):
             for kind in kinds:
