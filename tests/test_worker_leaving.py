@@ -33,11 +33,11 @@ WORKER = textwrap.dedent("""
         beat = Heartbeat(MasterClient(sys.argv[1], "t", master_timeout_s=20.0, refused_grace_s=0.5), "w0.1", 0.05)
         beat.start()
         read_fd, _ = os.pipe()
+        if block == "native":  # the wake-up signal held off, as native code deaf to it would be
+            import signal
+            signal.pthread_sigmask(signal.SIG_BLOCK, [leaving.WAKE_SIGNAL])
         try:
             print("blocked", flush=True)
-            if block == "native":  # the wake-up signal held off, as native code deaf to it would be
-                import signal
-                signal.pthread_sigmask(signal.SIG_BLOCK, [leaving.WAKE_SIGNAL])
             os.read(read_fd, 1)
         finally:
             logging.getLogger("test").warning("finally ran on the main thread")

@@ -12,8 +12,8 @@ Two things end a worker from outside its step loop:
   to stop, so it leaves with MASTER_GONE_EXIT_CODE.
 
 The thread that notices does not end the process itself: it records why (`depart`, a
-LeaveReason) and wakes the main thread with WAKE_SIGNAL, sent to that thread (a blocking system
-call there returns at once). The signal's handler raises `Leave` there, which unwinds the worker
+LeaveReason) and wakes the main thread with WAKE_SIGNAL, sent to that thread until it takes it
+(a blocking system call there returns at once). The signal's handler raises `Leave` there, which unwinds the worker
 through its `finally` blocks (the gloo group destroyed, the heartbeat halted) up to
 `run_until_leaving`, and `elastic-step worker` exits with the reason's code, its logs flushed.
 
@@ -56,6 +56,8 @@ MASTER_GONE_EXIT_CODE = 3
 WAKE_SIGNAL = signal.SIGUSR1
 # Twice the default collective timeout, the longest bounded wait of the main thread.
 LAST_RESORT_S = 60.0
+# How often the main thread is signalled again until it has taken the Leave (see _wake_main).
+WAKE_EVERY_S = 0.05
 
 
 class LeaveReason(enum.Enum):
@@ -105,8 +107,7 @@ def depart(reason: LeaveReason, detail: str) -> None:
     log.warning("%s; the main thread leaves (exit code %d)", detail, reason.exit_code)
     if signal.getsignal(WAKE_SIGNAL) is not _raise_departure:
         return
-    threading.Thread(target=_last_resort, args=(reason,), name="last-resort", daemon=True).start()
-    signal.pthread_kill(threading.main_thread().ident, WAKE_SIGNAL)
+    threading.Thread(target=_wake_main, args=(reason,), name="wake-main", daemon=True).start()
 
 
 def departure() -> Leave | None:
@@ -121,13 +122,24 @@ def _raise_departure(signum, frame) -> None:
         raise _departure.leave
 
 
+def _wake_main(reason: LeaveReason) -> None:
+    """Signal the main thread until it has taken the Leave: a signal that lands just before it
+    enters a blocking call is handled at C level then, and does not interrupt that call, so one
+    signal alone could wait on the call's own timeout. Then, the last resort."""
+    main, deadline = threading.main_thread().ident, time.monotonic() + LAST_RESORT_S
+    while time.monotonic() < deadline:
+        if not _departure.raised:
+            signal.pthread_kill(main, WAKE_SIGNAL)
+        time.sleep(WAKE_EVERY_S)
+    _last_resort(reason)
+
+
 def _last_resort(reason: LeaveReason) -> None:
     """The one place a worker ends without its main thread, and only if that thread has not left
     LAST_RESORT_S after it was woken: then it is in native code that ignores its own timeout (a
     driver call, a user's extension). For SIGTERM the sender's SIGKILL would end it too, but
     nothing ends a worker whose master is gone, which would hold its cores or GPU for good. Every
     thread's stack goes to stderr first, to show where the main thread was held."""
-    time.sleep(LAST_RESORT_S)
     log.error("the main thread did not leave within %g s of being told to (%s): ending the process; stacks follow",
               LAST_RESORT_S, reason.value)
     logging.shutdown()
