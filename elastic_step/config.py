@@ -75,6 +75,8 @@ class TrainConfig:
     worker_cpu: str | None = None
     worker_memory: str | None = None
     worker_gpus: int = 0
+    ps_cpu: str | None = None  # --mode ps: each shard pod's; None: a worker's
+    ps_memory: str | None = None
     node_selector: list[str] = field(default_factory=list)
     tolerations: list[str] = field(default_factory=list)
     priority_class: str | None = None

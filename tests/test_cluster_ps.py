@@ -98,7 +98,7 @@ def test_a_ps_jobs_dry_run_shows_its_shard_pods_valid_and_podsecurity_restricted
 
     monkeypatch.setenv("ELASTIC_STEP_POD_NAMESPACE", "ml")
     config = TrainConfig(model_def=DEEPFM_PS, data="s3://bucket/ctr", job_dir=str(tmp_path), workers="2", backend="kubernetes",
-                         mode="ps", ps_shards=3, host="10.0.0.5")
+                         mode="ps", ps_shards=3, host="10.0.0.5", worker_memory="1Gi", ps_memory="3Gi")
     master = MasterPod(name="m", uid="u", ip="10.0.0.5", namespace="ml")
     objects = [o for o in yaml.safe_load_all(dry_run_manifests(config, settings_from_config(config), master, "img:1")) if o]
     for obj in objects:
@@ -106,6 +106,9 @@ def test_a_ps_jobs_dry_run_shows_its_shard_pods_valid_and_podsecurity_restricted
     shards = [o for o in objects if o["kind"] == "Pod" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "ps"]
     assert [p["metadata"]["labels"]["elastic-step/ps-shard"] for p in shards] == ["0", "1", "2"]
     assert all(violations(pod) == [] for pod in shards), [violations(p) for p in shards]
+    assert {p["spec"]["containers"][0]["resources"]["limits"]["memory"] for p in shards} == {"3Gi"}  # --ps-memory
+    workers = [o for o in objects if o["kind"] == "Pod" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"]
+    assert {p["spec"]["containers"][0]["resources"]["limits"]["memory"] for p in workers} == {"1Gi"}
     assert [o["metadata"]["name"] for o in objects if o["kind"] == "NetworkPolicy"][-1].endswith("-ps")
 
 

@@ -309,6 +309,7 @@ def list_and_live_page(config: str) -> None:
     (["--mlflow-uri", "http://alice:hunter2@mlflow:5000"], "--mlflow-uri holds a password"),
     (["--worker-memory", "4Gi:2Gi"], "--worker-memory '4Gi:2Gi': the request 4Gi is larger than the limit 2Gi"),
     (["--workers", "4:2"], "--workers '4:2': the minimum 4 is larger than the maximum 2"),  # train's own check
+    (["--ps-memory", "8Gi:4Gi"], "--ps-memory '8Gi:4Gi': the request 8Gi is larger than the limit 4Gi"),
     (["--global-batch-size", "64", "--lr-scaling", "linear"], "--lr-scaling linear has nothing to scale"),
     (["--image", "ghcr.io/elastic-step/elastic-step-torch:0.1.0", "--worker-gpu", "1"],
      "--worker-gpu 1 but the workers' image ghcr.io/elastic-step/elastic-step-torch:0.1.0 is a CPU-only build"),
@@ -331,12 +332,13 @@ def test_a_ps_mode_job_is_submitted_with_its_shards_for_the_master_to_run_as_pod
     from elastic_step.cli import main
 
     args = ["submit", "--job-name", JOB, "--image", "img", "--model-def", "elastic_step.model_zoo.deepfm_ps_torch",
-            "--data", "s3://b/ctr", "--mode", "ps", "--ps-shards", "3", "--dry-run"]
+            "--data", "s3://b/ctr", "--mode", "ps", "--ps-shards", "3", "--ps-memory", "8Gi", "--dry-run"]
     assert main(args) == 0
     (pod,) = yaml.safe_load_all(capsys.readouterr().out)
     argv = pod["spec"]["containers"][0]["args"]
     options = dict(zip(argv, argv[1:]))
     assert options["--mode"] == "ps" and options["--ps-shards"] == "3" and options["--backend"] == "kubernetes"
+    assert options["--ps-memory"] == "8Gi"  # each shard pod's, for the tables it holds
 
 
 def test_data_on_gcs_reaches_the_master_as_its_uri_and_is_read_by_workload_identity_not_a_store_secret(capsys):

@@ -14,6 +14,9 @@ def add_kubernetes_options(parser) -> None:
     k.add_argument("--worker-cpu", help="CPU per worker: REQUEST or REQUEST:LIMIT (e.g. 2, or 500m:2)")
     k.add_argument("--worker-memory", help="memory per worker: REQUEST or REQUEST:LIMIT (e.g. 4Gi, or 2Gi:4Gi)")
     k.add_argument("--worker-gpus", type=int, default=0, help="nvidia.com/gpu per worker (default 0)")
+    k.add_argument("--ps-cpu", help="with --mode ps: CPU per parameter-server pod, REQUEST or REQUEST:LIMIT (default: a worker's)")
+    k.add_argument("--ps-memory", help="with --mode ps: memory per parameter-server pod, REQUEST or REQUEST:LIMIT, e.g. "
+                                       "8Gi:8Gi for the tables of its shard (default: a worker's)")
     k.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
     k.add_argument("--toleration", dest="tolerations", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
                    help="repeatable, e.g. nvidia.com/gpu:NoSchedule")

@@ -108,6 +108,7 @@ def submission(args):
     if model_file:
         checks.check_model_file(model_file)
     request_and_limit("--worker-cpu", args.worker_cpu), request_and_limit("--worker-memory", args.worker_memory)
+    request_and_limit("--ps-cpu", args.ps_cpu), request_and_limit("--ps-memory", args.ps_memory)
     check_gpu_request(args.worker_gpus, parse_choice(args.device), args.image, flag="--worker-gpu")
     sub = Submission(
         job=args.job_name, namespace=args.namespace or current_namespace(), image=args.image, train_args=[],

@@ -157,6 +157,7 @@ def train_config(args) -> TrainConfig:
         # --backend kubernetes
         namespace=args.namespace, image=args.image, worker_cpu=args.worker_cpu, worker_memory=args.worker_memory,
         worker_gpus=args.worker_gpus, node_selector=args.node_selector, tolerations=args.tolerations,
+        ps_cpu=getattr(args, "ps_cpu", None), ps_memory=getattr(args, "ps_memory", None),
         priority_class=args.priority_class, image_pull_secrets=args.image_pull_secrets,
         service_account=args.service_account, pending_timeout=args.pending_timeout,
         master_network_policy=args.master_network_policy, worker_store_secret=args.worker_store_secret,

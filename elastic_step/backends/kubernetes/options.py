@@ -57,6 +57,9 @@ class PodSettings:
     master_network_policy: bool = True
     # The Secret worker pods take the data store's keys from (store_access.py); None: the default.
     worker_store_secret: str | None = None
+    # A --mode ps job's shard pods: (request, limit) of cpu and of memory; None: a worker's.
+    ps_cpu: tuple[str | None, str | None] | None = None
+    ps_memory: tuple[str | None, str | None] | None = None
 
 
 def parse_quantity(option: str, text: str) -> float:
@@ -172,6 +175,8 @@ def settings_from_config(config) -> PodSettings:
         pending_timeout_s=config.pending_timeout,
         master_network_policy=config.master_network_policy,
         worker_store_secret=check_secret_name(config.worker_store_secret or os.environ.get(WORKER_STORE_SECRET_ENV)),
+        ps_cpu=request_and_limit("--ps-cpu", config.ps_cpu) if getattr(config, "ps_cpu", None) else None,
+        ps_memory=request_and_limit("--ps-memory", config.ps_memory) if getattr(config, "ps_memory", None) else None,
     )
 
 

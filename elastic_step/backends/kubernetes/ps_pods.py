@@ -79,6 +79,14 @@ def shard_config(specs: list[TableSpec], routing: RoutingTable, snapshot_every: 
     return json.dumps({"tables": [s.to_json() for s in specs], "routing": routing.to_json(), "snapshot_every": snapshot_every})
 
 
+def shard_settings(settings: PodSettings) -> PodSettings:
+    """The workers' settings with the shards' own cpu and memory (--ps-cpu, --ps-memory) where
+    given, and no GPU: a shard computes nothing on one."""
+    cpu, memory = settings.ps_cpu, settings.ps_memory
+    return replace(settings, gpus=0, **({"cpu_request": cpu[0], "cpu_limit": cpu[1]} if cpu else {}),
+                   **({"memory_request": memory[0], "memory_limit": memory[1]} if memory else {}))
+
+
 def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, image: str, shard: int, config: str) -> k8s.V1Pod:
     """Shard `shard`'s pod: the workers' image, service account (no API rights, no token
     mounted), security context and requests (no GPU), restarted in place when it fails."""
@@ -93,7 +101,7 @@ def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, ima
     command = ["python", "-m", "elastic_step.backends.kubernetes.ps_pods", "--shard", str(shard),
                "--host", f"$({POD_IP_ENV})", "--port", str(PS_PORT + shard)]
     container = k8s.V1Container(
-        name="ps", image=image, command=command, env=env, resources=resources(replace(settings, gpus=0)),
+        name="ps", image=image, command=command, env=env, resources=resources(shard_settings(settings)),
         ports=[k8s.V1ContainerPort(name="ps", container_port=PS_PORT + shard, protocol="TCP")],
         volume_mounts=[k8s.V1VolumeMount(name="token", mount_path=TOKEN_MOUNT, read_only=True),
                        k8s.V1VolumeMount(name="scratch", mount_path="/tmp")],
