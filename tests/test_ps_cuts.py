@@ -99,14 +99,14 @@ def test_another_step_is_cut_from_the_snapshot_and_ledger_unless_a_snapshot_or_a
     assert restored(tmp_path / "s", 6, again.cut(6)["digest"], tmp_path / "r6").tables["emb"].digest() == at_six
 
 
-def test_a_cut_that_is_not_the_recorded_one_is_refused_and_older_cuts_are_dropped(tmp_path):
+def test_a_cut_that_is_not_the_recorded_one_is_refused_and_only_cuts_a_resume_may_load_are_kept(tmp_path):
     held = shard(tmp_path / "s")
-    for step in range(1, 6):
+    for step in range(1, 8):
         push(held, step)
-    two, four = held.cut(2), held.cut(4, keep_from=2)
-    assert cuts.steps(str(tmp_path / "s")) == [2, 4]
-    held.cut(4, keep_from=4)  # checkpoint 2 is no longer the newest recorded: its cut goes
-    assert cuts.steps(str(tmp_path / "s")) == [4]
+    two, four = held.cut(2), held.cut(4, keep=[2])  # 2 committed; 4 and 6 may still be uploading
+    assert cuts.steps(str(tmp_path / "s")) == [2, 4, 6]
+    held.cut(6, keep=[4])  # the run now keeps only 4: a resume loads 4, or 6 once committed
+    assert cuts.steps(str(tmp_path / "s")) == [4, 6]
     with pytest.raises(cuts.CutMissing, match="no cut of step 2"):
         restored(tmp_path / "s", 2, two["digest"], tmp_path / "r")
     with pytest.raises(cuts.CutMissing, match="not the one the checkpoint recorded"):

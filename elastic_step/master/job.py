@@ -287,8 +287,10 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
         step_log=step_log, initial_state=initial,
-        # mode ps: a checkpoint is recorded with the shards' cut of its step (ps_checkpoints.py)
-        on_checkpoint=checkpointing(ps_shards, recorder.on_checkpoint if config.checkpoint_steps else None, start.step),
+        # mode ps: a checkpoint is recorded with the shards' cut of its step (ps_checkpoints.py);
+        # the shards keep the cuts of every checkpoint a resume may load (the run's committed ones)
+        on_checkpoint=checkpointing(ps_shards, recorder.on_checkpoint if config.checkpoint_steps else None,
+                                    lambda: list(recorder.checkpoints.committed)),
         spares=config.spares,
         # A PS-mode job's shards hold their part of the model: they cannot go back with the ledger.
         ps_shards=ps_shards, restore_point=start if config.mode != TrainingMode.PS else None,

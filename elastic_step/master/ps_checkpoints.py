@@ -43,14 +43,14 @@ class CutFailed(RuntimeError):
     """Some shard could not give its cut of the step: the checkpoint is not taken."""
 
 
-def cut_shards(addresses: list[str], token: str, step: int, keep_from: int = 0) -> dict:
+def cut_shards(addresses: list[str], token: str, step: int, keep: list[int] = ()) -> dict:
     """Every shard's cut of `step`: {"step", "routing", "digests"}; CutFailed in one line."""
     client = PsClient(token, lambda: None, timeout_s=CUT_TIMEOUT_S)
     metas = []
     try:
         for i, address in enumerate(addresses):
             try:
-                header, _ = client.call(address, {"op": "cut", "step": step, "keep_from": keep_from})
+                header, _ = client.call(address, {"op": "cut", "step": step, "keep": list(keep)})
             except (OSError, ValueError) as exc:
                 raise CutFailed(f"shard {i} at {address} did not answer ({exc})") from exc
             if header.get("status") != Status.OK:
@@ -68,27 +68,27 @@ def cut_shards(addresses: list[str], token: str, step: int, keep_from: int = 0) 
 
 class PsCheckpoints:
     """The recorder's on_checkpoint, for a PS job: the shards' cut first, then the record with it.
-    `recorded`: the newest checkpoint recorded (the resumed one at the start); older cuts go."""
+    `committed()`: the checkpoints a resume may load (the run's committed ones; those handed to
+    `record` are uploaded later): the shards keep their cuts, and those newer, and drop the rest."""
 
-    def __init__(self, monitor, record: Record, recorded: int = 0):
-        self.monitor, self.record, self.recorded = monitor, record, recorded
+    def __init__(self, monitor, record: Record, committed: Callable[[], list[int]] = list):
+        self.monitor, self.record, self.committed = monitor, record, committed
 
     def __call__(self, step: int, epoch: int, state: bytes, ledger: dict) -> None:
         try:
             with self.monitor.scaling:  # not while a scale --ps moves rows: its cuts would straddle routings
-                cut = cut_shards(list(self.monitor.addresses), self.monitor.client.token, step, self.recorded)
+                cut = cut_shards(list(self.monitor.addresses), self.monitor.client.token, step, self.committed())
         except CutFailed as exc:
             log.warning("checkpoint of step %d not taken: the parameter-server shards have no cut of it: %s", step, exc)
             return
         self.record(step, epoch, state, {**ledger, PS_CUT: cut})
-        self.recorded = step
 
 
-def checkpointing(monitor, record: Record | None, resumed_step: int = 0) -> Record | None:
+def checkpointing(monitor, record: Record | None, committed: Callable[[], list[int]] = list) -> Record | None:
     """What the master calls with each checkpoint: `record` itself unless the job has shards."""
     if monitor is None or record is None:
         return record
-    return PsCheckpoints(monitor, record, resumed_step)
+    return PsCheckpoints(monitor, record, committed)
 
 
 def resumed_cut(ledger: dict | None) -> dict | None:

@@ -114,10 +114,11 @@ def seal(directory: str, step: int, routing: dict, also: list[int] = (), hashed:
     return written
 
 
-def drop_below(directory: str, step: int) -> None:
-    """Forget the cuts older than `step` (the newest checkpoint recorded before this one)."""
+def retain(directory: str, keep: list[int]) -> None:
+    """Forget the cuts a resume can no longer ask for: older than the newest step in `keep` (the
+    run's committed checkpoints) and not in it. Newer ones may be of checkpoints still uploading."""
     for old in steps(directory):
-        if old < step:
+        if keep and old < max(keep) and old not in keep:
             _remove(directory, old)
 
 

@@ -84,7 +84,7 @@ class ShardServer(socketserver.ThreadingTCPServer):
             return {"status": Status.OK}, ()
         if op == "cut":
             try:
-                return {"status": Status.OK, **state.cut(int(header["step"]), int(header.get("keep_from", 0)))}, ()
+                return {"status": Status.OK, **state.cut(int(header["step"]), list(header.get("keep", [])))}, ()
             except cuts.CutMissing as exc:
                 return {"status": Status.NO_CUT, "detail": str(exc)}, ()
         if op in MOVE_OPS:

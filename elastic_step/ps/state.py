@@ -219,10 +219,10 @@ class ShardState:
         self.cut_step = max(self.cut_step, step)
         return cuts.seal(self.directory, step, self.routing.to_json(), also, hashed=False)
 
-    def cut(self, step: int, keep_from: int = 0) -> dict:
+    def cut(self, step: int, keep: list[int] = ()) -> dict:
         """The cut of a checkpoint of `step` (cuts.py's meta: step, routing, digest): the one
         written at the first push after it, else the snapshot with the ledger's records of steps
-        <= `step`. Cuts before `keep_from` (the newest checkpoint recorded) are dropped.
+        <= `step`. Cuts a resume can no longer load (cuts.retain: `keep`, the committed) are dropped.
         CutMissing when neither can be had (a snapshot or a relaunch since `step`)."""
         with self.lock:
             found = cuts.meta(self.directory, step)
@@ -230,7 +230,7 @@ class ShardState:
                 found = self._ledger_cut(step, self._ledger_through(step))
             elif found["digest"] is None:  # written at a step's first push: hashed only now
                 found = cuts.seal(self.directory, step, found["routing"])
-            cuts.drop_below(self.directory, min(keep_from, step))
+            cuts.retain(self.directory, [int(k) for k in keep])
             return found
 
     def _ledger_through(self, step: int) -> int:
