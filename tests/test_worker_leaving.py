@@ -2,7 +2,8 @@
 that finds the master gone, or the SIGTERM thread, records why and wakes the main thread, which
 unwinds through its `finally` blocks and exits with the reason's code, its logs flushed. No
 background thread ends the process, except the one last resort, after LAST_RESORT_S, for a main
-thread held in native code past its own timeouts."""
+thread held in native code past its own timeouts. (SIGTERM's way out through the main thread is
+test_worker_sigterm.py's, as PID 1 and in a job.)"""
 
 import http.server
 import subprocess
@@ -94,22 +95,6 @@ def test_a_worker_whose_master_dies_leaves_through_its_main_thread_with_code_3()
         if worker.poll() is None:
             worker.kill()
             worker.wait()
-
-
-def test_sigterm_leaves_through_the_main_thread_with_the_departure_code():
-    master, worker = start()
-    try:
-        worker.terminate()
-        assert worker.wait(30) == WORKER_LEFT_EXIT_CODE
-        out = worker.stdout.read()
-        assert "sigterm: SIGTERM: leaving the group now" in out, out
-        assert "MainThread: finally ran on the main thread" in out, out
-        assert f"MainThread: worker leaves: SIGTERM" in out, out
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
-        master.shutdown()
 
 
 def test_a_main_thread_that_cannot_be_woken_is_ended_by_the_last_resort_with_its_stacks():
