@@ -119,7 +119,7 @@ grep '^kfp-docker:' "$WORK/kfp-docker.log"
 # Dockerfile's last variant step), then a Keras job in it: 2 workers, 1 epoch, an exact audit.
 t=$(date +%s)
 build_image tensorflow torch,tensorflow "$IMAGE_TF" "$WORK/build-tensorflow.log"
-grep "^tensorflow " "$WORK/build-tensorflow.log" || true
+grep -ao "tensorflow [0-9.]* keras [0-9.]*" "$WORK/build-tensorflow.log" || true  # TensorFlow's log may put escapes before it
 shared=$(python3 -c 'import sys; a, b = (set(l.split()) for l in sys.argv[1:]); print(len(a & b), len(b))' \
   "$(docker image inspect -f '{{join .RootFS.Layers " "}}' "$IMAGE")" "$(docker image inspect -f '{{join .RootFS.Layers " "}}' "$IMAGE_TF")")
 echo "image-smoke: built $IMAGE_TF in $(( $(date +%s) - t ))s ($(docker image inspect -f '{{.Size}}' "$IMAGE_TF" | awk '{printf "%.0f MB", $1/1e6}'), layers shared with the torch image: ${shared% *} of ${shared#* })"
