@@ -6,7 +6,7 @@ other image — another registry, an older version, a typo — is refused here, 
 always runs the image the Makefile produces.
 
 Not exercised here: `docker build` and `docker push` themselves (no registry on this machine;
-`make image-smoke` builds and runs the torch image with its own Docker daemon). The Makefile's
+`make image-smoke` builds, runs and pushes both images with its own Docker daemon). The Makefile's
 commands are read with `make -n`."""
 
 from __future__ import annotations
