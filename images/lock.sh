@@ -10,7 +10,8 @@
 # that platform; run it on one. Needs PyPI. torch is the CPU build: its wheel from TORCH_WHEELS (a
 # folder with torch-VERSION+cpu-*.whl, default /opt/wheels) when it holds one, else from
 # TORCH_INDEX_URL (default PyTorch's CPU index). A CUDA lock: TORCH_INDEX_URL=.../whl/cu126
-# OUT_SUFFIX=-cu126, then build with --build-arg LOCK=images/lock/torch-cu126.txt. pip runs in a
+# OUT_SUFFIX=-cu126, then build with --build-arg LOCK=images/lock/torch-cu126.txt (the tensorflow
+# image also --build-arg EXTRAS_LOCK=images/lock/torch-tensorflow-cu126.txt). pip runs in a
 # virtualenv of its own; the project's is not touched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
