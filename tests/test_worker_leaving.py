@@ -90,7 +90,7 @@ def test_a_worker_whose_master_dies_leaves_through_its_main_thread_with_code_3()
         assert "MainThread: finally ran on the main thread" in out, out
         assert f"MainThread: worker leaves: master at" in out and f"(exit code {MASTER_GONE_EXIT_CODE})" in out, out
         assert "last-resort" not in out and "stacks follow" not in out, out
-        assert took < 15, f"{took:.1f}s"  # refused for 0.5 s counts as gone (measured: about 0.6 s)
+        assert took < 15, f"{took:.1f}s"  # refused for 0.5 s counts as gone (measured under load: 0.77 s)
     finally:
         if worker.poll() is None:
             worker.kill()
