@@ -165,10 +165,16 @@ class Collective:
                 ops.append(dist.P2POp(dist.irecv, self._received[peer], peer))
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        self._received[self.rank].copy_(mine)
+        # The sum in rank order, (p0 + p1) + p2 ..., made in place: the ranks before this one
+        # summed in the first of them, this rank's own part added to that (a + b is b + a, bit for
+        # bit), then the later ranks'. Every rank gets the same bits, with no copy of the buffer.
         parts = [part.numpy() for part in self._received]
-        np.copyto(buffer, parts[0])
-        for part in parts[1:]:
+        if self.rank > 0:
+            before = parts[0]
+            for part in parts[1:self.rank]:
+                before += part
+            buffer += before
+        for part in parts[self.rank + 1:]:
             buffer += part
 
     def gather_identities(self, step: int, lineage: int) -> list[tuple[int, int]]:
