@@ -43,7 +43,8 @@ class TorchTrainer(Trainer):
         return sum(self._sizes)
 
     def compute_gradients(self, features, labels, out) -> float:
-        self.net.train()
+        if not self.net.training:  # train() walks every module: once, not every step
+            self.net.train()
         if self._staged:
             return self._compute_staged(features, labels, out)
         views = self._gradient_views(out)
