@@ -1,12 +1,14 @@
 """The allreduce step's buffer: what each rank writes into its part, summed over ranks as the
 collective sums it, tells every rank the step's totals, flags and every rank's row ranges
-exactly; and every training mode a job spec can name has a step class on the worker."""
+exactly; every training mode a job spec can name has a step class on the worker; and rank 0
+hands its applied steps to the reporter in batches, in order."""
 
 import numpy as np
 import pytest
 
 from elastic_step.protocol import RangeRecord, TrainingMode
 from elastic_step.worker.rows import Piece
+from elastic_step.worker.handover import StepHandOver
 from elastic_step.worker.step_buffer import MAX_PIECES, StepBuffer
 from elastic_step.worker.step_registry import STEP_CLASSES
 
@@ -72,3 +74,19 @@ def test_the_summable_part_carries_gradients_samples_and_loss_across_micro_round
 @pytest.mark.parametrize("mode", list(TrainingMode))
 def test_every_training_mode_has_a_step_class(mode):
     assert mode in STEP_CLASSES
+
+
+def test_rank_0_hands_its_steps_to_the_reporter_in_batches_in_order_and_at_once_when_asked():
+    pushed, clock = [], [0.0]
+    handover = StepHandOver(lambda round_id, record: pushed.append((round_id, record)), every_s=0.2, clock=lambda: clock[0])
+    for step in (1, 2, 3):
+        clock[0] += 0.05
+        handover.add(4, step)
+    assert pushed == [] and handover.held == 3  # not yet due: no wake-up of the reporter per step
+    clock[0] += 0.1
+    handover.add(4, 4)  # 0.25 s since the last hand-over: all four go, in order
+    assert pushed == [(4, 1), (4, 2), (4, 3), (4, 4)] and handover.held == 0
+    handover.add(4, 5, now=True)  # a checkpoint's step goes at once, with whatever was held
+    handover.add(5, 6)
+    handover.hand_over()  # a step with no rows, a flush or the round's end
+    assert pushed[4:] == [(4, 5), (5, 6)] and handover.held == 0

@@ -89,7 +89,10 @@ class AllreduceStep(TrainingStep):
         if buffer.regroup:
             return RoundOutcome.REGROUP
         if total == 0:
-            time.sleep(0.01)  # nobody had data (the epoch's last tasks are in flight)
+            # Nobody had data: the epoch's last tasks are in flight, or the master opens the next
+            # epoch once it has the steps that end this one, so rank 0 sends those now.
+            self.host.send_reports()
+            time.sleep(0.01)
         return None
 
     def _gather(self, r: _Round) -> _Gathered:

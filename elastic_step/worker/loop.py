@@ -35,6 +35,7 @@ from elastic_step.worker.background import Heartbeat, StepReporter
 from elastic_step.worker.checkpoints import Checkpoints
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
 from elastic_step.worker.collective import Collective
+from elastic_step.worker.handover import StepHandOver
 from elastic_step.worker.preflight import PreflightFailed, check_worker
 from elastic_step.worker.rows import merged
 from elastic_step.worker.step_api import Progress, RoundOutcome, initial_lineage
@@ -84,6 +85,7 @@ class Worker:
         self._warm_up()
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
         self.reporter = StepReporter(client, worker_id)
+        self.handover = StepHandOver(self.reporter.push)  # rank 0's records, to the reporter in batches
         self.tasks = TaskFeed(client, worker_id, self.reader, self.model_def, spec)
         self.checkpoints = Checkpoints(client, worker_id, spec.checkpoint_steps, self.reporter)
         self.progress = Progress()
@@ -167,6 +169,7 @@ class Worker:
                 pass
             return RoundOutcome.REGROUP
         finally:
+            self.handover.hand_over()  # the round's last steps go now, not after the rendezvous
             self.collective.leave()
 
     def _share_state(self, rv: RendezvousReply) -> None:
@@ -222,7 +225,11 @@ class Worker:
         return self.heartbeat.latest_round > round_id or self.heartbeat.stop_requested
 
     def flush_reports(self) -> None:
+        self.handover.hand_over()
         self.reporter.flush()
+
+    def send_reports(self) -> None:
+        self.handover.hand_over()
 
     def record_step(self, rv: RendezvousReply, ranges: list[list[RangeRecord]], samples: int, loss: float) -> None:
         """Every rank keeps the step's record until the master acknowledges it; rank 0 reports it,
@@ -234,7 +241,7 @@ class Worker:
         if rv.rank == 0:
             if record.checkpoint:  # copied now, sent in the background
                 self.checkpoints.send(rv.round_id, step, self.trainer.state_bytes())
-            self.reporter.push(rv.round_id, record)
+            self.handover.add(rv.round_id, record, now=record.checkpoint)
 
     def fail_job(self, reason: str) -> None:
         self.client.call("POST", Route.FAIL, FailJobRequest(worker_id=self.worker_id, reason=reason))
@@ -243,7 +250,7 @@ class Worker:
         """Every rank has heard that all epochs are applied: rank 0 hands in the final model."""
         if rv.rank == 0:
             self.checkpoints.drain()  # earlier checkpoints are sent
-            self.reporter.flush()
+            self.flush_reports()
             try:
                 self.client.call("PUT", Route.MODEL, content=self.trainer.model_bytes(),
                                  params={"worker_id": self.worker_id, "step": self.progress.step})

@@ -62,6 +62,9 @@ class StepHost(Protocol):
     def flush_reports(self) -> None:
         """Wait until every applied step has been sent to the master (rank 0)."""
 
+    def send_reports(self) -> None:
+        """Have every applied step sent to the master soon, without waiting (rank 0)."""
+
     def record_step(self, rv: RendezvousReply, ranges: list[list[RangeRecord]], samples: int, loss: float) -> None:
         """Report the step just applied (progress.step): by rank, the ranges it consumed."""
 
