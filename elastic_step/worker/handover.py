@@ -1,10 +1,9 @@
 """Rank 0 hands its applied steps to the step reporter in batches, not one by one.
 
 Each hand-over wakes the reporter's thread, and each of its requests costs the master a
-request's work on the same cores as the workers: on a 2-core machine with a step of a few
-milliseconds, a push per step cost rank 0 about 3 ms a step (benchmarks/README.md). So the
-records gather here and go together every HAND_OVER_EVERY_S, and at once whenever the master
-needs them now: a checkpoint's step, a step with no rows (the master opens an epoch once it has
+request's work on the same cores as the workers; with a step of a few milliseconds a push per
+step meant about one request per step or two. So the records gather here and go together every
+HAND_OVER_EVERY_S, and at once whenever the master needs them now: a checkpoint's step, a step with no rows (the master opens an epoch once it has
 the steps that end the previous one), a flush, the end of a round.
 """
 
