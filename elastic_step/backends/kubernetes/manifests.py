@@ -158,6 +158,42 @@ def threads_for(settings: PodSettings) -> str:
 ISTIO_INJECT_LABEL = "sidecar.istio.io/inject"
 
 
+def restricted_container() -> k8s.V1SecurityContext:
+    """The container security context of every pod a job creates (PodSecurity `restricted`)."""
+    return k8s.V1SecurityContext(allow_privilege_escalation=False, read_only_root_filesystem=True,
+                                 run_as_non_root=True, capabilities=k8s.V1Capabilities(drop=["ALL"]))
+
+
+def job_pod_spec(settings: PodSettings, names: JobNames, container: k8s.V1Container, restart_policy: str,
+                 volumes: list[k8s.V1Volume]) -> k8s.V1PodSpec:
+    """What a worker's and a shard's pod share: the job's token Secret and a scratch volume
+    (`volumes` come after them), the settings' placement, and no API access."""
+    return k8s.V1PodSpec(
+        containers=[container],
+        restart_policy=restart_policy,
+        termination_grace_period_seconds=int(defaults.TERMINATION_GRACE_S),  # the project's one grace setting
+        enable_service_links=False,
+        # Workers and shards never call the API: their own service account (no Role), no token
+        # mounted. Cloud workload identity (GKE, IRSA) needs no mounted token either.
+        automount_service_account_token=False,
+        service_account_name=settings.service_account,
+        priority_class_name=settings.priority_class,
+        node_selector=settings.node_selector or None,
+        tolerations=[k8s.V1Toleration(**t) for t in settings.tolerations] or None,
+        image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in settings.image_pull_secrets] or None,
+        security_context=k8s.V1PodSecurityContext(
+            run_as_non_root=True, run_as_user=RUN_AS, run_as_group=RUN_AS, fs_group=RUN_AS,
+            seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
+        ),
+        volumes=[
+            # 0440 + fsGroup: readable by the non-root process, by nobody else
+            k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=names.secret, default_mode=0o440)),
+            k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource()),
+            *volumes,
+        ],
+    )
+
+
 def worker_pod(
     settings: PodSettings,
     names: JobNames,
@@ -202,38 +238,11 @@ def worker_pod(
             k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
             *shared[1],
         ],
-        security_context=k8s.V1SecurityContext(
-            allow_privilege_escalation=False,
-            read_only_root_filesystem=True,
-            run_as_non_root=True,
-            capabilities=k8s.V1Capabilities(drop=["ALL"]),
-        ),
+        security_context=restricted_container(),
     )
-    spec = k8s.V1PodSpec(
-        containers=[container],
-        restart_policy="Never",  # the master relaunches; the kubelet must not restart in place
-        termination_grace_period_seconds=int(defaults.TERMINATION_GRACE_S),  # the project's one grace setting
-        enable_service_links=False,
-        # Workers never call the API: their own service account (no Role), no token mounted.
-        # Cloud workload identity (GKE, IRSA) needs no mounted token either.
-        automount_service_account_token=False,
-        service_account_name=settings.service_account,
-        priority_class_name=settings.priority_class,
-        node_selector=settings.node_selector or None,
-        tolerations=[k8s.V1Toleration(**t) for t in settings.tolerations] or None,
-        image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in settings.image_pull_secrets] or None,
-        security_context=k8s.V1PodSecurityContext(
-            run_as_non_root=True, run_as_user=RUN_AS, run_as_group=RUN_AS, fs_group=RUN_AS,
-            seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
-        ),
-        volumes=[
-            # 0440 + fsGroup: readable by the non-root worker, by nobody else
-            k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=names.secret, default_mode=0o440)),
-            k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource()),
-            k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")),
-            *shared[0],
-        ],
-    )
+    spec = job_pod_spec(settings, names, container, restart_policy="Never",  # the master relaunches, not the kubelet
+                        volumes=[k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")),
+                                 *shared[0]])
     return k8s.V1Pod(
         api_version="v1",
         kind="Pod",

@@ -40,9 +40,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 from kubernetes import client as k8s
 
-from elastic_step import defaults
-from elastic_step.backends.kubernetes.manifests import (ISTIO_INJECT_LABEL, RUN_AS, TOKEN_KEY, TOKEN_MOUNT, JobNames,
-                                                         master_selector, owner_references, resources)
+from elastic_step.backends.kubernetes.manifests import (ISTIO_INJECT_LABEL, TOKEN_KEY, TOKEN_MOUNT, JobNames, job_pod_spec,
+                                                         master_selector, owner_references, resources,
+                                                         restricted_container)
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
 from elastic_step.errors import ConfigError
 from elastic_step.protocol import PsShardState, WorkerEnv
@@ -105,25 +105,10 @@ def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, ima
         ports=[k8s.V1ContainerPort(name="ps", container_port=PS_PORT + shard, protocol="TCP")],
         volume_mounts=[k8s.V1VolumeMount(name="token", mount_path=TOKEN_MOUNT, read_only=True),
                        k8s.V1VolumeMount(name="scratch", mount_path="/tmp")],
-        security_context=k8s.V1SecurityContext(allow_privilege_escalation=False, read_only_root_filesystem=True,
-                                               run_as_non_root=True, capabilities=k8s.V1Capabilities(drop=["ALL"])),
+        security_context=restricted_container(),
     )
-    spec = k8s.V1PodSpec(
-        containers=[container],
-        restart_policy="OnFailure",  # a dead shard comes back in the same pod: same address, same emptyDir
-        termination_grace_period_seconds=int(defaults.TERMINATION_GRACE_S),  # its last snapshot on SIGTERM
-        enable_service_links=False,
-        automount_service_account_token=False,
-        service_account_name=settings.service_account,
-        priority_class_name=settings.priority_class,
-        node_selector=settings.node_selector or None,
-        tolerations=[k8s.V1Toleration(**t) for t in settings.tolerations] or None,
-        image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in settings.image_pull_secrets] or None,
-        security_context=k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=RUN_AS, run_as_group=RUN_AS, fs_group=RUN_AS,
-                                                  seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")),
-        volumes=[k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=names.secret, default_mode=0o440)),
-                 k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())],
-    )
+    spec = job_pod_spec(settings, names, container, volumes=[],
+                        restart_policy="OnFailure")  # a dead shard comes back in the same pod: same address, same emptyDir
     labels = {**names.labels(COMPONENT), SHARD_LABEL: str(shard), ISTIO_INJECT_LABEL: "false"}  # no sidecar: workers connect directly
     return k8s.V1Pod(api_version="v1", kind="Pod", spec=spec,
                      metadata=k8s.V1ObjectMeta(name=ps_pod_name(names, shard), labels=labels,
@@ -280,12 +265,7 @@ class PsPods:
         backend = self.backend
         for shard in range(count):
             pod = ps_pod(backend.settings, self.names, backend.master, backend.image, shard, config)
-            try:
-                self.api.create_namespaced_pod(self.namespace, pod, _request_timeout=self.timeout_s)
-            except k8s.ApiException as exc:
-                raise ConfigError(f"cannot create parameter-server pod {pod.metadata.name} in namespace {self.namespace}: "
-                                  f"{exc.status} {exc.reason}; the master's service account needs the Role and admission "
-                                  "policy in deploy/rbac") from None
+            self._create(f"parameter-server pod {pod.metadata.name}", self.api.create_namespaced_pod, pod)
             self.made.append(pod.metadata.name)
         client = PsClient(token, lambda: None, timeout_s=5.0)
         running.callback(client.close)
@@ -293,15 +273,19 @@ class PsPods:
         running.callback(self._freeze, specs, shards, token)  # before the pods go (last in, first out)
         return PodSupervisor(self, shards, client).start()
 
+    def _create(self, what: str, create, body) -> None:
+        """Create `body` with the API call `create`; a refusal ends the job in one line naming it."""
+        try:
+            create(self.namespace, body, _request_timeout=self.timeout_s)
+        except k8s.ApiException as exc:
+            raise ConfigError(f"cannot create {what} in namespace {self.namespace}: {exc.status} {exc.reason}; "
+                              "the master's service account needs the Role and admission policy in deploy/rbac") from None
+
     def _create_policy(self, count: int) -> None:
         backend = self.backend
         policy = ps_network_policy(self.names, backend.master, self.namespace, backend.master_labels, count)
-        try:
-            backend.networking.create_namespaced_network_policy(self.namespace, policy, _request_timeout=self.timeout_s)
-        except k8s.ApiException as exc:
-            raise ConfigError(f"cannot create the shards' NetworkPolicy {policy.metadata.name} in namespace {self.namespace}: "
-                              f"{exc.status} {exc.reason}; the master's service account needs the Role and admission "
-                              "policy in deploy/rbac") from None
+        self._create(f"the shards' NetworkPolicy {policy.metadata.name}", backend.networking.create_namespaced_network_policy,
+                     policy)
         backend.network_policies.append(policy.metadata.name)  # deleted with the job's others
 
     def _wait_ready(self, count: int, client: PsClient) -> list[PodShard]:
