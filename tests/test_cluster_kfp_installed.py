@@ -175,11 +175,9 @@ def published(log: str) -> dict:
     return json.loads(line.removeprefix("kfp-launcher: publish "))
 
 
-# Each pipeline once and each mode once: the two compiled train tasks are alike in everything the
-# mode touches (their kfp-kubernetes config, pod metadata and image; test_cluster_sidecar.py checks
-# both tasks' annotations against the mesh), so the other two pairings would run the same path.
-@pytest.mark.parametrize("pipeline, mode", [("training", MULTI_USER), ("retraining", SINGLE_USER)],
-                         ids=["training-multi-user", "retraining-single-user"])
+# Both compiled pipelines in both modes: each pairing is a pipeline a user of that installation runs.
+@pytest.mark.parametrize("pipeline", ["training", "retraining"])
+@pytest.mark.parametrize("mode", [SINGLE_USER, MULTI_USER], ids=lambda mode: mode.name)
 def test_the_compiled_train_task_runs_as_installed_kfp_runs_it(tmp_path, digits, s3, mlflow, mode, pipeline):
     with make_cluster(tmp_path, mode, s3) as cluster:
         print(f"kubelet runtime: {cluster.kubelet.mode}")
