@@ -6,10 +6,11 @@ Service or the InferenceService's route, as a client of the cluster makes it.
 
 The tests of this module run in order on one cluster: a first deploy serves, a canary shifts the
 traffic, a bad version rolls back, a rollback returns to the replaced version; then the same for
-the kserve target. The first deploy's pod is a Docker container of the project's image (the one
-`make image-smoke` builds), as a real cluster runs it; the rest of the sequence runs the same code
-from this machine's environment on the process runtime (PROCESS_IMAGE), beside it on the same pod
-network, because each Docker pod costs seconds more on a loaded 2-core machine."""
+the kserve target. Every pod of the mlflow target (the first deploy, the canary, the bad version,
+the rollback) is a Docker container of the project's image (the one `make image-smoke` builds), as
+a real cluster runs it; KServe's MLflow runtime, as the stand-in's controller plays it, runs the
+same code from this machine's environment on the process runtime (PROCESS_IMAGE), beside them on
+the same pod network."""
 
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ class World:
         return DeploySettings(namespace=self.cluster.namespace, name=name, service_account="model-server",
                               storage_secret="model-store", mlflow_uri=self.pod_mlflow, image=image)
 
-    def deploy(self, name: str, target: str, timeout: float = 120, image: str = PROCESS_IMAGE, **kwargs):
+    def deploy(self, name: str, target: str, timeout: float = 120, image: str | None = None, **kwargs):
+        # The mlflow target's pods: containers of elastic-step deploy's default image (Docker).
+        image = image or (self.cluster.project_image if target == "mlflow" else PROCESS_IMAGE)
         from elastic_step.release.deploy import deploy_model
 
         return deploy_model(registered_model=NAME, settings=self.settings(name, image), target=target, timeout=timeout,
@@ -184,6 +187,9 @@ def test_a_canary_shares_the_traffic_and_then_takes_it_all(world):
         done.set()
         asker.join()
     assert (result.version, result.previous_version) == (better, good)
+    # Stable's and the canary's pods alike are containers of the project's image (the Docker runtime).
+    images = {pod["spec"]["containers"][0]["image"] for pod in world.cluster.pods(selector="app.kubernetes.io/instance=digits")}
+    assert images == {world.cluster.project_image}, images
     versions = [v for _, v in seen]
     assert versions[0] == good, versions
     # while the canary was Ready beside stable, requests in turn reached both
@@ -201,7 +207,7 @@ def test_a_bad_version_rolls_back_and_the_cli_exits_non_zero_with_the_reason(wor
     done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "deploy", "--registered-model", NAME, "--version", bad,
                            "--target", "mlflow", "--name", "digits", "--namespace", world.cluster.namespace,
                            "--service-account", "model-server", "--storage-secret", "model-store", "--timeout", "600",
-                           "--image", PROCESS_IMAGE, "--mlflow-uri", world.server.uri,
+                           "--image", world.cluster.project_image, "--mlflow-uri", world.server.uri,
                            "--serving-mlflow-uri", world.pod_mlflow],
                           capture_output=True, text=True, env={**env, "KUBECONFIG": kubeconfig}, timeout=240)
     assert done.returncode == 1, done.stderr
