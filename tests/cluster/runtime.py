@@ -161,11 +161,14 @@ class ProcessRuntime:
 
     @staticmethod
     def signal(proc: subprocess.Popen, sig: int) -> None:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        # The whole group, even when its leader has exited: a container ends with every process in
+        # it (its PID namespace goes with PID 1), and a server its entry point left running (as
+        # `mlflow models serve` leaves uvicorn) must not outlive the pod. The group's id is not
+        # reused while any member lives, so this reaches nothing else.
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def fill_memory(self, proc: subprocess.Popen, cgroup: str | None, megabytes: int) -> None:
         """Memory pressure inside a running container (what `kubectl exec POD -- sh -c 'head -c
