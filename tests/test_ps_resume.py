@@ -6,7 +6,8 @@ shard's tables as they were after exactly the pushes of steps <= S, though the j
 pushing after S before the master stopped. A resume starts every shard from that cut: the tables
 hash as they did at the checkpoint, and the minibatches trained after S, which the workers
 train again with the dense weights of S, are applied again, once. A checkpoint whose step a
-shard cannot cut is not taken (one line), and a resume whose cut is not the recorded one stops
+shard cannot cut is not taken (one line): the master records no CHECKPOINT event for it, and a
+stop waiting on it waits for the next one instead of ending STOPPED; a resume whose cut is not the recorded one stops
 in one line. Any start other than a resume empties the tables.
 
 After `scale --ps`, a resume from a checkpoint without a cut runs the routing of the last move,
@@ -27,7 +28,7 @@ from elastic_step.errors import ConfigError
 from elastic_step.master.events import EventLog
 from elastic_step.master.ps_checkpoints import PS_CUT, PsCheckpoints
 from elastic_step.master.ps_shards import start_ps_shards
-from elastic_step.protocol import TrainingMode
+from elastic_step.protocol import JobState, TrainingMode
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.routing import RoutingTable
 
@@ -89,9 +90,9 @@ def test_a_resume_puts_every_shard_back_to_the_checkpoints_cut_and_re_applies_wh
         taking = PsCheckpoints(monitor, lambda *checkpoint: recorded.append(checkpoint))
         client.call(client.routing.endpoints[1], {"op": "snapshot"})  # as one every 1000 pushes would be
         with caplog.at_level(logging.WARNING, logger="elastic_step.master"):
-            taking(1, 0, b"dense", {"current_epoch": 0})  # not a multiple of 2, and shard 1's ledger no longer reaches back
+            assert taking(1, 0, b"dense", {"current_epoch": 0}) is False  # not a multiple of 2, and shard 1's ledger no longer reaches back
         assert not recorded and "checkpoint of step 1 not taken" in caplog.text and "shard 1 took a snapshot after step 1" in caplog.text
-        taking(2, 0, b"dense", {"current_epoch": 0})  # rank 0's checkpoint of step 2, handed over now
+        assert taking(2, 0, b"dense", {"current_epoch": 0}) is True  # rank 0's checkpoint of step 2, handed over now
         (step, _, _, ledger), = recorded
         cut = ledger[PS_CUT]
         assert step == 2 and cut["step"] == 2 and len(cut["digests"]) == 2
@@ -136,3 +137,23 @@ def test_a_resume_after_scale_ps_runs_the_last_routing_and_finishes_a_move_left_
         assert (reply.applied, reply.duplicate) == (0, 3)  # the keys moved with the rows
         np.testing.assert_allclose(client.pull("resume_t", ids), trained)
         assert sum(r["rows"] for r in monitor.rows()) == len(ids)  # each row on one shard only
+
+
+def test_a_checkpoint_without_a_cut_is_no_checkpoint_and_a_stop_waits_for_the_next_one():
+    from test_stop import started, train
+
+    state, handed = started()
+    # As PsCheckpoints: False when the shards had no cut of the step (here step 1's)
+    state.checkpoints.on_checkpoint = lambda step, *rest: handed.append(step) or step != 1
+    state.request_stop()
+    train(state, 1, checkpoint=True)
+    assert not state.checkpoint_now
+    train(state, 2)
+    state.tick()  # step 1 is final and handed over, but not taken
+    assert handed == [1] and state.state == JobState.RUNNING and not state.events.of("checkpoint")
+    assert state.checkpoint_now  # rank 0 is asked for another checkpoint
+    train(state, 3, checkpoint=True)
+    train(state, 4)
+    state.tick()
+    assert handed == [1, 3] and state.state == JobState.STOPPED
+    assert [e["step"] for e in state.events.of("checkpoint")] == [3] and state.events.of("stopped")[0]["step"] == 3

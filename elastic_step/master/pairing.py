@@ -43,8 +43,9 @@ class PendingCheckpoint:
 
 
 class CheckpointPairing:
-    def __init__(self, on_checkpoint: Callable[[int, int, bytes, dict], None] | None):
-        self.on_checkpoint = on_checkpoint  # (step, epoch, state, ledger): the tracking side
+    def __init__(self, on_checkpoint: Callable[[int, int, bytes, dict], bool | None] | None):
+        # (step, epoch, state, ledger): the tracking side; False when it did not take it (a PS cut missing)
+        self.on_checkpoint = on_checkpoint
         self._pending: dict[int, PendingCheckpoint] = {}
 
     @property

@@ -74,14 +74,18 @@ class PsCheckpoints:
     def __init__(self, monitor, record: Record, committed: Callable[[], list[int]] = list):
         self.monitor, self.record, self.committed = monitor, record, committed
 
-    def __call__(self, step: int, epoch: int, state: bytes, ledger: dict) -> None:
+    def __call__(self, step: int, epoch: int, state: bytes, ledger: dict) -> bool:
+        """Whether the checkpoint was recorded: False when a shard had no cut of `step`, so that
+        the master records no CHECKPOINT event for it and a stop waiting on it asks for the next
+        one (state.py) rather than ending on an older cut as if it were this one."""
         try:
             with self.monitor.scaling:  # not while a scale --ps moves rows: its cuts would straddle routings
                 cut = cut_shards(list(self.monitor.addresses), self.monitor.client.token, step, self.committed())
         except CutFailed as exc:
             log.warning("checkpoint of step %d not taken: the parameter-server shards have no cut of it: %s", step, exc)
-            return
+            return False
         self.record(step, epoch, state, {**ledger, PS_CUT: cut})
+        return True
 
 
 def checkpointing(monitor, record: Record | None, committed: Callable[[], list[int]] = list) -> Record | None:

@@ -444,18 +444,12 @@ class MasterState:
                 return
             handed = self.checkpoints.hand_over(self.ledger.final_step) if self.checkpoints else []
             for pair in handed:
-                # Written in order after the audit lines of the steps it covers (queued earlier).
-                self.lock.writes.put(f"write the checkpoint of step {pair.step}",
-                                     lambda pair=pair: self.checkpoints.on_checkpoint(pair.step, pair.epoch, pair.state, pair.ledger))
-                self._event(EventKind.CHECKPOINT, step=pair.step, epoch=pair.epoch)
-                # The newest committed checkpoint is where the group goes back to if every worker
-                # holding the model dies (rounds.py): kept here, so no store is read under the lock.
-                if self.rounds.restore_point is not None:
-                    self.rounds.restore_point = RestorePoint(
-                        pair.step, InitialState("checkpoint", pair.state, pair.step), pair.ledger, pair.rows_final,
-                        pair.worker_rows)
+                # Written in order after the audit lines of the steps it covers (queued earlier);
+                # it counts (its event, a stop's end) once written, as a PS job's can be skipped.
+                self.lock.writes.put(f"write the checkpoint of step {pair.step}", lambda pair=pair: self._write_checkpoint(pair))
             now = time.time()
-            self._maybe_stop([(pair.step, pair.epoch) for pair in handed], now)
+            if not handed:  # a handed checkpoint decides the stop once written (_write_checkpoint)
+                self._maybe_stop([], now)
             if self.over:
                 return
             self.membership.check_silence(now, self.round)
@@ -463,6 +457,24 @@ class MasterState:
             shortage = self.membership.shortage()
             if shortage is not None:
                 self.fail(shortage)
+
+    def _write_checkpoint(self, pair) -> None:
+        """Off the lock (a queued write): record the checkpoint, then count it. A PS job's record
+        returns False when the shards had no cut of its step (ps_checkpoints.py): no event, no
+        restore point, and a stop waiting on it asks rank 0 for another checkpoint."""
+        taken = self.checkpoints.on_checkpoint(pair.step, pair.epoch, pair.state, pair.ledger) is not False
+        with self.lock:
+            if taken:
+                self._event(EventKind.CHECKPOINT, step=pair.step, epoch=pair.epoch)
+                # The newest committed checkpoint is where the group goes back to if every worker
+                # holding the model dies (rounds.py): kept here, so no store is read under the lock.
+                if self.rounds.restore_point is not None:
+                    self.rounds.restore_point = RestorePoint(
+                        pair.step, InitialState("checkpoint", pair.state, pair.step), pair.ledger, pair.rows_final,
+                        pair.worker_rows)
+            elif self.stop_request is not None:
+                self.stop_request.skipped(pair.step)
+            self._maybe_stop([(pair.step, pair.epoch)] if taken else [], time.time())
 
     # -- status -------------------------------------------------------------------------------------
     def status(self) -> dict:

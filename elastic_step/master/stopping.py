@@ -48,6 +48,12 @@ class StopRequest:
         if self.flagged_step is None and step > self.after_step:
             self.flagged_step = step
 
+    def skipped(self, step: int) -> None:
+        """The checkpoint of `step` was not taken (a PS job's shards had no cut of it): if it was
+        this stop's, rank 0 checkpoints its next step instead."""
+        if self.flagged_step == step:
+            self.flagged_step = None
+
     def preempt(self, now: float, timeout_s: float) -> None:
         """A SIGTERM while an operator's stop waits: the job ends preempted, by the sooner deadline."""
         self.cause = StopCause.PREEMPTION
