@@ -70,7 +70,8 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
                warm_start_alias: str = "", pipeline_run_id: str = "", job_dir: str = "", job_name: str = "train-elastic",
                storage_options: dict | None = None, priority_class: str = "", device: str = defaults.DEVICE,
                precision: str = defaults.PRECISION, worker_cpu: str = "", worker_memory: str = "", worker_gpus: int = 0,
-               image: str = "", worker_service_account: str = "", node_selector: dict | str | None = None,
+               ps_cpu: str = "", ps_memory: str = "", image: str = "", worker_service_account: str = "",
+               node_selector: dict | str | None = None,
                tolerations: list | str | None = None) -> TrainStepResult:
     """`storage_options`: fsspec options for `data`'s store (e.g. the endpoint of KFP's MinIO), applied
     here and handed to the workers. The worker pods' settings (`backend=kubernetes`; "" or empty: train's
@@ -95,7 +96,8 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
         worker_env=stores.worker_env(),  # the store's location and options for the workers (never credentials)
         priority_class=priority_class or None,  # the worker pods'
         device=device, precision=precision, worker_cpu=worker_cpu or None, worker_memory=worker_memory or None,
-        worker_gpus=worker_gpus, image=image or None, service_account=worker_service_account or None,
+        worker_gpus=worker_gpus, ps_cpu=ps_cpu or None, ps_memory=ps_memory or None,  # the shard pods' (mode ps)
+        image=image or None, service_account=worker_service_account or None,
         node_selector=selector, tolerations=toleration,
     )
     job = run_job(config)

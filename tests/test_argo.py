@@ -383,7 +383,8 @@ def test_render_puts_checked_resources_and_the_service_account_in_the_pod_spec(t
 
 
 @pytest.mark.parametrize("flags,expected", [
-    (["--worker-cpu", "500m:2", "--worker-memory", "4Gi"], {"--worker-cpu": "500m:2", "--worker-memory": "4Gi"}),
+    (["--worker-cpu", "500m:2", "--worker-memory", "4Gi", "--ps-cpu", "1", "--ps-memory", "6Gi:8Gi"],
+     {"--worker-cpu": "500m:2", "--worker-memory": "4Gi", "--ps-cpu": "1", "--ps-memory": "6Gi:8Gi"}),
     (["--worker-memory", "1.5Gi"], {"--worker-memory": "1.5Gi"}),
     ([], {}),
 ])
@@ -392,12 +393,14 @@ def test_render_fixes_the_worker_pods_resources_in_the_train_step(tmp_path, flag
     for pipeline in ("training", "retraining"):
         doc = yaml.safe_load((tmp_path / f"{pipeline}-workflowtemplate.yaml").read_text())
         args = templates_of(doc)["train"]["container"]["args"]
-        found = {flag: args[args.index(flag) + 1] for flag in ("--worker-cpu", "--worker-memory") if flag in args}
+        found = {flag: args[args.index(flag) + 1] for flag in ("--worker-cpu", "--worker-memory", "--ps-cpu", "--ps-memory")
+                 if flag in args}
         assert found == expected
         workflow_params = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
         task_args = {p["name"]: p["value"] for p in task(doc, "train")["arguments"]["parameters"]}
         parsed = build_parser().parse_args([_resolve(a, task_args, workflow_params) for a in args])
-        assert (parsed.worker_cpu, parsed.worker_memory) == (expected.get("--worker-cpu"), expected.get("--worker-memory"))
+        assert (parsed.worker_cpu, parsed.worker_memory, parsed.ps_cpu, parsed.ps_memory) == tuple(
+            expected.get(flag) for flag in ("--worker-cpu", "--worker-memory", "--ps-cpu", "--ps-memory"))
 
 
 @pytest.mark.parametrize("flag,value", [
@@ -408,6 +411,8 @@ def test_render_fixes_the_worker_pods_resources_in_the_train_step(tmp_path, flag
     ("--worker-memory", "4Gi:"),
     ("--worker-memory", "lots"),
     ("--worker-memory", "4Gi --image evil"),
+    ("--ps-cpu", "{{workflow.parameters.ps-cpu}}"),
+    ("--ps-memory", "8Gi:4Gi"),
 ])
 def test_render_refuses_worker_resources_that_are_not_quantities(tmp_path, capsys, flag, value):
     out = tmp_path / "argo"

@@ -17,7 +17,9 @@ from kfp.dsl import HTML, Dataset, Metrics, Model
 import elastic_step.training_step as training_step
 from elastic_step.argo import RenderOptions, build_documents
 from elastic_step.backends.kubernetes.manifests import dry_run_manifests
+from elastic_step.backends.kubernetes.manifests import resources
 from elastic_step.backends.kubernetes.options import MasterPod, settings_from_config
+from elastic_step.backends.kubernetes.ps_pods import shard_settings
 from elastic_step.cli import build_parser
 from elastic_step.cli.train import train_config
 from elastic_step.components import prepare_data, train_elastic
@@ -62,6 +64,7 @@ def run_component(tmp_path, **inputs):
 def test_the_components_cluster_inputs_reach_every_worker_pod(started, tmp_path):
     with pytest.raises(JobStarted):
         run_component(tmp_path, workers="2:3", worker_cpu="500m:2", worker_memory="4Gi", worker_gpus=1, device="cuda",
+                      ps_cpu="1:3", ps_memory="6Gi",
                       precision="bf16", image="registry.example.com/team/elastic-step-torch:0.1.0",
                       worker_service_account="gpu-workers", node_selector={"cloud.google.com/gke-accelerator": "nvidia-l4"},
                       tolerations=[GPU_TOLERATION, "dedicated=ml:NoExecute"])
@@ -79,6 +82,9 @@ def test_the_components_cluster_inputs_reach_every_worker_pod(started, tmp_path)
         assert spec["tolerations"] == [GPU_TOLERATION, {"key": "dedicated", "operator": "Equal", "value": "ml",
                                                         "effect": "NoExecute"}]
         assert {"name": "ELASTIC_STEP_COLLECTIVE_BACKEND", "value": "nccl"} in container["env"]
+    # A PS run's shard pods: their own cpu and memory, no GPU (the kubernetes backend's shard settings)
+    shard = resources(shard_settings(settings_from_config(config)))
+    assert (shard.requests, shard.limits) == ({"cpu": "1", "memory": "6Gi"}, {"cpu": "3", "memory": "6Gi"})
 
 
 def test_the_component_takes_node_selector_and_tolerations_as_json_text(started, tmp_path):
@@ -105,6 +111,8 @@ def test_without_cluster_inputs_worker_pods_keep_the_defaults(started, tmp_path)
     ({"worker_gpus": -1}, "--worker-gpus"),
     ({"worker_cpu": "lots"}, "--worker-cpu"),
     ({"worker_memory": "8Gi:4Gi"}, "--worker-memory"),
+    ({"ps_cpu": "lots"}, "--ps-cpu"),
+    ({"ps_memory": "8Gi:4Gi"}, "--ps-memory"),
     ({"device": "tpu"}, "--device"),
     ({"precision": "fp8"}, "--precision"),
     ({"node_selector": "pool"}, "node_selector"),

@@ -38,6 +38,8 @@ def train_elastic(
     worker_cpu: str = "",
     worker_memory: str = "",
     worker_gpus: int = 0,
+    ps_cpu: str = "",
+    ps_memory: str = "",
     image: str = "",
     worker_service_account: str = "",
     node_selector: dict = {},
@@ -106,6 +108,10 @@ def train_elastic(
         worker_cpu: CPU of each worker pod, REQUEST or REQUEST:LIMIT (e.g. `2`, `500m:2`; "": none).
         worker_memory: Memory of each worker pod, REQUEST or REQUEST:LIMIT (e.g. `4Gi`; "": none).
         worker_gpus: `nvidia.com/gpu` of each worker pod (the cluster needs NVIDIA's device plugin).
+        ps_cpu: With `mode=ps` and `backend=kubernetes`: CPU of each parameter-server shard pod,
+            REQUEST or REQUEST:LIMIT ("": a worker pod's).
+        ps_memory: With `mode=ps` and `backend=kubernetes`: memory of each shard pod, REQUEST or
+            REQUEST:LIMIT (e.g. `8Gi`: a shard holds its part of the tables in memory; "": a worker pod's).
         image: The worker pods' image ("": this task's own image).
         worker_service_account: The worker pods' service account ("": `elastic-step-worker` from
             deploy/workers, which has no Role and mounts no token); never this task's own.
@@ -133,7 +139,7 @@ def train_elastic(
             backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from,
             registered_model=registered_model, warm_start_alias=warm_start_alias, pipeline_run_id=pipeline_run_id,
             job_dir=job_dir, priority_class=priority_class, device=device, precision=precision, worker_cpu=worker_cpu,
-            worker_memory=worker_memory, worker_gpus=worker_gpus, image=image,
+            worker_memory=worker_memory, worker_gpus=worker_gpus, ps_cpu=ps_cpu, ps_memory=ps_memory, image=image,
             worker_service_account=worker_service_account, node_selector=node_selector, tolerations=tolerations,
         )
     except ElasticStepError as exc:  # one line, and the exit code of the table (75: preempted, 2: bad input)

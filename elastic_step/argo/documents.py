@@ -102,6 +102,9 @@ class RenderOptions:
     # steps' own; None: the workers get none (BestEffort pods, no memory limit).
     worker_cpu: str | None = None
     worker_memory: str | None = None
+    # Each parameter-server shard pod's in a run with mode ps (train's --ps-cpu/--ps-memory); None: a worker pod's.
+    ps_cpu: str | None = None
+    ps_memory: str | None = None
     # GPUs, scheduling and identity of each worker pod, fixed here too (argo/workers.py).
     worker_gpus: int = 0
     worker_node_selector: tuple[str, ...] = ()
@@ -152,7 +155,8 @@ class RenderOptions:
     def worker_pods(self) -> WorkerPods:
         return WorkerPods(cpu=self.worker_cpu, memory=self.worker_memory, gpus=self.worker_gpus,
                           node_selector=tuple(self.worker_node_selector), tolerations=tuple(self.worker_tolerations),
-                          service_account=self.worker_service_account, priority_class=self.priority_class)
+                          service_account=self.worker_service_account, priority_class=self.priority_class,
+                          ps_cpu=self.ps_cpu, ps_memory=self.ps_memory)
 
     @property
     def secret_name(self) -> str | None:

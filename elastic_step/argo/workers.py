@@ -17,7 +17,8 @@ QUANTITY_EXAMPLES = "e.g. 500m, 2 or 500m:2 for CPU; 512Mi, 4Gi or 2Gi:4Gi for m
 
 @dataclass(frozen=True)
 class WorkerPods:
-    """Worker pods' resources, scheduling and identity (train's --worker-* flags). None or empty:
+    """Worker pods' resources, scheduling and identity (train's --worker-* flags), and a PS run's
+    shard pods' resources (--ps-cpu, --ps-memory; train ignores them in allreduce mode). None or empty:
     train's own default (no requests, the cluster's default scheduling and priority,
     deploy/workers' service account)."""
 
@@ -28,10 +29,13 @@ class WorkerPods:
     tolerations: tuple[str, ...] = ()  # KEY[=VALUE][:EFFECT] each
     service_account: str | None = None
     priority_class: str | None = None
+    ps_cpu: str | None = None  # a --mode ps run's shard pods (train's --ps-cpu); None: a worker pod's
+    ps_memory: str | None = None
 
     def validate(self, valid_name) -> None:
         """`valid_name(flag, name)` checks a Kubernetes object name; raises ConfigError naming the flag."""
-        for flag, value in (("--worker-cpu", self.cpu), ("--worker-memory", self.memory)):
+        for flag, value in (("--worker-cpu", self.cpu), ("--worker-memory", self.memory),
+                            ("--ps-cpu", self.ps_cpu), ("--ps-memory", self.ps_memory)):
             if value is not None:
                 check_request_limit(flag, str(value))
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
@@ -53,6 +57,7 @@ class WorkerPods:
         """`elastic-step train`'s flags for these settings (nothing for a default)."""
         args: list[str] = []
         for flag, value in (("--worker-cpu", self.cpu), ("--worker-memory", self.memory),
+                            ("--ps-cpu", self.ps_cpu), ("--ps-memory", self.ps_memory),
                             ("--service-account", self.service_account), ("--priority-class", self.priority_class)):
             if value is not None:
                 args += [flag, str(value)]

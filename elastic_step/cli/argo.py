@@ -62,6 +62,12 @@ def register(sub) -> None:
     r.add_argument("--worker-memory", metavar="REQUEST[:LIMIT]",
                    help="memory of each worker pod, fixed in the template (e.g. 4Gi or 2Gi:4Gi; default: none, so "
                         "no limit)")
+    r.add_argument("--ps-cpu", metavar="REQUEST[:LIMIT]",
+                   help="CPU of each parameter-server shard pod of a run with mode ps, fixed in the template "
+                        "(default: a worker pod's)")
+    r.add_argument("--ps-memory", metavar="REQUEST[:LIMIT]",
+                   help="memory of each parameter-server shard pod of a run with mode ps, fixed in the template "
+                        "(e.g. 8Gi; default: a worker pod's)")
     r.add_argument("--worker-gpus", type=int, default=0, metavar="N",
                    help="nvidia.com/gpu of each worker pod, fixed in the template (default 0); the workers then "
                         "compute on their GPU (the device workflow parameter, default auto)")
@@ -102,6 +108,7 @@ def run_render(args) -> int:
                             train_cpu=args.train_cpu, train_memory=args.train_memory, train_gpus=args.train_gpus,
                             step_cpu=args.step_cpu, step_memory=args.step_memory,
                             worker_cpu=args.worker_cpu, worker_memory=args.worker_memory, worker_gpus=args.worker_gpus,
+                            ps_cpu=args.ps_cpu, ps_memory=args.ps_memory,
                             worker_node_selector=tuple(args.worker_node_selector),
                             worker_tolerations=tuple(args.worker_toleration),
                             worker_service_account=args.worker_service_account,
