@@ -388,7 +388,8 @@ def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: boo
                 state.tick()
                 if recorder.error:
                     state.fail(recorder.error)
-                progress.update(state.status())
+                if progress.due():  # the status is built only when it is shown
+                    progress.update(state.status())
                 time.sleep(0.05)
             progress.update(state.status())
     except KeyboardInterrupt:
