@@ -43,6 +43,7 @@ from elastic_step.protocol import EventKind, PsShardState, TrainingMode
 from elastic_step.ps import snapshot
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
+from elastic_step.ps.embedding import bind_tables, freeze_tables, ps_tables
 from elastic_step.ps.local import LocalShards, saved_routings
 from elastic_step.ps.moves import ask, move
 from elastic_step.ps.routing import RoutingTable
@@ -54,17 +55,14 @@ STOP_TIMEOUT_S = 60.0  # a shard's last snapshot on SIGTERM
 
 
 def table_specs(model_def_source: str, net=None) -> list[TableSpec]:
-    """The tables the model definition keeps on the shards: its net's PsEmbedding modules."""
+    """The tables the model definition keeps on the shards: its net's PsEmbedding modules or layers."""
     if net is None:
         net = load_model_definition(model_def_source).model()
-    specs = []
-    if hasattr(net, "modules"):  # a PyTorch model (a Keras one has no PsEmbedding)
-        from elastic_step.ps.torch_embedding import ps_tables
-
-        specs = [module.spec for module in ps_tables(net)]
+    specs = [embedding.ps_table.spec for embedding in ps_tables(net)]  # PyTorch's or Keras'
     if not specs:
-        raise ConfigError(f"--mode ps: the model definition {model_def_source} has no PsEmbedding table; "
-                          "declare its embeddings with elastic_step.ps.torch_embedding.PsEmbedding, or use --mode allreduce")
+        raise ConfigError(f"--mode ps: the model definition {model_def_source} has no PsEmbedding table; declare its "
+                          "embeddings with elastic_step.ps.torch_embedding's or keras_embedding's PsEmbedding, "
+                          "or use --mode allreduce")
     return specs
 
 
@@ -109,8 +107,6 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     monitor = ShardMonitor(supervisor, _read_token(token_file), metric, events).start()
     running.callback(monitor.stop)
     routes = shards.routes()
-    from elastic_step.ps.torch_embedding import bind_tables
-
     live = LiveRows(PsClient(_read_token(token_file), shards.routes))  # current after a scale --ps
     running.callback(live.client.close)
     bind_tables({spec.name: partial(live.pull, spec.name) for spec in specs})  # validation during training
@@ -185,7 +181,7 @@ def _read_token(path: str) -> str:
 
 def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec]) -> None:
     """SIGTERM every shard (a last snapshot each), then give this process's models the trained
-    tables from the snapshots (torch_embedding.freeze_tables)."""
+    tables from the snapshots (embedding.freeze_tables)."""
     for shard in shards.shards:
         if shard.process is not None and shard.process.poll() is None:
             shard.process.send_signal(signal.SIGTERM)
@@ -197,7 +193,6 @@ def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec]) -> None:
                 log.warning("shard %d did not stop in %.0f s: killed, its last snapshot may be older", shard.shard, STOP_TIMEOUT_S)
                 shard.process.kill()
                 shard.process.wait()
-    from elastic_step.ps.torch_embedding import freeze_tables
 
     freeze_tables({spec.name: snapshot_table(spec, [s.directory for s in shards.shards]) for spec in specs})
 

@@ -1,9 +1,10 @@
 """The parameter-server training mode: embedding tables on the shards, dense weights by allreduce.
 
 Each minibatch pulls the rows of its distinct ids from the shards (the model's PsEmbedding
-modules do that in their forward pass), computes, and pushes the gradient merged per id, then
-sums the dense gradients with the other ranks exactly as the allreduce mode does (this class is
-that mode with a pull and a push around each minibatch's gradients).
+modules or layers, PyTorch's or Keras', do that in their forward pass), computes, and pushes the
+gradient merged per id, then sums the dense gradients with the other ranks exactly as the
+allreduce mode does (this class is that mode with a pull and a push around each minibatch's
+gradients).
 
 Why the dense part stays on the allreduce: it is small (DeepFM's MLP is ~0.1M values), and the
 allreduce already gives it the step lineage, state sharing after a regroup, checkpoints and the
@@ -33,8 +34,8 @@ from elastic_step.errors import ConfigError
 from elastic_step.protocol import RendezvousReply
 from elastic_step.ps.api import PsError
 from elastic_step.ps.client import PsClient
+from elastic_step.ps.embedding import embeddings
 from elastic_step.ps.routing import RoutingTable
-from elastic_step.ps.torch_embedding import PsEmbedding
 from elastic_step.worker.allreduce_step import AllreduceStep
 from elastic_step.worker.client import worker_identity
 from elastic_step.worker.rows import Piece
@@ -86,10 +87,12 @@ class PsStep(AllreduceStep):
         spec = host.spec
         if spec.global_batch_size or not spec.ps_routing:
             raise ConfigError("mode ps needs the shards' routing and no --global-batch-size")
-        net = getattr(host.trainer, "net", None)
-        self.tables = [m for m in net.modules() if isinstance(m, PsEmbedding)] if net is not None else []
+        model = getattr(host.trainer, "net", None)  # PyTorch's
+        model = getattr(host.trainer, "model", None) if model is None else model  # Keras'
+        self.tables = [embedding.ps_table for embedding in embeddings(model)] if model is not None else []
         if not self.tables:
-            raise ConfigError("mode ps: the model has no PsEmbedding (a PyTorch model definition declares its tables with it)")
+            raise ConfigError("mode ps: the model has no PsEmbedding (elastic_step.ps.torch_embedding's or "
+                              "keras_embedding's declares a table)")
         routing = RoutingTable.from_json(spec.ps_routing)
         self.client = PsClient(worker_identity()[1], lambda: routing, deadline_s=SHARD_DEADLINE_S)
         for table in self.tables:

@@ -1,0 +1,137 @@
+"""What an embedding whose table lives on the parameter-server shards does, whatever the front end:
+PyTorch's PsEmbedding (torch_embedding.py) and Keras' (keras_embedding.py) each hold one
+`TableRows` and add only their framework's tensors and autodiff around it. numpy only.
+
+Where a table's rows come from, for a forward pass:
+- on a PS-mode worker the training step sets `source`: a pull from the shards (worker/ps_step.py);
+- in the master, `bind_tables` serves the rows from the live shards while they run (validation),
+  and once they have stopped `freeze_tables` hands the trained table, from their snapshots, to
+  every model of the process (the test-set evaluation and the exported models);
+- with neither (the master's check of the model definition before the shards start), a table's
+  initial rows, as a fresh shard would create them.
+
+A training forward pulls each distinct id of the batch once; the front end notes, per forward,
+those ids and (after the backward pass) the summed loss's gradient for each, and the training
+step pushes them (`take_gradients`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import numpy as np
+
+from elastic_step.ps.api import TableSpec
+from elastic_step.ps.table import initial_weights
+
+RowSource = Callable[[np.ndarray], np.ndarray]  # distinct int64 ids -> float32 rows (len x dim)
+Gradient = np.ndarray | Callable[[], "np.ndarray | None"]  # an array, or one read after the backward pass
+
+_TABLE_SOURCES: dict[str, RowSource] = {}  # this process's sources by table name (bind_tables)
+_FROZEN: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table name -> (sorted ids, their rows)
+_ON_FREEZE: list[Callable[[], None]] = []  # each front end's hook: its live embeddings adopt the frozen tables
+
+
+def bind_tables(sources: dict[str, RowSource]) -> None:
+    """Serve every embedding of these tables, in this process, from `sources` (the master's
+    validation, from the running shards)."""
+    _TABLE_SOURCES.update(sources)
+
+
+def freeze_tables(tables: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Give every embedding of these tables in this process (and every one made later) the
+    trained table itself, (ids, rows): the model is then whole, for the master's evaluation and
+    the exported models. An id the table does not hold (never trained on) gets a zero row."""
+    for name, (ids, rows) in tables.items():
+        order = np.argsort(ids, kind="stable")
+        _FROZEN[name] = (np.ascontiguousarray(ids[order], dtype=np.int64), np.ascontiguousarray(rows[order], dtype=np.float32))
+    for hook in _ON_FREEZE:
+        hook()
+
+
+def on_freeze(hook: Callable[[], None]) -> None:
+    _ON_FREEZE.append(hook)
+
+
+def frozen_table(name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    table = _FROZEN.get(name)
+    return table if table is not None and len(table[0]) else None
+
+
+class TableRows:
+    """One table as a model sees it: the rows of a batch's distinct ids, and their gradients."""
+
+    def __init__(self, spec: TableSpec):
+        self.spec = spec
+        self.source: RowSource | None = None  # set by the training step; else the process's binding
+        self._pulled: list[tuple[np.ndarray, Gradient]] = []  # (distinct ids, their gradient) per forward
+
+    def __getstate__(self):  # a saved model keeps the table's spec, not a worker's connection
+        return {"spec": self.spec, "source": None, "_pulled": []}
+
+    def distinct(self, ids: np.ndarray, training: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(distinct ids, each id's index among them, their rows) for a batch's ids, pulled once each."""
+        flat = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
+        unique, inverse = np.unique(flat, return_inverse=True)
+        source = self.source
+        if source is None:  # the master: the trained table once the shards stopped, else the live shards
+            source = self.frozen_rows if frozen_table(self.spec.name) is not None else _TABLE_SOURCES.get(self.spec.name)
+        if source is None and training:
+            raise RuntimeError(f"embedding table {self.spec.name!r} lives on parameter-server shards: "
+                               "train it with --mode ps")
+        if source is None:  # no shards (yet): the rows a fresh table starts with, as a pull would give
+            source = partial(initial_weights, self.spec)
+        rows = np.ascontiguousarray(source(unique), dtype=np.float32)
+        return unique, inverse.reshape(-1), rows
+
+    def frozen_rows(self, ids: np.ndarray) -> np.ndarray | None:
+        """The frozen table's rows of `ids` (zeros for an id it does not hold); None when not frozen."""
+        table = frozen_table(self.spec.name)
+        if table is None:
+            return None
+        held_ids, held_rows = table
+        flat = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
+        positions = np.minimum(np.searchsorted(held_ids, flat), len(held_ids) - 1)
+        rows = held_rows[positions, : self.spec.dim] * (held_ids[positions] == flat)[:, None]
+        return rows.reshape(*np.shape(ids), self.spec.dim).astype(np.float32, copy=False)
+
+    def note(self, ids: np.ndarray, gradient: Gradient) -> None:
+        """A training forward pulled `ids`; `gradient` is (or gives, after the backward pass) theirs."""
+        self._pulled.append((ids, gradient))
+
+    def take_gradients(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The distinct ids of this batch's forward passes and the summed loss's gradient for each
+        (None when no forward ran since the last call), and forget them."""
+        pulled, self._pulled = self._pulled, []
+        parts = [(ids, gradient() if callable(gradient) else gradient) for ids, gradient in pulled]
+        parts = [(ids, np.asarray(g, dtype=np.float32)) for ids, g in parts if g is not None]
+        if not parts:
+            return None
+        # repeated ids across forwards are summed by the push (client.py)
+        return np.concatenate([i for i, _ in parts]), np.concatenate([g for _, g in parts])
+
+    def forget(self) -> None:
+        self._pulled = []
+
+
+def embeddings(model) -> list:
+    """Every embedding of the model on the shards (each has a `ps_table`: its TableRows): a
+    torch.nn.Module's modules or a Keras model's layers, nested ones included."""
+    if hasattr(model, "modules"):  # PyTorch
+        parts = model.modules()
+    elif hasattr(model, "_flatten_layers"):  # Keras
+        parts = model._flatten_layers(include_self=True, recursive=True)
+    else:
+        parts = []
+    return [part for part in parts if isinstance(getattr(part, "ps_table", None), TableRows)]
+
+
+def ps_tables(model) -> list:
+    """The model's embeddings, one per table name (a name used twice is one table)."""
+    found: dict[str, object] = {}
+    for part in embeddings(model):
+        earlier = found.setdefault(part.ps_table.spec.name, part)
+        if earlier.ps_table.spec != part.ps_table.spec:
+            raise ValueError(f"embedding table {part.ps_table.spec.name!r} is declared twice with different settings")
+    return list(found.values())
