@@ -3,22 +3,32 @@ pods of the job (backends/kubernetes/ps_pods.py) beside its worker pods.
 
 Unit level: a shard pod's manifest (labels, the workers' service account and security context,
 the shard's folder an emptyDir of a pod restarted in place, its address and token from the env)
-and the shards' NetworkPolicy (the job's workers and master, the shards' ports, nothing else).
+and the shards' NetworkPolicy (the job's workers and master, the shards' ports, nothing else);
+a checkpoint's cut carried from a shard through the master into a new pod's folder, only when
+its digest holds (ps_cuts.py).
 
 End to end (tests/cluster with its pod network: each pod its own address, the job's
 NetworkPolicies enforced): a DeepFM job of two worker pods and two shard pods on the synthetic CTR
-data read from a private bucket; one shard's container is SIGKILLed mid-training (`docker kill`),
-and a pod without the job's labels cannot connect to the shards. The kubelet restarts it in its pod, where it
-loads its snapshot and replays its ledger from the pod's emptyDir, at the same address; the
-workers retry what it had not acknowledged and none of them restarts. Once every row is trained,
-each embedding row's update counter on the shards (asked from the master pod's network) equals the count computed from the data alone
-(each minibatch updates each of its distinct ids once): nothing acknowledged was lost and nothing
-applied twice. The job then succeeds and leaves none of its pods or NetworkPolicies.
+data read from a private bucket. Once the run has committed a checkpoint, the master's container
+is SIGKILLed and its pod deleted; a new master pod runs the same command with --resume, and each
+of its new shard pods starts from exactly its cut of that checkpoint, which the run's artifacts
+hold (the table hash of the cut, loaded and replayed by the test). Then one shard's container is
+SIGKILLed (`docker kill`), and a pod without the job's labels cannot connect to the shards. The
+kubelet restarts it in its pod, where it loads its snapshot and replays its ledger from the pod's
+emptyDir, at the same address; the workers retry what it had not acknowledged and none of them
+restarts. Once every row is trained, each embedding row's update counter on the shards (asked
+from the master pod's network) equals the count computed from the data alone (each minibatch
+updates each of its distinct ids once): nothing acknowledged was lost and nothing applied twice,
+across both kills. The job then succeeds and leaves none of its pods or NetworkPolicies, nor
+does the killed master's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import socket
 import time
 from collections import Counter
 
@@ -153,6 +163,65 @@ def test_a_restarted_shard_is_relaunching_until_it_answers_and_a_gone_pod_is_dow
     assert supervisor.states == ["down"]
 
 
+def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_folder_only_when_its_digest_holds(tmp_path):
+    """ps_cuts.py in process: a shard serving its cut of step 2 (ps/shard.py's `cut_file`), the
+    master copying it (fetch_cut, checked by the digest) and sending it to a new pod waiting
+    for it (receive_cut); that folder's shard then holds step 2's table, not the later one. A
+    cut whose bytes are not the recorded digest's is refused and leaves the folder empty."""
+    import threading
+
+    from elastic_step.backends.kubernetes.ps_cuts import fetch_cut, receive_cut, restored, send_cut
+    from elastic_step.ps.api import PsError
+    from elastic_step.ps.client import PsClient
+    from elastic_step.ps.shard import ShardServer
+    from test_ps_cuts import push, shard
+
+    held = shard(tmp_path / "old")
+    push(held, 1), push(held, 2)
+    at_checkpoint = held.tables["emb"].digest()
+    push(held, 3)  # after the checkpoint's step: not in its cut
+    cut = held.cut(2)
+    server = ShardServer(("127.0.0.1", 0), held, "t0k")
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client = PsClient("t0k", lambda: None, timeout_s=10.0)
+    try:
+        endpoint = f"127.0.0.1:{server.server_address[1]}"
+        (tmp_path / "copied").mkdir()
+        with pytest.raises(PsError):
+            fetch_cut(client, endpoint, 2, str(tmp_path / "copied"), 0, "0" * 64)
+        fetch_cut(client, endpoint, 2, str(tmp_path / "copied"), 0, cut["digest"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    files = {part: str(tmp_path / "copied" / f"shard-0.{part}") for part in ("bin", "ledger")}
+
+    def pod(folder, digest):  # a resumed shard pod's first phase, at a port of its own
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        waiting = threading.Thread(target=receive_cut, args=(str(folder), "127.0.0.1", port, "t0k",
+                                                              {"step": 2, "digest": digest, "routing": cut["routing"]}), daemon=True)
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                send_cut(client, f"127.0.0.1:{port}", files)
+                return waiting
+            except OSError:  # not listening yet
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+    (tmp_path / "forged").mkdir()
+    with pytest.raises(PsError, match="SHA-256"):
+        pod(tmp_path / "forged", "0" * 64)
+    assert not restored(str(tmp_path / "forged")) and not (tmp_path / "forged" / "snapshot.bin").exists()
+    (tmp_path / "new").mkdir()
+    pod(tmp_path / "new", cut["digest"]).join(10)
+    assert restored(str(tmp_path / "new"))
+    assert shard(tmp_path / "new").tables["emb"].digest() == at_checkpoint
+    client.close()
+
+
 @pytest.fixture(scope="module")
 def policed(tmp_path_factory):
     from test_admission_policy import install_policy
@@ -226,26 +295,92 @@ def in_pod_network(cluster, pod: str, script: str, *args: str) -> str:
     return done.stdout
 
 
+def with_shared_tracking(pod: k8s.V1Pod, folder) -> k8s.V1Pod:
+    """The master pod with its MLflow store (SQLite, artifacts beside it) in a folder of the node
+    that outlives the pod: what a tracking server is to a step's retry (shard pods never see it)."""
+    folder.mkdir(exist_ok=True)
+    folder.chmod(0o777)
+    container = pod.spec.containers[0]
+    container.env = [e for e in container.env if e.name != "MLFLOW_TRACKING_URI"] + [
+        k8s.V1EnvVar(name="MLFLOW_TRACKING_URI", value="sqlite:////mlflow/mlflow.db")]
+    container.volume_mounts.append(k8s.V1VolumeMount(name="mlflow", mount_path="/mlflow"))
+    pod.spec.volumes.append(k8s.V1Volume(name="mlflow", host_path=k8s.V1HostPathVolumeSource(path=str(folder), type="Directory")))
+    return pod
+
+
+def committed_checkpoint(folder) -> int:
+    """The newest checkpoint step the run committed (its tag), 0 before any."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{folder / 'mlflow.db'}?mode=ro", uri=True, timeout=10)) as db:
+            rows = db.execute("SELECT value FROM tags WHERE key = 'elastic_step.checkpoint'").fetchall()
+    except sqlite3.Error:  # not created yet, or being written
+        return 0
+    return max((int(v) for (v,) in rows), default=0)
+
+
+def cut_digest(folder, step: int, shard: int, shards: int) -> str:
+    """The table hash of a shard's cut of `step` as the run's artifacts hold it: its snapshot
+    loaded and its ledger replayed, as a shard does, in a folder of this test's."""
+    import shutil
+
+    from elastic_step.master.ps_shards import table_specs
+    from elastic_step.ps.routing import RoutingTable
+    from elastic_step.ps.state import LEDGER_FILE, SNAPSHOT_FILE, ShardState
+
+    (kept,) = folder.glob(f"mlartifacts/**/artifacts/ps-cuts/step-{step:06d}")
+    replay = folder / f"replay-{step}-{shard}"
+    replay.mkdir()
+    shutil.copy(kept / f"shard-{shard}.bin", replay / SNAPSHOT_FILE)
+    shutil.copy(kept / f"shard-{shard}.ledger", replay / LEDGER_FILE)
+    state = ShardState(str(replay), table_specs(DEEPFM_PS), shard, RoutingTable.initial(shards))
+    state.recover()
+    digest = state.tables["deepfm_ids"].digest()
+    state.close()
+    return digest
+
+
 @pytest.mark.e2e
-def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_pod_sigkill(tmp_path, clicks):
+def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_pod_sigkill_and_a_master_sigkill(tmp_path, clicks):
+    """First the master: once the run has committed a checkpoint its container is SIGKILLed, its
+    pod deleted (its worker and shard pods go with it), and a new master pod runs the same
+    command with --resume: its new shard pods each start from exactly their cut of the checkpoint
+    (the table hash of the cut the run's artifacts hold). Then a shard pod of the resumed job."""
+    tracking = tmp_path / "mlflow"
     with S3Server() as s3, pod_network_cluster(tmp_path, images={TEST_IMAGE: venv_image(TEST_IMAGE)}) as cluster:
         print(f"kubelet runtime: {cluster.kubelet.mode}")
         data = upload(s3.endpoint, clicks, "training-data", "ctr")
         args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={cluster.pod_url(s3.endpoint)}",
                 "--model-def", DEEPFM_PS, "--mode", "ps", "--ps-shards", "2", "--job-dir", JOB_DIR, "--workers", "2",
                 "--epochs", str(EPOCHS), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
-                "--checkpoint-steps", "0", "--worker-cpu", "500m", "--worker-memory", "1Gi", "--max-relaunches", "0",
+                "--checkpoint-steps", "3", "--worker-cpu", "500m", "--worker-memory", "1Gi", "--max-relaunches", "0",
                 "--no-progress"]
         ns, api = cluster.namespace, cluster.core()
         store_secret(api, ns)
-        api.create_namespaced_pod(ns, master_pod(cluster, "train-step-ps", args))
+        api.create_namespaced_pod(ns, with_shared_tracking(master_pod(cluster, "train-step-ps", args), tracking))
         api.create_namespaced_pod(ns, python_pod(cluster, "stranger", "import time; time.sleep(600)", []))
         master = MasterOnPodNetwork(cluster, "train-step-ps")
         started = time.monotonic()
         expected = counters_from_the_data(clicks, EPOCHS, MINIBATCH)  # while the pods start
-        status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2
-                             and 0.05 < s["rows_done"] / s["rows_total"] < 0.5, timeout=240)
-        print(f"training on 2 worker pods and 2 shard pods after {time.monotonic() - started:.1f}s")
+        # The first master dies outright (SIGKILL) once the run has committed a checkpoint, mid-training.
+        master.wait(lambda s: s["state"] == "running", timeout=240)
+        deadline = time.monotonic() + 120
+        while not committed_checkpoint(tracking):
+            assert time.monotonic() < deadline, master.log()
+            time.sleep(0.05)
+        cluster.kubelet.kill(ns, "train-step-ps")
+        step = committed_checkpoint(tracking)
+        print(f"master SIGKILLed {time.monotonic() - started:.1f}s after it started, its checkpoint of step {step} committed")
+        api.delete_namespaced_pod("train-step-ps", ns)  # a retry's new pod; the old one's pods go with it
+        api.create_namespaced_pod(ns, with_shared_tracking(master_pod(cluster, "train-step-ps2", [*args, "--resume"]), tracking))
+        master = MasterOnPodNetwork(cluster, "train-step-ps2")
+        status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2, timeout=240)
+        print(f"resumed on 2 worker pods and 2 new shard pods after {time.monotonic() - started:.1f}s")
+        with open(master.path(f"{JOB_DIR}/logs/master.log")) as f:
+            restored = re.findall(r"shard (\d) starts from its cut of step (\d+): table deepfm_ids digest (\w+)", f.read())
+        assert sorted(restored) == [(str(i), str(step), cut_digest(tracking, step, i, 2)) for i in range(2)], restored
+
         endpoints = [s["address"] for s in status["ps_shards"]]
         shard_pods = sorted(p["metadata"]["name"] for p in cluster.pods()
                             if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "ps")
@@ -254,12 +389,12 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         # A pod of the namespace without the job's labels: the shards' policy drops its connections.
         seen = json.loads(in_pod_network(cluster, "stranger", PROBE, *endpoints).strip().splitlines()[-1])
         assert {seen[e] for e in endpoints} == {"timeout"}, seen
-
         status = master.wait(lambda s: s["ps_shards"][0]["relaunches"] == 1 and s["ps_shards"][0]["state"] == "serving", timeout=120)
-        assert status["ps_shards"][0]["address"] == endpoints[0]  # back in its pod, at its address
+        assert status["ps_shards"][0]["address"] == endpoints[0]  # back in its pod, at its address, from its folder
+
         # Every row trained, the master still evaluating: the shards hold every update, each once.
         master.wait(lambda s: s["rows_done"] == s["rows_total"], timeout=300)
-        counted = json.loads(in_pod_network(cluster, "train-step-ps", COUNTERS, master.path(f"{JOB_DIR}/token"), *endpoints))
+        counted = json.loads(in_pod_network(cluster, "train-step-ps2", COUNTERS, master.path(f"{JOB_DIR}/token"), *endpoints))
         got = Counter({int(i): n for i, n in counted.items()})
         wrong = {i: (got[i], expected[i]) for i in set(got) | set(expected) if got[i] != expected[i]}
         assert not wrong, f"{len(wrong)} rows updated other than once per minibatch, e.g. {list(wrong.items())[:5]}"
@@ -276,13 +411,14 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
 
         restarted = [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[4]["metadata"]["name"] == shard_pods[0]]
         assert max(s.get("restartCount", 0) for p in restarted for s in p.get("status", {}).get("containerStatuses", [])) == 1
-        instance = restarted[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
+        instances = {e[4]["metadata"]["labels"]["app.kubernetes.io/instance"] for e in cluster.server.store.history
+                     if e[1] == "pods" and e[4]["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "ps"}
         policies = {e[4]["metadata"]["name"]: e[4] for e in cluster.server.store.history if e[1] == "networkpolicies"}
-        assert f"{instance}-ps" in policies, list(policies)
+        assert len(instances) == 2 and all(f"{instance}-ps" in policies for instance in instances), (instances, list(policies))
+        mine = lambda o: o["metadata"].get("labels", {}).get("app.kubernetes.io/instance") in instances  # noqa: E731
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and [p for p in cluster.pods() if p["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == instance]:
+        while time.monotonic() < deadline and [p for p in cluster.pods() if mine(p)]:
             time.sleep(0.5)
-        left = [o["metadata"]["name"] for plural in ("pods", "secrets", "networkpolicies") for o in cluster.objects(plural)
-                if o["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == instance]
+        left = [o["metadata"]["name"] for plural in ("pods", "secrets", "networkpolicies") for o in cluster.objects(plural) if mine(o)]
         assert left == []
         assert cluster.refused() == set()  # deploy/'s Role and admission policy allow every call

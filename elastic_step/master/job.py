@@ -33,7 +33,7 @@ from elastic_step.master.ledger import Ledger
 from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigterm_as_preemption
 from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.ps_checkpoints import checkpointing, resumed_cut
-from elastic_step.master.ps_shards import check_ps_tables, start_ps_shards
+from elastic_step.master.ps_shards import check_ps_tables, keeping_cuts, start_ps_shards
 from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.restore import InitialState, RestorePoint, restart_from
 from elastic_step.master.state import MasterState, Timeouts
@@ -273,7 +273,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     # numbers for /status and the run
     ps_routing, ps_shards = start_ps_shards(config, token_file, running, resuming, metric=recorder.tracker.log_metric,
                                             launcher=backend.shard_launcher(), cut=resumed_cut(start.ledger) if resuming else None,
-                                            events=events)
+                                            events=events, checkpoints=recorder.checkpoints)
     spec = JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
         seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
@@ -289,7 +289,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         step_log=step_log, initial_state=initial,
         # mode ps: a checkpoint is recorded with the shards' cut of its step (ps_checkpoints.py);
         # the shards keep the cuts of every checkpoint a resume may load (the run's committed ones)
-        on_checkpoint=checkpointing(ps_shards, recorder.on_checkpoint if config.checkpoint_steps else None,
+        on_checkpoint=checkpointing(ps_shards, keeping_cuts(ps_shards, recorder.on_checkpoint if config.checkpoint_steps else None),
                                     lambda: list(recorder.checkpoints.committed)),
         spares=config.spares,
         # A PS-mode job's shards hold their part of the model: they cannot go back with the ledger.

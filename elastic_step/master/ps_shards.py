@@ -38,7 +38,7 @@ from elastic_step.config import TrainConfig
 from elastic_step.errors import ConfigError
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.master.events import EventLog
-from elastic_step.master.ps_checkpoints import restore_cut
+from elastic_step.master.ps_checkpoints import PS_CUT, restore_cut
 from elastic_step.protocol import EventKind, PsShardState, TrainingMode
 from elastic_step.ps import snapshot
 from elastic_step.ps.api import PsError, Status, TableSpec
@@ -79,27 +79,33 @@ class ShardLauncher(Protocol):
     """A backend that runs the shards itself (kubernetes: pods of the job,
     backends/kubernetes/ps_pods.py) instead of this machine's processes."""
 
-    def start_shards(self, specs: list[TableSpec], count: int, token: str, resuming: bool,
-                     running: contextlib.ExitStack) -> ShardSupervisor:
+    def start_shards(self, specs: list[TableSpec], count: int, token: str, resuming: bool, running: contextlib.ExitStack,
+                     cut: dict | None = None, checkpoints=None, checkpoint_every: int = 0) -> ShardSupervisor:
         """Start `count` shards and watch them (relaunching one that dies); at `running`'s close
         stop them with a last snapshot and freeze their tables into this process's models. The
-        returned watcher has ShardSupervisor's attributes (shards, ports, states, relaunches, stopping)."""
+        returned watcher has ShardSupervisor's attributes (shards, ports, states, relaunches, stopping).
+        A resume starts them from `cut` (the checkpoint's, ps_checkpoints.py), whose files the
+        launcher keeps in `checkpoints` (the run's checkpoint store) when the shards' own folders
+        do not outlive them: its watcher's `keep_cut(cut)` copies each checkpoint's there before
+        the checkpoint is recorded (see `keeping_cuts`). `checkpoint_every`: --checkpoint-steps."""
         ...
 
 
 def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.ExitStack, resuming: bool = False,
                     metric: Metric | None = None, launcher: ShardLauncher | None = None, cut: dict | None = None,
-                    events: EventLog | None = None) -> tuple[dict, ShardMonitor | None]:
+                    events: EventLog | None = None, checkpoints=None) -> tuple[dict, ShardMonitor | None]:
     """Start the job's shards (nothing for another mode): the job spec's `ps_routing`, and the
     monitor whose rows /status shows (None for another mode). `launcher`: the backend's, when
     it runs the shards itself; else they are processes of this machine (`_start_local`).
     `cut`: the resumed checkpoint's cut of the shards (ps_checkpoints.py), which they start from.
-    `events`: the job's event log, where a scale --ps is recorded."""
+    `events`: the job's event log, where a scale --ps is recorded. `checkpoints`: the run's
+    checkpoint store, for a launcher that keeps the shards' cuts there."""
     if config.mode != TrainingMode.PS:
         return {}, None
     specs = table_specs(config.model_def)
     if launcher is not None:
-        supervisor = launcher.start_shards(specs, config.ps_shards, _read_token(token_file), resuming, running)
+        supervisor = launcher.start_shards(specs, config.ps_shards, _read_token(token_file), resuming, running, cut=cut,
+                                           checkpoints=checkpoints, checkpoint_every=config.checkpoint_steps)
     else:
         supervisor = _start_local(config, specs, token_file, running, resuming, cut)
     shards = supervisor.shards
@@ -113,6 +119,26 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     log.info("parameter servers: %d shards at %s holding %s", config.ps_shards, ", ".join(routes.endpoints),
              ", ".join(f"{s.name} (dim {s.dim}, {s.optimizer})" for s in specs))
     return routes.to_json(), monitor
+
+
+def keeping_cuts(monitor: ShardMonitor | None, record: Callable | None) -> Callable | None:
+    """`record` (a checkpoint's), preceded by the shards' `keep_cut` where their launcher keeps
+    each checkpoint's cut in the checkpoint store (kubernetes: a pod's folder goes with it). A
+    cut that cannot be kept is no checkpoint, as one a shard cannot cut (one line)."""
+    keep = getattr(monitor.supervisor, "keep_cut", None) if monitor is not None else None
+    if keep is None or record is None:
+        return record
+
+    def recording(step: int, epoch: int, state: bytes, ledger: dict):
+        try:
+            keep(ledger[PS_CUT])
+        except (PsError, OSError, ValueError) as exc:
+            log.warning("checkpoint of step %d not taken: the parameter-server shards' cut could not be copied to the "
+                        "checkpoint store: %s", step, exc)
+            return None
+        return record(step, epoch, state, ledger)
+
+    return recording
 
 
 def _start_local(config: TrainConfig, specs: list[TableSpec], token_file: str, running: contextlib.ExitStack,

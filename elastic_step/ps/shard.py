@@ -10,7 +10,7 @@ the command line; every request carries it and one without it is refused. SIGTER
 snapshot and exits, and so does the loss of the process that launched it (a master SIGKILLed).
 
 Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py), a
-checkpoint's cut (cuts.py), and a move's adopt, export, import and release (state.py, moves.py). A refusal for a stale epoch
+checkpoint's cut (cuts.py) and its files (`cut_file`, in parts), and a move's adopt, export, import and release (state.py, moves.py). A refusal for a stale epoch
 carries the shard's routing, so a client learns the next one from any shard it reaches.
 """
 
@@ -87,6 +87,11 @@ class ShardServer(socketserver.ThreadingTCPServer):
                 return {"status": Status.OK, **state.cut(int(header["step"]), list(header.get("keep", [])))}, ()
             except cuts.CutMissing as exc:
                 return {"status": Status.NO_CUT, "detail": str(exc)}, ()
+        if op == "cut_file":  # a sealed cut's bytes, for a master that keeps it where this folder is not (a pod's)
+            try:
+                return _cut_file(state.directory, int(header["step"]), header["part"], int(header["offset"]))
+            except cuts.CutMissing as exc:
+                return {"status": Status.NO_CUT, "detail": str(exc)}, ()
         if op in MOVE_OPS:
             return self._move(op, header, body)
         table = state.tables[header["table"]]
@@ -128,6 +133,27 @@ class ShardServer(socketserver.ThreadingTCPServer):
         record = LedgerRecord(header["table"], int(header["task"]), int(header["batch_seq"]), int(header["attempt"]), ids, grads)
         step = int(header["step"]) if header.get("step") is not None else None  # a checkpoint's cut may be due first
         return {"status": Status.OK, "applied": self.state.push(record, int(header["epoch"]), step)}, ()
+
+
+CUT_CHUNK = 32 << 20  # a cut file is sent in parts of this size (a frame's body is bounded)
+
+
+def _cut_file(directory: str, step: int, part: str, offset: int) -> tuple[dict, tuple]:
+    """Up to CUT_CHUNK bytes of a sealed cut's `part` ("bin" or "ledger") from `offset`, and
+    the file's size. Only a cut whose .json holds its digest: nothing half-written is handed out."""
+    found = cuts.meta(directory, step)
+    if part not in ("bin", "ledger") or found is None or found.get("digest") is None:
+        raise cuts.CutMissing(f"no sealed cut of step {step} (part {part!r}) in this shard")
+    try:
+        with open(cuts.path(directory, step, part), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(offset)
+            data = f.read(CUT_CHUNK)
+    except FileNotFoundError:
+        if part == "ledger":  # a cut written whole has no ledger records
+            return {"status": Status.OK, "size": 0, "offset": offset}, ()
+        raise cuts.CutMissing(f"the cut of step {step} was dropped") from None
+    return {"status": Status.OK, "size": size, "offset": offset}, (np.frombuffer(data, np.uint8),)
 
 
 def _bind_host(host: str) -> str:

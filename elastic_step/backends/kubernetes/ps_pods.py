@@ -23,11 +23,16 @@ RELAUNCHING until the shard answers again. At the job's end it asks each shard f
 (`export`), gives this process's models the trained tables (torch_embedding.freeze_tables), and
 deletes the pods, whose SIGTERM makes each take a last snapshot and exit 0.
 
-Not yet: `scale --ps` (refused, 409) and resuming from a checkpoint (the shards' rows went with
-their pods: refused in one line)."""
+Checkpoints and resume (ps_cuts.py): each checkpoint's cut of the shards is copied from the
+pods into the run's artifacts beside the checkpoint, ahead of its commit; a resumed job's new
+shard pods each load exactly their cut of the checkpoint's step from there (through the master,
+checked by its digest) before they serve.
+
+Not yet: `scale --ps` (refused, 409)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -44,10 +49,11 @@ from elastic_step.backends.kubernetes.manifests import (ISTIO_INJECT_LABEL, TOKE
                                                          master_selector, owner_references, resources,
                                                          restricted_container)
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
+from elastic_step.backends.kubernetes.ps_cuts import CutStore, fetch_cut, receive_cut, restored, send_cut
 from elastic_step.errors import ConfigError
 from elastic_step.protocol import PsShardState, WorkerEnv
 from elastic_step.ps import wire
-from elastic_step.ps.api import Status, TableSpec
+from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.routing import RoutingTable
 
@@ -58,6 +64,7 @@ DATA_DIR = "/tmp/ps"  # the shard's folder, on the pod's scratch emptyDir: kept 
 CONFIG_ENV = "ELASTIC_STEP_PS_CONFIG"  # the shard's config.json (tables, routing): no secret in it
 POD_IP_ENV = "ELASTIC_STEP_POD_IP"
 DIR_ENV = "ELASTIC_STEP_PS_DIR"  # paths in the env, not the command: where a runtime relocates mounts, it rewrites the env
+RESTORE_ENV = "ELASTIC_STEP_PS_RESTORE"  # a resumed shard's cut: {"step", "digest", "routing"} (ps_cuts.py); no secret in it
 SHARD_LABEL = "elastic-step/ps-shard"
 COMPONENT = "ps"
 
@@ -75,8 +82,11 @@ def ps_pod_name(names: JobNames, shard: int) -> str:
     return f"{names.instance}-ps-{shard}"
 
 
-def shard_config(specs: list[TableSpec], routing: RoutingTable, snapshot_every: int = 1000) -> str:
-    return json.dumps({"tables": [s.to_json() for s in specs], "routing": routing.to_json(), "snapshot_every": snapshot_every})
+def shard_config(specs: list[TableSpec], routing: RoutingTable, snapshot_every: int = 1000, checkpoint_every: int = 0) -> str:
+    """The shard's config.json; `checkpoint_every`: the job's --checkpoint-steps, whose multiples
+    it cuts ahead (ps/cuts.py)."""
+    return json.dumps({"tables": [s.to_json() for s in specs], "routing": routing.to_json(), "snapshot_every": snapshot_every,
+                       "checkpoint_every": checkpoint_every})
 
 
 def shard_settings(settings: PodSettings) -> PodSettings:
@@ -87,9 +97,11 @@ def shard_settings(settings: PodSettings) -> PodSettings:
                    **({"memory_request": memory[0], "memory_limit": memory[1]} if memory else {}))
 
 
-def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, image: str, shard: int, config: str) -> k8s.V1Pod:
+def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, image: str, shard: int, config: str,
+           restore: dict | None = None) -> k8s.V1Pod:
     """Shard `shard`'s pod: the workers' image, service account (no API rights, no token
-    mounted), security context and requests (no GPU), restarted in place when it fails."""
+    mounted), security context and requests (no GPU), restarted in place when it fails.
+    `restore`: a resumed job's cut for it to wait for before it serves (ps_cuts.py)."""
     env = [
         k8s.V1EnvVar(name=POD_IP_ENV, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP"))),
         k8s.V1EnvVar(name=CONFIG_ENV, value=config),
@@ -97,6 +109,7 @@ def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, ima
         k8s.V1EnvVar(name=WorkerEnv.TOKEN_FILE.value, value=f"{TOKEN_MOUNT}/{TOKEN_KEY}"),
         k8s.V1EnvVar(name="HOME", value="/tmp"),  # the root filesystem is read-only
         k8s.V1EnvVar(name="OMP_NUM_THREADS", value="1"),
+        *([k8s.V1EnvVar(name=RESTORE_ENV, value=json.dumps(restore))] if restore else []),
     ]
     command = ["python", "-m", "elastic_step.backends.kubernetes.ps_pods", "--shard", str(shard),
                "--host", f"$({POD_IP_ENV})", "--port", str(PS_PORT + shard)]
@@ -174,9 +187,11 @@ class PodSupervisor:
     rows, went with it)."""
 
     POLL_S = 0.5
+    CUT_TIMEOUT_S = 120.0
 
-    def __init__(self, launcher: PsPods, shards: PodShards, client: PsClient):
+    def __init__(self, launcher: PsPods, shards: PodShards, client: PsClient, store: CutStore | None = None):
         self.launcher, self.shards, self.client = launcher, shards, client
+        self.store = store  # where each checkpoint's cut goes (the run's artifacts); None: nowhere
         self.ports = [s.port for s in shards.shards]
         self.states = [PsShardState.SERVING for _ in shards.shards]
         self.relaunches = [0 for _ in shards.shards]
@@ -195,6 +210,22 @@ class PodSupervisor:
 
     def resized(self) -> None:  # scale --ps is refused before this (PodShards.resize)
         pass
+
+    def keep_cut(self, cut: dict) -> None:
+        """Before a checkpoint is recorded: every shard's cut of its step, copied from the pods
+        (their folders go with them) and queued for the checkpoint store ahead of the checkpoint
+        (ps_cuts.py). PsError or OSError when a shard's cannot be had: no checkpoint then."""
+        if self.store is None:
+            return
+        step = int(cut["step"])
+        folder = self.store.folder(step)
+        client = PsClient(self.client.token, lambda: None, timeout_s=self.CUT_TIMEOUT_S)
+        try:
+            for shard, digest in zip(self.shards.shards, cut["digests"], strict=True):
+                fetch_cut(client, shard.endpoint, step, folder, shard.shard, digest)
+        finally:
+            client.close()
+        self.store.keep(step, folder)
 
     def _watch(self) -> None:
         while not self.stopping.wait(self.POLL_S):
@@ -253,25 +284,54 @@ class PsPods:
         except (OSError, ValueError):
             return False
 
-    def start_shards(self, specs: list[TableSpec], count: int, token: str, resuming: bool,
-                     running: contextlib.ExitStack) -> PodSupervisor:
-        if resuming:
-            raise ConfigError("--mode ps on the Kubernetes backend cannot resume from a checkpoint yet: the shards' rows "
-                              "went with their pods; start the job over (a new --job-name, or without --resume)")
-        routing = RoutingTable.initial(count)
+    def start_shards(self, specs: list[TableSpec], count: int, token: str, resuming: bool, running: contextlib.ExitStack,
+                     cut: dict | None = None, checkpoints=None, checkpoint_every: int = 0) -> PodSupervisor:
+        """`cut`: a resumed checkpoint's cut of the shards, which the new pods start from (from
+        `checkpoints`, the run's checkpoint store, where each checkpoint's cut is kept too)."""
+        store = CutStore(checkpoints, self.backend.spec.job_dir) if checkpoints is not None else None
+        files = self._resumed_cuts(cut, store) if resuming else None
+        routing = RoutingTable.from_json(cut["routing"]) if files else RoutingTable.initial(count)
+        count = routing.shards
         running.callback(self._delete_pods)  # also when a start fails half-way
         self._create_policy(count)
-        config = shard_config(specs, routing)
+        config = shard_config(specs, routing, checkpoint_every=checkpoint_every)
         backend = self.backend
         for shard in range(count):
-            pod = ps_pod(backend.settings, self.names, backend.master, backend.image, shard, config)
+            restore = {"step": int(cut["step"]), "digest": cut["digests"][shard], "routing": cut["routing"]} if files else None
+            pod = ps_pod(backend.settings, self.names, backend.master, backend.image, shard, config, restore)
             self._create(f"parameter-server pod {pod.metadata.name}", self.api.create_namespaced_pod, pod)
             self.made.append(pod.metadata.name)
         client = PsClient(token, lambda: None, timeout_s=5.0)
         running.callback(client.close)
-        shards = PodShards(self._wait_ready(count, client), routing)
+        shards = PodShards(self._wait_ready(count, client, files), routing)
+        if files:
+            self._log_restored(client, shards, specs, int(cut["step"]))
         running.callback(self._freeze, specs, shards, token)  # before the pods go (last in, first out)
-        return PodSupervisor(self, shards, client).start()
+        return PodSupervisor(self, shards, client, store).start()
+
+    def _resumed_cuts(self, cut: dict | None, store: CutStore | None) -> list[dict[str, str]]:
+        """Each shard's cut of the resumed checkpoint, from the checkpoint store, checked by its
+        digest; ConfigError (one line) when the checkpoint has none or the store lacks one."""
+        if cut is None or store is None:
+            raise ConfigError("--mode ps on the Kubernetes backend: the checkpoint to resume from holds no cut of the "
+                              "parameter-server shards (taken before cuts were kept), and their rows went with their pods; "
+                              "start the job over (a new --job-name, or without --resume)")
+        files = []
+        for index, digest in enumerate(cut["digests"]):
+            try:
+                files.append(store.download(int(cut["step"]), index, digest))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"train --resume: the checkpoint of step {cut['step']} needs parameter-server shard {index}'s "
+                                  f"cut, but {exc}; resume from another checkpoint of the run, or start over without --resume") from None
+        return files
+
+    def _log_restored(self, client: PsClient, shards: PodShards, specs: list[TableSpec], step: int) -> None:
+        """What each shard holds as it starts from its cut: each table's hash (the digest request)."""
+        for shard in shards.shards:
+            for spec in specs:
+                digest = client.call(shard.endpoint, {"op": "digest", "table": spec.name})[0].get("digest")
+                log.info("parameter-server shard %d starts from its cut of step %d: table %s digest %s", shard.shard, step,
+                         spec.name, digest)
 
     def _create(self, what: str, create, body) -> None:
         """Create `body` with the API call `create`; a refusal ends the job in one line naming it."""
@@ -288,9 +348,10 @@ class PsPods:
                      policy)
         backend.network_policies.append(policy.metadata.name)  # deleted with the job's others
 
-    def _wait_ready(self, count: int, client: PsClient) -> list[PodShard]:
-        """Each shard once its pod has an IP and the shard answers there."""
-        deadline, ready = time.monotonic() + self.READY_TIMEOUT_S, {}
+    def _wait_ready(self, count: int, client: PsClient, files: list[dict[str, str]] | None = None) -> list[PodShard]:
+        """Each shard once its pod has an IP and the shard answers there; a resumed one is sent
+        its cut first (`files`, by shard), which it loads before it answers."""
+        deadline, ready, sent = time.monotonic() + self.READY_TIMEOUT_S, {}, set()
         while len(ready) < count:
             for pod in self.list_pods():
                 shard = int(pod.metadata.labels.get(SHARD_LABEL, -1))
@@ -300,7 +361,9 @@ class PsPods:
                                       f"see: kubectl logs -n {self.namespace} {pod.metadata.name}")
                 if shard in range(count) and shard not in ready and pod.status and pod.status.pod_ip:
                     candidate = PodShard(shard, pod.status.pod_ip, PS_PORT + shard)
-                    if self.answers(client, candidate.endpoint):
+                    if files and shard not in sent:
+                        sent.update([shard] if self._send_cut(client, candidate, files[shard]) else [])
+                    elif self.answers(client, candidate.endpoint):
                         ready[shard] = candidate
             if time.monotonic() > deadline:
                 missing = sorted(set(range(count)) - set(ready))
@@ -309,6 +372,19 @@ class PsPods:
             time.sleep(0.2)
         log.info("parameter-server pods serving: %s", ", ".join(ready[i].endpoint for i in range(count)))
         return [ready[i] for i in range(count)]
+
+    def _send_cut(self, client: PsClient, shard: PodShard, files: dict[str, str]) -> bool:
+        """Shard `shard`'s cut to its pod; False while the pod does not listen yet; ConfigError
+        (one line) when the pod refuses it (its digest differs)."""
+        try:
+            send_cut(client, shard.endpoint, files)
+        except OSError:
+            return False
+        except PsError as exc:
+            raise ConfigError(f"train --resume: parameter-server shard {shard.shard} refused its cut: {exc}; resume from another "
+                              "checkpoint of the run, or start over without --resume") from None
+        log.info("parameter-server shard %d: its cut sent to %s", shard.shard, shard.endpoint)
+        return True
 
     def _freeze(self, specs: list[TableSpec], shards: PodShards, token: str) -> None:
         """Every shard's rows (`export` of the virtual shards it owns), as this process's models'
@@ -351,8 +427,9 @@ class PsPods:
 
 def main(argv: list[str] | None = None) -> int:
     """A shard pod's command: its config.json written from the env (again after each restart:
-    the same text), then the shard itself with the folder and token file the env names, which
-    recovers from the folder's snapshot and ledger before it listens."""
+    the same text); in a resumed job's pod, its cut received from the master first (once: a
+    restarted container finds it in place); then the shard itself with the folder and token file
+    the env names, which recovers from the folder's snapshot and ledger before it listens."""
     from elastic_step.ps import shard
     from elastic_step.ps.shard import CONFIG_FILE
 
@@ -361,14 +438,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastic_step.backends.kubernetes.ps_pods: {', '.join(missing)} not set; this runs in a shard pod the master makes",
               file=sys.stderr)
         return 2
-    directory = os.environ[DIR_ENV]
+    directory, token_file = os.environ[DIR_ENV], os.environ[WorkerEnv.TOKEN_FILE.value]
     os.makedirs(directory, exist_ok=True)
     partial = os.path.join(directory, CONFIG_FILE + ".partial")
     with open(partial, "w", encoding="utf-8") as f:
         f.write(os.environ[CONFIG_ENV])
     os.replace(partial, os.path.join(directory, CONFIG_FILE))
     argv = list(sys.argv[1:] if argv is None else argv)
-    return shard.main([*argv, "--dir", directory, "--token-file", os.environ[WorkerEnv.TOKEN_FILE.value]])
+    if os.environ.get(RESTORE_ENV) and not restored(directory):
+        address = argparse.ArgumentParser(add_help=False)
+        address.add_argument("--host", required=True)
+        address.add_argument("--port", type=int, required=True)
+        where = address.parse_known_args(argv)[0]
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        log.info("waiting for this shard's checkpoint cut from the master at %s:%d", where.host, where.port)
+        receive_cut(directory, where.host, where.port, token, json.loads(os.environ[RESTORE_ENV]))
+    return shard.main([*argv, "--dir", directory, "--token-file", token_file])
 
 
 if __name__ == "__main__":
