@@ -4,12 +4,10 @@ its table on the shards as the PyTorch module does, sharing its pull, dedup and 
 
 Unit level: in a traced (tf.function) step, as the Keras trainer runs it, the layer pulls each
 distinct id once and notes the gradient merged per id that a plain gather of the same rows gets;
-its one weight, the gradient sink, gets 0; once frozen it looks ids up in the trained table; and
-the Keras DeepFM declares the very table the PyTorch one does.
+its one weight, the gradient sink, gets 0; once frozen it looks ids up in the trained table.
 
-End to end: the Keras DeepFM on two workers and two shards. Each embedding row's update counter
-on the shards equals the count computed from the data with the PyTorch model definition's feed:
-both front ends give the same ids, and every minibatch updated each of its distinct ids once.
+End to end (components/train_elastic/test_train_elastic_ps.py): the Keras DeepFM on two workers
+and two shards, each embedding row updated once per minibatch, with the PyTorch DeepFM's ids.
 """
 
 from __future__ import annotations
@@ -18,12 +16,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import cli
 
-from elastic_step.ps.embedding import freeze_tables, ps_tables
+from elastic_step.ps.embedding import freeze_tables
 from elastic_step.ps.keras_embedding import PsEmbedding
-
-DEEPFM_PS_KERAS = "elastic_step.model_zoo.deepfm_ps_keras"
 
 
 def one_table_model(table: PsEmbedding, fields: int = 3) -> keras.Model:
@@ -66,36 +61,3 @@ def test_a_frozen_table_serves_its_rows_and_zeros_for_ids_it_never_trained():
         model(np.array([[1, 2]]), training=True)  # neither pulled from shards nor frozen: no training
     freeze_tables({"keras_frozen_t": (np.array([10, 2, 7]), np.array([[1, 1], [2, 2], [3, 3]], np.float32))})
     np.testing.assert_allclose(model.predict(np.array([[7, 2], [10, 5]]), verbose=0), [[[3, 3], [2, 2]], [[1, 1], [0, 0]]])
-
-
-def test_the_keras_deepfm_declares_the_pytorch_deepfms_table():
-    from elastic_step.frameworks.model_def import load_model_definition
-
-    keras_tables = ps_tables(load_model_definition(DEEPFM_PS_KERAS).model())
-    torch_tables = ps_tables(load_model_definition("elastic_step.model_zoo.deepfm_ps_torch").model())
-    assert [t.ps_table.spec for t in keras_tables] == [t.ps_table.spec for t in torch_tables]
-
-
-ROWS_PER_SHARD, MINIBATCH = 600, 128
-
-
-@pytest.fixture(scope="module")
-def clicks(tmp_path_factory) -> str:
-    data = tmp_path_factory.mktemp("ctr") / "data"
-    done = cli("prepare-data", "--source", "synthetic:criteo?rows=3000&seed=7", "--out", str(data),
-               "--categorical", "auto", "--rows-per-shard", str(ROWS_PER_SHARD))
-    assert done.returncode == 0, done.stderr
-    return str(data)
-
-
-def test_a_keras_deepfm_trains_its_table_on_the_shards_each_row_once_per_minibatch(clicks, start_job):
-    from test_ps_mode import counters_from_the_data, counters_on_the_shards
-
-    job = start_job("--model-def", DEEPFM_PS_KERAS, "--data", clicks, "--mode", "ps", "--ps-shards", "2",
-                    "--workers", "2", "--epochs", "1", "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2")
-    assert job.finish(timeout=600) == 0, job.output()
-    expected = counters_from_the_data(clicks, 1, MINIBATCH)  # ids from the PyTorch model definition's feed
-    got = counters_on_the_shards(job.job_dir)
-    wrong = {i: (got[i], expected[i]) for i in set(got) | set(expected) if got[i] != expected[i]}
-    assert not wrong, f"{len(wrong)} rows updated other than once per minibatch, e.g. {list(wrong.items())[:5]}"
-    assert job.result()["test_metrics"]["auc"] > 0.5

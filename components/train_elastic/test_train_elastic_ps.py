@@ -1,18 +1,46 @@
 """train_elastic with `mode=ps`: the step's pod runs the local backend, so the embedding tables of a
 `PsEmbedding` model live on `ps_shards` shard processes beside its workers, and the model it
-outputs holds the tables as the shards last acknowledged them."""
+outputs holds the tables as the shards last acknowledged them.
+
+The model is the Keras DeepFM (ps/keras_embedding.py) on two workers and two shards: each
+embedding row's update counter on the shards equals the count computed from the data with the
+PyTorch DeepFM's feed, so both front ends give the same ids and every minibatch updated each of
+its distinct ids exactly once. (The PyTorch DeepFM's job, with kills and a scale of the shards,
+is tests/test_ps_mode.py's.)"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
+import numpy as np
 from kfp.dsl import HTML, Dataset, Markdown, Metrics, Model
 from mlflow.tracking import MlflowClient
 
 from elastic_step.ps import snapshot
 
-DEEPFM_PS = "elastic_step.model_zoo.deepfm_ps_torch"
+DEEPFM_PS_KERAS = "elastic_step.model_zoo.deepfm_ps_keras"
+MINIBATCH = 128
+
+
+def counters_from_the_data(data: str) -> Counter:
+    """Each id's update count in one epoch: every minibatch (rows [k*B, (k+1)*B) of a data shard)
+    updates each of its distinct ids once, whoever trains it. The ids are the PyTorch DeepFM's."""
+    from elastic_step.data.manifest import load_manifest
+    from elastic_step.data.reader import ShardReader
+    from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
+
+    manifest = load_manifest(data)
+    model_def, reader = load_model_definition("elastic_step.model_zoo.deepfm_ps_torch"), ShardReader(manifest)
+    fields = len(model_def.module.SPARSE.columns)
+    counts = Counter()
+    for index, shard in enumerate(manifest.splits["train"]):
+        features, _ = batch_arrays(model_def, reader.read("train", index, 0, shard.rows), manifest.features, manifest.label)
+        ids = features[:, :fields].astype(np.int64)
+        for start in range(0, shard.rows, MINIBATCH):
+            counts.update(np.unique(ids[start:start + MINIBATCH]).tolist())
+    return counts
 
 
 def test_train_elastic_in_ps_mode_keeps_the_tables_on_shards_and_outputs_them_in_the_model(tmp_path, mlflow_uri):
@@ -24,17 +52,21 @@ def test_train_elastic_in_ps_mode_keeps_the_tables_on_shards_and_outputs_them_in
     model, metrics = Model(uri=str(tmp_path / "model")), Metrics(uri=str(tmp_path / "metrics"))
     job_dir, report = tmp_path / "job", HTML(uri=str(tmp_path / "report.html"))
     train_elastic.python_func(dataset=data, model=model, metrics=metrics, report=report,
-                              model_def=DEEPFM_PS, mode="ps", ps_shards=2, workers="1", epochs=1, minibatch_size=128,
-                              checkpoint_steps=0, mlflow_uri=mlflow_uri, job_dir=str(job_dir))
+                              model_def=DEEPFM_PS_KERAS, mode="ps", ps_shards=2, workers="2", epochs=1,
+                              minibatch_size=MINIBATCH, checkpoint_steps=0, mlflow_uri=mlflow_uri, job_dir=str(job_dir))
 
     run = MlflowClient(mlflow_uri).get_run(model.metadata["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert (run.data.params["mode"], run.data.params["ps_shards"]) == ("ps", "2")
     # each shard held part of the table, and the run recorded what each held
-    held = {}
+    counters = Counter()
     for i in range(2):
         tables, _ = snapshot.load(str(job_dir / "ps" / f"shard-{i}" / "snapshot.bin"), ["deepfm_ids"])
-        held[i] = len(tables["deepfm_ids"]["ids"])
-        assert held[i] > 0 and run.data.metrics[f"ps.shard{i}.rows"] == held[i]
-    assert json.load(open(os.path.join(model.path, "model.json")))["framework"] == "pytorch"
+        held = tables["deepfm_ids"]
+        assert len(held["ids"]) > 0 and run.data.metrics[f"ps.shard{i}.rows"] == len(held["ids"])
+        counters.update({i: u for i, u in zip(held["ids"].tolist(), held["updates"].tolist()) if u})
+    expected = counters_from_the_data(data.path)
+    wrong = {i: (counters[i], expected[i]) for i in set(counters) | set(expected) if counters[i] != expected[i]}
+    assert not wrong, f"{len(wrong)} rows updated other than once per minibatch, e.g. {list(wrong.items())[:5]}"
+    assert json.load(open(os.path.join(model.path, "model.json")))["framework"] == "tensorflow"
     assert model.metadata["model_uri"].startswith("models:/") and dict(metrics.metadata)
