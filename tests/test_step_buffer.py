@@ -79,14 +79,19 @@ def test_every_training_mode_has_a_step_class(mode):
 def test_rank_0_hands_its_steps_to_the_reporter_in_batches_in_order_and_at_once_when_asked():
     pushed, clock = [], [0.0]
     handover = StepHandOver(lambda round_id, record: pushed.append((round_id, record)), every_s=0.2, clock=lambda: clock[0])
-    for step in (1, 2, 3):
+    for step in (1, 2):  # a round's first two steps go at once: the master sees the recovery, and the first is final
+        handover.add(4, step)
+        assert pushed[-1] == (4, step) and handover.held == 0
+    for step in (3, 4, 5):
         clock[0] += 0.05
         handover.add(4, step)
-    assert pushed == [] and handover.held == 3  # not yet due: no wake-up of the reporter per step
+    assert pushed[2:] == [] and handover.held == 3  # not yet due: no wake-up of the reporter per step
     clock[0] += 0.1
-    handover.add(4, 4)  # 0.25 s since the last hand-over: all four go, in order
-    assert pushed == [(4, 1), (4, 2), (4, 3), (4, 4)] and handover.held == 0
-    handover.add(4, 5, now=True)  # a checkpoint's step goes at once, with whatever was held
-    handover.add(5, 6)
+    handover.add(4, 6)  # 0.25 s since the last hand-over: all four go, in order
+    assert pushed[2:] == [(4, 3), (4, 4), (4, 5), (4, 6)] and handover.held == 0
+    handover.add(4, 7, now=True)  # a checkpoint's step goes at once, with whatever was held
+    handover.add(4, 8)
     handover.hand_over()  # a step with no rows, a flush or the round's end
-    assert pushed[4:] == [(4, 5), (5, 6)] and handover.held == 0
+    assert pushed[6:] == [(4, 7), (4, 8)] and handover.held == 0
+    handover.add(5, 9)  # the next round's first step: at once again
+    assert pushed[8:] == [(5, 9)]
