@@ -81,12 +81,13 @@ def test_a_shard_pod_runs_as_a_worker_with_its_folder_kept_across_restarts():
 def test_the_shards_admit_the_jobs_workers_and_master_on_their_ports_only():
     names = JobNames.for_job("ctr", suffix="abc123")
     master_labels = {"app.kubernetes.io/name": "train-step", "workflows.argoproj.io/completed": "false"}
-    policy = to_dict(ps_network_policy(names, None, "ml", master_labels, 2))
+    policy = to_dict(ps_network_policy(names, None, "ml", master_labels))
     assert policy["metadata"]["name"] == "ctr-abc123-ps"
     assert policy["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/instance": "ctr-abc123", "app.kubernetes.io/component": "ps"}}
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     (rule,) = policy["spec"]["ingress"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": PS_PORT}, {"protocol": "TCP", "port": PS_PORT + 1}]
+    # The ports of as many shards as there are virtual shards (the most a scale --ps may run): no policy change at a scale.
+    assert rule["ports"] == [{"protocol": "TCP", "port": PS_PORT, "endPort": PS_PORT + 127}]
     assert [peer["podSelector"]["matchLabels"] for peer in rule["from"]] == [
         {"app.kubernetes.io/instance": "ctr-abc123", "app.kubernetes.io/component": "worker"},
         {"app.kubernetes.io/name": "train-step"}]  # the master by its stable labels
@@ -320,6 +321,22 @@ def committed_checkpoint(folder) -> int:
     return max((int(v) for (v,) in rows), default=0)
 
 
+def scale_ps(master, shards: int) -> dict:
+    """`scale --ps` through the master's API (what the CLI sends): what moved."""
+    import httpx
+
+    from elastic_step.protocol import API
+
+    with open(master.path(f"{JOB_DIR}/master.json")) as f:
+        info = json.load(f)
+    with open(master.path(info["token_file"])) as f:
+        token = f.read().strip()
+    reply = httpx.post(master.reach(info["url"]) + API + "/scale-ps", json={"shards": shards},
+                       headers={"Authorization": f"Bearer {token}"}, timeout=240)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["ps_scale"]
+
+
 def cut_digest(folder, step: int, shard: int, shards: int) -> str:
     """The table hash of a shard's cut of `step` as the run's artifacts hold it: its snapshot
     loaded and its ledger replayed, as a shard does, in a folder of this test's."""
@@ -346,7 +363,8 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
     """First the master: once the run has committed a checkpoint its container is SIGKILLed, its
     pod deleted (its worker and shard pods go with it), and a new master pod runs the same
     command with --resume: its new shard pods each start from exactly their cut of the checkpoint
-    (the table hash of the cut the run's artifacts hold). Then a shard pod of the resumed job."""
+    (the table hash of the cut the run's artifacts hold). Then `scale --ps 3` adds a shard pod,
+    and one shard pod of the resumed job is SIGKILLed."""
     tracking = tmp_path / "mlflow"
     with S3Server() as s3, pod_network_cluster(tmp_path, images={TEST_IMAGE: venv_image(TEST_IMAGE)}) as cluster:
         print(f"kubelet runtime: {cluster.kubelet.mode}")
@@ -381,10 +399,13 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
             restored = re.findall(r"shard (\d) starts from its cut of step (\d+): table deepfm_ids digest (\w+)", f.read())
         assert sorted(restored) == [(str(i), str(step), cut_digest(tracking, step, i, 2)) for i in range(2)], restored
 
-        endpoints = [s["address"] for s in status["ps_shards"]]
+        # scale --ps 3: a third shard pod, and only the virtual shards that change owner move.
+        moved = scale_ps(master, 3)
+        assert 0 < moved["rows_moved"] <= (1 / 3 + 0.05) * moved["rows_total"], moved
+        endpoints = [s["address"] for s in master.status()["ps_shards"]]
         shard_pods = sorted(p["metadata"]["name"] for p in cluster.pods()
                             if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "ps")
-        assert len(shard_pods) == 2 and shard_pods[0].endswith("-ps-0"), shard_pods
+        assert len(endpoints) == len(shard_pods) == 3 and shard_pods[0].endswith("-ps-0"), shard_pods
         cluster.kubelet.kill(ns, shard_pods[0])  # docker kill: the shard's container dies with SIGKILL
         # A pod of the namespace without the job's labels: the shards' policy drops its connections.
         seen = json.loads(in_pod_network(cluster, "stranger", PROBE, *endpoints).strip().splitlines()[-1])

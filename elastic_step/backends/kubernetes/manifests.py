@@ -373,7 +373,7 @@ def dry_run_manifests(config, settings: PodSettings, master: MasterPod | None, i
     if config.mode == "ps":  # the shards' pods and policy (ps_pods.py); their tables are the model's, read at the start
         from elastic_step.backends.kubernetes.ps_pods import ps_network_policy, ps_pod
 
-        objects.append(ps_network_policy(names, master, settings.namespace, None, config.ps_shards))
+        objects.append(ps_network_policy(names, master, settings.namespace, None))
         objects += [ps_pod(settings, names, master, image, shard, "<the model's tables and routing, when the job starts>")
                     for shard in range(config.ps_shards)]
     for slot in range(config.max_workers + config.spares):

@@ -28,7 +28,9 @@ pods into the run's artifacts beside the checkpoint, ahead of its commit; a resu
 shard pods each load exactly their cut of the checkpoint's step from there (through the master,
 checked by its digest) before they serve.
 
-Not yet: `scale --ps` (refused, 409)."""
+`scale --ps N` (PodShards.resize) makes the added shards' pods, moves only the virtual shards
+that change owner (ps/moves.py, as the local backend does) and deletes the pods of the removed
+ones; the shards' NetworkPolicy admits the range of ports any count may use, so it stays as it is."""
 
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ from elastic_step.protocol import PsShardState, WorkerEnv
 from elastic_step.ps import wire
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
-from elastic_step.ps.routing import RoutingTable
+from elastic_step.ps.moves import MoveReport, move
+from elastic_step.ps.routing import DEFAULT_VIRTUAL_SHARDS, RoutingTable
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
@@ -129,11 +132,13 @@ def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, ima
 
 
 def ps_network_policy(names: JobNames, master: MasterPod | None, namespace: str, master_labels: dict[str, str] | None,
-                      shards: int) -> k8s.V1NetworkPolicy:
+                      shards: int = DEFAULT_VIRTUAL_SHARDS) -> k8s.V1NetworkPolicy:
     """The shards admit the job's workers and its master pod (stats, validation pulls, the last
-    rows), on the shards' ports only. The master is left out when its pod has no labels to select
-    it by (the user's --no-master-network-policy): an empty selector would admit every pod."""
-    ports = [k8s.V1NetworkPolicyPort(protocol="TCP", port=PS_PORT + i) for i in range(shards)]
+    rows), on the shards' ports only: the range of as many as `shards` (the virtual shards, the
+    most a scale --ps may run), so that a scale needs no change of the policy. The master is left
+    out when its pod has no labels to select it by (the user's --no-master-network-policy): an
+    empty selector would admit every pod."""
+    ports = [k8s.V1NetworkPolicyPort(protocol="TCP", port=PS_PORT, end_port=PS_PORT + shards - 1)]
     peers = [k8s.V1NetworkPolicyPeer(pod_selector=k8s.V1LabelSelector(match_labels=names.worker_labels))]
     selector = master_selector(master_labels)
     if selector:
@@ -161,15 +166,30 @@ class PodShard:
 class PodShards:
     """The shards' addresses under one routing table (what LocalShards is for processes)."""
 
-    def __init__(self, shards: list[PodShard], routing: RoutingTable):
-        self.shards, self.routing = shards, routing
+    def __init__(self, shards: list[PodShard], routing: RoutingTable, launcher: PsPods | None = None):
+        self.shards, self.routing, self.launcher = shards, routing, launcher
 
     def routes(self) -> RoutingTable:
         return RoutingTable(self.routing.epoch, self.routing.owners, [s.endpoint for s in self.shards])
 
-    def resize(self, shards: int, call) -> None:
-        raise ValueError("scale --ps: the Kubernetes backend does not move shards between pods yet; run the job with the "
-                         "--ps-shards it needs")
+    def resize(self, shards: int, call) -> MoveReport:
+        """`scale --ps`: run `shards` shard pods from now on, moving only the virtual shards that
+        change owner (ps/moves.py) while the workers go on, as LocalShards.resize does with
+        processes. Added pods start empty under the current routing; removed ones (the highest
+        indices) leave the list once they gave everything away, then their pods are deleted.
+        `call(endpoint, header, *arrays)` asks one shard."""
+        added = self.launcher.add_shards(range(len(self.shards), shards), self.routing)
+        everyone = self.shards + added
+        resized = self.routing.resized(shards, [s.endpoint for s in everyone[:shards]])
+        try:
+            report = move(lambda i, *request: call(everyone[i].endpoint, *request), self.routing, resized)
+        except BaseException:
+            self.shards = everyone  # deleted with the others at the end (a resume from a cut needs no move)
+            raise
+        self.routing = resized
+        self.shards = everyone[:shards]
+        self.launcher.delete_shards([s.shard for s in everyone[shards:]])
+        return report
 
 
 def _container_restarts(pod: k8s.V1Pod) -> tuple[int, bool]:
@@ -208,8 +228,14 @@ class PodSupervisor:
         self.stopping.set()
         self.thread.join()
 
-    def resized(self) -> None:  # scale --ps is refused before this (PodShards.resize)
-        pass
+    def resized(self) -> None:
+        """Follow the shards' list after a scale --ps: the added ones serve, the removed ones gone."""
+        count = len(self.shards.shards)
+        self.ports = [s.port for s in self.shards.shards]
+        self.states = (self.states + [PsShardState.SERVING] * count)[:count]
+        self.relaunches = (self.relaunches + [0] * count)[:count]
+        self.seen_restarts = (self.seen_restarts + [0] * count)[:count]
+        self.since = (self.since + [0.0] * count)[:count]
 
     def keep_cut(self, cut: dict) -> None:
         """Before a checkpoint is recorded: every shard's cut of its step, copied from the pods
@@ -234,7 +260,7 @@ class PodSupervisor:
             except Exception as exc:  # an API error or timeout: look again at the next poll
                 log.debug("listing the shard pods failed: %s", exc)
                 continue
-            for shard in self.shards.shards:
+            for shard in self.shards.shards[: len(self.states)]:  # a scale --ps may be growing the list
                 if self.states[shard.shard] is not PsShardState.DOWN and not self.stopping.is_set():
                     self._judge(shard, pods.get(ps_pod_name(self.launcher.names, shard.shard)))
 
@@ -272,6 +298,9 @@ class PsPods:
         self.api, self.namespace, self.timeout_s = backend.api, backend.settings.namespace, backend.timeout_s
         self.names: JobNames = backend.names
         self.made: list[str] = []
+        self.specs: list[TableSpec] = []
+        self.checkpoint_every = 0
+        self.client: PsClient | None = None
 
     def list_pods(self) -> list[k8s.V1Pod]:
         return self.api.list_namespaced_pod(self.namespace, label_selector=ps_selector(self.names),
@@ -293,21 +322,45 @@ class PsPods:
         routing = RoutingTable.from_json(cut["routing"]) if files else RoutingTable.initial(count)
         count = routing.shards
         running.callback(self._delete_pods)  # also when a start fails half-way
-        self._create_policy(count)
-        config = shard_config(specs, routing, checkpoint_every=checkpoint_every)
-        backend = self.backend
+        self._create_policy()
+        self.specs, self.checkpoint_every = specs, checkpoint_every
         for shard in range(count):
             restore = {"step": int(cut["step"]), "digest": cut["digests"][shard], "routing": cut["routing"]} if files else None
-            pod = ps_pod(backend.settings, self.names, backend.master, backend.image, shard, config, restore)
-            self._create(f"parameter-server pod {pod.metadata.name}", self.api.create_namespaced_pod, pod)
-            self.made.append(pod.metadata.name)
-        client = PsClient(token, lambda: None, timeout_s=5.0)
+            self._create_pod(shard, routing, restore)
+        self.client = client = PsClient(token, lambda: None, timeout_s=5.0)
         running.callback(client.close)
-        shards = PodShards(self._wait_ready(count, client, files), routing)
+        shards = PodShards(self._wait_ready(range(count), client, files), routing, self)
         if files:
             self._log_restored(client, shards, specs, int(cut["step"]))
         running.callback(self._freeze, specs, shards, token)  # before the pods go (last in, first out)
         return PodSupervisor(self, shards, client, store).start()
+
+    def _create_pod(self, shard: int, routing: RoutingTable, restore: dict | None = None) -> None:
+        backend = self.backend
+        config = shard_config(self.specs, routing, checkpoint_every=self.checkpoint_every)
+        pod = ps_pod(backend.settings, self.names, backend.master, backend.image, shard, config, restore)
+        self._create(f"parameter-server pod {pod.metadata.name}", self.api.create_namespaced_pod, pod)
+        self.made.append(pod.metadata.name)
+
+    def add_shards(self, indices: range, routing: RoutingTable) -> list[PodShard]:
+        """New shard pods (a scale --ps), empty under `routing`, once they serve. ValueError (the
+        API's 409) when one cannot be made or does not serve."""
+        client = PsClient(self.client.token, lambda: None, timeout_s=5.0)  # the watcher uses the other one
+        try:
+            for shard in indices:
+                self._create_pod(shard, routing)
+            return self._wait_ready(indices, client)
+        except ConfigError as exc:
+            self.delete_shards(list(indices))
+            raise ValueError(f"scale --ps: {exc}") from None
+        finally:
+            client.close()
+
+    def delete_shards(self, indices: list[int]) -> None:
+        """SIGTERM these shards (a last snapshot, exit 0) by deleting their pods."""
+        names = {ps_pod_name(self.names, i) for i in indices}
+        self._delete([name for name in self.made if name in names])
+        self.made = [name for name in self.made if name not in names]
 
     def _resumed_cuts(self, cut: dict | None, store: CutStore | None) -> list[dict[str, str]]:
         """Each shard's cut of the resumed checkpoint, from the checkpoint store, checked by its
@@ -341,37 +394,37 @@ class PsPods:
             raise ConfigError(f"cannot create {what} in namespace {self.namespace}: {exc.status} {exc.reason}; "
                               "the master's service account needs the Role and admission policy in deploy/rbac") from None
 
-    def _create_policy(self, count: int) -> None:
+    def _create_policy(self) -> None:
         backend = self.backend
-        policy = ps_network_policy(self.names, backend.master, self.namespace, backend.master_labels, count)
+        policy = ps_network_policy(self.names, backend.master, self.namespace, backend.master_labels)
         self._create(f"the shards' NetworkPolicy {policy.metadata.name}", backend.networking.create_namespaced_network_policy,
                      policy)
         backend.network_policies.append(policy.metadata.name)  # deleted with the job's others
 
-    def _wait_ready(self, count: int, client: PsClient, files: list[dict[str, str]] | None = None) -> list[PodShard]:
-        """Each shard once its pod has an IP and the shard answers there; a resumed one is sent
-        its cut first (`files`, by shard), which it loads before it answers."""
+    def _wait_ready(self, indices: range, client: PsClient, files: list[dict[str, str]] | None = None) -> list[PodShard]:
+        """Each of these shards once its pod has an IP and the shard answers there; a resumed one
+        is sent its cut first (`files`, by shard), which it loads before it answers."""
         deadline, ready, sent = time.monotonic() + self.READY_TIMEOUT_S, {}, set()
-        while len(ready) < count:
+        while len(ready) < len(indices):
             for pod in self.list_pods():
                 shard = int(pod.metadata.labels.get(SHARD_LABEL, -1))
                 phase = pod.status.phase if pod.status else None
                 if phase in ("Failed", "Succeeded"):
                     raise ConfigError(f"parameter-server pod {pod.metadata.name} ended ({phase}) before it served; "
                                       f"see: kubectl logs -n {self.namespace} {pod.metadata.name}")
-                if shard in range(count) and shard not in ready and pod.status and pod.status.pod_ip:
+                if shard in indices and shard not in ready and pod.status and pod.status.pod_ip:
                     candidate = PodShard(shard, pod.status.pod_ip, PS_PORT + shard)
                     if files and shard not in sent:
                         sent.update([shard] if self._send_cut(client, candidate, files[shard]) else [])
                     elif self.answers(client, candidate.endpoint):
                         ready[shard] = candidate
             if time.monotonic() > deadline:
-                missing = sorted(set(range(count)) - set(ready))
+                missing = sorted(set(indices) - set(ready))
                 raise ConfigError(f"parameter-server shards {missing} did not serve within {self.READY_TIMEOUT_S:.0f} s; "
                                   f"see: kubectl describe pods -n {self.namespace} -l {ps_selector(self.names)}")
             time.sleep(0.2)
-        log.info("parameter-server pods serving: %s", ", ".join(ready[i].endpoint for i in range(count)))
-        return [ready[i] for i in range(count)]
+        log.info("parameter-server pods serving: %s", ", ".join(ready[i].endpoint for i in indices))
+        return [ready[i] for i in indices]
 
     def _send_cut(self, client: PsClient, shard: PodShard, files: dict[str, str]) -> bool:
         """Shard `shard`'s cut to its pod; False while the pod does not listen yet; ConfigError
@@ -416,13 +469,16 @@ class PsPods:
 
     def _delete_pods(self) -> None:
         """SIGTERM each shard (a last snapshot, exit 0) by deleting its pod."""
-        for name in self.made:
+        self._delete(self.made)
+        self.made = []
+
+    def _delete(self, names: list[str]) -> None:
+        for name in names:
             try:
                 self.api.delete_namespaced_pod(name, self.namespace, _request_timeout=self.timeout_s)
             except Exception as exc:
                 if getattr(exc, "status", None) != 404:
                     log.warning("deleting parameter-server pod %s failed: %s", name, exc)
-        self.made = []
 
 
 def main(argv: list[str] | None = None) -> int:
