@@ -168,12 +168,14 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
     """ps_cuts.py in process: a shard serving its cut of step 2 (ps/shard.py's `cut_file`), the
     master copying it (fetch_cut, checked by the digest) and sending it to a new pod waiting
     for it (receive_cut); that folder's shard then holds step 2's table, not the later one. A
-    cut whose bytes are not the recorded digest's is refused and leaves the folder empty."""
+    cut whose bytes are not the recorded digest's is refused on both sides (the pod's wait ends
+    saying so) and leaves the folder empty."""
     import threading
 
     from elastic_step.backends.kubernetes.ps_cuts import fetch_cut, receive_cut, restored, send_cut
     from elastic_step.ps.api import PsError
     from elastic_step.ps.client import PsClient
+    from elastic_step.ps.cuts import CutMissing
     from elastic_step.ps.shard import ShardServer
     from test_ps_cuts import push, shard
 
@@ -196,28 +198,44 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
         server.server_close()
     files = {part: str(tmp_path / "copied" / f"shard-0.{part}") for part in ("bin", "ledger")}
 
-    def pod(folder, digest):  # a resumed shard pod's first phase, at a port of its own
+    def pod(folder, digest) -> tuple[str, str]:
+        """A resumed shard pod's first phase at a port of its own, sent the cut: (what the master
+        was answered, how the pod's wait ended)."""
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        waiting = threading.Thread(target=receive_cut, args=(str(folder), "127.0.0.1", port, "t0k",
-                                                              {"step": 2, "digest": digest, "routing": cut["routing"]}), daemon=True)
-        waiting.start()
+        ended = []
+
+        def waiting():
+            try:
+                receive_cut(str(folder), "127.0.0.1", port, "t0k", {"step": 2, "digest": digest, "routing": cut["routing"]})
+                ended.append("restored")
+            except CutMissing as exc:
+                ended.append(str(exc))
+
+        thread = threading.Thread(target=waiting, daemon=True)
+        thread.start()
         deadline = time.monotonic() + 30
         while True:
             try:
                 send_cut(client, f"127.0.0.1:{port}", files)
-                return waiting
+                answered = "ok"
+                break
+            except PsError as exc:
+                answered = str(exc)
+                break
             except OSError:  # not listening yet
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
+        thread.join(10)
+        return answered, ended[0]
 
     (tmp_path / "forged").mkdir()
-    with pytest.raises(PsError, match="SHA-256"):
-        pod(tmp_path / "forged", "0" * 64)
+    answered, ended = pod(tmp_path / "forged", "0" * 64)
+    assert "SHA-256" in answered and "SHA-256" in ended
     assert not restored(str(tmp_path / "forged")) and not (tmp_path / "forged" / "snapshot.bin").exists()
     (tmp_path / "new").mkdir()
-    pod(tmp_path / "new", cut["digest"]).join(10)
+    assert pod(tmp_path / "new", cut["digest"]) == ("ok", "restored")
     assert restored(str(tmp_path / "new"))
     assert shard(tmp_path / "new").tables["emb"].digest() == at_checkpoint
     client.close()

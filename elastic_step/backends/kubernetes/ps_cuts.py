@@ -176,18 +176,25 @@ def restored(directory: str) -> bool:
 
 def receive_cut(directory: str, host: str, port: int, token: str, restore: dict) -> None:
     """Listen at the shard's address until the master has sent this shard's cut of
-    restore["step"] and it hashes to restore["digest"]; then the folder starts from it."""
-    done = threading.Event()
+    restore["step"] and it hashes to restore["digest"]; then the folder starts from it.
+    cuts.CutMissing (one line) when what it sent does not: nothing of it is kept."""
+    done, refused = threading.Event(), []
 
     class Handler(socketserver.BaseRequestHandler):
         def handle(self) -> None:
-            if _restore_connection(self.request, directory, token.encode(), restore):
+            try:
+                if _restore_connection(self.request, directory, token.encode(), restore):
+                    done.set()
+            except cuts.CutMissing as exc:
+                refused.append(exc)
                 done.set()
 
     with _Server((host, port), Handler) as server:
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
         done.wait()
         server.shutdown()
+    if refused:
+        raise refused[0]
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -196,7 +203,8 @@ class _Server(socketserver.ThreadingTCPServer):
 
 
 def _restore_connection(connection: socket.socket, directory: str, token: bytes, restore: dict) -> bool:
-    """One client's requests; True once the cut is in place (one connection sends it: the master's)."""
+    """One client's requests; True once the cut is in place (one connection sends it: the master's).
+    cuts.CutMissing when the cut it sent is not the one of RESTORE_ENV."""
     receiving = None
     while True:
         try:
@@ -217,10 +225,12 @@ def _restore_connection(connection: socket.socket, directory: str, token: bytes,
             else:
                 receiving.finish(str(restore["digest"]), restore["routing"])
         except (cuts.CutMissing, KeyError, ValueError) as exc:
-            status = Status.NO_CUT if isinstance(exc, cuts.CutMissing) else Status.BAD_REQUEST
             if receiving is not None:
                 receiving.discard()
-            wire.send(connection, {"status": status, "detail": str(exc)[:300]})
+            if isinstance(exc, cuts.CutMissing):  # the master's cut is not this shard's: it stops the resume
+                wire.send(connection, {"status": Status.NO_CUT, "detail": str(exc)[:300]})
+                raise
+            wire.send(connection, {"status": Status.BAD_REQUEST, "detail": str(exc)[:200]})
             return False
         wire.send(connection, {"status": Status.OK})
         if op == "restore_done":

@@ -55,6 +55,7 @@ from elastic_step.backends.kubernetes.ps_cuts import CutStore, fetch_cut, receiv
 from elastic_step.errors import ConfigError
 from elastic_step.protocol import PsShardState, WorkerEnv
 from elastic_step.ps import wire
+from elastic_step.ps.cuts import CutMissing
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.moves import MoveReport, move
@@ -509,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(token_file, encoding="utf-8") as f:
             token = f.read().strip()
         log.info("waiting for this shard's checkpoint cut from the master at %s:%d", where.host, where.port)
-        receive_cut(directory, where.host, where.port, token, json.loads(os.environ[RESTORE_ENV]))
+        try:
+            receive_cut(directory, where.host, where.port, token, json.loads(os.environ[RESTORE_ENV]))
+        except CutMissing as exc:  # the master stops the resume in one line too
+            print(f"elastic_step.backends.kubernetes.ps_pods: the cut the master sent was refused: {exc}", file=sys.stderr)
+            return 2
     return shard.main([*argv, "--dir", directory, "--token-file", token_file])
 
 
