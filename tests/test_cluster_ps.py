@@ -241,6 +241,42 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
     client.close()
 
 
+def test_a_checkpoint_is_recorded_only_after_its_cut_is_kept_and_the_store_keeps_the_cuts_a_resume_may_load(tmp_path):
+    """keeping_cuts (master/ps_shards.py): a checkpoint whose cut the shard pods cannot give up
+    is not recorded, one that they do is recorded after the cut's upload was queued (the
+    uploader runs in order). CutStore: the cuts of checkpoints the run no longer keeps go, those
+    it keeps and newer ones (still uploading) stay."""
+    import types
+
+    from elastic_step.backends.kubernetes.ps_cuts import CutStore
+    from elastic_step.master.ps_checkpoints import PS_CUT
+    from elastic_step.master.ps_shards import keeping_cuts
+    from elastic_step.ps.api import PsError
+
+    calls = []
+
+    def keep_cut(cut):
+        calls.append(("keep", cut["step"]))
+        if cut["step"] == 4:
+            raise PsError("shard 1 did not give its cut of step 4: gone")
+
+    monitor = types.SimpleNamespace(supervisor=types.SimpleNamespace(keep_cut=keep_cut))
+    record = keeping_cuts(monitor, lambda step, epoch, state, ledger: calls.append(("record", step)))
+    record(4, 0, b"", {PS_CUT: {"step": 4}})
+    record(6, 0, b"", {PS_CUT: {"step": 6}})
+    assert calls == [("keep", 4), ("keep", 6), ("record", 6)]
+    assert keeping_cuts(types.SimpleNamespace(supervisor=object()), print) is print  # a local shard's folder outlives it
+
+    deleted = []
+    entries = [types.SimpleNamespace(path=f"ps-cuts/step-{s:06d}") for s in (2, 4, 6, 8, 10)]
+    client = types.SimpleNamespace(list_artifacts=lambda run_id, path: entries)
+    tracker = types.SimpleNamespace(client=client, run_id="r1")
+    store = CutStore(types.SimpleNamespace(tracker=tracker, committed=[4, 8]), str(tmp_path))
+    store._repository = lambda: types.SimpleNamespace(delete_artifacts=deleted.append)
+    store._retain()
+    assert deleted == ["ps-cuts/step-000002", "ps-cuts/step-000006"]
+
+
 @pytest.fixture(scope="module")
 def policed(tmp_path_factory):
     from test_admission_policy import install_policy

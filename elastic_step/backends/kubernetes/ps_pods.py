@@ -39,6 +39,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -250,6 +251,9 @@ class PodSupervisor:
         try:
             for shard, digest in zip(self.shards.shards, cut["digests"], strict=True):
                 fetch_cut(client, shard.endpoint, step, folder, shard.shard, digest)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # no half of a cut is kept, here or in the store
+            raise
         finally:
             client.close()
         self.store.keep(step, folder)
