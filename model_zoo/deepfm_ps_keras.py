@@ -16,6 +16,7 @@ TABLE = "deepfm_ids"
 TABLE_LR = 0.05  # Adagrad's rate on the shards
 
 
+@keras.saving.register_keras_serializable(package="elastic_step.deepfm_ps_keras")  # the logged model loads
 class _Split(keras.layers.Layer):
     """The packed input (ids beside dense features, as `feed` packs them) as (ids, dense)."""
 
@@ -25,6 +26,9 @@ class _Split(keras.layers.Layer):
 
     def call(self, packed):
         return keras.ops.cast(packed[:, :self.fields], "int64"), keras.ops.cast(packed[:, self.fields:], "float32")
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "fields": self.fields}
 
 
 def model() -> keras.Model:

@@ -82,7 +82,6 @@ class Worker:
             except ModelDefinitionError as exc:
                 self.heartbeat.halt()
                 raise PreflightFailed(str(exc)) from None
-        self._warm_up()
         self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
         self.reporter = StepReporter(client, worker_id)
         self.handover = StepHandOver(self.reporter.push)  # rank 0's records, to the reporter in batches
@@ -90,6 +89,7 @@ class Worker:
         self.checkpoints = Checkpoints(client, worker_id, spec.checkpoint_steps, self.reporter)
         self.progress = Progress()
         self.steps = training_step(spec.mode, self)
+        self._warm_up()  # after the step is built: a PS step gives the model's tables their shards first
         self._hold_s = hold_before_meeting(worker_id)
 
     def _trainer_on_its_device(self, worker_id: str):
