@@ -84,9 +84,10 @@ def train_elastic(
         lr_scaling: Without global_batch_size: `linear` or `sqrt` scales the model definition's
             learning rate by a step's rows over a full group's (minibatch_size x MAX); `none`.
         mode: `allreduce` (every worker holds the whole model) or `ps`: the model's embedding tables
-            (`PsEmbedding`, e.g. `elastic_step.model_zoo.deepfm_ps_torch`) on `ps_shards` parameter-server
-            shards this step starts beside its workers (processes in its pod, or pods with
-            `backend=kubernetes`), each row updated once per minibatch. `ps` needs no `global_batch_size`.
+            (`PsEmbedding`, PyTorch's or Keras', e.g. `elastic_step.model_zoo.deepfm_ps_torch` or
+            `deepfm_ps_keras`) on `ps_shards` parameter-server shards this step starts beside its
+            workers (processes in its pod, or pods with `backend=kubernetes`), each row updated once
+            per minibatch. `ps` needs no `global_batch_size`.
         ps_shards: With `mode=ps`: the shard processes holding the tables (1 to 128).
         checkpoint_steps: Checkpoint every K steps and at each epoch end (0: never).
         seed: Seed of the model's initialisation and of the per-epoch shuffle.
