@@ -173,6 +173,18 @@ def test_a_model_without_ps_tables_is_refused_and_the_tables_are_found():
     assert [(s.name, s.dim, s.optimizer) for s in table_specs("two_tables.py", net=net)] == [("shared", 4, "adagrad"), ("other", 2, "adam")]
 
 
+def test_a_model_with_ps_tables_is_refused_in_allreduce_mode():
+    from types import SimpleNamespace
+
+    from elastic_step.errors import ConfigError
+    from elastic_step.master.ps_shards import check_ps_tables
+
+    config = SimpleNamespace(mode="allreduce", model_def="two_tables.py")
+    with pytest.raises(ConfigError, match=r"^--mode allreduce: .* two_tables.py .*train it with --mode ps$"):
+        check_ps_tables(config, SimpleNamespace(net=torch.nn.Sequential(PsEmbedding("in_allreduce", 2))))
+    check_ps_tables(config, SimpleNamespace(net=torch.nn.Sequential(torch.nn.Embedding(10, 2))))  # a dense model passes
+
+
 def test_a_bad_ps_flag_is_one_line_and_exit_2(tmp_path):
     done = cli("train", "--model-def", DEEPFM_PS, "--data", str(tmp_path / "nowhere"), "--job-dir", str(tmp_path / "job"),
                "--mode", "ps", "--global-batch-size", "128")

@@ -67,9 +67,15 @@ def table_specs(model_def_source: str, net=None) -> list[TableSpec]:
 
 
 def check_ps_tables(config: TrainConfig, trainer) -> None:
-    """Before anything starts: a --mode ps job's model has tables for the shards."""
+    """Before anything starts: a --mode ps job's model has tables for the shards, and another
+    mode's has none (its workers would fail at their first step, PyTorch's or TensorFlow's way)."""
+    model = getattr(trainer, "net", None)
+    model = getattr(trainer, "model", None) if model is None else model
     if config.mode == TrainingMode.PS:
-        table_specs(config.model_def, getattr(trainer, "net", None) or getattr(trainer, "model", None))
+        table_specs(config.model_def, model)
+    elif model is not None and ps_tables(model):
+        raise ConfigError(f"--mode {config.mode}: the model definition {config.model_def} keeps its embedding tables on "
+                          "parameter-server shards (PsEmbedding); train it with --mode ps")
 
 
 Metric = Callable[[str, float, int, float], None]  # (key, value, step, time): the run's log_metric
