@@ -93,6 +93,8 @@ def test_a_resume_puts_every_shard_back_to_the_checkpoints_cut_and_re_applies_wh
             assert taking(1, 0, b"dense", {"current_epoch": 0}) is False  # not a multiple of 2, and shard 1's ledger no longer reaches back
         assert not recorded and "checkpoint of step 1 not taken" in caplog.text and "shard 1 took a snapshot after step 1" in caplog.text
         assert taking(2, 0, b"dense", {"current_epoch": 0}) is True  # rank 0's checkpoint of step 2, handed over now
+        refusing = PsCheckpoints(monitor, lambda *checkpoint: False)  # a record that could not keep it (its cut's copy)
+        assert refusing(2, 0, b"dense", {"current_epoch": 0}) is False
         (step, _, _, ledger), = recorded
         cut = ledger[PS_CUT]
         assert step == 2 and cut["step"] == 2 and len(cut["digests"]) == 2

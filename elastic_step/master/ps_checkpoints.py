@@ -36,7 +36,8 @@ ORPHAN_WAIT_S = 120.0  # a SIGKILLed master's shards take their last snapshot be
 PS_CUT = "ps_cut"  # the key of a checkpoint's ledger that holds its shards' cut
 CUT_TIMEOUT_S = 120.0  # a cut written on request: a snapshot of the shard's tables
 
-Record = Callable[[int, int, bytes, dict], None]  # (step, epoch, state, ledger): the recorder's on_checkpoint
+# (step, epoch, state, ledger): the recorder's on_checkpoint; False when it did not record it
+Record = Callable[[int, int, bytes, dict], bool | None]
 
 
 class CutFailed(RuntimeError):
@@ -75,17 +76,17 @@ class PsCheckpoints:
         self.monitor, self.record, self.committed = monitor, record, committed
 
     def __call__(self, step: int, epoch: int, state: bytes, ledger: dict) -> bool:
-        """Whether the checkpoint was recorded: False when a shard had no cut of `step`, so that
-        the master records no CHECKPOINT event for it and a stop waiting on it asks for the next
-        one (state.py) rather than ending on an older cut as if it were this one."""
+        """Whether the checkpoint was recorded: False when a shard had no cut of `step` (or `record`
+        returned False), so that the master records no CHECKPOINT event for it and a stop waiting
+        on it asks for the next one (state.py) rather than ending on an older cut as if it were
+        this one."""
         try:
             with self.monitor.scaling:  # not while a scale --ps moves rows: its cuts would straddle routings
                 cut = cut_shards(list(self.monitor.addresses), self.monitor.client.token, step, self.committed())
         except CutFailed as exc:
             log.warning("checkpoint of step %d not taken: the parameter-server shards have no cut of it: %s", step, exc)
             return False
-        self.record(step, epoch, state, {**ledger, PS_CUT: cut})
-        return True
+        return self.record(step, epoch, state, {**ledger, PS_CUT: cut}) is not False  # a record may refuse it too
 
 
 def checkpointing(monitor, record: Record | None, committed: Callable[[], list[int]] = list) -> Record | None:
