@@ -159,3 +159,14 @@ def test_a_checkpoint_without_a_cut_is_no_checkpoint_and_a_stop_waits_for_the_ne
     state.tick()
     assert handed == [1, 3] and state.state == JobState.STOPPED
     assert [e["step"] for e in state.events.of("checkpoint")] == [3] and state.events.of("stopped")[0]["step"] == 3
+
+
+def test_a_cut_the_shards_launcher_cannot_keep_is_no_checkpoint():
+    from elastic_step.master.ps_shards import keeping_cuts
+
+    def keep_cut(cut):
+        raise OSError("the checkpoint store is full")
+
+    monitor = types.SimpleNamespace(supervisor=types.SimpleNamespace(keep_cut=keep_cut))
+    recording = keeping_cuts(monitor, lambda *checkpoint: None)
+    assert recording(4, 0, b"", {PS_CUT: {"step": 4}}) is False  # so PsCheckpoints counts no checkpoint

@@ -141,7 +141,7 @@ def keeping_cuts(monitor: ShardMonitor | None, record: Callable | None) -> Calla
         except (PsError, OSError, ValueError) as exc:
             log.warning("checkpoint of step %d not taken: the parameter-server shards' cut could not be copied to the "
                         "checkpoint store: %s", step, exc)
-            return None
+            return False  # not taken: no CHECKPOINT event, and a stop waits for the next one (ps_checkpoints.py)
         return record(step, epoch, state, ledger)
 
     return recording
