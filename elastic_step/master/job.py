@@ -390,7 +390,7 @@ def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: boo
                     state.fail(recorder.error)
                 if progress.due():  # the status is built only when it is shown
                     progress.update(state.status())
-                time.sleep(0.05)
+                state.wait_for_work(0.05)  # a failed collective ends the pause: its regroup is proposed at once
             progress.update(state.status())
     except KeyboardInterrupt:
         state.fail("interrupted")

@@ -17,6 +17,7 @@ handed-over checkpoints are queued and written, in order, once it is released.""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -88,6 +89,7 @@ class MasterState:
         restore_point: RestorePoint | None = None,
     ):
         self.lock = MasterLock()  # disk writes queued under it run once it is released
+        self._wake = threading.Event()  # cuts the supervising loop's pause short (wait_for_work)
         self.spec = spec
         self.dispatcher = dispatcher
         self.ledger = ledger
@@ -325,6 +327,13 @@ class MasterState:
         with self.lock:
             self.membership.live_worker(worker_id)
             self.rounds.collective_failed(worker_id, round_id, error)
+        self._wake.set()  # the regroup is proposed at the next tick: now, not up to a pause later
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        """The supervising loop's pause between ticks, ended early when a member reports that its
+        round's collective failed: the ticks propose the regroup that recovery waits for."""
+        self._wake.wait(timeout_s)
+        self._wake.clear()
 
     def fail_by_worker(self, worker_id: str, reason: str) -> None:
         """A member found the job cannot go on (a non-finite loss): fail it with its reason."""
