@@ -277,6 +277,29 @@ def test_a_checkpoint_is_recorded_only_after_its_cut_is_kept_and_the_store_keeps
     assert deleted == ["ps-cuts/step-000002", "ps-cuts/step-000006"]
 
 
+def test_a_shard_pods_create_that_timed_out_is_made_again_and_a_refusal_is_one_line():
+    """The API server's answer lost to a timeout: the pod is asked for again, and a 409 then is
+    the pod the lost call made. A 403 ends the job in one line at once."""
+    import urllib3
+
+    from elastic_step.backends.kubernetes.ps_pods import PsPods
+    from elastic_step.errors import ConfigError
+
+    launcher = PsPods.__new__(PsPods)
+    launcher.namespace, launcher.timeout_s = "ml", 1.0
+    answers = [urllib3.exceptions.ReadTimeoutError(None, "/pods", "timed out"), k8s.ApiException(status=409, reason="Conflict")]
+    calls = []
+
+    def create(namespace, body, _request_timeout):
+        calls.append(body)
+        raise answers.pop(0)
+
+    launcher._create("parameter-server pod p-0", create, "pod")
+    assert calls == ["pod", "pod"] and not answers
+    with pytest.raises(ConfigError, match=r"^cannot create parameter-server pod p-0 in namespace ml: 403 Forbidden;"):
+        launcher._create("parameter-server pod p-0", lambda *a, **k: (_ for _ in ()).throw(k8s.ApiException(403, "Forbidden")), "pod")
+
+
 @pytest.fixture(scope="module")
 def policed(tmp_path_factory):
     from test_admission_policy import install_policy
@@ -426,7 +449,7 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         args = ["--backend", "kubernetes", "--data", data, "--storage-option", f"endpoint_url={cluster.pod_url(s3.endpoint)}",
                 "--model-def", DEEPFM_PS, "--mode", "ps", "--ps-shards", "2", "--job-dir", JOB_DIR, "--workers", "2",
                 "--epochs", str(EPOCHS), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
-                "--checkpoint-steps", "3", "--worker-cpu", "500m", "--worker-memory", "1Gi", "--max-relaunches", "0",
+                "--checkpoint-steps", "2", "--worker-cpu", "500m", "--worker-memory", "1Gi", "--max-relaunches", "0",
                 "--no-progress"]
         ns, api = cluster.namespace, cluster.core()
         store_secret(api, ns)
@@ -444,7 +467,13 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         cluster.kubelet.kill(ns, "train-step-ps")
         step = committed_checkpoint(tracking)
         print(f"master SIGKILLed {time.monotonic() - started:.1f}s after it started, its checkpoint of step {step} committed")
+        old = {p["metadata"]["labels"]["app.kubernetes.io/instance"] for p in cluster.pods()
+               if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "ps"}
         api.delete_namespaced_pod("train-step-ps", ns)  # a retry's new pod; the old one's pods go with it
+        deadline = time.monotonic() + 60  # gone first: the stand-in's API server answers slowly while it ends pods
+        while [p for p in cluster.pods() if p["metadata"].get("labels", {}).get("app.kubernetes.io/instance") in old]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         api.create_namespaced_pod(ns, with_shared_tracking(master_pod(cluster, "train-step-ps2", [*args, "--resume"]), tracking))
         master = MasterOnPodNetwork(cluster, "train-step-ps2")
         status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2, timeout=240)

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
+import urllib3
 from kubernetes import client as k8s
 
 from elastic_step.backends.kubernetes.manifests import (ISTIO_INJECT_LABEL, TOKEN_KEY, TOKEN_MOUNT, JobNames, job_pod_spec,
@@ -296,6 +297,7 @@ class PsPods:
     watcher, and the last rows at the job's end."""
 
     READY_TIMEOUT_S = 300.0  # scheduling and an image pull, then the shard's start
+    CREATE_TRIES = 3
     EXPORT_TIMEOUT_S = 120.0
 
     def __init__(self, backend):
@@ -392,12 +394,24 @@ class PsPods:
                          spec.name, digest)
 
     def _create(self, what: str, create, body) -> None:
-        """Create `body` with the API call `create`; a refusal ends the job in one line naming it."""
-        try:
-            create(self.namespace, body, _request_timeout=self.timeout_s)
-        except k8s.ApiException as exc:
-            raise ConfigError(f"cannot create {what} in namespace {self.namespace}: {exc.status} {exc.reason}; "
-                              "the master's service account needs the Role and admission policy in deploy/rbac") from None
+        """Create `body` with the API call `create`; a refusal ends the job in one line naming it.
+        A call that timed out or met a server error is made again (CREATE_TRIES in all): the
+        object is named, so a 409 after such a call is the object that call made."""
+        for attempt in range(self.CREATE_TRIES):
+            try:
+                create(self.namespace, body, _request_timeout=self.timeout_s)
+                return
+            except k8s.ApiException as exc:
+                if exc.status == 409 and attempt:
+                    return
+                if (exc.status is not None and exc.status < 500) or attempt + 1 == self.CREATE_TRIES:
+                    raise ConfigError(f"cannot create {what} in namespace {self.namespace}: {exc.status} {exc.reason}; "
+                                      "the master's service account needs the Role and admission policy in deploy/rbac") from None
+            except urllib3.exceptions.HTTPError as exc:  # a timeout, a dropped connection
+                if attempt + 1 == self.CREATE_TRIES:
+                    raise ConfigError(f"cannot create {what} in namespace {self.namespace}: the API server did not answer "
+                                      f"({type(exc).__name__}) in {self.CREATE_TRIES} tries") from None
+            log.warning("creating %s: the API server did not answer; trying again", what)
 
     def _create_policy(self) -> None:
         backend = self.backend
