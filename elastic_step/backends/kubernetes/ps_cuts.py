@@ -8,7 +8,9 @@ copies each shard's cut files (the shard's `cut_file` request, in parts) into
 JOB_DIR/ps-cuts/step-SSSSSS, checks them against the digest the shard gave, and queues their
 upload as the run's `ps-cuts/step-SSSSSS/shard-I.{bin,ledger}` on the run's uploader ahead of
 the checkpoint itself: the uploader runs in order, so the run's commit of step S comes after its
-cut's files. A checkpoint whose cut cannot be copied is not taken (one line).
+cut's files. A checkpoint whose cut cannot be copied is not taken (one line). Each checkpoint
+so carries every shard's snapshot through the master's disk and network: with tables of many
+GiB, choose --checkpoint-steps with that in mind.
 
 A resume downloads each shard's cut of the checkpoint's step, checks it against the digest the
 checkpoint recorded, and starts the shard pods with that step and digest in their env

@@ -16,7 +16,10 @@ ledger's tail, exactly as ShardSupervisor relaunches a local shard process in it
 kubelet's restart is immediate the first time, where a pod made anew would wait for scheduling
 and image pulls, and no shard data crosses the network. A pod that is deleted or evicted loses
 its emptyDir, so its rows: the shard is then DOWN and the job fails, rather than going on with
-an empty shard and losing acknowledged updates.
+an empty shard and losing acknowledged updates. Why not a new pod from the last checkpoint's
+cut: the pushes it acknowledged after that cut are not sent again by the workers, so they would
+be lost; exactly once from a cut needs the whole job back at that step (dense weights, rows to
+train), which is what a resume does (`train --resume`).
 
 The master watches the pods (a list every POLL_S, on its own thread): a restarted container is
 RELAUNCHING until the shard answers again. At the job's end it asks each shard for its rows
