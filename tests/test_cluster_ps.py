@@ -12,8 +12,8 @@ NetworkPolicies enforced): a DeepFM job of two worker pods and two shard pods on
 data read from a private bucket. Once the run has committed a checkpoint, the master's container
 is SIGKILLed; a new master pod runs the same command with --resume, and each
 of its new shard pods starts from exactly its cut of that checkpoint, which the run's artifacts
-hold (the table hash of the cut, loaded and replayed by the test). Then one shard's container is
-SIGKILLed (`docker kill`), and a pod without the job's labels cannot connect to the shards. The
+hold (the table hash of the cut, loaded and replayed by the test). `scale --ps 3` then adds a
+shard pod and moves at most 1/3 + 5% of the rows, and one shard's container is SIGKILLed (`docker kill`), and a pod without the job's labels cannot connect to the shards. The
 kubelet restarts it in its pod, where it loads its snapshot and replays its ledger from the pod's
 emptyDir, at the same address; the workers retry what it had not acknowledged and none of them
 restarts. Once every row is trained, each embedding row's update counter on the shards (asked
