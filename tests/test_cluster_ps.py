@@ -298,6 +298,9 @@ def test_a_shard_pods_create_that_timed_out_is_made_again_and_a_refusal_is_one_l
     assert calls == ["pod", "pod"] and not answers
     with pytest.raises(ConfigError, match=r"^cannot create parameter-server pod p-0 in namespace ml: 403 Forbidden;"):
         launcher._create("parameter-server pod p-0", lambda *a, **k: (_ for _ in ()).throw(k8s.ApiException(403, "Forbidden")), "pod")
+    # A 409 on the first try is another pod of that name (a removed shard's, terminating), not the Role.
+    with pytest.raises(ConfigError, match=r"p-0 in namespace ml: one of that name still exists .*try again once it is gone$"):
+        launcher._create("parameter-server pod p-0", lambda *a, **k: (_ for _ in ()).throw(k8s.ApiException(409, "Conflict")), "pod")
 
 
 @pytest.fixture(scope="module")

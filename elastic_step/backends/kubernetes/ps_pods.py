@@ -407,6 +407,9 @@ class PsPods:
             except k8s.ApiException as exc:
                 if exc.status == 409 and attempt:
                     return
+                if exc.status == 409:  # on a first try: one of that name is still there
+                    raise ConfigError(f"cannot create {what} in namespace {self.namespace}: one of that name still exists "
+                                      "(a removed shard's pod still terminating?); try again once it is gone") from None
                 if (exc.status is not None and exc.status < 500) or attempt + 1 == self.CREATE_TRIES:
                     raise ConfigError(f"cannot create {what} in namespace {self.namespace}: {exc.status} {exc.reason}; "
                                       "the master's service account needs the Role and admission policy in deploy/rbac") from None
