@@ -22,13 +22,7 @@ import sys
 import tempfile
 import time
 
-from common import MODEL, elastic_step, machine, prepared_digits, read_steps, wait_until
-
-
-def status(job_dir: str) -> dict | None:
-    done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "status", "--job-dir", job_dir, "--json"],
-                          capture_output=True, text=True)
-    return json.loads(done.stdout) if done.returncode == 0 else None
+from common import MODEL, elastic_step, job_status, machine, prepared_digits, read_steps, wait_until
 
 
 def train(data: str, job_dir: str, args, seed: int, kills: int, rng: random.Random) -> dict:
@@ -41,7 +35,7 @@ def train(data: str, job_dir: str, args, seed: int, kills: int, rng: random.Rand
     try:
         # Kill points spread over the run: at random fractions of the rows, one kill each.
         for fraction in sorted(rng.uniform(0.1, 0.85) for _ in range(kills)):
-            s = wait_until(lambda: (st := status(job_dir)) and st.get("rows_total")
+            s = wait_until(lambda: (st := job_status(job_dir)) and st.get("rows_total")
                            and st["rows_done"] / st["rows_total"] >= fraction and st, 300, f"{fraction:.0%} of the rows")
             live = [w for w in s["workers"] if w["state"] == "live" and w.get("pid")]
             if len(live) > 1:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from common import MODEL, elastic_step, machine, prepared_digits, read_steps, steady_rate, torchrun, wait_until
+from common import MODEL, elastic_step, job_status, machine, prepared_digits, read_steps, steady_rate, torchrun, wait_until
 
 
 def worker_env(device: str) -> dict[str, str]:
@@ -40,12 +40,6 @@ def train(data: str, job_dir: str, device: str, epochs: int, batch: int) -> subp
                         env=worker_env(device), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def status(job_dir: str) -> dict | None:
-    done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "status", "--job-dir", job_dir, "--json"],
-                          capture_output=True, text=True)
-    return json.loads(done.stdout) if done.returncode == 0 else None
-
-
 def recovered_after(job_dir: str, moment: float) -> float | None:
     with open(os.path.join(job_dir, "events.jsonl")) as f:
         events = [json.loads(line) for line in f]
@@ -59,10 +53,10 @@ def disturbed_run(data: str, root: str, device: str, epochs: int, batch: int) ->
     job_dir = os.path.join(root, "disturbed")
     job = train(data, job_dir, device, epochs, batch)
     try:
-        seen = wait_until(lambda: (s := status(job_dir)) and s["world_size"] == 2 and s["samples_per_s"] > 0 and s,
+        seen = wait_until(lambda: (s := job_status(job_dir)) and s["world_size"] == 2 and s["samples_per_s"] > 0 and s,
                           180, "the job did not reach 2 workers")
         time.sleep(1.0)  # steady state
-        seen = status(job_dir) or seen
+        seen = job_status(job_dir) or seen
         victim = next(w for w in seen["workers"] if w["rank"] == 1)
         killed_at = time.time()
         os.kill(victim["pid"], signal.SIGKILL)

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 
-from common import MODEL, elastic_step, machine, prepared_digits, read_steps, torchrun, wait_until
+from common import MODEL, elastic_step, job_status, machine, prepared_digits, read_steps, torchrun, wait_until
 
 MODELS = {
     "small": MODEL,
@@ -112,14 +112,6 @@ def elastic_recovery(workers: int, data: str, root: str, kills: int, model: str 
                        "--audit", audit, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     watcher = AuditWatcher(audit)
 
-    def status():
-        done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "status", "--job-dir", job_dir, "--json"],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            return None
-        view = json.loads(done.stdout)  # {"summary": {...}, "workers": [...]}
-        return {**view["summary"], "workers": view["workers"]}
-
     def recovered_after(moment: float):
         with open(os.path.join(job_dir, "events.jsonl")) as f:
             events = [json.loads(line) for line in f]
@@ -128,7 +120,7 @@ def elastic_recovery(workers: int, data: str, root: str, kills: int, model: str 
     results = []
     try:
         for _ in range(kills):
-            s = wait_until(lambda: (st := status()) and st["world_size"] == workers and st["samples_per_s"] > 0
+            s = wait_until(lambda: (st := job_status(job_dir)) and st["world_size"] == workers and st["samples_per_s"] > 0
                            and sum(bool(w.get("spare")) for w in st["workers"]) >= (spares or 0) and st,
                            120, "elastic-step did not reach full size (and its spares)")
             time.sleep(2.0)  # steady state

@@ -82,6 +82,17 @@ def elastic_step(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "elastic_step.cli", *args], **kwargs)
 
 
+def job_status(job_dir: str) -> dict | None:
+    """`status --json` of a running job as one dict: its summary's fields beside its `workers`
+    (the command prints {"summary": {...}, "workers": [...]}); None while it cannot answer."""
+    done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "status", "--job-dir", job_dir, "--json"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    view = json.loads(done.stdout)
+    return {**view["summary"], "workers": view["workers"]}
+
+
 def torchrun(*args: str, env=None, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env, **kwargs)
 
