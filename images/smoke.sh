@@ -74,7 +74,32 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   echo "image-smoke: base image $BASE made in $(( $(date +%s) - t ))s"
 fi
 
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# Both images built, the registry's copy and the fresh daemon's pull took at most 15 GB here
+# (sampled every 20 s; with the previous run's images still in the data root); short of that
+# it fails now, in one line, rather than as "no space left on device" deep inside a docker build.
+FREE_GB_NEEDED=${IMAGE_SMOKE_FREE_GB:-15}
+free_gb=$(df -P -B1G "$WORK" | awk 'NR == 2 {print $4}')
+if [ "$free_gb" -lt "$FREE_GB_NEEDED" ] && ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  echo "image-smoke: FAILED: $free_gb GB free on the disk of $WORK, a fresh build needs about $FREE_GB_NEEDED GB: free some (rm -rf $WORK once no daemon uses it) or set IMAGE_SMOKE_DIR to a folder on a larger disk"; exit 1
+fi
+
+# The wheel server's URL is a build argument, and Docker's build cache keys every RUN on the build
+# arguments: a new port each run would rebuild the whole environment (minutes) every time. So the
+# port is fixed per folder, outside the kernel's ephemeral range; only if it is taken, another.
+PORT=$(python3 - "$WORK" <<'PY'
+import hashlib, socket, sys
+stable = 20000 + int(hashlib.sha256(sys.argv[1].encode()).hexdigest(), 16) % 10000
+for port in (stable, 0):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        print(f"image-smoke: port {stable} is taken: the wheel server takes another, and the build reuses no cached environment", file=sys.stderr)
+        continue
+    print(s.getsockname()[1])
+    break
+PY
+)
 python3 -m http.server --bind 127.0.0.1 --directory "$(dirname "$WHEEL")" "$PORT" >/dev/null 2>&1 &
 HTTP_PID=$!
 
@@ -86,12 +111,26 @@ build() {  # VARIANT EXTRAS IMAGE LOG
 # runc can fail to start a build step's container on a loaded machine ("can't get final child's PID
 # from pipe"): that one failure is retried once, from the layers already built; any other fails.
 build_image() {  # VARIANT EXTRAS IMAGE LOG
+  local replaced
+  replaced=$(docker image inspect -f '{{.Id}}' "$3" 2>/dev/null || true)
   if ! build "$@"; then
     grep -q "OCI runtime create failed" "$4" || { tail -30 "$4"; echo "image-smoke: FAILED: docker build of the $1 image (log: $4)"; exit 1; }
     echo "image-smoke: a build step's container did not start ($(grep -m1 -o "OCI runtime create failed.*" "$4" | cut -c1-160)); building again"
     build "$@" || { tail -30 "$4"; echo "image-smoke: FAILED: docker build of the $1 image (log: $4)"; exit 1; }
   fi
   [ "$(docker image inspect -f '{{.Config.User}}' "$3")" = "1000:1000" ] || { echo "image-smoke: FAILED: the $1 image does not run as the non-root user"; exit 1; }
+  # The image this tag named before, now untagged, is removed with the layers only it used: run after
+  # run they would pile up in the data root until the disk is full. (Not `docker image prune`: that
+  # would also drop the build stage's cache, which the other variant and the next build reuse.)
+  # Its other names (the push's, below) go with it.
+  if [ -n "$replaced" ] && [ "$replaced" != "$(docker image inspect -f '{{.Id}}' "$3")" ]; then
+    for name in $(docker image inspect -f '{{join .RepoTags " "}}' "$replaced") "$replaced"; do
+      docker rmi "$name" >/dev/null 2>&1 || true
+    done
+    if docker image inspect "$replaced" >/dev/null 2>&1; then
+      echo "image-smoke: the replaced $1 image $replaced is still in use (a container of it?); left in place"
+    fi
+  fi
 }
 t=$(date +%s)
 build_image torch torch "$IMAGE" "$WORK/build.log"
@@ -123,6 +162,10 @@ grep -ao "tensorflow [0-9.]* keras [0-9.]*" "$WORK/build-tensorflow.log" || true
 shared=$(python3 -c 'import sys; a, b = (set(l.split()) for l in sys.argv[1:]); print(len(a & b), len(b))' \
   "$(docker image inspect -f '{{join .RootFS.Layers " "}}' "$IMAGE")" "$(docker image inspect -f '{{join .RootFS.Layers " "}}' "$IMAGE_TF")")
 echo "image-smoke: built $IMAGE_TF in $(( $(date +%s) - t ))s ($(docker image inspect -f '{{.Size}}' "$IMAGE_TF" | awk '{printf "%.0f MB", $1/1e6}'), layers shared with the torch image: ${shared% *} of ${shared#* })"
+# Everything up to the variant's own step (the base, the environment, the user, the locks) is the
+# torch image's: fewer shared layers means the build did not reuse them and a registry gets a second
+# copy of the environment.
+[ "${shared% *}" -ge 4 ] || { echo "image-smoke: FAILED: the tensorflow image shares only ${shared% *} layers with the torch image, not the 4 before its own step: the build did not reuse the torch image's (see $WORK/build-tensorflow.log)"; exit 1; }
 t=$(date +%s)
 docker run --rm --network host -v "$PWD/images/smoke_keras_job.py:/smoke_keras_job.py:ro" --entrypoint python "$IMAGE_TF" /smoke_keras_job.py \
   >"$WORK/run-tensorflow.log" 2>&1 || { tail -30 "$WORK/run-tensorflow.log"; echo "image-smoke: FAILED: the Keras training run in the tensorflow image"; exit 1; }
