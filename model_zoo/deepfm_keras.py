@@ -27,16 +27,23 @@ def model() -> keras.Model:
     init = keras.initializers.RandomNormal(stddev=0.01)
     first_order = keras.layers.Embedding(SPARSE.num_ids, 1, embeddings_initializer=init)(ids)  # [rows, F, 1]
     factors = keras.layers.Embedding(SPARSE.num_ids, FACTORS, embeddings_initializer=init)(ids)  # [rows, F, k]
+    return keras.Model(packed, fm_and_deep(keras.ops.sum(first_order, axis=(1, 2)), factors, dense))
+
+
+def fm_and_deep(first_order, factors, dense):
+    """DeepFM's logits from the fields' summed first-order weights [rows], their factors
+    [rows, F, k] and the dense features: first order + pairwise interactions + the deep part, the
+    dense features as one more field. Shared with `deepfm_ps_keras`, whose rows come from the shards."""
     dense_factor = keras.layers.Reshape((1, FACTORS))(keras.layers.Dense(FACTORS)(dense))
     all_fields = keras.layers.Concatenate(axis=1)([factors, dense_factor])  # [rows, F+1, k]
     summed = keras.ops.sum(all_fields, axis=1)
     pairwise = 0.5 * keras.ops.sum(summed * summed - keras.ops.sum(all_fields * all_fields, axis=1), axis=1)
-    first = keras.ops.sum(first_order, axis=(1, 2)) + keras.ops.squeeze(keras.layers.Dense(1)(dense), axis=1)
+    first = first_order + keras.ops.squeeze(keras.layers.Dense(1)(dense), axis=1)
     deep = keras.layers.Flatten()(all_fields)
     deep = keras.layers.Dense(128, activation="relu")(deep)
     deep = keras.layers.Dense(64, activation="relu")(deep)
     deep = keras.ops.squeeze(keras.layers.Dense(1)(deep), axis=1)
-    return keras.Model(packed, first + pairwise + deep)
+    return first + pairwise + deep
 
 
 def loss(outputs, labels):

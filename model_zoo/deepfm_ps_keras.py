@@ -10,6 +10,7 @@ workers and train with Adam by allreduce.
 import keras
 
 from elastic_step.model_zoo.ctr_features import DENSE, FACTORS, SPARSE, feed, metrics  # noqa: F401 (the contract)
+from elastic_step.model_zoo.deepfm_keras import fm_and_deep, loss, optimizer  # noqa: F401 (the contract)
 from elastic_step.ps.keras_embedding import PsEmbedding
 
 TABLE = "deepfm_ids"
@@ -36,22 +37,5 @@ def model() -> keras.Model:
     packed = keras.Input(shape=(fields + dense_width,), dtype="float64")
     ids, dense = _Split(fields)(packed)
     rows = PsEmbedding(TABLE, 1 + FACTORS, optimizer="adagrad", lr=TABLE_LR, init_scale=0.01)(ids)  # [rows, F, 1 + k]
-    dense_factor = keras.layers.Reshape((1, FACTORS))(keras.layers.Dense(FACTORS)(dense))
-    all_fields = keras.layers.Concatenate(axis=1)([rows[:, :, 1:], dense_factor])  # [rows, F+1, k]
-    summed = keras.ops.sum(all_fields, axis=1)
-    pairwise = 0.5 * keras.ops.sum(summed * summed - keras.ops.sum(all_fields * all_fields, axis=1), axis=1)
-    first = keras.ops.sum(rows[:, :, 0], axis=1) + keras.ops.squeeze(keras.layers.Dense(1)(dense), axis=1)
-    deep = keras.layers.Flatten()(all_fields)
-    deep = keras.layers.Dense(128, activation="relu")(deep)
-    deep = keras.layers.Dense(64, activation="relu")(deep)
-    deep = keras.ops.squeeze(keras.layers.Dense(1)(deep), axis=1)
-    return keras.Model(packed, first + pairwise + deep)
+    return keras.Model(packed, fm_and_deep(keras.ops.sum(rows[:, :, 0], axis=1), rows[:, :, 1:], dense))
 
-
-def loss(outputs, labels):
-    """Mean binary cross-entropy of the click logits."""
-    return keras.ops.mean(keras.losses.binary_crossentropy(keras.ops.cast(labels, "float32"), outputs, from_logits=True))
-
-
-def optimizer(model: keras.Model) -> keras.optimizers.Optimizer:
-    return keras.optimizers.Adam(learning_rate=2e-3)

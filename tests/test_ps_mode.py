@@ -30,6 +30,7 @@ import torch
 from rich.console import Console
 from conftest import cli
 
+from elastic_step.ps.expected_updates import expected_updates
 from elastic_step.ps.torch_embedding import PsEmbedding, freeze_tables
 from elastic_step.worker.ps_step import push_key
 
@@ -207,22 +208,8 @@ def clicks(tmp_path_factory) -> str:
 
 
 def counters_from_the_data(data: str, epochs: int, minibatch: int) -> Counter:
-    """Each id's update count in a clean run: every minibatch (rows [k*B, (k+1)*B) of a data
-    shard, each epoch) updates each of its distinct ids once, whoever trains it."""
-    from elastic_step.data.manifest import load_manifest
-    from elastic_step.data.reader import ShardReader
-    from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
-
-    manifest = load_manifest(data)
-    model_def, reader = load_model_definition(DEEPFM_PS), ShardReader(manifest)
-    fields = len(model_def.module.SPARSE.columns)
-    counts = Counter()
-    for index, shard in enumerate(manifest.splits["train"]):
-        features, _ = batch_arrays(model_def, reader.read("train", index, 0, shard.rows), manifest.features, manifest.label)
-        ids = features[:, :fields].astype(np.int64)
-        for start in range(0, shard.rows, minibatch):
-            counts.update(np.unique(ids[start:start + minibatch]).tolist())
-    return Counter({i: n * epochs for i, n in counts.items()})
+    """Each id's update count in a clean run of the PyTorch DeepFM (ps.expected_updates)."""
+    return expected_updates(data, DEEPFM_PS, minibatch, epochs)
 
 
 def counters_on_the_shards(job_dir: str) -> Counter:

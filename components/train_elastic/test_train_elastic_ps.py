@@ -14,33 +14,14 @@ import json
 import os
 from collections import Counter
 
-import numpy as np
 from kfp.dsl import HTML, Dataset, Markdown, Metrics, Model
 from mlflow.tracking import MlflowClient
 
 from elastic_step.ps import snapshot
+from elastic_step.ps.expected_updates import expected_updates
 
 DEEPFM_PS_KERAS = "elastic_step.model_zoo.deepfm_ps_keras"
 MINIBATCH = 128
-
-
-def counters_from_the_data(data: str) -> Counter:
-    """Each id's update count in one epoch: every minibatch (rows [k*B, (k+1)*B) of a data shard)
-    updates each of its distinct ids once, whoever trains it. The ids are the PyTorch DeepFM's."""
-    from elastic_step.data.manifest import load_manifest
-    from elastic_step.data.reader import ShardReader
-    from elastic_step.frameworks.model_def import batch_arrays, load_model_definition
-
-    manifest = load_manifest(data)
-    model_def, reader = load_model_definition("elastic_step.model_zoo.deepfm_ps_torch"), ShardReader(manifest)
-    fields = len(model_def.module.SPARSE.columns)
-    counts = Counter()
-    for index, shard in enumerate(manifest.splits["train"]):
-        features, _ = batch_arrays(model_def, reader.read("train", index, 0, shard.rows), manifest.features, manifest.label)
-        ids = features[:, :fields].astype(np.int64)
-        for start in range(0, shard.rows, MINIBATCH):
-            counts.update(np.unique(ids[start:start + MINIBATCH]).tolist())
-    return counts
 
 
 def test_train_elastic_in_ps_mode_keeps_the_tables_on_shards_and_outputs_them_in_the_model(tmp_path, mlflow_uri):
@@ -65,7 +46,8 @@ def test_train_elastic_in_ps_mode_keeps_the_tables_on_shards_and_outputs_them_in
         held = tables["deepfm_ids"]
         assert len(held["ids"]) > 0 and run.data.metrics[f"ps.shard{i}.rows"] == len(held["ids"])
         counters.update({i: u for i, u in zip(held["ids"].tolist(), held["updates"].tolist()) if u})
-    expected = counters_from_the_data(data.path)
+    # each minibatch updated each of its distinct ids once, whoever trained it; the PyTorch DeepFM's ids
+    expected = expected_updates(data.path, "elastic_step.model_zoo.deepfm_ps_torch", MINIBATCH)
     wrong = {i: (counters[i], expected[i]) for i in set(counters) | set(expected) if counters[i] != expected[i]}
     assert not wrong, f"{len(wrong)} rows updated other than once per minibatch, e.g. {list(wrong.items())[:5]}"
     assert json.load(open(os.path.join(model.path, "model.json")))["framework"] == "tensorflow"
