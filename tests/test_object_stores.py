@@ -368,11 +368,12 @@ def test_job_with_data_checkpoints_and_model_in_s3_survives_a_sigkilled_worker(s
         assert any(e["event"] == "recovered" for e in events)
         assert any(e["event"] == "relaunched" for e in events)
         assert "test: loss" in job.output() and "accuracy" in job.output()
-        # The survivors were already identical: their regroup sent no state; a joiner (the relaunched
-        # worker, if it joined before the job ended) alone gets it.
+        # A survivor that applied the source's steps is sent no state: a regroup sends it to a joiner
+        # (the relaunched worker, if it joined before the job ended) or to one survivor left a step
+        # behind, whose last collective failed where the other's had completed (the dead rank had
+        # already sent that one its part: seen once in a full run), never to every member.
         transfers = state_transfers(job)
         assert transfers[1] == "[1, 2]", transfers
-        assert "none (every member holds it)" in transfers.values(), transfers
         later = [ranks for round_id, ranks in transfers.items() if round_id > 1]
         assert all(ranks == "none (every member holds it)" or re.fullmatch(r"\[\d\]", ranks) for ranks in later), transfers
 
