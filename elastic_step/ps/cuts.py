@@ -42,6 +42,8 @@ from elastic_step.ps.ledger import _fsync_dir
 
 CUTS_DIR = "cuts"
 HASH_CHUNK = 1 << 22
+PARTS = ("bin", "ledger")  # a cut's snapshot, then its ledger records: the files its digest covers, in order
+FILE_CHUNK = 32 << 20  # a cut's file crosses the network in frames of at most this (a frame's body is bounded)
 
 
 class CutMissing(ValueError):
@@ -64,12 +66,17 @@ def steps(directory: str) -> list[int]:
 
 def digest_of(directory: str, step: int) -> str:
     """SHA-256 of the cut's snapshot, then its ledger records if it has any."""
+    ledger = path(directory, step, "ledger")
+    return files_digest([path(directory, step), *([ledger] if os.path.exists(ledger) else [])])
+
+
+def files_digest(files: list[str]) -> str:
+    """SHA-256 of these files' bytes, one after the other (a cut's digest, from wherever its files are)."""
     digest = hashlib.sha256()
-    for file in (path(directory, step), path(directory, step, "ledger")):
-        if os.path.exists(file) or file.endswith(".bin"):
-            with open(file, "rb") as f:
-                while chunk := f.read(HASH_CHUNK):
-                    digest.update(chunk)
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(HASH_CHUNK):
+                digest.update(chunk)
     return digest.hexdigest()
 
 

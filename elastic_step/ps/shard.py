@@ -135,20 +135,17 @@ class ShardServer(socketserver.ThreadingTCPServer):
         return {"status": Status.OK, "applied": self.state.push(record, int(header["epoch"]), step)}, ()
 
 
-CUT_CHUNK = 32 << 20  # a cut file is sent in parts of this size (a frame's body is bounded)
-
-
 def _cut_file(directory: str, step: int, part: str, offset: int) -> tuple[dict, tuple]:
-    """Up to CUT_CHUNK bytes of a sealed cut's `part` ("bin" or "ledger") from `offset`, and
+    """Up to cuts.FILE_CHUNK bytes of a sealed cut's `part` (one of cuts.PARTS) from `offset`, and
     the file's size. Only a cut whose .json holds its digest: nothing half-written is handed out."""
     found = cuts.meta(directory, step)
-    if part not in ("bin", "ledger") or found is None or found.get("digest") is None:
+    if part not in cuts.PARTS or found is None or found.get("digest") is None:
         raise cuts.CutMissing(f"no sealed cut of step {step} (part {part!r}) in this shard")
     try:
         with open(cuts.path(directory, step, part), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             f.seek(offset)
-            data = f.read(CUT_CHUNK)
+            data = f.read(cuts.FILE_CHUNK)
     except FileNotFoundError:
         if part == "ledger":  # a cut written whole has no ledger records
             return {"status": Status.OK, "size": 0, "offset": offset}, ()

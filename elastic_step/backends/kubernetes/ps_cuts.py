@@ -39,6 +39,7 @@ import threading
 import numpy as np
 
 from elastic_step.ps import cuts, wire
+from elastic_step.ps.cuts import PARTS
 from elastic_step.ps.api import PsError, Status
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.state import LEDGER_FILE, ROUTING_FILE, SNAPSHOT_FILE
@@ -46,8 +47,6 @@ from elastic_step.ps.state import LEDGER_FILE, ROUTING_FILE, SNAPSHOT_FILE
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
 ARTIFACTS = "ps-cuts"  # the run's artifact folder of the shards' cuts, one folder per checkpoint
-PARTS = ("bin", "ledger")  # a cut's snapshot, then its ledger records (digest order: cuts.digest_of)
-CHUNK = 32 << 20  # a part is sent in frames of at most this (a frame's body is bounded)
 RESTORED_FILE = "restored.json"  # in a shard pod's folder: its cut is in place (a restarted container skips the wait)
 RESTORING = "restoring"  # what a pod waiting for its cut answers `stats`: not serving yet
 
@@ -139,17 +138,14 @@ class CutStore:
         tracker = self.checkpoints.tracker
         target = os.path.join(self.local, "resumed", step_folder(step))
         os.makedirs(target, exist_ok=True)
-        files, hasher = {}, hashlib.sha256()
+        files = {}
         for part in PARTS:
             name = f"{ARTIFACTS}/{step_folder(step)}/{part_name(index, part)}"
             try:
                 files[part] = tracker.client.download_artifacts(tracker.run_id, name, target)
             except Exception as exc:
                 raise ValueError(f"the run has no {name} ({type(exc).__name__})") from None
-            with open(files[part], "rb") as f:
-                while chunk := f.read(cuts.HASH_CHUNK):
-                    hasher.update(chunk)
-        if hasher.hexdigest() != digest:
+        if cuts.files_digest([files[part] for part in PARTS]) != digest:
             raise ValueError(f"the run's {ARTIFACTS}/{step_folder(step)} of shard {index} is not the cut the checkpoint recorded "
                              "(its SHA-256 differs)")
         return files
@@ -161,7 +157,7 @@ def send_cut(client: PsClient, endpoint: str, files: dict[str, str]) -> None:
     for part in PARTS:
         with open(files[part], "rb") as f:
             offset = 0
-            while chunk := f.read(CHUNK):
+            while chunk := f.read(cuts.FILE_CHUNK):
                 header, _ = client.call(endpoint, {"op": "restore_part", "part": part, "offset": offset}, np.frombuffer(chunk, np.uint8))
                 if header.get("status") != Status.OK:
                     raise PsError(str(header.get("detail") or header.get("status")))
