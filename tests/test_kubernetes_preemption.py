@@ -31,7 +31,7 @@ class Cluster(Backend):
     def stop(self, worker_id):
         self.exits.append(WorkerExit(worker_id, "deleted by the master", None, "count"))
 
-    def shutdown(self, grace_s):
+    def shutdown(self, grace_s, members=None):
         pass
 
 

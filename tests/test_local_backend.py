@@ -49,3 +49,23 @@ def test_a_process_that_cannot_be_started_is_an_exit(tmp_path):
     exits = exits_until(backend, 1)
     assert "could not be started" in exits["w0.1"].reason and exits["w0.1"].relaunch == "count", exits
     backend.shutdown(grace_s=0)
+
+
+def test_at_shutdown_the_last_rounds_workers_may_finish_and_a_worker_still_starting_is_ended_at_once(tmp_path):
+    # A stand-in for Python: the round's member finishes in 0.5 s; the other (a relaunch still
+    # importing torch when the job ended) would take a minute to notice anything.
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\nif [ "$ELASTIC_STEP_WORKER_ID" = w0.1 ]; then sleep 0.5; exit 0; fi\nsleep 60\n')
+    python.chmod(0o755)
+    backend = backend_for(tmp_path, python=str(python), forks=False)
+    backend.launch(0, "w0.1")
+    backend.launch(1, "w1.2")
+    deadline = time.monotonic() + 10
+    while len(backend.procs) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    member, starting = backend.procs["w0.1"], backend.procs["w1.2"]
+    began = time.monotonic()
+    backend.shutdown(grace_s=10, members=["w0.1"])
+    assert time.monotonic() - began < 5  # not the 10 s grace, and not the joiner's minute
+    assert member.returncode == 0  # given its time to leave on its own
+    assert starting.returncode == -9  # ended at once

@@ -29,7 +29,7 @@ class RecordingBackend(Backend):
         self.stopped.append(worker_id)
         self.exits.append(WorkerExit(worker_id, "killed by SIGKILL", -9))
 
-    def shutdown(self, grace_s):
+    def shutdown(self, grace_s, members=None):
         pass
 
 

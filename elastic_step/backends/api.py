@@ -8,6 +8,7 @@ backend can tell a preemption (relaunch for free) from an out-of-memory kill (ne
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,8 +53,10 @@ class Backend(abc.ABC):
         """Stop a worker now (it may be hung: do not wait for its cooperation)."""
 
     @abc.abstractmethod
-    def shutdown(self, grace_s: float) -> None:
-        """End every worker: give them `grace_s` to exit on their own, then kill the rest."""
+    def shutdown(self, grace_s: float, members: Collection[str] | None = None) -> None:
+        """End every worker: give `members` (every worker when None) `grace_s` to exit on their
+        own, then kill the rest. A worker outside `members` (a joiner still starting, a spare)
+        holds no rows and no state, and is ended at once instead of being waited for."""
 
     def describe(self, worker_id: str) -> dict:
         """Backend details shown by `elastic-step status` (pid, pod name, ...)."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
 from elastic_step.backends.local_forks import ForkServer
@@ -162,13 +163,16 @@ class LocalBackend(Backend):
         if proc is not None and proc.poll() is None:
             proc.kill()  # SIGKILL also ends a SIGSTOPped process
 
-    def shutdown(self, grace_s: float) -> None:
-        self._launches.put(None)  # launches queued before this still start, and are waited for below
+    def shutdown(self, grace_s: float, members: Collection[str] | None = None) -> None:
+        self._launches.put(None)  # launches queued before this still start, and are ended or waited for below
         self._launcher.join()
         deadline = time.monotonic() + grace_s
         with self._lock:
-            procs = list(self.procs.values())
-        for proc in procs:
+            procs = dict(self.procs)
+        for worker_id, proc in procs.items():
+            if members is not None and worker_id not in members:
+                proc.kill()  # nothing of the job's is in it: no reason to wait out its start-up
+        for proc in procs.values():
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

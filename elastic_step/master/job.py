@@ -300,8 +300,10 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     running.callback(retire_master_info, config.job_dir, state)
     server = ApiServer(create_app(state, token, view_token), api_socket)
     running.callback(server.stop)  # after the workers are gone (callbacks run last-in, first-out)
-    # Finished workers leave on their own; give them a moment, then end the rest.
-    running.callback(lambda: backend.shutdown(grace_s=WORKERS_LEAVE_S.get(state.state, 2.0)))
+    # The last round's workers leave on their own; give them a moment, then end the rest. Any
+    # other worker (a joiner still starting) is ended at once: waiting for it kept a finished
+    # job alive for up to the whole grace.
+    running.callback(lambda: backend.shutdown(grace_s=WORKERS_LEAVE_S.get(state.state, 2.0), members=state.last_members()))
     stores = [store]
     running.callback(stores.clear)  # the store lives until the workers are gone
     server.start()

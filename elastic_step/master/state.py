@@ -148,6 +148,12 @@ class MasterState:
     def over(self) -> bool:
         return self.state != JobState.RUNNING
 
+    def last_members(self) -> list[str]:
+        """The workers of the last round: the only ones that may still be leaving with something
+        of the job's when it ends (a joiner still starting or a spare holds nothing)."""
+        with self.lock:
+            return list(self.rounds.round.members) if self.rounds.round is not None else []
+
     # -- lifecycle ------------------------------------------------------------------------------
     def launch_all(self) -> None:
         with self.lock:

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Collection
 from urllib.parse import urlparse
 
 from kubernetes import client as k8s
@@ -307,13 +308,17 @@ class KubernetesBackend(Backend):
         if name is not None:
             self._delete_pod(name)  # grace 0: a hung worker gets no say
 
-    def shutdown(self, grace_s: float) -> None:
-        """Wait up to `grace_s` for workers to finish, then delete every pod of this job, its
-        Secret and its NetworkPolicies (here, not only through owner references: the master
-        may not own them, and a finished master pod is kept by Argo and KFP)."""
+    def shutdown(self, grace_s: float, members: Collection[str] | None = None) -> None:
+        """Wait up to `grace_s` for `members` (every worker when None) to finish, then delete
+        every pod of this job, its Secret and its NetworkPolicies (here, not only through owner
+        references: the master may not own them, and a finished master pod is kept by Argo and KFP).
+        Pods of other workers (still starting, spares) are deleted at once."""
         self._shut_down = True
         deadline = time.monotonic() + grace_s
-        while self.pods and time.monotonic() < deadline:
+        if members is not None:
+            for worker_id in [w for w in self.pods if w not in members]:
+                self.stop(worker_id)
+        while any(members is None or w in members for w in self.pods) and time.monotonic() < deadline:
             self.poll()
             time.sleep(0.1)
         self.calls.wait_idle(self.timeout_s)
