@@ -10,9 +10,9 @@ Disturbances (each in a run of its own):
                   command run again at once, as a pipeline's retry runs it.
 
 elastic-step: `train --workers 2:3` (the group shrinks and grows back), checkpoints only when
-preempted; run twice, alternating: its workers started as programs ("elastic-step") and forked from
-a warm parent that has imported torch ("es+forks", ELASTIC_STEP_LOCAL_FORKS=1), whose replacements
-take almost none of the survivors' CPU to start. Peer: torchrun as a one-node user runs it (`--standalone --max-restarts`) + DDP
+preempted; run twice, alternating: its workers forked from a warm parent that has imported torch
+("es+forks", the default), whose replacements take almost none of the survivors' CPU to start, and
+started as programs ("elastic-step", ELASTIC_STEP_LOCAL_FORKS=0). Peer: torchrun as a one-node user runs it (`--standalone --max-restarts`) + DDP
 (`ddp_peer.py`), a checkpoint every 50 steps from which every restart resumes. Both: the MLP
 64 -> 512 -> 512 -> 10 (`mlp512_digits.py`), the same data, 3 workers of 64 rows per step.
 
@@ -64,6 +64,7 @@ DISTURBANCES = {
 
 class ElasticStep:
     name = "elastic-step"
+    forks = "0"  # its workers started as programs
 
     def __init__(self, data: str, epochs: int, job_dir: str):
         self.job_dir = job_dir
@@ -76,7 +77,8 @@ class ElasticStep:
 
     def start(self) -> subprocess.Popen:
         with open(os.path.join(self.job_dir, "output.log"), "ab") as out:
-            return elastic_step(*self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return elastic_step(*self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, ELASTIC_STEP_LOCAL_FORKS=self.forks))
 
     def steps(self) -> list[dict]:
         path = os.path.join(self.job_dir, "metrics.jsonl")
@@ -98,14 +100,10 @@ class ElasticStep:
 
 class ElasticStepForks(ElasticStep):
     """The same, its workers forked from a warm parent that has imported what they import
-    (ELASTIC_STEP_LOCAL_FORKS=1): a replacement's start-up takes little CPU from the survivors."""
+    (the default): a replacement's start-up takes little CPU from the survivors."""
 
     name = "es+forks"
-
-    def start(self) -> subprocess.Popen:
-        with open(os.path.join(self.job_dir, "output.log"), "ab") as out:
-            return elastic_step(*self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, ELASTIC_STEP_LOCAL_FORKS="1"))
+    forks = "1"
 
 
 OURS = {"plain": ElasticStep, "forks": ElasticStepForks}

@@ -12,6 +12,7 @@ from test_kubernetes_backend import exits_until
 
 
 def backend_for(tmp_path, **options) -> LocalBackend:
+    options.setdefault("forks", False)  # workers started as programs; test_local_forks.py forks them
     token = tmp_path / "token"
     token.write_text("t")
     # The master's address refuses connections: these workers only need to be processes.
@@ -57,7 +58,7 @@ def test_at_shutdown_the_last_rounds_workers_may_finish_and_a_worker_still_start
     python = tmp_path / "python"
     python.write_text('#!/bin/sh\nif [ "$ELASTIC_STEP_WORKER_ID" = w0.1 ]; then sleep 0.5; exit 0; fi\nsleep 60\n')
     python.chmod(0o755)
-    backend = backend_for(tmp_path, python=str(python), forks=False)
+    backend = backend_for(tmp_path, python=str(python))
     backend.launch(0, "w0.1")
     backend.launch(1, "w1.2")
     deadline = time.monotonic() + 10

@@ -113,7 +113,7 @@ def test_workers_leave_within_5s_of_their_master_being_killed(digits, start_job)
     job = start_job("--data", digits, "--workers", "3", "--epochs", "5", "--model-def", SLOW_MODEL, *FAST,
                     "--master-timeout", "60")
     job.wait_for(lambda s: s["world_size"] == 3 and s["rows_done"] > 0)
-    assert len(worker_processes(job.job_dir)) == 3
+    assert len(worker_processes(job.job_dir)) >= 3  # the 3 workers (and their warm parent, when forked)
     job.proc.send_signal(signal.SIGKILL)
     job.proc.wait()
     killed = time.monotonic()

@@ -45,8 +45,10 @@ def last_words(log_path: str, limit: int = 300) -> str:
 
 
 MLFLOW_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-# "1": workers are forked from a warm parent that has imported what they import (local_forks.py):
-# a replacement's start-up then takes almost no CPU from the survivors on the same cores.
+# Workers are forked from a warm parent that has imported what they import (local_forks.py): a
+# replacement's start-up then takes almost no CPU from the survivors on the same cores (a kill
+# cost 0.79 s of progress forked, 1.65 s started as a program: benchmarks/README.md). "0": each
+# worker is started as a program (`python -m elastic_step.cli worker`).
 FORKS_ENV = "ELASTIC_STEP_LOCAL_FORKS"
 
 
@@ -60,7 +62,7 @@ class LocalBackend(Backend):
     def __init__(self, spec: LaunchSpec, python: str = sys.executable, forks: bool | None = None):
         self.spec = spec
         self.python = python
-        self.forks = os.environ.get(FORKS_ENV) == "1" if forks is None else forks
+        self.forks = os.environ.get(FORKS_ENV, "1") != "0" if forks is None else forks
         self._fork_server: ForkServer | None = None  # started by the launch thread, before its first launch
         self.procs: dict[str, subprocess.Popen] = {}
         self.log_dir = os.path.join(spec.job_dir, "logs")
