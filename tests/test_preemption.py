@@ -61,6 +61,8 @@ def test_a_master_sigtermed_mid_epoch_checkpoints_exits_75_and_the_same_command_
     run = mlflow_run(first.job_dir, result["run_id"])
     assert run.info.status == "KILLED" and run.data.tags["elastic_step.state"] == "preempted"
     assert run.data.tags["elastic_step.checkpoint"] == str(result["checkpoint_step"])
+    client = MlflowClient(f"sqlite:///{os.path.join(first.job_dir, 'mlflow.db')}")
+    assert not client.list_artifacts(result["run_id"], "plots")  # the grace went to the checkpoint, not to plotting
 
     second = start_job(*args)  # the same command, as a retry runs it: no --resume
     assert second.finish() == 0, second.output()
@@ -70,6 +72,7 @@ def test_a_master_sigtermed_mid_epoch_checkpoints_exits_75_and_the_same_command_
     assert report["exact"], report  # every row of every epoch exactly once, none doubled
     run = mlflow_run(second.job_dir, result["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["elastic_step.state"] == "succeeded"
+    assert client.list_artifacts(result["run_id"], "plots")  # the run's end plots the whole run
 
 
 def test_a_master_that_cannot_checkpoint_still_exits_75_at_once_saying_so_and_the_retry_starts_over(digits, start_job):

@@ -227,10 +227,15 @@ class TrainingRecorder:
             path = os.path.join(job_dir, name)
             if os.path.exists(path):
                 self.tracker.log_artifact(path)
-        plot = plot_training(job_dir)
-        if plot:
-            self.tracker.log_artifact(plot, "plots")
-        self._log_reports(job_dir, min(60.0, left()))
+        # A preempted master has seconds left of its grace: the plot (matplotlib's import alone
+        # took 2.5 s of a 3 s exit) and the reports wait for the run's end, which the retry reaches.
+        if outcome == RunOutcome.PREEMPTED:
+            self.tensorboard.close()  # its scalars reach the disk; the retry appends to the same folder
+        else:
+            plot = plot_training(job_dir)
+            if plot:
+                self.tracker.log_artifact(plot, "plots")
+            self._log_reports(job_dir, min(60.0, left()))
         for name, value in (test_metrics or {}).items():
             if name != "rows":
                 self.tracker.log_metric(f"test_{name}", value, 0)
@@ -262,6 +267,7 @@ class TrainingRecorder:
 
         from elastic_step.data.reader import ShardReader
         from elastic_step.frameworks.model_def import batch_arrays
+        from elastic_step.ps.embedding import TABLES_FILE, held_tables, trainer_network, write_tables
 
         split = "test" if self.manifest.rows("test") else "train"
         batch = ShardReader(self.manifest).read(split, 0, 0, min(5, self.manifest.splits[split][0].rows))
@@ -271,6 +277,9 @@ class TrainingRecorder:
         with self.trainer_lock:
             self.trainer.load_model_bytes(model)
             outputs = self.trainer.predict(features)
+            tables = held_tables(trainer_network(self.trainer))  # a --mode ps model's, from the shards
+            if tables:  # beside the weights file, for the release steps (embedding.hold_tables)
+                write_tables(os.path.join(job_dir, "model", TABLES_FILE), tables)
             with mlflow.start_run(run_id=self.run_id):
                 info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
                 # The raw parameters too: export rebuilds the model from them and the model
