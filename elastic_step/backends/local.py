@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 from elastic_step.backends.api import Backend, LaunchSpec, WorkerExit
 from elastic_step.backends.local_forks import ForkServer
@@ -52,6 +53,52 @@ MLFLOW_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "M
 FORKS_ENV = "ELASTIC_STEP_LOCAL_FORKS"
 
 
+def forks_wanted() -> bool:
+    return os.environ.get(FORKS_ENV, "1") != "0"
+
+
+def job_environment(job_env: dict[str, str], token_file: str) -> dict[str, str]:
+    """What every worker of the job starts with, less its own id and the master's address: also
+    what the warm parent imports with (OMP_NUM_THREADS is read as torch loads)."""
+    # Workers never call MLflow: the master's MLflow credentials stay with the master.
+    env = {k: v for k, v in os.environ.items() if k not in MLFLOW_CREDENTIALS}
+    env.update(job_env)
+    env.update(
+        {
+            WorkerEnv.TOKEN_FILE.value: token_file,
+            # gloo must talk over loopback: the machine's hostname may resolve elsewhere.
+            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+            # One thread per worker: N workers on a few cores must not oversubscribe them.
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        }
+    )
+    return env
+
+
+def start_warm_parent(python: str, job_dir: str, job_env: dict[str, str], token_file: str) -> ForkServer | None:
+    """The job's warm parent; None where it cannot start (workers are then started as programs)."""
+    try:
+        return ForkServer(python, job_environment(job_env, token_file), os.path.join(job_dir, "logs", "forks.log"))
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def warm_parent_for(config) -> Iterator[ForkServer | None]:
+    """A local job's warm parent, started before the master's own start-up (the model check,
+    MLflow, a resume's checkpoint) so that its imports (~4 s of CPU) run beside it rather than
+    after it. None where workers are not forked. Closed on the way out, whether or not a backend
+    took it over."""
+    parent = None
+    if config.backend == "local" and forks_wanted():
+        parent = start_warm_parent(sys.executable, config.job_dir, dict(config.worker_env), os.path.join(config.job_dir, "token"))
+    try:
+        yield parent
+    finally:
+        if parent is not None:
+            parent.close()
+
+
 class LocalBackend(Backend):
     """The master calls launch, stop, poll and describe holding its lock, which its API waits
     on: starting a process (a fork, an exec, its log file opened) happens on this backend's own
@@ -59,11 +106,14 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def __init__(self, spec: LaunchSpec, python: str = sys.executable, forks: bool | None = None):
+    def __init__(self, spec: LaunchSpec, python: str = sys.executable, forks: bool | None = None,
+                 warm_parent: ForkServer | None = None):
         self.spec = spec
         self.python = python
-        self.forks = os.environ.get(FORKS_ENV, "1") != "0" if forks is None else forks
-        self._fork_server: ForkServer | None = None  # started by the launch thread, before its first launch
+        self.forks = warm_parent is not None or (forks_wanted() if forks is None else forks)
+        # Given (started beside the master's own start-up: warm_parent_for), or started by the
+        # launch thread before its first launch; the backend's shutdown closes it.
+        self._fork_server: ForkServer | None = warm_parent
         self.procs: dict[str, subprocess.Popen] = {}
         self.log_dir = os.path.join(spec.job_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -81,13 +131,8 @@ class LocalBackend(Backend):
         self._launches.put(worker_id)
 
     def _launch_loop(self) -> None:
-        if self.forks:
-            # The job's environment, less what differs by worker: what the server imports with.
-            env = {k: v for k, v in self._environment("").items() if k != WorkerEnv.WORKER_ID.value}
-            try:
-                self._fork_server = ForkServer(self.python, env, os.path.join(self.log_dir, "forks.log"))
-            except OSError:  # workers are started as programs, as without forks
-                self._fork_server = None
+        if self.forks and self._fork_server is None:
+            self._fork_server = start_warm_parent(self.python, self.spec.job_dir, self.spec.env, self.spec.token_file)
         while True:
             worker_id = self._launches.get()
             if worker_id is None:
@@ -124,20 +169,8 @@ class LocalBackend(Backend):
             )
 
     def _environment(self, worker_id: str) -> dict[str, str]:
-        # Workers never call MLflow: the master's MLflow credentials stay with the master.
-        env = {k: v for k, v in os.environ.items() if k not in MLFLOW_CREDENTIALS}
-        env.update(self.spec.env)
-        env.update(
-            {
-                WorkerEnv.MASTER_URL.value: self.spec.master_url,
-                WorkerEnv.TOKEN_FILE.value: self.spec.token_file,
-                WorkerEnv.WORKER_ID.value: worker_id,
-                # gloo must talk over loopback: the machine's hostname may resolve elsewhere.
-                "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
-                # One thread per worker: N workers on a few cores must not oversubscribe them.
-                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-            }
-        )
+        env = job_environment(self.spec.env, self.spec.token_file)
+        env.update({WorkerEnv.MASTER_URL.value: self.spec.master_url, WorkerEnv.WORKER_ID.value: worker_id})
         return env
 
     def poll(self) -> list[WorkerExit]:

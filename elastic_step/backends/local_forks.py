@@ -63,9 +63,10 @@ class ForkServer:
     """The master's side: starts the server, asks it for workers, hears their exits."""
 
     def __init__(self, python: str, env: dict[str, str], log_path: str):
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen([python, "-m", "elastic_step.backends.local_forks"], env=env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        # The server opens its log when it forks its first worker: a job that fails before any
+        # worker starts leaves no log of one (its logs folder is where people look for workers).
+        self.proc = subprocess.Popen([python, "-m", "elastic_step.backends.local_forks", log_path], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self._children: dict[int, ForkedProcess] = {}
         self._started: list[ForkedProcess | None] = []
         self._cond = threading.Condition()
@@ -106,11 +107,17 @@ class ForkServer:
             child.ended(-signal.SIGKILL)
 
     def close(self) -> None:
-        """The server exits when its requests end (its children, if any, run on)."""
+        """The server ends: when its requests end, or at once when no child of its runs (it holds
+        nothing else, and may still be importing: a job that failed before its first launch).
+        Children still running run on."""
         try:
             self.proc.stdin.close()
         except OSError:
             pass
+        with self._cond:
+            idle = not self._children
+        if idle:
+            self.proc.kill()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -120,12 +127,25 @@ class ForkServer:
 
 
 # -- the server's side ---------------------------------------------------------------------------
-def preload() -> None:
+def preload() -> list[str]:
+    """Imports what a worker imports; a line for each module that could not be."""
+    notes = []
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except Exception as exc:  # an optional framework: the worker imports its own
-            print(f"fork server: not preloaded: {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            notes.append(f"fork server: not preloaded: {name}: {type(exc).__name__}: {exc}")
+    return notes
+
+
+def open_log(log_path: str, notes: list[str]) -> None:
+    """From now on stdout and stderr (print(), a traceback) go to the log, which starts with `notes`."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    os.dup2(log, 1), os.dup2(log, 2)
+    os.close(log)
+    for note in notes:
+        print(note, file=sys.stderr, flush=True)
 
 
 def become_worker(request: dict, server_fds: list[int]) -> None:
@@ -158,12 +178,13 @@ def become_worker(request: dict, server_fds: list[int]) -> None:
         os._exit(code)
 
 
-def serve() -> None:
-    # Replies go out on a copy of stdout; print() and the children's stdout go to the log (stderr).
+def serve(log_path: str) -> None:
+    # Replies go out on a copy of stdout; print() goes to the log once there is one (open_log).
     requests, replies = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
-    preload()
+    notes = preload()
+    log_open = False
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)  # a SIGCHLD wakes the select below
@@ -178,9 +199,15 @@ def serve() -> None:
             continue
         data = os.read(requests, 1 << 16)
         if not data:  # the master is gone or done
-            return
+            # At once: the interpreter's own teardown (torch, pandas, pyarrow) took seconds, and
+            # a preempted master waits for this process within its grace period.
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(0)
         *lines, pending = (pending + data).split(b"\n")
         for line in lines:
+            if not log_open:
+                open_log(log_path, notes)
+                log_open = True
             sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
             pid = os.fork()
             if pid == 0:
@@ -200,4 +227,4 @@ def reap(replies: int) -> None:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1])

@@ -18,6 +18,7 @@ import uvicorn
 
 from elastic_step.audit import start_audit
 from elastic_step.backends.api import LaunchSpec
+from elastic_step.backends.local import warm_parent_for
 from elastic_step.backends.registry import create_backend
 from elastic_step.config import TrainConfig
 from elastic_step.data.manifest import load_manifest, validate_shards
@@ -33,12 +34,13 @@ from elastic_step.master.ledger import Ledger
 from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigterm_as_preemption
 from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.ps_checkpoints import checkpointing, resumed_cut
+from elastic_step.master.ps_rollback import roll_back_on_loss
 from elastic_step.master.ps_shards import check_ps_tables, keeping_cuts, start_ps_shards
 from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.restore import InitialState, RestorePoint, restart_from
 from elastic_step.master.state import MasterState, Timeouts
 from elastic_step.master.store import RendezvousStore
-from elastic_step.protocol import EventKind, JobSpec, JobState, TrainingMode
+from elastic_step.protocol import EventKind, JobSpec, JobState
 from elastic_step.tracking.recorder import TrainingRecorder
 from elastic_step.tracking.run import tracking_errors
 from elastic_step.tracking.uri import redact
@@ -161,7 +163,10 @@ def run_job(config: TrainConfig) -> JobResult:
     applied (or the job fails, is stopped or preempted), then save, evaluate and record the model."""
     started = time.time()
     budget = GraceBudget(config.termination_grace)
-    with sigterm_as_preemption() as sigterm:
+    with sigterm_as_preemption() as sigterm, contextlib.ExitStack() as early:
+        # The workers' warm parent imports torch beside the checks and MLflow's start-up below
+        # (it writes nothing until its first worker: a bad input leaves no trace of it).
+        warm_parent = early.enter_context(warm_parent_for(config))
         manifest, model_def, trainer = check_inputs(config)
         if config.backend == "kubernetes":  # the cluster's refusal comes before an MLflow run is opened
             from elastic_step.backends.kubernetes.options import settings_from_config
@@ -177,7 +182,7 @@ def run_job(config: TrainConfig) -> JobResult:
         try:
             with tracking_errors(f"job {config.job_name}"):
                 with contextlib.ExitStack() as running:
-                    master = start_master(config, manifest, recorder, running)
+                    master = start_master(config, manifest, recorder, running, warm_parent)
                     supervise(master.state, recorder, config.progress, sigterm, budget)
                 write_final_status(config.job_dir, master.state)
                 if master.state.state in (JobState.STOPPED, JobState.PREEMPTED):
@@ -227,7 +232,8 @@ def plan_start(config: TrainConfig, recorder: TrainingRecorder, dispatcher: Disp
     return point
 
 
-def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, running: contextlib.ExitStack) -> Master:
+def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, running: contextlib.ExitStack,
+                 warm_parent=None) -> Master:
     """The ledger and its starting point, the store, the API and the backend; every one of them
     registered with `running` for release."""
     shards = manifest.splits["train"]
@@ -268,7 +274,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     resuming = initial is not None and initial.kind == "checkpoint"
     launch = LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env),
                         master_ports=[api_socket.getsockname()[1], store.port])  # what workers call: the job's NetworkPolicy
-    backend = create_backend(config.backend, launch, config=config)
+    backend = create_backend(config.backend, launch, config=config, **({"warm_parent": warm_parent} if warm_parent else {}))
     # mode ps: the shards (stopped after the workers; pods when the backend runs them), and their
     # numbers for /status and the run
     ps_routing, ps_shards = start_ps_shards(config, token_file, running, resuming, metric=recorder.tracker.log_metric,
@@ -292,9 +298,10 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
         on_checkpoint=checkpointing(ps_shards, keeping_cuts(ps_shards, recorder.on_checkpoint if config.checkpoint_steps else None),
                                     lambda: list(recorder.checkpoints.committed)),
         spares=config.spares,
-        # A PS-mode job's shards hold their part of the model: they cannot go back with the ledger.
-        ps_shards=ps_shards, restore_point=start if config.mode != TrainingMode.PS else None,
+        ps_shards=ps_shards, restore_point=start,
     )
+    if ps_shards is not None:  # its shards hold their part of the model: they go back only with a rollback
+        roll_back_on_loss(ps_shards, state)
     # Registered before the API's stop, so it runs after it: the folder then names no address
     # where a later process could listen and be handed the token.
     running.callback(retire_master_info, config.job_dir, state)
