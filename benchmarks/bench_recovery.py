@@ -7,6 +7,7 @@ multi-node form instead (see MULTI_NODE for why that is not the peer)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -50,14 +51,18 @@ def recovery_split(job_dir: str, killed_at: float) -> dict[str, float]:
             "state transfer": transfer, "first step": first_step - transfer, "sent to": sent_to}
 
 
+MINIBATCH = 32  # rows per worker per step
+
+
 class AuditWatcher:
     """Reads the job's audit file from outside, as someone checking it would, every 10 ms: when
-    each step's lines first appeared there, and how many ranks consumed rows in it. The audit
-    holds final steps only, so this is later than the step's own time by the audit's lag."""
+    each step's lines first appeared there, and how many rows it consumed (a line is one consumed
+    range, and a rank's minibatch may span two tasks: rows, not lines, tell a smaller group). The
+    audit holds final steps only, so this is later than the step's own time by the audit's lag."""
 
     def __init__(self, path: str):
         self.path = path
-        self.steps: dict[int, tuple[float, int]] = {}  # step -> (first seen, lines)
+        self.steps: dict[int, tuple[float, int]] = {}  # step -> (first seen, rows)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -78,12 +83,13 @@ class AuditWatcher:
             for line in lines:
                 entry = json.loads(line) if line.strip() else {}
                 if "step" in entry:
-                    seen, count = self.steps.get(entry["step"], (now, 0))
-                    self.steps[entry["step"]] = (seen, count + 1)
+                    seen, rows = self.steps.get(entry["step"], (now, 0))
+                    self.steps[entry["step"]] = (seen, rows + entry["count"])
 
-    def first_smaller_step(self, after: float, workers: int) -> float | None:
-        """When the audit first showed a step of fewer than `workers` ranks, seen after `after`."""
-        times = [seen for seen, count in self.steps.values() if seen > after and count < workers]
+    def first_smaller_step(self, after: float, full_rows: int) -> float | None:
+        """When the audit first showed a step of fewer than `full_rows` rows (a smaller group's),
+        seen after `after`."""
+        times = [seen for seen, rows in self.steps.values() if seen > after and rows < full_rows]
         return min(times) if times else None
 
     def close(self) -> None:
@@ -108,7 +114,7 @@ def elastic_recovery(workers: int, data: str, root: str, kills: int, model: str 
     group = [f"2:{workers}"] if spares is None else [str(workers), "--spares", str(spares)]
     audit = os.path.join(root, f"audit-{os.path.basename(job_dir)}.jsonl")
     job = elastic_step("train", "--model-def", model, "--data", data, "--job-dir", job_dir, "--workers", *group,
-                       "--epochs", "400", "--minibatch-size", "32", "--no-progress", "--max-relaunches", str(kills + 1),
+                       "--epochs", "400", "--minibatch-size", str(MINIBATCH), "--no-progress", "--max-relaunches", str(kills + 1),
                        "--audit", audit, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     watcher = AuditWatcher(audit)
 
@@ -131,7 +137,7 @@ def elastic_recovery(workers: int, data: str, root: str, kills: int, model: str 
             # the same machine's as ours).
             results.append(wait_until(lambda: recovered_after(killed_at), 60, "no recovery") - killed_at)
             if outside is not None and spares is None:
-                outside.append(wait_until(lambda: watcher.first_smaller_step(killed_at, workers), 60,
+                outside.append(wait_until(lambda: watcher.first_smaller_step(killed_at, workers * MINIBATCH), 60,
                                           "no smaller step in the audit") - killed_at)
             if splits is not None:
                 splits.append(recovery_split(job_dir, killed_at))
@@ -209,6 +215,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="small",
                         help="small: 17k parameters; wide: 8.6M (34 MB of weights, 69 MB of state with momentum)")
     parser.add_argument("--no-peer", action="store_true", help="elastic-step only")
+    parser.add_argument("--keep", metavar="DIR", help="put the data and the jobs' folders (events, logs) here and keep them")
     parser.add_argument("--torchrun", choices=["one-node", "multinode"], default="one-node",
                         help="one-node: torchrun --standalone, as a user of one machine runs it (the peer quoted); "
                              "multinode: --nnodes 1:2, whose rendezvous waits for a second node after each restart "
@@ -219,7 +226,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"recovery: SIGKILL 1 of {args.workers} workers, {args.model} digits MLP; {machine()}")
     splits: list[dict] = []
-    with tempfile.TemporaryDirectory() as root:
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as root:
         data = prepared_digits(root)
         if args.spares is not None:
             spared = elastic_recovery(args.workers, data, root, args.kills, MODELS[args.model], splits, spares=args.spares)
