@@ -8,6 +8,10 @@ given; they never load an MLflow model through its flavour (`mlflow.pytorch.load
 pickle, a Keras model file may carry code), so whoever can write to MLflow can change weights
 but cannot run code in the pipeline's pods.
 
+A `--mode ps` run logs its trained embedding tables beside it (`elastic_step_model/ps_tables.npz`,
+numpy arrays read with `allow_pickle=False`): the gate and export give them to the network they
+build (ps/embedding.py's hold_tables).
+
 A model URI names its run: `runs:/RUN/...`, `models:/NAME@ALIAS`, `models:/NAME/VERSION` (the
 version's source run), or MLflow 3's `models:/m-ID` (the logged model's source run).
 """
@@ -72,11 +76,34 @@ def final_model_bytes(model_uri: str, tracking_uri: str | None = None) -> bytes:
     client = MlflowClient(tracking_uri)
     run_id = run_of_model_uri(model_uri, client)
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=FINAL_MODEL_ARTIFACTS, dst_path=tmp,
-                                                         tracking_uri=client.tracking_uri)
-            with open(os.path.join(folder, WEIGHTS_FILE), "rb") as f:
+        try:  # the file alone: not a --mode ps model's tables beside it
+            path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=f"{FINAL_MODEL_ARTIFACTS}/{WEIGHTS_FILE}",
+                                                       dst_path=tmp, tracking_uri=client.tracking_uri)
+            with open(path, "rb") as f:
                 return f.read()
         except Exception as exc:
             raise WeightsError(f"run {run_id} of model {model_uri!r} has no weights file {FINAL_MODEL_ARTIFACTS}/{WEIGHTS_FILE} "
                                f"({type(exc).__name__}); use a model that `elastic-step train` finished") from None
+
+
+def final_model_tables(model_uri: str, tracking_uri: str | None = None) -> dict:
+    """The trained embedding tables of a `--mode ps` run a model URI comes from (its
+    `elastic_step_model/ps_tables.npz`, read with allow_pickle=False), by table name; {} for a
+    run whose model has none."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from elastic_step.ps.embedding import TABLES_FILE, read_tables
+
+    client = MlflowClient(tracking_uri)
+    run_id = run_of_model_uri(model_uri, client)
+    path = f"{FINAL_MODEL_ARTIFACTS}/{TABLES_FILE}"
+    if path not in {a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)}:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=tmp,
+                                                    tracking_uri=client.tracking_uri)
+        try:
+            return read_tables(local)
+        except ValueError as exc:
+            raise WeightsError(f"run {run_id} of model {model_uri!r}: {exc}") from None

@@ -12,13 +12,19 @@ tape sums a gather's slices) for the training step to push, and flows on into th
 scalar weight, the *sink*, as 0. The sink is what makes the tape reach the identity; its gradient
 is always 0, so its optimizer leaves it at 0.
 
-The table is not a weight: the workers' model bytes and checkpoints never hold it. The logged
-Keras model holds the dense weights; in the master, once the shards have stopped, its lookups
-use the frozen table (embedding.freeze_tables) for the test-set evaluation.
+The table is not a weight: the workers' model bytes and checkpoints never hold it. Once the
+layer is given the trained table (in the master when the shards stop, embedding.freeze_tables; in
+the release steps from the run's table file, embedding.hold_tables) it looks ids up in it with
+TensorFlow ops alone (searchsorted and gather over two TensorFlow variables that are not Keras
+weights, so the model's weights and state stay the workers'): a SavedModel of the model holds the
+table and serves without this module, and the layer's `.keras` file (the model logged to MLflow)
+saves and loads the table beside its sink, so the logged model predicts with the trained table in
+any process.
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import keras
@@ -26,7 +32,19 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_step.ps.api import OptimizerKind, TableSpec
-from elastic_step.ps.embedding import TableRows
+from elastic_step.ps.embedding import TableRows, frozen_table, held_or_placeholder, on_freeze
+
+HELD_IDS, HELD_ROWS = "held_ids", "held_rows"  # the trained table's entries in the layer's saved variables
+
+_INSTANCES: weakref.WeakSet = weakref.WeakSet()  # every PsEmbedding layer of this process, for freeze_tables
+
+
+def _adopt_all() -> None:
+    for layer in list(_INSTANCES):
+        layer._adopt_frozen()
+
+
+on_freeze(_adopt_all)
 
 
 @keras.saving.register_keras_serializable(package="elastic_step")
@@ -35,6 +53,9 @@ class PsEmbedding(keras.layers.Layer):
                  init_scale: float = 0.05, **kwargs):
         super().__init__(**kwargs)
         self.ps_table = TableRows(TableSpec(table, dim, OptimizerKind(optimizer), lr=lr, seed=seed, init_scale=init_scale))
+        self.held_ids = self.held_rows = None  # the trained table, once held (TensorFlow variables)
+        _INSTANCES.add(self)
+        self._adopt_frozen()
 
     @property
     def spec(self) -> TableSpec:
@@ -46,8 +67,23 @@ class PsEmbedding(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.spec.dim)
 
+    def _adopt_frozen(self) -> None:
+        table = frozen_table(self.spec.name)
+        if table is not None:
+            self.hold_table(*table)
+
+    def hold_table(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Look ids up in this trained table from now on (embedding.hold_tables)."""
+        ids, rows = held_or_placeholder(*self.ps_table.hold(ids, rows))
+        # Plain TensorFlow variables: a SavedModel of the model tracks and saves them; Keras does not
+        # count them among the layer's weights (the workers' model bytes and checkpoints).
+        self.held_ids = tf.Variable(ids, trainable=False, name="ps_held_ids")
+        self.held_rows = tf.Variable(rows, trainable=False, name="ps_held_rows")
+
     def call(self, ids, training=None):
         ids = tf.cast(ids, tf.int64)
+        if self.held_ids is not None and self.ps_table.source is None:
+            return self._held_lookup(ids)
         unique, inverse, rows = tf.numpy_function(partial(self._rows, bool(training)), [ids],
                                                   [tf.int64, tf.int64, tf.float32], stateful=True)
         rows = tf.ensure_shape(rows, [None, self.spec.dim])
@@ -57,6 +93,28 @@ class PsEmbedding(keras.layers.Layer):
         out = tf.reshape(found, tf.concat([tf.shape(ids, out_type=tf.int32), [self.spec.dim]], axis=0))
         out.set_shape(ids.shape.concatenate([self.spec.dim]))
         return out
+
+    def _held_lookup(self, ids):
+        """TensorFlow ops only (a SavedModel serves them): each id's row, zeros for an id never trained."""
+        flat = tf.reshape(ids, [-1])
+        last = tf.size(self.held_ids, out_type=tf.int64) - 1
+        positions = tf.minimum(tf.searchsorted(self.held_ids, flat, out_type=tf.int64), last)
+        held = tf.cast(tf.equal(tf.gather(self.held_ids, positions), flat), tf.float32)
+        found = tf.gather(self.held_rows, positions) * held[:, None]
+        out = tf.reshape(found, tf.concat([tf.shape(ids, out_type=tf.int32), [self.spec.dim]], axis=0))
+        out.set_shape(ids.shape.concatenate([self.spec.dim]))
+        return out
+
+    def save_own_variables(self, store) -> None:
+        """The sink, and the trained table once held: the layer's part of a `.keras` file."""
+        super().save_own_variables(store)
+        if self.held_ids is not None:
+            store[HELD_IDS], store[HELD_ROWS] = self.held_ids.numpy(), self.held_rows.numpy()
+
+    def load_own_variables(self, store) -> None:
+        self.sink.assign(store["0"])
+        if HELD_IDS in store:
+            self.hold_table(np.asarray(store[HELD_IDS]), np.asarray(store[HELD_ROWS]))
 
     def _rows(self, training: bool, ids: np.ndarray):
         unique, inverse, rows = self.ps_table.distinct(ids, training)

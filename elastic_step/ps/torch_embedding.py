@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from elastic_step.ps.api import OptimizerKind, TableSpec
-from elastic_step.ps.embedding import RowSource, TableRows, bind_tables, freeze_tables, frozen_table, on_freeze
+from elastic_step.ps.embedding import (RowSource, TableRows, bind_tables, freeze_tables, frozen_table, held_or_placeholder,
+                                       on_freeze)
 from elastic_step.ps.embedding import ps_tables as _ps_tables
 
 __all__ = ["PsEmbedding", "bind_tables", "freeze_tables", "ps_tables"]
@@ -66,11 +67,15 @@ class PsEmbedding(nn.Module):
 
     def _adopt_frozen(self) -> None:
         table = frozen_table(self.spec.name)
-        if table is None:
-            return
-        ids, rows = table
+        if table is not None:
+            self.hold_table(*table)
+
+    def hold_table(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Look ids up in this trained table from now on (embedding.hold_tables); it is kept as the
+        module's buffers, so a pickled or TorchScript copy of the net holds it too."""
+        ids, rows = held_or_placeholder(*self.ps_table.hold(ids, rows))
         self.frozen_ids = torch.from_numpy(ids).to(self._device.device)
-        self.frozen_rows = torch.from_numpy(rows[:, : self.spec.dim]).to(self._device.device)
+        self.frozen_rows = torch.from_numpy(rows).to(self._device.device)
         self.frozen = True
 
     def __setstate__(self, state):

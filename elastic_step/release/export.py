@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.frameworks.registry import build_trainer
+from elastic_step.ps.embedding import TABLES_FILE, hold_tables, read_tables, trainer_network
 from elastic_step.release.candidate import load_candidate, split_head
 from elastic_step.errors import ConfigError
 from elastic_step.release.registry import registry_client
@@ -50,6 +51,9 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
     model_def = load_model_definition(candidate.model_def_source)
     trainer = build_trainer(model_def)
     best = None
+    if checkpoint == "best" and candidate.params.get("mode") == "ps":
+        raise ConfigError(f"--checkpoint best: run {run_id} trained its embedding tables on parameter-server shards, and "
+                          "only its final tables are logged with the model; export its final model (--checkpoint final)")
     if checkpoint == "best":  # read first: its step is part of what was exported
         best = _best_checkpoint(client, run_id)
         source = f"best {checkpoint_name(best.step)}"
@@ -76,6 +80,12 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
                                     f"({type(exc).__name__}); export a run that `elastic-step train` finished") from None
             with open(os.path.join(folder, "model.bin"), "rb") as f:
                 trainer.load_model_bytes(f.read())
+            tables = os.path.join(folder, TABLES_FILE)  # a --mode ps model's trained tables: exported with it
+            if os.path.exists(tables):
+                try:
+                    hold_tables(trainer_network(trainer), read_tables(tables))
+                except ValueError as exc:
+                    raise TrackingError(f"run {run_id}: {exc}") from None
     example = split_head(data, model_def, rows=5)
     signature = infer_signature(example, trainer.predict(example))
     use_tracking_uri(client.tracking_uri)
