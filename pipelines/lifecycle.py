@@ -89,6 +89,7 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         floors: dict = dict(defaults.FLOORS),
         min_gains: dict = dict(defaults.MIN_GAINS),
         split: str = defaults.SPLIT,
+        categorical: str = "",
         rows_per_shard: int = defaults.ROWS_PER_SHARD,
         seed: int = defaults.SEED,
         job_dir: str = "",
@@ -97,7 +98,8 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         serve_service_account: str = "",
         serve_storage_secret: str = "",
     ):
-        prepared = prepare_data(source=source, split=split, rows_per_shard=rows_per_shard, seed=seed)
+        # categorical: the string columns' ids (prepare_data's spec, or auto), as a mode=ps model's tables take them
+        prepared = prepare_data(source=source, split=split, rows_per_shard=rows_per_shard, seed=seed, categorical=categorical)
         trained = train_elastic(
             dataset=prepared.outputs["dataset"], model_def=model_def, workers=workers, spares=spares, epochs=epochs,
             minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
