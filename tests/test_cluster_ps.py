@@ -169,7 +169,8 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
     master copying it (fetch_cut, checked by the digest) and sending it to a new pod waiting
     for it (receive_cut); that folder's shard then holds step 2's table, not the later one. A
     cut whose bytes are not the recorded digest's is refused on both sides (the pod's wait ends
-    saying so) and leaves the folder empty."""
+    saying so) and leaves the folder empty. A request without the job's token is refused, and the
+    pod waits on for the master's."""
     import threading
 
     from elastic_step.backends.kubernetes.ps_cuts import fetch_cut, receive_cut, restored, send_cut
@@ -198,9 +199,23 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
         server.server_close()
     files = {part: str(tmp_path / "copied" / f"shard-0.{part}") for part in ("bin", "ledger")}
 
-    def pod(folder, digest) -> tuple[str, str]:
+    def sent(by: PsClient, endpoint: str) -> str:
+        """What a pod waiting for its cut answered `by`'s send_cut, once it listens."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                send_cut(by, endpoint, files)
+                return "ok"
+            except PsError as exc:
+                return str(exc)
+            except OSError:  # not listening yet
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+    def pod(folder, digest, intruder: bool = False) -> tuple[str, str]:
         """A resumed shard pod's first phase at a port of its own, sent the cut: (what the master
-        was answered, how the pod's wait ended)."""
+        was answered, how the pod's wait ended). `intruder`: someone without the job's token
+        sends a cut first."""
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -215,18 +230,12 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
 
         thread = threading.Thread(target=waiting, daemon=True)
         thread.start()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                send_cut(client, f"127.0.0.1:{port}", files)
-                answered = "ok"
-                break
-            except PsError as exc:
-                answered = str(exc)
-                break
-            except OSError:  # not listening yet
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        if intruder:  # refused, and the pod waits on for the master's
+            wrong = PsClient("wrong", lambda: None, timeout_s=10.0)
+            assert sent(wrong, f"127.0.0.1:{port}") == "missing or wrong job token"
+            wrong.close()
+            assert thread.is_alive() and not restored(str(folder))
+        answered = sent(client, f"127.0.0.1:{port}")
         thread.join(10)
         return answered, ended[0]
 
@@ -235,7 +244,7 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
     assert "SHA-256" in answered and "SHA-256" in ended
     assert not restored(str(tmp_path / "forged")) and not (tmp_path / "forged" / "snapshot.bin").exists()
     (tmp_path / "new").mkdir()
-    assert pod(tmp_path / "new", cut["digest"]) == ("ok", "restored")
+    assert pod(tmp_path / "new", cut["digest"], intruder=True) == ("ok", "restored")
     assert restored(str(tmp_path / "new"))
     assert shard(tmp_path / "new").tables["emb"].digest() == at_checkpoint
     client.close()

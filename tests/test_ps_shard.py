@@ -1,7 +1,7 @@
 """A shard process's contract beyond exactly-once: requests under a stale routing epoch or for
 ids it does not own are refused and the client re-routes and retries; the job token is checked;
-a wildcard bind address is bad input; SIGTERM leaves a snapshot with nothing to replay; a push
-queue delivers every push once, in order."""
+a wildcard bind address or an empty token file is bad input; SIGTERM leaves a snapshot with
+nothing to replay; a push queue delivers every push once, in order."""
 
 from __future__ import annotations
 
@@ -98,6 +98,18 @@ def test_a_wildcard_bind_address_is_bad_input(tmp_path, token_file):
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "--host 0.0.0.0" in result.stderr
+    assert not os.path.exists(os.path.join(directory, READY_FILE))
+
+
+def test_an_empty_token_file_is_bad_input(tmp_path):
+    """An empty token would let any request in (every header without one matches it)."""
+    directory, empty = str(tmp_path / "shard"), tmp_path / "empty-token"
+    empty.write_text("\n")
+    write_config(directory, [SPEC], RoutingTable.initial(1))
+    command = [sys.executable, "-m", "elastic_step.ps.shard", "--dir", directory, "--shard", "0", "--token-file", str(empty)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and f"the token file {empty} is empty" in result.stderr
     assert not os.path.exists(os.path.join(directory, READY_FILE))
 
 

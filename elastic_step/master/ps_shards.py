@@ -40,7 +40,7 @@ from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.master.events import EventLog
 from elastic_step.master.ps_checkpoints import PS_CUT, restore_cut
 from elastic_step.protocol import EventKind, PsShardState, TrainingMode
-from elastic_step.ps import snapshot
+from elastic_step.ps import snapshot, wire
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import bind_tables, freeze_tables, ps_tables
@@ -109,17 +109,18 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     if config.mode != TrainingMode.PS:
         return {}, None
     specs = table_specs(config.model_def)
+    token = wire.read_token(token_file)
     if launcher is not None:
-        supervisor = launcher.start_shards(specs, config.ps_shards, _read_token(token_file), resuming, running, cut=cut,
+        supervisor = launcher.start_shards(specs, config.ps_shards, token, resuming, running, cut=cut,
                                            checkpoints=checkpoints, checkpoint_every=config.checkpoint_steps)
     else:
         supervisor = _start_local(config, specs, token_file, running, resuming, cut)
     shards = supervisor.shards
     running.callback(supervisor.stop)  # stops before the shards do (last in, first out)
-    monitor = ShardMonitor(supervisor, _read_token(token_file), metric, events).start()
+    monitor = ShardMonitor(supervisor, token, metric, events).start()
     running.callback(monitor.stop)
     routes = shards.routes()
-    live = LiveRows(PsClient(_read_token(token_file), shards.routes))  # current after a scale --ps
+    live = LiveRows(PsClient(token, shards.routes))  # current after a scale --ps
     running.callback(live.client.close)
     bind_tables({spec.name: partial(live.pull, spec.name) for spec in specs})  # validation during training
     log.info("parameter servers: %d shards at %s holding %s", config.ps_shards, ", ".join(routes.endpoints),
@@ -169,7 +170,7 @@ def _start_local(config: TrainConfig, specs: list[TableSpec], token_file: str, r
     running.callback(_stop_and_freeze, shards, specs)
     shards.start()
     if newest is not None and newest.epoch > 1:
-        _finish_move(shards, newest, previous, _read_token(token_file))
+        _finish_move(shards, newest, previous, wire.read_token(token_file))
     return ShardSupervisor(shards).start()
 
 
@@ -204,11 +205,6 @@ def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTab
     for shard in shards.shards[newest.shards :]:
         shard.kill(signal.SIGTERM)
     shards.shards = shards.shards[: newest.shards]
-
-
-def _read_token(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip()
 
 
 def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec]) -> None:

@@ -17,7 +17,6 @@ carries the shard's routing, so a client learns the next one from any shard it r
 from __future__ import annotations
 
 import argparse
-import hmac
 import ipaddress
 import json
 import os
@@ -52,8 +51,7 @@ class ShardHandler(socketserver.BaseRequestHandler):
                 header, body = wire.receive(self.request)
             except (ConnectionError, wire.FrameError, ValueError, OSError):
                 return
-            if not hmac.compare_digest(str(header.get("token", "")).encode(), self.server.token):
-                wire.send(self.request, {"status": Status.UNAUTHORIZED, "detail": "missing or wrong job token"})
+            if not wire.authorized(self.request, header, self.server.token):
                 return
             try:
                 reply, arrays = self.server.answer(header, body)
@@ -191,8 +189,7 @@ def serve(args: argparse.Namespace) -> None:
     except FileNotFoundError:
         pass
     specs, routing, snapshot_every, checkpoint_every = load_config(args.dir)
-    with open(args.token_file, encoding="utf-8") as f:
-        token = f.read().strip()
+    token = wire.read_token(args.token_file)
     state = ShardState(args.dir, specs, args.shard, routing, snapshot_every, sync=not args.no_fsync, checkpoint_every=checkpoint_every)
     replayed = state.recover()
     server = ShardServer((_bind_host(args.host), args.port), state, token)

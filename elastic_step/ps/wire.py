@@ -9,15 +9,22 @@ and JSON would turn it into text and back on every minibatch. Every message, eit
 
 Nothing is unpickled: a header is JSON, a body is read with np.frombuffer at the dtype the
 protocol fixes. Sizes are bounded before anything is allocated.
+
+Every request carries the job's token in its header; whatever listens on a shard's address (the
+shard, or a resumed shard pod waiting for its cut) reads the token from the file it was given
+(`read_token`) and answers a request without it UNAUTHORIZED (`authorized`).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import socket
 import struct
 
 import numpy as np
+
+from elastic_step.ps.api import Status
 
 MAGIC = b"ESP1"
 _PREFIX = struct.Struct("<4sIQ")
@@ -55,6 +62,25 @@ def receive(sock: socket.socket) -> tuple[dict, bytearray]:
     if not isinstance(header, dict):
         raise FrameError("a message header must be a JSON object")
     return header, _recv_exact(sock, body_len)
+
+
+def read_token(path: str) -> str:
+    """The job token from its file (a token never travels on a command line). ValueError when the
+    file is empty: an empty token would let any request in."""
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token:
+        raise ValueError(f"the token file {path} is empty")
+    return token
+
+
+def authorized(sock: socket.socket, header: dict, token: bytes) -> bool:
+    """Whether a request's header carries the job's `token`; if not, it is answered UNAUTHORIZED
+    and the caller closes the connection."""
+    if hmac.compare_digest(str(header.get("token", "")).encode(), token):
+        return True
+    send(sock, {"status": Status.UNAUTHORIZED, "detail": "missing or wrong job token"})
+    return False
 
 
 def ids_and_rows(body: bytearray, count: int, dim: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -209,8 +208,7 @@ def _restore_connection(connection: socket.socket, directory: str, token: bytes,
             header, body = wire.receive(connection)
         except (ConnectionError, wire.FrameError, ValueError, OSError):
             return False
-        if not hmac.compare_digest(str(header.get("token", "")).encode(), token):
-            wire.send(connection, {"status": Status.UNAUTHORIZED, "detail": "missing or wrong job token"})
+        if not wire.authorized(connection, header, token):
             return False
         op = header.get("op")
         if op not in ("restore_part", "restore_done"):  # `stats` and anything else: not serving yet

@@ -531,8 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         address.add_argument("--host", required=True)
         address.add_argument("--port", type=int, required=True)
         where = address.parse_known_args(argv)[0]
-        with open(token_file, encoding="utf-8") as f:
-            token = f.read().strip()
+        try:
+            token = wire.read_token(token_file)
+        except (OSError, ValueError) as exc:  # as the shard itself says of its token file
+            print(f"elastic_step.backends.kubernetes.ps_pods: {exc}; the pod mounts the job's token Secret there", file=sys.stderr)
+            return 2
         log.info("waiting for this shard's checkpoint cut from the master at %s:%d", where.host, where.port)
         try:
             receive_cut(directory, where.host, where.port, token, json.loads(os.environ[RESTORE_ENV]))
