@@ -16,10 +16,14 @@ hold (the table hash of the cut, loaded and replayed by the test). `scale --ps 3
 shard pod and moves at most 1/3 + 5% of the rows, and one shard's container is SIGKILLed (`docker kill`), and a pod without the job's labels cannot connect to the shards. The
 kubelet restarts it in its pod, where it loads its snapshot and replays its ledger from the pod's
 emptyDir, at the same address; the workers retry what it had not acknowledged and none of them
-restarts. Once every row is trained, each embedding row's update counter on the shards (asked
+restarts. Once a checkpoint of the three shards is committed, another shard's pod is deleted
+through the API, its emptyDir with it: the job goes back to its newest checkpoint in process
+(master/ps_rollback.py: every shard to its cut behind a fence of the rounds before, that shard
+in a new pod from its cut, the workers' rows after the checkpoint back to the queue), and no
+worker restarts. Once every row is trained, each embedding row's update counter on the shards (asked
 from the master pod's network) equals the count computed from the data alone (each minibatch
 updates each of its distinct ids once): nothing acknowledged was lost and nothing applied twice,
-across both kills. The job then succeeds and leaves none of its pods or NetworkPolicies, nor
+across the kills and the deletion. The job then succeeds and leaves none of its pods or NetworkPolicies, nor
 does the killed master's.
 """
 
@@ -145,7 +149,7 @@ def _shard_pod(restarts: int, running: bool, phase: str = "Running"):
                                                                 image_id="", ready=running)]))
 
 
-def test_a_restarted_shard_is_relaunching_until_it_answers_and_a_gone_pod_is_down():
+def test_a_restarted_shard_is_relaunching_until_it_answers_and_a_gone_pod_rolls_the_job_back_or_is_down():
     from elastic_step.backends.kubernetes.ps_pods import PodShard, PodShards, PodSupervisor
     from elastic_step.ps.routing import RoutingTable
 
@@ -160,8 +164,15 @@ def test_a_restarted_shard_is_relaunching_until_it_answers_and_a_gone_pod_is_dow
     pods.serving = True
     judge(_shard_pod(1, running=True))
     assert supervisor.states == ["serving"] and supervisor.relaunches == [1]
+    asked = []
+    supervisor.lost = lambda shard: asked.append((shard, supervisor.states[shard])) or True  # the job goes back (ps_rollback.py)
+    deleting = _shard_pod(1, running=True)
+    deleting.metadata.deletion_timestamp = "now"  # `kubectl delete pod`: its container is still stopping
+    judge(deleting)
+    assert asked == [(0, "relaunching")] and supervisor.states == ["relaunching"]  # until the rollback has made it anew
+    supervisor.lost = lambda shard: asked.append((shard, supervisor.states[shard])) and False  # no checkpoint to go back to
     judge(None)  # deleted: its emptyDir, so its rows, went with it
-    assert supervisor.states == ["down"]
+    assert asked[1:] == [(0, "relaunching")] and supervisor.states == ["down"]
 
 
 def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_folder_only_when_its_digest_holds(tmp_path):
@@ -453,7 +464,8 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
     a new master pod runs the same command with --resume (the failed pod and its pods are deleted
     at the end): its new shard pods each start from exactly their cut of the checkpoint
     (the table hash of the cut the run's artifacts hold). Then `scale --ps 3` adds a shard pod,
-    and one shard pod of the resumed job is SIGKILLed."""
+    one shard pod of the resumed job is SIGKILLed, and, after a later checkpoint, another shard's
+    pod is deleted: the job goes back to that checkpoint in process (a RESTORED event names it)."""
     tracking = tmp_path / "mlflow"
     with S3Server() as s3, pod_network_cluster(tmp_path, images={TEST_IMAGE: venv_image(TEST_IMAGE)}) as cluster:
         print(f"kubelet runtime: {cluster.kubelet.mode}")
@@ -503,6 +515,20 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         status = master.wait(lambda s: s["ps_shards"][0]["relaunches"] == 1 and s["ps_shards"][0]["state"] == "serving", timeout=120)
         assert status["ps_shards"][0]["address"] == endpoints[0]  # back in its pod, at its address, from its folder
 
+        # Shard 1's pod deleted (its emptyDir, its rows with it) once a checkpoint of the three shards is committed:
+        # the job goes back to its newest checkpoint in process, shard 1 in a new pod from its cut, no worker restarts.
+        scaled = status["step"]
+        deadline = time.monotonic() + 120
+        while committed_checkpoint(tracking) <= scaled:
+            assert time.monotonic() < deadline, master.log()
+            time.sleep(0.05)
+        assert master.status()["rows_done"] < master.status()["rows_total"], "every row was trained before the pod deletion"
+        api.delete_namespaced_pod(shard_pods[1], ns)
+        status = master.wait(lambda s: s["ps_shards"][1]["relaunches"] == 1 and s["ps_shards"][1]["state"] == "serving",
+                             timeout=240)  # made anew (its address may be the old one's, freed)
+        endpoints = [s["address"] for s in status["ps_shards"]]
+        print(f"shard pod {shard_pods[1]} deleted and made anew after {time.monotonic() - started:.1f}s")
+
         # Every row trained, the master still evaluating: the shards hold every update, each once.
         master.wait(lambda s: s["rows_done"] == s["rows_total"], timeout=300)
         counted = json.loads(in_pod_network(cluster, "train-step-ps2", COUNTERS, master.path(f"{JOB_DIR}/token"), *endpoints))
@@ -518,6 +544,9 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         with open(master.path(f"{JOB_DIR}/events.jsonl")) as f:
             events = [json.loads(line) for line in f]
         assert not [e for e in events if e["event"] in ("died", "relaunched")], events  # no worker restarted
+        (back,) = [e for e in events if e["event"] == "restored"]
+        assert back["step"] > scaled and "shard 1's pod was deleted" in back["message"], back
+        assert f"checkpoint of step {back['step']}" in back["message"], back
         with open(master.path(f"{JOB_DIR}/result.json")) as f:
             assert json.load(f)["test_metrics"]["auc"] > 0.6  # the tables the master froze from the shards' rows
 

@@ -210,3 +210,106 @@ def test_a_voided_or_restored_step_no_longer_counts_in_its_workers_rows():
     assert ledger.worker_rows() == {"a": 2, "b": 2}
     ledger.resume_from(0, 0, {"a": 1})  # a restore to a checkpoint at which a alone had rows
     assert ledger.worker_rows() == {"a": 1}
+
+
+class FakeShards:
+    """A mode ps job's shards as master/ps_rollback.py sees them (the real ones: test_ps_rollback.py,
+    test_cluster_ps.py): roll_back records what it was asked, or fails as told."""
+
+    def __init__(self, state, fails: Exception | None = None):
+        import threading
+
+        self.state, self.fails, self.asked = state, fails, []
+        self.scaling, self.rolling_back = threading.Lock(), threading.Event()
+        self.supervisor, self.followed = self, 0
+
+    def roll_back(self, lost: int, cut: dict, fence: int) -> None:
+        # Meanwhile the regroup's round is proposed and called in to, but does not settle, and no
+        # checkpoint is taken (PsCheckpoints refuses while rolling back).
+        self.state.tick()
+        join_all(self.state, steps={m: 5 for m in self.state.round.members})
+        self.asked.append((lost, cut, fence, self.state.round.ready, self.rolling_back.is_set()))
+        if self.fails:
+            raise self.fails
+
+    def follow(self) -> None:
+        self.followed += 1
+
+
+def ps_job(tmp_path):
+    """A mode ps job's state: each checkpoint's ledger holds the shards' cut (as PsCheckpoints puts it there)."""
+    from elastic_step.master.ps_checkpoints import PS_CUT
+
+    def record(step, epoch, state, ledger):
+        ledger[PS_CUT] = {"step": step, "digests": ["d0", "d1"]}
+
+    state, backend = make_state(tmp_path, RestorePoint(0, None), [])
+    state.checkpoints.on_checkpoint = record
+    return state, backend
+
+
+def test_a_ps_rollback_holds_every_round_until_the_shards_are_back_then_the_live_group_goes_on_from_the_checkpoint(tmp_path):
+    """A shard's rows lost (its pod deleted): master/ps_rollback.py fences the rounds so far, no
+    round settles while the shards go back to the newest checkpoint's cut, then the live workers
+    (none died, none is relaunched) go on from it, and the audit holds every row once."""
+    from elastic_step.master.ps_rollback import PsRollback, roll_back_on_loss
+
+    state, backend = ps_job(tmp_path)
+    shards = FakeShards(state)
+    roll_back_on_loss(types_namespace(supervisor=shards), state)
+    assert PsRollback(state, shards)(1) is False  # no checkpoint yet: nothing to go back to (the shard is DOWN)
+    assert state.rounds.rollback is None and not state.over
+    train(state, 3, checkpoint_at=2)
+    train(state, 2, first_step=4)
+    old = state.round.id
+    launched = list(backend.launched)
+    state.tick()
+    assert PsRollback(state, shards)(1) is True
+    ((lost, cut, fence, settled, refusing),) = shards.asked
+    assert (lost, cut["step"], fence, settled, refusing) == (1, 2, old, False, True)
+    assert shards.followed == 1 and not shards.rolling_back.is_set()
+    state.tick()
+    replies = join_all(state, steps={m: 5 for m in state.round.members}, left=old)
+    ready = state.round
+    assert ready.ready and ready.id > fence and ready.start_step == 2 and ready.source_rank == 0
+    assert replies[ready.members[0]].initial_state == "checkpoint" and state.initial_state.data == b"state at 2"
+    assert state.ledger.applied_step == state.ledger.final_step == 2
+    assert state.dispatcher.epoch_progress() == (8, ROWS)  # steps 3..5's rows are back in the queue
+    (restored,) = state.events.of("restored")
+    assert (restored["step"], restored["steps_lost"]) == (2, 3)
+    assert restored["message"].startswith("parameter-server shard 1's pod was deleted")
+    assert "checkpoint of step 2" in restored["message"]
+    assert backend.launched == launched  # no worker restarted
+    finish(state)
+    assert_exact(tmp_path)
+
+
+def test_a_ps_rollback_that_cannot_be_done_fails_the_job_in_one_line(tmp_path):
+    from elastic_step.master.ps_rollback import PsRollback
+    from elastic_step.ps.api import PsError
+
+    state, _ = ps_job(tmp_path)
+    train(state, 3, checkpoint_at=2)
+    state.tick()
+    shards = FakeShards(state, fails=PsError("shard 0 refused its rollback: no cut of step 2"))
+    assert PsRollback(state, shards)(1) is False
+    assert state.state.value == "failed" and len(state.failure.splitlines()) == 1
+    assert "shard 1's pod was deleted" in state.failure and "no cut of step 2" in state.failure and "--resume" in state.failure
+    assert not shards.rolling_back.is_set()
+
+
+def test_every_holder_dead_in_a_ps_job_still_fails_saying_why(tmp_path):
+    # Its shards hold every acknowledged push: they go back only through a rollback, never with the ledger alone.
+    from elastic_step.master.ps_rollback import roll_back_on_loss
+
+    state, backend = ps_job(tmp_path)
+    roll_back_on_loss(None, state)
+    train(state, 3, checkpoint_at=2)
+    start_round(state, kill_everyone(state, backend))
+    assert state.state.value == "failed" and "no state to restore" in state.failure
+
+
+def types_namespace(**fields):
+    import types
+
+    return types.SimpleNamespace(**fields)

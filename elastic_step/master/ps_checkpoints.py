@@ -80,13 +80,17 @@ class PsCheckpoints:
         returned False), so that the master records no CHECKPOINT event for it and a stop waiting
         on it asks for the next one (state.py) rather than ending on an older cut as if it were
         this one."""
+        if self.monitor.rolling_back.is_set():  # at once: the master's writes wait on this one
+            log.warning("checkpoint of step %d not taken: the parameter-server shards are going back to an earlier one", step)
+            return False
         try:
             with self.monitor.scaling:  # not while a scale --ps moves rows: its cuts would straddle routings
                 cut = cut_shards(list(self.monitor.addresses), self.monitor.client.token, step, self.committed())
         except CutFailed as exc:
             log.warning("checkpoint of step %d not taken: the parameter-server shards have no cut of it: %s", step, exc)
             return False
-        return self.record(step, epoch, state, {**ledger, PS_CUT: cut}) is not False  # a record may refuse it too
+        ledger[PS_CUT] = cut  # in the handed checkpoint's own ledger: the restore point made of it has its cut (ps_rollback.py)
+        return self.record(step, epoch, state, ledger) is not False  # a record may refuse it too
 
 
 def checkpointing(monitor, record: Record | None, committed: Callable[[], list[int]] = list) -> Record | None:

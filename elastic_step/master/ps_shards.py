@@ -334,6 +334,7 @@ class ShardMonitor:
         self.polls = 0
         self.stopping = threading.Event()
         self.scaling = threading.Lock()
+        self.rolling_back = threading.Event()  # the shards go back to a checkpoint (ps_rollback.py): no checkpoint meanwhile
         self.thread = threading.Thread(target=self._watch, name="ps-monitor", daemon=True)
 
     def start(self) -> ShardMonitor:
@@ -371,7 +372,7 @@ class ShardMonitor:
                 client.close()
             supervisor.resized()
             self.numbers = self.numbers + [{"rows": 0, "bytes": 0, "pushes": 0} for _ in range(shards)]  # then cut: a poll may run
-            self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
+            self.follow()
             self.numbers = self.numbers[:shards]
             moved = report.to_json()
             # what get -e shows (one line): the rows moved and the longest a moved virtual shard was refused
@@ -380,6 +381,11 @@ class ShardMonitor:
             return moved
         finally:
             self.scaling.release()
+
+    def follow(self) -> None:
+        """The shards' addresses as they are now (after a scale --ps, or a shard made anew by a rollback)."""
+        supervisor = self.supervisor
+        self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
 
     def _check_scale(self, before: int, shards: int) -> None:
         supervisor = self.supervisor

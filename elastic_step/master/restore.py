@@ -38,6 +38,17 @@ class RestorePoint:
     worker_rows: dict = field(default_factory=dict)  # each worker's share of them (what status shows per worker)
 
 
+@dataclass
+class Rollback:
+    """A mode ps job going back to its newest checkpoint while it runs (master/ps_rollback.py): a
+    shard lost its rows, so every shard goes back to the checkpoint's cut, then the group. No
+    round settles until the shards hold the cut (`point` set); the first that settles then goes
+    on from `point` as from a restore point."""
+
+    cause: str  # what the RESTORED event says happened
+    point: RestorePoint | None = None  # set once every shard holds the point's cut again
+
+
 def restart_from(point: RestorePoint, dispatcher: Dispatcher, ledger: Ledger) -> None:
     """Make the dispatcher and the ledger continue after `point`."""
     if point.ledger is not None:

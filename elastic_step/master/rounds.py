@@ -23,7 +23,7 @@ from elastic_step.master.ledger import Ledger, StepGap, StepRejected
 from elastic_step.master.membership import Membership, Round, WorkerInfo, order_members
 from elastic_step.master.pairing import CheckpointPairing
 from elastic_step.master.refusals import Conflict, NotAMember
-from elastic_step.master.restore import InitialState, RestorePoint, restart_from
+from elastic_step.master.restore import InitialState, RestorePoint, Rollback, restart_from
 from elastic_step.protocol import EventKind, Rendezvous, RendezvousReply, RoundState, StepRecord, WorkerState
 
 
@@ -52,8 +52,11 @@ class Rounds:
         self.initial_state = initial_state
         # Where the group goes back to if every worker holding the model dies: the job's start
         # or its resumed checkpoint, then the newest checkpoint handed over (MasterState.tick).
-        # None: the job fails then (a PS-mode job: its shards cannot go back with the ledger).
+        # None: the job fails then. A PS-mode job's shards cannot go back with the ledger alone
+        # (restores_on_loss False): its restore point serves only a rollback of the shards too.
         self.restore_point = restore_point
+        self.restores_on_loss = True
+        self.rollback: Rollback | None = None  # mode ps: the shards are going back to a checkpoint (ps_rollback.py)
         self.round: Round | None = None  # the newest round, ready or still gathering
         self.ready_round: Round | None = None  # the newest round that became ready
         self._counter = 0
@@ -81,6 +84,18 @@ class Rounds:
     def request_regroup(self, cause: str) -> None:
         if self._regroup_cause is None:
             self._regroup_cause = (cause, time.time())
+
+    def begin_rollback(self, cause: str) -> int:
+        """Mode ps: the shards go back to the restore point (ps_rollback.py); no round settles
+        until `rollback_ready`. The newest round's id: the shards refuse its pushes and older ones'."""
+        self.rollback = Rollback(cause)
+        self.request_regroup(cause)
+        return self._counter
+
+    def rollback_ready(self, point: RestorePoint) -> None:
+        """Every shard holds `point`'s cut again: the next round to settle goes on from it."""
+        if self.rollback is not None:
+            self.rollback.point = point
 
     # -- a worker calls in ----------------------------------------------------------------------
     def rendezvous(self, worker: WorkerInfo, step: int, unacked: list[StepRecord], left_round: int) -> RendezvousReply:
@@ -154,6 +169,8 @@ class Rounds:
         group restored when every worker that held the newest final step is gone. None: the job
         failed."""
         steps = [self.membership.workers[m].step for m in current.members]
+        if self.rollback is not None:  # none settles before the shards are back at the point
+            return self._restore(current, steps, self.rollback) if self.rollback.point is not None else None
         newest = max(steps)
         initial = self.initial_state
         if newest < 0 and initial is not None and initial.step >= self.ledger.final_step:
@@ -162,12 +179,14 @@ class Rounds:
             return self._restore(current, steps)
         return "", steps.index(newest), max(newest, 0)
 
-    def _restore(self, current: Round, steps: list[int]) -> tuple[str, int, int] | None:
-        """Nobody alive holds the model at the newest final step: go back to the restore point
-        (see restore.py). Its state is loaded by rank 0; with none (no checkpoint yet, no warm
-        start) a fresh member, whose model is the job's seeded start, is the source."""
-        point, final = self.restore_point, self.ledger.final_step
-        if point is None or (point.initial is None and -1 not in steps):
+    def _restore(self, current: Round, steps: list[int], rollback: Rollback | None = None) -> tuple[str, int, int] | None:
+        """Nobody alive holds the model at the newest final step, or the shards went back to a
+        checkpoint (`rollback`): go back to the restore point (see restore.py). Its state is
+        loaded by rank 0; with none (no checkpoint yet, no warm start) a fresh member, whose
+        model is the job's seeded start, is the source."""
+        point, final = (rollback.point if rollback else self.restore_point), self.ledger.final_step
+        self.rollback = None
+        if point is None or not (rollback or self.restores_on_loss) or (point.initial is None and -1 not in steps):
             self._fail(
                 f"every worker that held the model state of step {final} is gone (newest survivor is at "
                 f"step {max(max(steps), 0)}) and the master has no state to restore; rerun the job with "
@@ -179,8 +198,9 @@ class Rounds:
         self.checkpoints.void_after(point.step)
         self.initial_state = point.initial
         source = f"checkpoint of step {point.step}" if point.step else "the job's start"
+        cause = rollback.cause if rollback else f"every worker that held the model state of step {final} is gone"
         self._event(EventKind.RESTORED,
-                    f"every worker that held the model state of step {final} is gone: round {current.id} "
+                    f"{cause}: round {current.id} "
                     f"goes on from the master's {source}; {lost} steps are lost and their rows return to the queue",
                     round=current.id, step=point.step, steps_lost=lost)
         if point.initial is not None:

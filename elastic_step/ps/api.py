@@ -70,6 +70,7 @@ class Status(StrEnum):
     UNAUTHORIZED = "unauthorized"  # missing or wrong job token: not retried
     BAD_REQUEST = "bad_request"  # a malformed request (unknown table, wrong sizes): not retried
     NO_CUT = "no_cut"  # no cut of the checkpoint's step can be had (ps/cuts.py): that checkpoint fails
+    FENCED = "fenced"  # a push of a round the job rolled back past (a rollback's fence): not retried, the round is over
 
 
 RETRY_AFTER_REFRESH = frozenset({Status.STALE_EPOCH, Status.WRONG_SHARD, Status.MOVING})
@@ -81,3 +82,9 @@ class PsError(RuntimeError):
 
 class ShardUnavailable(PsError):
     """A shard did not answer within the client's retry deadline."""
+
+
+class RoundFenced(RuntimeError):
+    """A push refused because the job rolled back to a checkpoint after its round began (the
+    shards' fence). Not a PsError, which fails the job: the worker takes it as the end of its
+    round, as a failed collective, and rendezvouses again (worker/loop.py)."""

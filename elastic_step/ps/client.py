@@ -12,7 +12,8 @@ routing a refusing shard sends with its refusal, and, after a connection failed 
 newer came, what the other shards it knows say is current: after `scale --ps` the workers learn
 the shards' new routing from the shards themselves, however stale their job spec's is. A push is re-sent with the same
 (task, batch_seq): a shard that applied it before it died has it in its snapshot or ledger and
-acknowledges it without applying it again.
+acknowledges it without applying it again. A push refused by a rollback's fence (its round
+began before the job went back to a checkpoint) is not retried: RoundFenced ends the round.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from elastic_step.ps import wire
-from elastic_step.ps.api import RETRY_AFTER_REFRESH, PsError, ShardUnavailable, Status
+from elastic_step.ps.api import RETRY_AFTER_REFRESH, PsError, RoundFenced, ShardUnavailable, Status
 from elastic_step.ps.routing import RoutingTable
 
 
@@ -152,7 +153,7 @@ class PsClient:
         for i, (endpoint, positions) in enumerate(sent):
             try:
                 answer = self._answer(endpoint)
-            except PsError:  # the replies not read yet would answer the next requests: drop them
+            except (PsError, RoundFenced):  # the replies not read yet would answer the next requests: drop them
                 for unread, _ in sent[i + 1 :]:
                     self._drop(unread)
                 raise
@@ -186,6 +187,8 @@ class PsClient:
         status = header.get("status")
         if status not in {s.value for s in Status}:
             raise PsError(f"shard {endpoint} answered an unknown status {status!r}")
+        if status == Status.FENCED:
+            raise RoundFenced(f"shard {endpoint}: {header.get('detail', 'the job rolled back past this round')}")
         if status != Status.OK and Status(status) not in RETRY_AFTER_REFRESH:
             raise PsError(f"shard {endpoint} refused the request ({status}): {header.get('detail', '')}")
         return header, body

@@ -135,16 +135,23 @@ def _remove(directory: str, step: int) -> None:
             os.remove(path(directory, step, ext))
 
 
-def restore(directory: str, step: int, digest: str, snapshot_file: str, ledger_file: str, routing_file: str) -> None:
-    """Make a shard folder start from its cut of `step` and nothing else: the cut becomes its
-    snapshot and ledger (the updates after the cut go), its routing is the cut's, and any cut of
-    a later step goes. CutMissing when the cut is not there or is not the one the checkpoint
-    names (its digest)."""
+def verified(directory: str, step: int, digest: str) -> dict:
+    """The folder's cut of `step` (its meta), when it is the one a checkpoint recorded as `digest`;
+    CutMissing (one line) when it is not there or not that one."""
     found = meta(directory, step)
     if found is None or not os.path.exists(path(directory, step)):
         raise CutMissing(f"{directory} has no cut of step {step}")
     if found["digest"] != digest or digest_of(directory, step) != digest:
         raise CutMissing(f"{directory}: the cut of step {step} is not the one the checkpoint recorded (its SHA-256 differs)")
+    return found
+
+
+def restore(directory: str, step: int, digest: str, snapshot_file: str, ledger_file: str, routing_file: str) -> None:
+    """Make a shard folder start from its cut of `step` and nothing else: the cut becomes its
+    snapshot and ledger (the updates after the cut go), its routing is the cut's, and any cut of
+    a later step goes. CutMissing when the cut is not there or is not the one the checkpoint
+    names (its digest)."""
+    found = verified(directory, step, digest)
     partial = os.path.join(directory, snapshot_file + ".partial")
     shutil.copyfile(path(directory, step), partial)
     os.replace(partial, os.path.join(directory, snapshot_file))

@@ -91,7 +91,7 @@ class Ledger:
         if not self.sync:
             return
         with self.sync_lock:
-            if self.durable >= mark:
+            if self.durable >= mark or self.file.closed:  # closed by a rollback (state.py): what it held is void
                 return
             target = self.written  # everything written by now, at least `mark`
             os.fsync(self.file.fileno())

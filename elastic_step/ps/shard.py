@@ -10,8 +10,10 @@ the command line; every request carries it and one without it is refused. SIGTER
 snapshot and exits, and so does the loss of the process that launched it (a master SIGKILLed).
 
 Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py), a
-checkpoint's cut (cuts.py) and its files (`cut_file`, in parts), and a move's adopt, export, import and release (state.py, moves.py). A refusal for a stale epoch
-carries the shard's routing, so a client learns the next one from any shard it reaches.
+checkpoint's cut (cuts.py) and its files (`cut_file`, in parts), a rollback to a checkpoint's cut
+behind a fence of rounds (state.py), and a move's adopt, export, import and release (state.py,
+moves.py). A refusal for a stale epoch carries the shard's routing, so a client learns the next
+one from any shard it reaches.
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ class ShardServer(socketserver.ThreadingTCPServer):
                 return {"status": Status.OK, **state.cut(int(header["step"]), list(header.get("keep", [])))}, ()
             except cuts.CutMissing as exc:
                 return {"status": Status.NO_CUT, "detail": str(exc)}, ()
+        if op == "rollback":  # the job goes back to a checkpoint: fence the rounds before, hold its cut again
+            try:
+                replayed = state.rollback(int(header["step"]), str(header["digest"]), int(header["fence"]))
+            except cuts.CutMissing as exc:
+                return {"status": Status.NO_CUT, "detail": str(exc)}, ()
+            return {"status": Status.OK, "replayed": replayed, "epoch": state.routing.epoch}, ()
         if op == "cut_file":  # a sealed cut's bytes, for a master that keeps it where this folder is not (a pod's)
             try:
                 return _cut_file(state.directory, int(header["step"]), header["part"], int(header["offset"]))

@@ -26,6 +26,10 @@
   multiple, and `cut(S)` hands the master the cut of a checkpoint of step S: that one, or the
   snapshot plus the ledger's records up to the first push of a step after S. For that, a
   snapshot due after `snapshot_every` pushes waits for the first push of the next step.
+- A rollback (master/ps_rollback.py: another shard lost its rows) puts the shard back to its cut
+  of a checkpoint behind a fence: pushes of rounds up to the fence (a push's `attempt` is its
+  round) are refused from then on, across restarts too (fence.json), as their rounds trained on
+  what went back.
 """
 
 from __future__ import annotations
@@ -51,6 +55,26 @@ log = logging.getLogger("elastic_step.ps")
 SNAPSHOT_FILE = "snapshot.bin"
 LEDGER_FILE = "ledger.bin"
 ROUTING_FILE = "routing.json"
+FENCE_FILE = "fence.json"  # the newest rollback's fence: pushes of rounds up to it are refused
+
+
+def write_fence(directory: str, fence: int) -> None:
+    """Durably: refuse the pushes of rounds <= `fence` from now on, across restarts too."""
+    partial = os.path.join(directory, FENCE_FILE + ".partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump({"fence": int(fence)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, os.path.join(directory, FENCE_FILE))
+    _fsync_dir(os.path.join(directory, FENCE_FILE))
+
+
+def read_fence(directory: str) -> int:
+    try:
+        with open(os.path.join(directory, FENCE_FILE), encoding="utf-8") as f:
+            return int(json.load(f)["fence"])
+    except FileNotFoundError:
+        return 0
 
 
 class Refused(Exception):
@@ -84,6 +108,7 @@ class ShardState:
         self.snapshot_high: int | None = 0  # the newest step the snapshot holds a push of; None: unknown
         self.steps_begun: list[tuple[int, int]] = []  # (step, ledger offset of its first push) since the snapshot
         self.ledger_origin = 0  # ledger.written where the ledger file began
+        self.fence = 0  # pushes of rounds (their `attempt`) up to this are refused: the job rolled back past them (0: none)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -114,6 +139,7 @@ class ShardState:
         self.recovery_s = {"load_s": round(loaded - started, 3), "replay_s": round(time.perf_counter() - loaded, 3)}
         self.ledger = Ledger(self._path(LEDGER_FILE), sync=self.sync)
         self.ledger_origin = -os.path.getsize(self._path(LEDGER_FILE))
+        self.fence = read_fence(self.directory)
         return replayed
 
     def check(self, epoch: int, ids: np.ndarray | None = None) -> Status:
@@ -143,6 +169,8 @@ class ShardState:
         Refused when `epoch` (that of the request, if any) no longer fits its ids. `step`: the
         training step it belongs to (a checkpoint's cut may be due before it)."""
         with self.lock:
+            if self.fence and record.attempt <= self.fence:  # its round trained on what the job rolled back
+                raise Refused(Status.FENCED)
             self._checked(epoch, record.ids)
             applied = self.applied[record.table].missing((record.task, record.batch_seq))
             if applied and step is not None:
@@ -257,6 +285,30 @@ class ShardState:
         cuts.copy_prefix(self._path(LEDGER_FILE), cuts.path(self.directory, step, "ledger"), length)
         self.cut_step = max(self.cut_step, step)
         return cuts.seal(self.directory, step, self.routing.to_json(), also, hashed)
+
+    def rollback(self, step: int, digest: str, fence: int) -> int:
+        """The job goes back to its checkpoint of `step` (a deleted shard pod's rows are gone
+        with it): refuse the pushes of rounds <= `fence` from now on, then hold exactly this
+        folder's cut of `step` again, as a shard relaunched from it would (master/ps_rollback.py).
+        CutMissing when that cut is not here, not the recorded one, or of another routing, and
+        then nothing changed. The pushes replayed from the cut's ledger."""
+        with self.lock:
+            found = cuts.verified(self.directory, step, digest)  # before anything changes
+            if list(found["routing"]["owners"]) != self.routing.owners.tolist():
+                raise cuts.CutMissing(f"shard {self.shard}'s cut of step {step} is of another routing (a scale --ps since)")
+            write_fence(self.directory, fence)
+            self.fence = fence
+            routing = self.routing
+            with self.ledger.sync_lock:  # a push applied before waits on no fsync of a closed file
+                self.ledger.close()
+            cuts.restore(self.directory, step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
+            self.tables = {name: EmbeddingTable(table.spec) for name, table in self.tables.items()}
+            self.applied = {name: AppliedGroups(self.virtual_shards) for name in self.tables}
+            self.pending, self.previous, self.steps_begun = set(), None, []
+            self.high = self.snapshot_high = 0
+            replayed = self.recover()
+            self._save_routing(routing, set())  # the cut's copy may be of older endpoints
+            return replayed
 
     @property
     def owned(self) -> np.ndarray:

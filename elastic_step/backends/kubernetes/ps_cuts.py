@@ -41,7 +41,7 @@ from elastic_step.ps import cuts, wire
 from elastic_step.ps.cuts import PARTS
 from elastic_step.ps.api import PsError, Status
 from elastic_step.ps.client import PsClient
-from elastic_step.ps.state import LEDGER_FILE, ROUTING_FILE, SNAPSHOT_FILE
+from elastic_step.ps.state import LEDGER_FILE, ROUTING_FILE, SNAPSHOT_FILE, write_fence
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
@@ -91,10 +91,19 @@ class CutStore:
         self.local = os.path.join(job_dir, ARTIFACTS)
 
     def folder(self, step: int) -> str:
-        path = os.path.join(self.local, step_folder(step))
+        """An empty folder for the cut of `step` (step_path)."""
+        path = self.step_path(step)
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
         return path
+
+    def step_path(self, step: int) -> str:
+        """Where this master copies a checkpoint's cut from the shard pods."""
+        return os.path.join(self.local, step_folder(step))
+
+    def resumed_path(self, step: int) -> str:
+        """Where a resume downloads a checkpoint's cut from the run's artifacts."""
+        return os.path.join(self.local, "resumed", step_folder(step))
 
     def keep(self, step: int, folder: str) -> None:
         """Queue the upload of `folder` (a checkpoint's cut files) ahead of that checkpoint's."""
@@ -135,7 +144,7 @@ class CutStore:
         """Shard `index`'s cut of `step` from the run's artifacts, as {part: local path}; ValueError
         (one line) when it is not there or does not hash to `digest`."""
         tracker = self.checkpoints.tracker
-        target = os.path.join(self.local, "resumed", step_folder(step))
+        target = self.resumed_path(step)
         os.makedirs(target, exist_ok=True)
         files = {}
         for part in PARTS:
@@ -219,7 +228,7 @@ def _restore_connection(connection: socket.socket, directory: str, token: bytes,
             if op == "restore_part":
                 receiving.write(str(header["part"]), int(header["offset"]), body)
             else:
-                receiving.finish(str(restore["digest"]), restore["routing"])
+                receiving.finish(str(restore["digest"]), restore["routing"], int(restore.get("fence", 0)))
         except (cuts.CutMissing, KeyError, ValueError) as exc:
             if receiving is not None:
                 receiving.discard()
@@ -254,9 +263,9 @@ class _Receiving:
             f.write(body)
         self.sizes[part] += len(body)
 
-    def finish(self, digest: str, routing: dict) -> None:
+    def finish(self, digest: str, routing: dict, fence: int = 0) -> None:
         """The parts as the folder's cut of the step, then its snapshot and ledger (cuts.restore:
-        CutMissing unless they hash to `digest`)."""
+        CutMissing unless they hash to `digest`), and a rollback's `fence` (ps_rollback.py)."""
         for part in PARTS:
             with open(self._partial(part), "rb+") as f:
                 os.fsync(f.fileno())
@@ -271,6 +280,8 @@ class _Receiving:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(cuts.path(self.directory, self.step, ext))
             raise
+        if fence:
+            write_fence(self.directory, fence)
         with open(os.path.join(self.directory, RESTORED_FILE), "w", encoding="utf-8") as f:
             json.dump({"step": self.step}, f)
 

@@ -14,12 +14,24 @@ same pod, so the same IP and port (the workers' routes stay right) and the same 
 (Kubernetes keeps it across container restarts), where it loads its snapshot and replays its
 ledger's tail, exactly as ShardSupervisor relaunches a local shard process in its folder. The
 kubelet's restart is immediate the first time, where a pod made anew would wait for scheduling
-and image pulls, and no shard data crosses the network. A pod that is deleted or evicted loses
-its emptyDir, so its rows: the shard is then DOWN and the job fails, rather than going on with
-an empty shard and losing acknowledged updates. Why not a new pod from the last checkpoint's
-cut: the pushes it acknowledged after that cut are not sent again by the workers, so they would
-be lost; exactly once from a cut needs the whole job back at that step (dense weights, rows to
-train), which is what a resume does (`train --resume`).
+and image pulls, and no shard data crosses the network.
+
+A pod that is deleted or evicted (a node drain, `kubectl delete pod`) loses its emptyDir, so
+its rows. A new pod from the last checkpoint's cut alone would lose the pushes acknowledged after
+it, which the workers do not send again. So the whole job goes back to its newest checkpoint S,
+in process, and no worker restarts (master/ps_rollback.py drives it; PodSupervisor.roll_back
+does the shards' part): every other shard is asked to `rollback` to its own cut of S (it keeps
+the cut of every checkpoint a resume may load) behind a fence, refusing from then on every push
+of a round up to the newest one the master has proposed (ps/state.py); the deleted shard's pod
+is made anew once its name is free, starting from its cut of S as a resumed job's pods do (the
+master's copy, JOB_DIR/ps-cuts, checked by its digest) behind the same fence; and every shard
+takes the routing's next epoch with the new pod's address, from which the workers re-route. The
+fence is by round, not by routing epoch: a worker still retrying a push to the deleted pod learns
+the new address from the other shards and would re-send it there; refused, it ends its round
+(ps/api.py's RoundFenced) and rendezvouses again. The master's next round then goes on from S
+(the rows applied after S return to the queue, rank 0 loads the dense state of S). With no
+checkpoint yet, or one of another routing (a scale --ps since), the shard is DOWN and the job
+fails in one line, rather than going on with an empty shard and losing acknowledged updates.
 
 The master watches the pods (a list every POLL_S, on its own thread): a restarted container is
 RELAUNCHING until the shard answers again. At the job's end it asks each shard for its rows
@@ -56,11 +68,11 @@ from elastic_step.backends.kubernetes.manifests import (ISTIO_INJECT_LABEL, TOKE
                                                          master_selector, owner_references, resources,
                                                          restricted_container)
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
-from elastic_step.backends.kubernetes.ps_cuts import CutStore, fetch_cut, receive_cut, restored, send_cut
+from elastic_step.backends.kubernetes.ps_cuts import CutStore, fetch_cut, part_name, receive_cut, restored, send_cut
 from elastic_step.errors import ConfigError
 from elastic_step.protocol import PsShardState, WorkerEnv
 from elastic_step.ps import wire
-from elastic_step.ps.cuts import CutMissing
+from elastic_step.ps.cuts import PARTS, CutMissing, files_digest
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.moves import MoveReport, move
@@ -209,8 +221,9 @@ def _container_restarts(pod: k8s.V1Pod) -> tuple[int, bool]:
 class PodSupervisor:
     """Watches the shard pods (ShardSupervisor's attributes, for ShardMonitor): a container the
     kubelet restarted is RELAUNCHING until its shard answers again (snapshot loaded, ledger
-    replayed), then SERVING; a pod that ended or is gone is DOWN for good (its emptyDir, so its
-    rows, went with it)."""
+    replayed), then SERVING; a pod that ended or is gone took its emptyDir, so its rows, with it:
+    the job goes back to its newest checkpoint (`lost`, roll_back), that shard in a new pod, or
+    with none the shard is DOWN for good."""
 
     POLL_S = 0.5
     CUT_TIMEOUT_S = 120.0
@@ -223,6 +236,9 @@ class PodSupervisor:
         self.relaunches = [0 for _ in shards.shards]
         self.seen_restarts = [0 for _ in shards.shards]
         self.since = [0.0 for _ in shards.shards]
+        # `lost(shard)`: the job goes back to its newest checkpoint (master/ps_rollback.py); True
+        # when it does, False when it cannot (no checkpoint yet, or it failed): the shard is DOWN then.
+        self.lost = None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="ps-pods", daemon=True)
 
@@ -262,6 +278,47 @@ class PodSupervisor:
             client.close()
         self.store.keep(step, folder)
 
+    def roll_back(self, lost: int, cut: dict, fence: int) -> None:
+        """Every shard back to its cut of the checkpoint `cut` names, behind `fence` (pushes of
+        rounds up to it refused): the others in place (their own cut, kept in their folder), the
+        lost one in a pod made anew from its cut in the checkpoint store, at a new address that
+        the routing's next epoch gives every shard (the workers re-route from their refusals).
+        PsError or ConfigError (one line) when one cannot."""
+        step, digests = int(cut["step"]), cut["digests"]
+        if len(digests) != len(self.shards.shards):
+            raise PsError(f"the checkpoint of step {step} has {len(digests)} shards' cuts, the job runs {len(self.shards.shards)} "
+                          "(a scale --ps since)")
+        files = self._kept_cut(step, lost, digests[lost])  # before any shard goes back
+        client = PsClient(self.client.token, lambda: None, timeout_s=self.CUT_TIMEOUT_S)
+        try:
+            for shard in self.shards.shards:
+                if shard.shard != lost:
+                    _asked(client, shard, {"op": "rollback", "step": step, "digest": digests[shard.shard], "fence": fence})
+            restore = {"step": step, "digest": digests[lost], "routing": cut["routing"], "fence": fence}
+            self.shards.shards[lost] = self.launcher.replace_shard(lost, self.shards.routing, restore, files)
+            routing = RoutingTable(self.shards.routing.epoch + 1, self.shards.routing.owners,
+                                   [s.endpoint for s in self.shards.shards])
+            for shard in self.shards.shards:
+                _asked(client, shard, {"op": "routing", "routing": routing.to_json()})
+            self.shards.routing = routing
+        finally:
+            client.close()
+        self.states[lost], self.seen_restarts[lost] = PsShardState.SERVING, 0
+        self.relaunches[lost] += 1
+        log.info("parameter-server shards back at their cuts of step %d; shard %d in a new pod at %s", step, lost,
+                 self.shards.shards[lost].endpoint)
+
+    def _kept_cut(self, step: int, index: int, digest: str) -> dict[str, str]:
+        """Shard `index`'s cut of `step` as this master copied it (keep_cut) or downloaded it (a
+        resume), else from the checkpoint store; checked by its digest."""
+        if self.store is None:
+            raise PsError("the job keeps no checkpoint cuts (no checkpoint store)")
+        for folder in (self.store.step_path(step), self.store.resumed_path(step)):
+            files = {part: os.path.join(folder, part_name(index, part)) for part in PARTS}
+            if all(os.path.exists(f) for f in files.values()) and files_digest([files[p] for p in PARTS]) == digest:
+                return files
+        return self.store.download(step, index, digest)
+
     def _watch(self) -> None:
         while not self.stopping.wait(self.POLL_S):
             try:
@@ -277,6 +334,9 @@ class PodSupervisor:
         i = shard.shard
         phase = pod.status.phase if pod is not None and pod.status else None
         if pod is None or phase in ("Failed", "Succeeded") or (pod.metadata.deletion_timestamp is not None):
+            self.states[i] = PsShardState.RELAUNCHING
+            if self.lost is not None and self.lost(i):  # the job goes back to its newest checkpoint, this shard anew
+                return
             log.error("parameter-server shard %d: its pod %s is %s; its rows were in that pod's emptyDir, so the shard is "
                       "down for good and the job cannot go on exactly once: run it again", i, ps_pod_name(self.launcher.names, i),
                       "gone" if pod is None else ("being deleted" if phase not in ("Failed", "Succeeded") else phase))
@@ -293,6 +353,17 @@ class PodSupervisor:
             self.relaunches[i] += 1
             self.states[i] = PsShardState.SERVING
             log.info("parameter-server shard %d back in %.2f s", i, time.monotonic() - self.since[i])
+
+
+def _asked(client: PsClient, shard: PodShard, request: dict) -> dict:
+    """One shard's OK answer to `request`; PsError saying why not."""
+    try:
+        header, _ = client.call(shard.endpoint, request)
+    except (OSError, ValueError) as exc:
+        raise PsError(f"shard {shard.shard} at {shard.endpoint} did not answer its {request['op']} ({exc})") from None
+    if header.get("status") != Status.OK:
+        raise PsError(f"shard {shard.shard} refused its {request['op']}: {header.get('detail') or header.get('status')}")
+    return header
 
 
 class PsPods:
@@ -363,6 +434,24 @@ class PsPods:
         except ConfigError as exc:
             self.delete_shards(list(indices))
             raise ValueError(f"scale --ps: {exc}") from None
+        finally:
+            client.close()
+
+    def replace_shard(self, index: int, routing: RoutingTable, restore: dict, files: dict[str, str]) -> PodShard:
+        """Shard `index`'s pod made anew (its pod was deleted) once the old one is gone, under
+        `routing`, starting from the cut `restore` names (`files`, sent to it before it serves)."""
+        name = ps_pod_name(self.names, index)
+        self._delete([name])  # an evicted pod stays (Failed) until deleted; one being deleted keeps its grace
+        deadline = time.monotonic() + self.READY_TIMEOUT_S
+        while any(pod.metadata.name == name for pod in self.list_pods()):  # its name is free once it is gone
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the deleted parameter-server pod {name} was still there after {self.READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.2)
+        self.made = [made for made in self.made if made != name]
+        self._create_pod(index, routing, restore)
+        client = PsClient(self.client.token, lambda: None, timeout_s=5.0)  # the watcher's is in use
+        try:
+            return self._wait_ready(range(index, index + 1), client, {index: files})[0]
         finally:
             client.close()
 
