@@ -162,3 +162,31 @@ def test_a_dropped_worker_whose_exit_is_slow_to_come_is_dropped_and_stopped_once
     assert backend.stopped == ["w2.1"]
     assert [e["worker"] for e in state.events.of("dropped")] == ["w2.1"]
     assert "did not join round" in state.events.of("dropped")[0]["message"]
+
+
+def test_a_smaller_groups_first_step_counts_as_its_recovery_even_when_it_arrives_with_the_joiners_round():
+    # A fast replacement can join before rank 0's report of the smaller group's first step goes
+    # out: that step then reaches the master as the state source's unacknowledged step when the
+    # joiner's round settles. It is still the smaller group's recovery, and the job says so.
+    state, backend = make_state()
+    join_all(state)
+    first = state.round.id
+    backend.exits.append(WorkerExit("w2.1", "killed by SIGKILL", -9))
+    state.tick()
+    join_all(state, steps={"w0.1": 0, "w1.1": 0}, left=first)
+    smaller = state.round
+    assert smaller.ready and smaller.members == ["w0.1", "w1.1"]
+    t0 = state.next_task("w0.1", smaller.id).task
+    t1 = state.next_task("w1.1", smaller.id).task
+    step = StepRecord(step=smaller.start_step + 1, ranges=[RangeRecord(task_id=t0.id, offset=0, count=2),
+                                                           RangeRecord(task_id=t1.id, offset=0, count=2)],
+                      samples=4, loss=1.0, time=time.time())
+    assert "w2.2" in backend.launched
+    state.register("w2.2", pid=2, host="h", engine=this_engine())
+    state.rendezvous("w2.2", -1, [], 0)
+    state.tick()
+    join_all(state, steps={"w0.1": step.step, "w1.1": step.step}, unacked={"w0.1": [step], "w1.1": [step]}, left=smaller.id)
+    assert state.round.ready and len(state.round.members) == 3 and state.round.start_step == step.step
+    assert state.ledger.applied_step == step.step
+    recovered = state.events.of("recovered")
+    assert [(e["round"], e["step_time"]) for e in recovered] == [(smaller.id, step.time)], recovered

@@ -217,7 +217,7 @@ class Rounds:
         source = current.members[source_rank]
         # The source's unacknowledged steps were applied in the round it last trained in, the
         # newest ready one (a worker that missed a ready round holds no newer step than it).
-        previous = self.ready_round.members if self.ready_round else []
+        previous = self.ready_round
         for record in sorted(workers[source].unacked, key=lambda r: r.step):
             if self.ledger.applied_step < record.step <= start_step:
                 try:

@@ -270,7 +270,7 @@ class MasterState:
             ready = self.rounds.member_of_ready_round(worker_id, round_id, rank0=True)
             for record in steps:
                 try:
-                    self._ingest(record, ready.members)
+                    self._ingest(record, ready)
                 except StepGap as exc:
                     self.request_regroup(f"step reports from {worker_id} were lost ({exc})")
                     raise Conflict(f"{exc}; the master regroups and takes the missing steps from the state source") from None
@@ -279,9 +279,12 @@ class MasterState:
                     raise Conflict(str(exc)) from None
             return self.ledger.final_step
 
-    def _ingest(self, record: StepRecord, members: list[str]) -> None:
-        """Take one applied step. `members` is the round it was applied in (position = rank):
-        each rank's range must be of a task the master handed to that member."""
+    def _ingest(self, record: StepRecord, applied_in: Round | None) -> None:
+        """Take one applied step of the round it was applied in, whose members (position = rank)
+        must each have been handed the task of its range. That round may no longer be the newest:
+        a smaller group's first step can reach the master only as the state source's unacknowledged
+        step when the joiner's round settles, and it is still that group's recovery."""
+        members = applied_in.members if applied_in is not None else []
         if len(record.ranges) != len(members):
             raise StepRejected(
                 f"step {record.step} has ranges for {len(record.ranges)} ranks; its round has {len(members)} members"
@@ -292,7 +295,6 @@ class MasterState:
         if not self.ledger.ingest(record.step, [c for c, _ in held], [m for _, m in held]):
             return
         self.throughput.add(record.time, record.samples, record.loss)
-        current = self.round
         self._audit_written()
         if self.step_log is not None:
             step_log, round_id = self.step_log, self.ready_round_id
@@ -304,15 +306,15 @@ class MasterState:
                                        worker_rows=self.ledger.worker_rows(record.step))
             if self.stop_request is not None:
                 self.stop_request.flagged(record.step)
-        if current is not None and current.ready and current.first_step_at is None and record.step > current.start_step:
-            current.first_step_at = record.time
-            if current.cause_time:
+        if applied_in is not None and applied_in.first_step_at is None and record.step > applied_in.start_step:
+            applied_in.first_step_at = record.time
+            if applied_in.cause_time:
                 self._event(
                     EventKind.RECOVERED,
-                    round=current.id,
-                    seconds=round(record.time - current.cause_time, 4),
+                    round=applied_in.id,
+                    seconds=round(record.time - applied_in.cause_time, 4),
                     step_time=record.time,
-                    cause=current.cause,
+                    cause=applied_in.cause,
                 )
 
     def checkpoint_state(self, worker_id: str, round_id: int, step: int, data: bytes) -> None:
