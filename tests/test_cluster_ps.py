@@ -51,7 +51,9 @@ from test_cluster_network import PROBE, MasterOnPodNetwork, pod_network_cluster,
 from test_ps_mode import DEEPFM_PS, counters_from_the_data
 
 TEST_IMAGE = "registry.example/ml/elastic-step-torch-test:0.1.0"
-ROWS_PER_SHARD, MINIBATCH, EPOCHS = 800, 128, 2
+# 5 epochs: after the resume, enough steps for the scale, the shard pod's SIGKILL and the pod
+# deletion (with 2, on an idle machine, the resumed job ended 2 s after the scale).
+ROWS_PER_SHARD, MINIBATCH, EPOCHS = 800, 128, 5
 
 
 def test_a_shard_pod_runs_as_a_worker_with_its_folder_kept_across_restarts():

@@ -88,15 +88,18 @@ class ForkServer:
         return child
 
     def _read_replies(self) -> None:
-        for line in self.proc.stdout:
-            reply = json.loads(line)
-            with self._cond:
-                if "code" in reply:
-                    self._children.pop(reply["pid"]).ended(reply["code"])
-                    continue
-                child = self._children[reply["pid"]] = ForkedProcess(reply["pid"])
-                self._started.append(child)
-                self._cond.notify_all()
+        try:
+            for line in self.proc.stdout:
+                reply = json.loads(line)
+                with self._cond:
+                    if "code" in reply:
+                        self._children.pop(reply["pid"]).ended(reply["code"])
+                        continue
+                    child = self._children[reply["pid"]] = ForkedProcess(reply["pid"])
+                    self._started.append(child)
+                    self._cond.notify_all()
+        except (ValueError, KeyError, TypeError):  # not the server's protocol: no server to trust
+            self.proc.kill()
         # The server is gone: its children's exits can no longer be told, so they end now.
         with self._cond:
             self._started.append(None)
