@@ -84,14 +84,14 @@ def start_warm_parent(python: str, job_dir: str, job_env: dict[str, str], token_
 
 
 @contextlib.contextmanager
-def warm_parent_for(config) -> Iterator[ForkServer | None]:
+def warm_parent_for(config, token_file: str) -> Iterator[ForkServer | None]:
     """A local job's warm parent, started before the master's own start-up (the model check,
     MLflow, a resume's checkpoint) so that its imports (~4 s of CPU) run beside it rather than
     after it. None where workers are not forked. Closed on the way out, whether or not a backend
-    took it over."""
+    took it over. `token_file`: where the master will write the job's token (what its workers get)."""
     parent = None
     if config.backend == "local" and forks_wanted():
-        parent = start_warm_parent(sys.executable, config.job_dir, dict(config.worker_env), os.path.join(config.job_dir, "token"))
+        parent = start_warm_parent(sys.executable, config.job_dir, dict(config.worker_env), token_file)
     try:
         yield parent
     finally:

@@ -158,6 +158,9 @@ class Master:
     token_file: str
 
 
+TOKEN_FILE = "token"  # in the job folder: the job's token, which its workers and shards read
+
+
 def run_job(config: TrainConfig) -> JobResult:
     """Check the inputs, open the MLflow run, start the master, supervise until the data is
     applied (or the job fails, is stopped or preempted), then save, evaluate and record the model."""
@@ -166,7 +169,7 @@ def run_job(config: TrainConfig) -> JobResult:
     with sigterm_as_preemption() as sigterm, contextlib.ExitStack() as early:
         # The workers' warm parent imports torch beside the checks and MLflow's start-up below
         # (it writes nothing until its first worker: a bad input leaves no trace of it).
-        warm_parent = early.enter_context(warm_parent_for(config))
+        warm_parent = early.enter_context(warm_parent_for(config, os.path.join(config.job_dir, TOKEN_FILE)))
         manifest, model_def, trainer = check_inputs(config)
         if config.backend == "kubernetes":  # the cluster's refusal comes before an MLflow run is opened
             from elastic_step.backends.kubernetes.options import settings_from_config
@@ -254,7 +257,7 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     store = RendezvousStore(config.host)  # hosts every round's rendezvous; listens on the API's host only
     url = f"http://{url_host(config.host)}:{api_socket.getsockname()[1]}"
     token = secrets.token_urlsafe(32)
-    token_file = os.path.join(config.job_dir, "token")
+    token_file = os.path.join(config.job_dir, TOKEN_FILE)
     write_private(token_file, token)
     # A second token that opens only the read-only routes (status, events, history): for the live
     # page and for people who may watch the job but not steer it.
