@@ -9,6 +9,7 @@ resized 2 -> 3 -> 2 while a client pushes: every row updated exactly once per pu
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -199,11 +200,26 @@ def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path, capsys):
     supervisor.shards, supervisor.stopping = shards, threading.Event()
     supervisor.states = [PsShardState.SERVING, PsShardState.RELAUNCHING]
     monitor = ShardMonitor.__new__(ShardMonitor)
-    monitor.supervisor, monitor.stopping, monitor.scaling = supervisor, threading.Event(), threading.Lock()
+    monitor.supervisor, monitor.stopping = supervisor, threading.Event()
+    monitor.scaling, monitor.scale_asked = threading.Lock(), threading.Lock()
     for count, words in [(2, "already runs 2"), (129, "between 1 and 128"), (3, "shard 1 is relaunching")]:
         with pytest.raises(ValueError, match=words):
             monitor.scale(count)
-    with monitor.scaling, pytest.raises(ValueError, match="under way"):
+    with monitor.scale_asked, pytest.raises(ValueError, match="another scale --ps of this job is under way"):
+        monitor.scale(3)
+
+    # A checkpoint's cut holding the shards is waited for, not refused (the operator cannot see
+    # its timing): the scale goes on to its own checks once the cut lets go...
+    monitor.scaling.acquire()
+    cut = threading.Timer(0.5, monitor.scaling.release)
+    started = time.monotonic()
+    cut.start()
+    with pytest.raises(ValueError, match="shard 1 is relaunching"):
+        monitor.scale(3)
+    assert time.monotonic() - started >= 0.45
+    # ...and one that never lets go is named after a while.
+    monitor.CUT_WAIT_S = 0.2
+    with monitor.scaling, pytest.raises(ValueError, match="a checkpoint's cut or a rollback has held the shards"):
         monitor.scale(3)
 
 

@@ -323,6 +323,7 @@ class ShardMonitor:
     and .pushes (their sums over the shard's tables), the poll's count as the metric's step."""
 
     STATS_S = 2.0
+    CUT_WAIT_S = 120.0  # a scale --ps waits this long for a checkpoint's cut or a rollback to let go of the shards
 
     def __init__(self, supervisor: ShardSupervisor, token: str, metric: Metric | None = None, events: EventLog | None = None):
         self.supervisor = supervisor
@@ -333,7 +334,8 @@ class ShardMonitor:
         self.numbers = [{"rows": 0, "bytes": 0, "pushes": 0} for _ in self.addresses]
         self.polls = 0
         self.stopping = threading.Event()
-        self.scaling = threading.Lock()
+        self.scaling = threading.Lock()  # the shards' rows are being moved or cut: one at a time
+        self.scale_asked = threading.Lock()  # a scale --ps is asked for: a second one is refused
         self.rolling_back = threading.Event()  # the shards go back to a checkpoint (ps_rollback.py): no checkpoint meanwhile
         self.thread = threading.Thread(target=self._watch, name="ps-monitor", daemon=True)
 
@@ -352,35 +354,46 @@ class ShardMonitor:
         """`scale --ps`: run `shards` shard processes from now on; what moved (moves.MoveReport).
         ValueError (the API's 409) when there is nothing to do or it cannot be done now. Its
         start and finish are events of the job (get -e), the finish with the rows moved and pauses."""
-        supervisor = self.supervisor
-        if not self.scaling.acquire(blocking=False):
-            raise ValueError("another scale --ps of this job (or a checkpoint's cut) is under way; try again when it is done")
+        if not self.scale_asked.acquire(blocking=False):
+            raise ValueError("another scale --ps of this job is under way; try again when it is done")
         try:
-            before = len(supervisor.shards.shards)
-            self._check_scale(before, shards)
-            sizes = {"shards_from": before, "shards_to": shards}
-            self._event(EventKind.PS_SCALE_STARTED, **sizes)
-            client = PsClient(self.client.token, lambda: None, timeout_s=120.0)
+            # A checkpoint's cut holds the shards for a moment: the operator's scale waits for it
+            # rather than failing on a timing it cannot see.
+            if not self.scaling.acquire(timeout=self.CUT_WAIT_S):
+                raise ValueError(f"a checkpoint's cut or a rollback has held the shards for {self.CUT_WAIT_S:.0f} s; "
+                                 "try again when it is done (get -e shows it)")
             try:
-                report = supervisor.shards.resize(shards, client.call)
-            except PsError as exc:
-                log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
-                self._event(EventKind.PS_SCALE_FINISHED, f"did not finish: {exc}", ok=False, **sizes)
-                raise ValueError(f"the move to {shards} shards did not finish ({exc}); the shards are left mid-move: stop "
-                                 "the job and resume it (train --resume), which finishes the move") from exc
+                return self._scale(shards)
             finally:
-                client.close()
-            supervisor.resized()
-            self.numbers = self.numbers + [{"rows": 0, "bytes": 0, "pushes": 0} for _ in range(shards)]  # then cut: a poll may run
-            self.follow()
-            self.numbers = self.numbers[:shards]
-            moved = report.to_json()
-            # what get -e shows (one line): the rows moved and the longest a moved virtual shard was refused
-            self._event(EventKind.PS_SCALE_FINISHED, ok=True, **sizes, rows_moved=report.rows_moved, rows_total=report.rows_total,
-                        pause_max_s=moved["pause_max_s"], seconds=moved["seconds"], routing_epoch=report.epoch)
-            return moved
+                self.scaling.release()
         finally:
-            self.scaling.release()
+            self.scale_asked.release()
+
+    def _scale(self, shards: int) -> dict:
+        supervisor = self.supervisor
+        before = len(supervisor.shards.shards)
+        self._check_scale(before, shards)
+        sizes = {"shards_from": before, "shards_to": shards}
+        self._event(EventKind.PS_SCALE_STARTED, **sizes)
+        client = PsClient(self.client.token, lambda: None, timeout_s=120.0)
+        try:
+            report = supervisor.shards.resize(shards, client.call)
+        except PsError as exc:
+            log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
+            self._event(EventKind.PS_SCALE_FINISHED, f"did not finish: {exc}", ok=False, **sizes)
+            raise ValueError(f"the move to {shards} shards did not finish ({exc}); the shards are left mid-move: stop "
+                             "the job and resume it (train --resume), which finishes the move") from exc
+        finally:
+            client.close()
+        supervisor.resized()
+        self.numbers = self.numbers + [{"rows": 0, "bytes": 0, "pushes": 0} for _ in range(shards)]  # then cut: a poll may run
+        self.follow()
+        self.numbers = self.numbers[:shards]
+        moved = report.to_json()
+        # what get -e shows (one line): the rows moved and the longest a moved virtual shard was refused
+        self._event(EventKind.PS_SCALE_FINISHED, ok=True, **sizes, rows_moved=report.rows_moved, rows_total=report.rows_total,
+                    pause_max_s=moved["pause_max_s"], seconds=moved["seconds"], routing_epoch=report.epoch)
+        return moved
 
     def follow(self) -> None:
         """The shards' addresses as they are now (after a scale --ps, or a shard made anew by a rollback)."""
