@@ -190,3 +190,31 @@ def test_a_smaller_groups_first_step_counts_as_its_recovery_even_when_it_arrives
     assert state.ledger.applied_step == step.step
     recovered = state.events.of("recovered")
     assert [(e["round"], e["step_time"]) for e in recovered] == [(smaller.id, step.time)], recovered
+
+
+def test_a_loss_whose_round_never_trained_is_recovered_by_the_round_that_took_over():
+    # The replacement joins before the survivors call in for the smaller round: a round with it
+    # takes over, and its first step is the recovery from the SIGKILL (not a plain join's round,
+    # which recovers from nothing). Forked replacements join in ~0.2 s, so this is the usual order.
+    state, backend = make_state()
+    join_all(state)
+    first = state.round.id
+    killed_at = time.time()
+    backend.exits.append(WorkerExit("w2.1", "killed by SIGKILL", -9))
+    state.tick()
+    smaller = state.round
+    assert not smaller.ready and smaller.members == ["w0.1", "w1.1"]
+    state.register("w2.2", pid=2, host="h", engine=this_engine())
+    state.rendezvous("w2.2", -1, [], 0)
+    state.tick()
+    took_over = state.round
+    assert took_over.id == smaller.id + 1 and len(took_over.members) == 3
+    join_all(state, steps={"w0.1": 0, "w1.1": 0}, left=first)
+    assert state.round.ready
+    tasks = [state.next_task(w, took_over.id).task for w in took_over.members]
+    step = StepRecord(step=took_over.start_step + 1, ranges=[RangeRecord(task_id=t.id, offset=0, count=2) for t in tasks],
+                      samples=6, loss=1.0, time=time.time())
+    state.report_steps(took_over.members[0], took_over.id, [step])
+    recovered = state.events.of("recovered")
+    assert [(e["round"], e["cause"]) for e in recovered] == [(took_over.id, "w2.1 killed by SIGKILL")], recovered
+    assert killed_at <= step.time - recovered[0]["seconds"] <= time.time()  # measured from the loss, not the join

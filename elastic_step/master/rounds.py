@@ -36,6 +36,15 @@ def inexact(reporter: str, round_id: int, exc: Exception) -> str:
     )
 
 
+def pending_recovery(current: Round | None, cause: tuple[str, float]) -> dict:
+    """The new round's cause and cause time, which its first step's recovered event measures
+    from. A loss whose round never trained (a replacement joined before the survivors met, and
+    a round with it took over) is still being recovered from: the new round inherits it."""
+    if current is not None and current.first_step_at is None and current.cause_time:
+        return {"cause": current.cause, "cause_time": current.cause_time}
+    return {"cause": cause[0], "cause_time": cause[1]}
+
+
 class Rounds:
     """The newest round and the newest ready one. `ingest(record, members)` takes a step into
     the ledger (the master's, which also counts it everywhere else); `fail(reason)` fails the job;
@@ -158,7 +167,7 @@ class Rounds:
             return
         members = order_members(current.members if current else [], live, membership.target)
         self._counter += 1
-        self.round = Round(self._counter, members, proposed_at=now, cause=cause[0], cause_time=cause[1])
+        self.round = Round(self._counter, members, proposed_at=now, **pending_recovery(current, cause))
         self._regroup_cause = None
         self._event(EventKind.ROUND_PROPOSED, round=self.round.id, members=members, cause=cause[0])
 

@@ -97,6 +97,9 @@ class MasterState:
         self.backend = backend
         self.events = events
         self.step_log = step_log
+        # The cause time of the newest loss a recovered event was given for: a round that inherited
+        # a loss (rounds.pending_recovery) whose older round's first step turns up later gives none.
+        self.recovered_from = 0.0
         self.ps_shards = ps_shards  # a --mode ps job's ShardMonitor (master/ps_shards.py): its rows in /status
         self.checkpoints = CheckpointPairing(on_checkpoint)
         self.timeouts = timeouts or Timeouts()
@@ -308,7 +311,8 @@ class MasterState:
                 self.stop_request.flagged(record.step)
         if applied_in is not None and applied_in.first_step_at is None and record.step > applied_in.start_step:
             applied_in.first_step_at = record.time
-            if applied_in.cause_time:
+            if applied_in.cause_time > self.recovered_from:
+                self.recovered_from = applied_in.cause_time
                 self._event(
                     EventKind.RECOVERED,
                     round=applied_in.id,
