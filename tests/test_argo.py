@@ -579,17 +579,29 @@ def test_every_step_command_line_parses_with_the_real_cli(variant, pipeline):
 
 
 @pytest.mark.parametrize("pipeline", ["training", "retraining"])
-def test_a_runs_mode_and_ps_shards_reach_the_train_step(pipeline):
-    """`argo submit -p mode=ps -p ps-shards=3`: the train step trains in PS mode on 3 shards (on the
-    local backend, in its own pod); left unset, it trains allreduce as `train` does."""
+def test_a_ps_runs_parameters_reach_its_steps(pipeline):
+    """`argo submit -p mode=ps -p ps-shards=3 -p categorical=auto`: prepare-data turns the string
+    columns into ids (its --categorical, as the KFP pipelines' `categorical` goes to prepare_data)
+    and the train step trains in PS mode on 3 shards (on the local backend, in its own pod); left
+    unset, prepare-data turns no column into ids and train trains allreduce, as the CLI's defaults do."""
+    from elastic_step.data.categorical_spec import parse_categorical
+
     doc = documents()[f"{pipeline}-workflowtemplate.yaml"]
     defaults_ = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
-    train_task = task(doc, "train")
-    task_args = {p["name"]: p["value"] for p in train_task["arguments"]["parameters"]}
-    argv = templates_of(doc)["train"]["container"]["args"]
+    assert defaults_["categorical"] == ""
+
+    def parsed(step: str, run: dict):
+        task_args = {p["name"]: p["value"] for p in task(doc, step)["arguments"]["parameters"]}
+        argv = templates_of(doc)[step]["container"]["args"]
+        return build_parser().parse_args([_resolve(a, task_args, defaults_ | run) for a in argv])
+
     for run, expected in (({}, ("allreduce", 2)), ({"mode": "ps", "ps-shards": "3"}, ("ps", 3))):
-        args = build_parser().parse_args([_resolve(a, task_args, defaults_ | run) for a in argv])
+        args = parsed("train", run)
         assert (args.mode, args.ps_shards, args.backend) == (*expected, "local")
+    assert parse_categorical(parsed("prepare-data", {}).categorical) == ({}, False)
+    assert parse_categorical(parsed("prepare-data", {"categorical": "auto"}).categorical) == ({}, True)
+    specs, auto = parse_categorical(parsed("prepare-data", {"categorical": "C1=hash:100;C2"}).categorical)
+    assert (sorted(specs), auto) == (["C1", "C2"], False)
 
 
 # ---- the CLI ------------------------------------------------------------------------------------

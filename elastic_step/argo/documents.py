@@ -45,6 +45,9 @@ STEP_POD_LABELS = {**LABELS, defaults.MLFLOW_CLIENT_LABEL[0]: defaults.MLFLOW_CL
 PARAMETERS = {
     "source": defaults.SOURCE,
     "label": defaults.LABEL,
+    # prepare-data's --categorical (as the KFP pipelines' `categorical`): the string columns a mode=ps
+    # model's tables index, e.g. `auto`; "" (the default) turns no column into ids.
+    "categorical": "",
     "model-def": defaults.MODEL_DEF,
     "workers": defaults.WORKERS,
     "spares": str(defaults.SPARES),
@@ -229,7 +232,7 @@ def workflow_template(pipeline: str, options: RenderOptions) -> WorkflowTemplate
         deploy_c = steps.deploy(settings, layout, step, options.deploy_service_account)
         with DAG(name=pipeline):
             Task(name="prepare-data", template=prepare_c,
-                 arguments=_from_workflow("source", "label", "seed"))
+                 arguments=_from_workflow(*steps.PREPARE_INPUTS))
             train_args = _from_workflow(*steps.TRAIN_INPUTS)
             if pipeline == "retraining":
                 train_args |= _from_workflow("registered-model")

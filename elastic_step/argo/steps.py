@@ -166,11 +166,16 @@ def _container(name: str, settings: StepSettings, layout: Layout, args: list[str
     )
 
 
+PREPARE_INPUTS = ["source", "label", "categorical", "seed"]
+
+
 def prepare_data(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
+    # --categorical "" (the parameter's default) names no column, as the KFP component's categorical="" does.
     out = layout.outputs("prepare-data")
-    args = ["prepare-data", "--source", _param("source"), "--label", _param("label"), "--out", layout.dataset_out(),
-            "--seed", _param("seed"), "--outputs", out]
-    return _container("prepare-data", settings, layout, args, _inputs(layout, ["source", "label", "seed"], False),
+    args = ["prepare-data", "--source", _param("source"), "--label", _param("label"),
+            "--categorical", _param("categorical"), "--out", layout.dataset_out(), "--seed", _param("seed"),
+            "--outputs", out]
+    return _container("prepare-data", settings, layout, args, _inputs(layout, PREPARE_INPUTS, False),
                       _outputs(layout, "prepare-data", [],
                                ({"dataset": "dataset"} if layout.dataset_is_artifact else {}) | {"summary": "summary.md"}),
                       resources)
