@@ -12,6 +12,7 @@ import time
 from enum import StrEnum
 
 from elastic_step.errors import ConfigError, ElasticStepError
+from elastic_step.tracking.sqlite_schema import seed_database
 from elastic_step.tracking.uploader import Uploader
 from elastic_step.tracking.uri import redact, use_tracking_uri
 
@@ -97,6 +98,7 @@ def connect(uri: str, job_dir: str):
         # Create the schema once, from this process, before workers or threads touch it:
         # several processes creating a fresh SQLite database at once corrupt it.
         os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
+        seed_database(uri[len("sqlite:///"):])  # a fresh one from MLflow's schema, copied: seconds sooner
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     if redact(uri) != uri:
