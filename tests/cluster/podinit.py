@@ -19,12 +19,17 @@ container's handle: it ignores SIGTERM (the kubelet's TERM is for the container,
 gets it only if it handles it), and passes on how the container ended (its exit code, or the
 signal that killed it, re-raised on itself). `unshare --fork` would do the same but, in
 util-linux 2.38, exits 1 whenever its child is killed by a signal, so an OOM kill read as exit 1.
+The parent dies with the stand-in that started it (runtime.PodSpawner), and PID 1 with the parent
+(its parent-death signal, set after the change of user, which clears it): PID 1's end takes every
+process of the namespace, so no pod outlives the stand-in, as no pod outlives its sandbox.
 
 Usage: python podinit.py SPEC.json  (written by kubelet.py; see Kubelet._run)
 """
 
+import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -32,6 +37,8 @@ import sys
 
 PRIVATE = ("tmp", "home", "root", "run")  # top-level folders that start empty in every container
 NEW_ROOT = "/run/.root"
+PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up on the node, before the chroot
 
 
 def mount(*args: str) -> None:
@@ -53,12 +60,25 @@ def pass_on(child: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
+def die_with_parent(lifeline: int) -> None:
+    """SIGKILL when the parent on the node dies. `lifeline` is the read end of a pipe only the parent
+    holds open: readable (at its end) means the parent died before the signal was asked for."""
+    if _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        sys.exit(f"podinit: prctl(PR_SET_PDEATHSIG): {os.strerror(ctypes.get_errno())}")
+    if select.select([lifeline], [], [], 0)[0]:
+        os._exit(137)  # as SIGKILL would have ended it (PID 1 of its namespace cannot SIGKILL itself)
+    os.close(lifeline)
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
+    lifeline, held = os.pipe()
     child = os.fork()
     if child:
-        pass_on(child)
+        os.close(lifeline)
+        pass_on(child)  # `held` stays open until this process ends
+    os.close(held)
     mount("-t", "proc", "proc", "/proc")  # the new PID namespace's own
     if spec.get("cgroup"):
         with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
@@ -124,6 +144,7 @@ def main(spec_path: str) -> None:
     os.setgroups(spec["groups"])
     os.setgid(spec["gid"])
     os.setuid(spec["uid"])
+    die_with_parent(lifeline)  # after the change of user, which clears a parent-death signal
     os.chdir(spec["cwd"])
     os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
 

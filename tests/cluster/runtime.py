@@ -7,13 +7,17 @@ is what `oom_killed` reports."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import queue
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -98,6 +102,58 @@ def container_pid(proc: subprocess.Popen) -> int:
     return int(children[0]) if children else proc.pid
 
 
+PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a forked child only calls it
+
+
+class PodSpawner:
+    """Starts every container of the process runtime so that it dies with this process (the
+    stand-in), as a kubelet's pods go with their sandbox: a test that fails or is killed leaves no
+    pod running. The kernel's parent-death signal (SIGKILL, set before exec and kept through
+    nsenter, unshare and podinit, which run as root and change no credential) fires when the
+    *thread* that forked the child ends, and the kubelet starts containers from short-lived
+    threads (one per pod start, the monitor's restarts): so one thread of this process, which
+    lives as long as the process, does every fork. podinit passes the same on to the container's
+    PID 1, whose end takes its whole PID namespace; in the folders runtime (no namespaces) only the
+    container's first process gets it, not what that process started."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner = 0  # the pid whose thread serves `_requests` (a forked copy of this process starts its own)
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+
+    def popen(self, command: list[str], preexec=None, **kwargs) -> subprocess.Popen:
+        with self._lock:
+            if self._owner != os.getpid():
+                self._owner, self._requests = os.getpid(), queue.SimpleQueue()
+                threading.Thread(target=self._serve, args=(self._requests,), daemon=True, name="pod-spawner").start()
+        done: Future = Future()
+        self._requests.put((command, preexec, kwargs, done))
+        return done.result()
+
+    @staticmethod
+    def _serve(requests: queue.SimpleQueue) -> None:
+        while True:
+            command, preexec, kwargs, done = requests.get()
+            try:
+                done.set_result(subprocess.Popen(command, preexec_fn=_dies_with(os.getpid(), preexec), **kwargs))
+            except BaseException as exc:  # the caller's to handle, as from Popen itself
+                done.set_exception(exc)
+
+
+def _dies_with(parent: int, then=None):
+    def preexec() -> None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the stand-in died between the fork and the line above
+            os._exit(137)
+        if then is not None:
+            then()
+    return preexec
+
+
+SPAWNER = PodSpawner()
+
+
 @dataclass
 class Started:
     proc: subprocess.Popen
@@ -155,8 +211,8 @@ class ProcessRuntime:
             preexec = (lambda cg=cgroup: open(os.path.join(cg, "cgroup.procs"), "w").write(str(os.getpid()))) if cgroup else None
             process_env = env
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(command, cwd=workdir, env=process_env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
+            proc = SPAWNER.popen(command, preexec, cwd=workdir, env=process_env, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
         return Started(proc, cgroup, log_path)
 
     @staticmethod
