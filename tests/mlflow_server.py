@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from elastic_step.tracking.sqlite_schema import seed_database
 from processes import die_with_parent
 
 AUTH_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "mlflow" / "auth-config.yaml"
@@ -69,8 +70,10 @@ class MlflowServer:
             self.auth_config = os.path.join(root, "basic_auth.ini")
             user_store = f"sqlite:///{os.path.join(root, 'basic_auth.db')}"
             Path(self.auth_config).write_text(shipped_auth_settings(user_store))
-        # Create the schema once, before the server (and its workers) open the database.
-        subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", self.db], check=True, capture_output=True)
+        # Create the schema once, before the server (and its workers) open the database: a copy of
+        # the cached one, as a local job's database starts (else MLflow's own migrations).
+        if not seed_database(os.path.join(root, "mlflow.db")):
+            subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", self.db], check=True, capture_output=True)
 
     def _command(self) -> list[str]:
         command = [sys.executable, "-m", "mlflow", "server", "--host", self.host, "--port", str(self.port),
