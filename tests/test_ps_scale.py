@@ -87,6 +87,47 @@ def test_only_the_virtual_shards_that_change_owner_move_and_every_row_arrives_wh
         assert s.routing.epoch == new.epoch and not s.pending
 
 
+def test_tables_larger_than_a_message_move_and_export_a_messages_worth_at_a_time(tmp_path, monkeypatch):
+    # A frame carries at most wire.MAX_BODY (1 GiB): a table of several GiB must cross in parts.
+    # The same logic at a budget of 16 KiB against ~1 MiB of tables.
+    from elastic_step.ps import moves
+
+    monkeypatch.setattr(moves, "MESSAGE_BUDGET", 16 << 10)
+    old = RoutingTable.initial(2)
+    states = [state(tmp_path, i, old) for i in range(3)]
+    ids = np.arange(20_000)
+    push(states, old, (1, 0), ids)
+    before = held(states)
+    call, exported = caller(states), []
+
+    def counting(shard, header, *arrays):
+        reply, body = call(shard, header, *arrays)
+        if header["op"] == "export":
+            exported.append((len(header["vshards"]), len(body)))
+        return reply, body
+
+    new = old.resized(3)
+    report = move(counting, old, new)
+    assert held(states) == before and report.rows_moved > 0
+    assert sum(n for n, _ in exported) == report.moved and max(n for n, _ in exported) < moves.CHUNK
+    assert max(size for _, size in exported) <= 2 * moves.MESSAGE_BUDGET, exported  # hash spreads rows evenly
+
+    # The end-of-job export of shard pods (ps_pods) asks the same way, and gets every row once.
+    from elastic_step.backends.kubernetes.ps_pods import _exported
+
+    class Asked:  # PsClient.call(endpoint, header, *arrays), answered in process by shard `endpoint`
+        def call(self, endpoint, header, *arrays):
+            return counting(endpoint, header, *arrays)
+
+    exported.clear()
+    shard = type("Shard", (), {"shard": 0, "endpoint": 0})()
+    parts = list(_exported(Asked(), shard, new.owned_by(0).tolist()))
+    assert len(parts) == len(exported) > 1
+    got = np.concatenate([p[f"{SPEC.name}.ids"] for p in parts])
+    table = states[0].tables[SPEC.name]
+    assert sorted(got.tolist()) == sorted(table.ids[: table.size].tolist())
+
+
 def test_a_push_straddling_the_epoch_change_is_applied_once_to_every_row(tmp_path):
     old = RoutingTable.initial(2)
     states = [state(tmp_path, i, old) for i in range(3)]

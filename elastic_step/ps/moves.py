@@ -35,7 +35,10 @@ from elastic_step.ps.api import PsError, ShardUnavailable, Status
 from elastic_step.ps.routing import RoutingTable
 
 Call = Callable[..., tuple[dict, bytearray]]
-CHUNK = 16  # virtual shards per export/import: bounds a message (1/8 of a table), and each one's wait
+CHUNK = 16  # virtual shards per export/import at most: bounds each moved one's wait
+# An export's bytes per message: a quarter of what a frame may carry, for virtual shards that hold
+# more rows than the average and for the applied keys that travel with the rows.
+MESSAGE_BUDGET = wire.MAX_BODY // 4
 
 
 @dataclass
@@ -61,6 +64,16 @@ def plan(old: RoutingTable, new: RoutingTable) -> dict[tuple[int, int], list[int
     for v in np.flatnonzero(old.owners != new.owners).tolist():
         moves.setdefault((int(old.owners[v]), int(new.owners[v])), []).append(v)
     return moves
+
+
+def export_parts(vshards: list[int], shard_bytes: int, owned: int, most: int | None = None) -> list[list[int]]:
+    """`vshards` of one shard in groups whose export fits a message. Rows are spread over the
+    virtual shards by hash, so each of the `owned` holds about `shard_bytes / owned` (the shard's
+    `stats` bytes: its tables' capacity, an upper bound); `most`: no more per group than that."""
+    per_vshard = shard_bytes / max(owned, 1)
+    size = max(1, int(MESSAGE_BUDGET // max(per_vshard, 1.0)))
+    size = min(size, most or size, max(len(vshards), 1))
+    return [vshards[i : i + size] for i in range(0, len(vshards), size)]
 
 
 def ask(call: Call, shard: int, header: dict, *arrays: np.ndarray, deadline_s: float = 120.0) -> tuple[dict, bytearray]:
@@ -92,14 +105,15 @@ def move(call: Call, old: RoutingTable, new: RoutingTable, deadline_s: float = 1
     started = time.monotonic()
     report = MoveReport(new.epoch, len(new.owners), int((old.owners != new.owners).sum()))
     everyone = range(max(old.shards, new.shards))
+    held = {}  # shard -> its tables' bytes
     for shard in range(old.shards):
         stats, _ = ask(call, shard, {"op": "stats"}, deadline_s=deadline_s)
         report.rows_total += sum(int(t["rows"]) for t in stats["tables"].values())
+        held[shard] = sum(int(t["bytes"]) for t in stats["tables"].values())
     adopted = time.monotonic()
     _on_each(everyone, lambda shard: ask(call, shard, {"op": "adopt", "routing": new.to_json()}, deadline_s=deadline_s))
     for (source, target), vshards in plan(old, new).items():
-        for i in range(0, len(vshards), CHUNK):
-            part = vshards[i : i + CHUNK]
+        for part in export_parts(vshards, held[source], int((old.owners == source).sum()), most=CHUNK):
             reply, body = ask(call, source, {"op": "export", "vshards": part}, deadline_s=deadline_s)
             spec, arrays = wire.pack(wire.unpack(reply["arrays"], body))
             installed, _ = ask(call, target, {"op": "import", "routing": new.to_json(), "vshards": part, "arrays": spec},

@@ -75,7 +75,7 @@ from elastic_step.ps import wire
 from elastic_step.ps.cuts import PARTS, CutMissing, files_digest
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
-from elastic_step.ps.moves import MoveReport, move
+from elastic_step.ps.moves import MoveReport, export_parts, move
 from elastic_step.ps.routing import DEFAULT_VIRTUAL_SHARDS, RoutingTable
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
@@ -366,6 +366,16 @@ def _asked(client: PsClient, shard: PodShard, request: dict) -> dict:
     return header
 
 
+def _exported(client: PsClient, shard: PodShard, vshards: list[int]):
+    """The rows of a shard's virtual shards, a message's worth at a time (moves.export_parts):
+    one message of a table of several GiB would be over what a frame may carry."""
+    stats = _asked(client, shard, {"op": "stats"})
+    held = sum(int(t["bytes"]) for t in stats["tables"].values())
+    for part in export_parts(vshards, held, len(vshards)):
+        reply, body = client.call(shard.endpoint, {"op": "export", "vshards": part})
+        yield wire.unpack(reply["arrays"], body)
+
+
 class PsPods:
     """The Kubernetes backend's ShardLauncher: the shard pods, their NetworkPolicy, their
     watcher, and the last rows at the job's end."""
@@ -562,16 +572,13 @@ class PsPods:
         parts: dict[str, list] = {s.name: [] for s in specs}
         try:
             for shard in shards.shards:
-                vshards = shards.routing.owned_by(shard.shard).tolist()
                 try:
-                    reply, body = client.call(shard.endpoint, {"op": "export", "vshards": vshards})
+                    for arrays in _exported(client, shard, shards.routing.owned_by(shard.shard).tolist()):
+                        for spec in specs:
+                            parts[spec.name].append((arrays[f"{spec.name}.ids"], arrays[f"{spec.name}.rows"][:, : spec.dim]))
                 except (OSError, ValueError) as exc:
                     log.error("parameter-server shard %d did not give its rows (%s): its ids get zero rows in the "
                               "evaluation and the exported model", shard.shard, exc)
-                    continue
-                arrays = wire.unpack(reply["arrays"], body)
-                for spec in specs:
-                    parts[spec.name].append((arrays[f"{spec.name}.ids"], arrays[f"{spec.name}.rows"][:, : spec.dim]))
         finally:
             client.close()
         tables = {}
