@@ -41,19 +41,43 @@ class GateResult:
 
 
 def model_type_of(outputs: np.ndarray, labels: np.ndarray) -> str:
+    """classifier: one output per class; binary: one logit per row against 0/1 labels (a click
+    model, trained with binary cross-entropy on logits); regressor: anything else."""
     if outputs.ndim == 2 and outputs.shape[1] > 1 and np.issubdtype(labels.dtype, np.integer):
         return "classifier"
+    if outputs.reshape(len(outputs), -1).shape[1] == 1 and len(labels) and np.isin(labels, (0, 1)).all():
+        return "binary"
     return "regressor"
 
 
 def as_predictions(outputs: np.ndarray, model_type: str) -> np.ndarray:
+    """A class per row (classifier), else the one output per row (a binary model's logit)."""
     return outputs.argmax(axis=1) if model_type == "classifier" else outputs.reshape(len(outputs), -1)[:, 0]
+
+
+def _evaluate_binary(logits: np.ndarray, labels: np.ndarray):
+    """AUC, log loss and accuracy of a binary model's logits. MLflow's evaluator computes AUC and
+    log loss only from a model it can ask for probabilities; here there are outputs alone."""
+    import mlflow
+    from mlflow.models import EvaluationResult
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    clicks = labels.astype(np.int64)
+    probability = 1.0 / (1.0 + np.exp(-np.clip(logits.astype(np.float64), -50.0, 50.0)))
+    metrics = {"accuracy_score": float(((probability >= 0.5) == clicks).mean()),
+               "log_loss": float(log_loss(clicks, probability, labels=[0, 1]))}
+    if len(np.unique(clicks)) == 2:  # undefined on one class (the gate then names the split)
+        metrics["auc"] = float(roc_auc_score(clicks, probability))
+    mlflow.log_metrics(metrics)  # on the evaluation run, as mlflow.models.evaluate logs its own
+    return EvaluationResult(metrics=metrics, artifacts={})
 
 
 def _evaluate(predictions: np.ndarray, labels: np.ndarray, model_type: str, label_list):
     import mlflow
     import pandas as pd
 
+    if model_type == "binary":
+        return _evaluate_binary(predictions, labels)
     config = {"log_model_explainability": False}
     if model_type == "classifier":
         config["label_list"] = label_list
@@ -91,7 +115,11 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
     outputs, champion_outputs = outputs[0], (outputs[1] if champion is not None else None)
     model_type = model_type_of(outputs, labels)
     thresholds = build_thresholds(floors, min_gains, model_type)  # unknown metric: fail before logging anything
-    label_list = sorted(set(labels.tolist()) | set(range(outputs.shape[1]))) if model_type == "classifier" else None
+    if model_type == "binary" and any(t.metric == "auc" for t in thresholds) and len(np.unique(labels)) < 2:
+        raise ConfigError(f"the test split of {data} holds only label {int(labels[0])}: AUC is undefined there; "
+                          "prepare the data with both labels in the test split, or judge on log_loss")
+    label_list = {"classifier": sorted(set(labels.tolist()) | set(range(outputs.reshape(len(outputs), -1).shape[1]))),
+                  "binary": [0, 1]}.get(model_type)
     predictions = as_predictions(outputs, model_type)
     champion_predictions = None if champion is None else as_predictions(champion_outputs, model_type)
 
@@ -122,11 +150,13 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
             champion_version=str(champion.version) if champion else None, model_type=model_type,
             evaluation_run_id=run.info.run_id, report="",
         )
-        if model_type == "classifier":
+        if label_list is not None:
             from sklearn.metrics import confusion_matrix
 
+            decided = (predictions >= 0).astype(np.int64) if model_type == "binary" else predictions  # logit 0: p = 0.5
             result.categories = [str(c) for c in label_list]
-            result.confusion_matrix = confusion_matrix(labels, predictions, labels=label_list).tolist()
+            result.confusion_matrix = confusion_matrix(labels.astype(np.int64) if model_type == "binary" else labels,
+                                                       decided, labels=label_list).tolist()
         result.report = report_markdown(result, candidate, registered_model, thresholds)
         mlflow.log_text(result.report, "gate/report.md")
         mlflow.set_tags({f"{GATE_TAG}.blessed": str(blessed).lower(), f"{GATE_TAG}.reason": reason[:4000]})

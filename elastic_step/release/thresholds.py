@@ -8,10 +8,13 @@ from elastic_step.errors import ConfigError
 
 # What mlflow.models.evaluate's default evaluator reports from class predictions or values.
 CLASSIFIER_METRICS = {"accuracy_score": True, "precision_score": True, "recall_score": True, "f1_score": True}
+# A binary model's (one logit per row): computed by the gate itself (release/gate.py).
+BINARY_METRICS = {"auc": True, "log_loss": False, "accuracy_score": True}
 REGRESSOR_METRICS = {"mean_squared_error": False, "root_mean_squared_error": False, "mean_absolute_error": False,
                      "r2_score": True, "max_error": False, "mean_absolute_percentage_error": False}
 ALIASES = {"accuracy": "accuracy_score", "precision": "precision_score", "recall": "recall_score", "f1": "f1_score",
-           "mse": "mean_squared_error", "rmse": "root_mean_squared_error", "mae": "mean_absolute_error", "r2": "r2_score"}
+           "mse": "mean_squared_error", "rmse": "root_mean_squared_error", "mae": "mean_absolute_error", "r2": "r2_score",
+           "roc_auc": "auc", "logloss": "log_loss"}
 
 
 STRICTLY_BETTER = 1e-9
@@ -50,7 +53,7 @@ def parse_pairs(values, what: str) -> dict[str, float]:
 
 
 def build_thresholds(floors: dict, min_gains: dict, model_type: str) -> list[Threshold]:
-    known = CLASSIFIER_METRICS if model_type == "classifier" else REGRESSOR_METRICS
+    known = {"classifier": CLASSIFIER_METRICS, "binary": BINARY_METRICS}.get(model_type, REGRESSOR_METRICS)
     merged: dict[str, Threshold] = {}
     for kind, values in (("floor", floors), ("min_gain", min_gains)):
         for name, value in values.items():
