@@ -19,7 +19,7 @@ from elastic_step.argo import RenderOptions, build_documents
 from elastic_step.backends.kubernetes.manifests import dry_run_manifests
 from elastic_step.backends.kubernetes.manifests import resources
 from elastic_step.backends.kubernetes.options import MasterPod, settings_from_config
-from elastic_step.backends.kubernetes.ps_pods import shard_settings
+from elastic_step.backends.kubernetes.ps_manifests import shard_settings
 from elastic_step.cli import build_parser
 from elastic_step.cli.train import train_config
 from elastic_step.components import prepare_data, train_elastic

@@ -44,7 +44,7 @@ from cluster import Cluster, venv_image
 from conftest import cli
 from elastic_step.backends.kubernetes.manifests import JobNames, to_dict
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
-from elastic_step.backends.kubernetes.ps_pods import PS_PORT, ps_network_policy, ps_pod
+from elastic_step.backends.kubernetes.ps_manifests import PS_PORT, ps_network_policy, ps_pod
 from stores import S3Server, upload
 from test_cluster_e2e import JOB_DIR, master_pod, store_secret
 from test_cluster_network import PROBE, MasterOnPodNetwork, pod_network_cluster, python_pod
@@ -152,7 +152,8 @@ def _shard_pod(restarts: int, running: bool, phase: str = "Running"):
 
 
 def test_a_restarted_shard_is_relaunching_until_it_answers_and_a_gone_pod_rolls_the_job_back_or_is_down():
-    from elastic_step.backends.kubernetes.ps_pods import PodShard, PodShards, PodSupervisor
+    from elastic_step.backends.kubernetes.ps_pod_shards import PodShard, PodShards
+    from elastic_step.backends.kubernetes.ps_pod_watch import PodSupervisor
     from elastic_step.ps.routing import RoutingTable
 
     pods = _Pods()

@@ -98,31 +98,31 @@ def test_tables_larger_than_a_message_move_and_export_a_messages_worth_at_a_time
     ids = np.arange(20_000)
     push(states, old, (1, 0), ids)
     before = held(states)
-    call, exported = caller(states), []
+    call, exports = caller(states), []
 
     def counting(shard, header, *arrays):
         reply, body = call(shard, header, *arrays)
         if header["op"] == "export":
-            exported.append((len(header["vshards"]), len(body)))
+            exports.append((len(header["vshards"]), len(body)))
         return reply, body
 
     new = old.resized(3)
     report = move(counting, old, new)
     assert held(states) == before and report.rows_moved > 0
-    assert sum(n for n, _ in exported) == report.moved and max(n for n, _ in exported) < moves.CHUNK
-    assert max(size for _, size in exported) <= 2 * moves.MESSAGE_BUDGET, exported  # hash spreads rows evenly
+    assert sum(n for n, _ in exports) == report.moved and max(n for n, _ in exports) < moves.CHUNK
+    assert max(size for _, size in exports) <= 2 * moves.MESSAGE_BUDGET, exports  # hash spreads rows evenly
 
     # The end-of-job export of shard pods (ps_pods) asks the same way, and gets every row once.
-    from elastic_step.backends.kubernetes.ps_pods import _exported
+    from elastic_step.backends.kubernetes.ps_pod_shards import exported
 
     class Asked:  # PsClient.call(endpoint, header, *arrays), answered in process by shard `endpoint`
         def call(self, endpoint, header, *arrays):
             return counting(endpoint, header, *arrays)
 
-    exported.clear()
+    exports.clear()
     shard = type("Shard", (), {"shard": 0, "endpoint": 0})()
-    parts = list(_exported(Asked(), shard, new.owned_by(0).tolist()))
-    assert len(parts) == len(exported) > 1
+    parts = list(exported(Asked(), shard, new.owned_by(0).tolist()))
+    assert len(parts) == len(exports) > 1
     got = np.concatenate([p[f"{SPEC.name}.ids"] for p in parts])
     table = states[0].tables[SPEC.name]
     assert sorted(got.tolist()) == sorted(table.ids[: table.size].tolist())

@@ -12,7 +12,7 @@ process, and no worker restarts:
    launcher puts every shard back to its cut of the point's step behind the fence: each refuses
    from then on every push of a round up to the fence (its round trained on what goes back; the
    worker takes the refusal as the end of its round and rendezvouses again), and the lost shard
-   is made anew from its cut (backends/kubernetes/ps_pods.py, PodSupervisor.roll_back).
+   is made anew from its cut (backends/kubernetes/ps_pod_watch.py, PodSupervisor.roll_back).
 3. Rounds.rollback_ready: the next round to settle goes on from the point as a restore does
    (restore.py): the rows applied after it return to the queue, rank 0 loads its dense state,
    and a RESTORED event names the checkpoint and the steps lost. Its round id is above the

@@ -370,8 +370,8 @@ def dry_run_manifests(config, settings: PodSettings, master: MasterPod | None, i
     url = f"http://{config.host}:{config.port or '<port chosen at start>'}"
     objects = [token_secret(names, master, "<generated when the job starts>", settings.namespace)]
     objects += network_policies(names, master, settings.namespace, None)
-    if config.mode == "ps":  # the shards' pods and policy (ps_pods.py); their tables are the model's, read at the start
-        from elastic_step.backends.kubernetes.ps_pods import ps_network_policy, ps_pod
+    if config.mode == "ps":  # the shards' pods and policy (ps_manifests.py); their tables are the model's, read at the start
+        from elastic_step.backends.kubernetes.ps_manifests import ps_network_policy, ps_pod
 
         objects.append(ps_network_policy(names, master, settings.namespace, None))
         objects += [ps_pod(settings, names, master, image, shard, "<the model's tables and routing, when the job starts>")

@@ -54,326 +54,28 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import sys
-import threading
 import time
-from dataclasses import dataclass, replace
 
 import numpy as np
 import urllib3
 from kubernetes import client as k8s
 
-from elastic_step.backends.kubernetes.manifests import (ISTIO_INJECT_LABEL, TOKEN_KEY, TOKEN_MOUNT, JobNames, job_pod_spec,
-                                                         master_selector, owner_references, resources,
-                                                         restricted_container)
-from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
-from elastic_step.backends.kubernetes.ps_cuts import CutStore, fetch_cut, part_name, receive_cut, restored, send_cut
+from elastic_step.backends.kubernetes.manifests import JobNames
+from elastic_step.backends.kubernetes.ps_cuts import CutStore, receive_cut, restored, send_cut
+from elastic_step.backends.kubernetes.ps_manifests import (CONFIG_ENV, DIR_ENV, PS_PORT, RESTORE_ENV, SHARD_LABEL, ps_network_policy,
+                                                            ps_pod, ps_pod_name, ps_selector, shard_config)
+from elastic_step.backends.kubernetes.ps_pod_shards import PodShard, PodShards, exported
+from elastic_step.backends.kubernetes.ps_pod_watch import PodSupervisor
 from elastic_step.errors import ConfigError
-from elastic_step.protocol import PsShardState, WorkerEnv
+from elastic_step.protocol import WorkerEnv
 from elastic_step.ps import wire
-from elastic_step.ps.cuts import PARTS, CutMissing, files_digest
+from elastic_step.ps.cuts import CutMissing
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient
-from elastic_step.ps.moves import MoveReport, export_parts, move
-from elastic_step.ps.routing import DEFAULT_VIRTUAL_SHARDS, RoutingTable
+from elastic_step.ps.routing import RoutingTable
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
-
-PS_PORT = 7460  # shard I listens on PS_PORT + I (distinct even where pods share the node's network)
-DATA_DIR = "/tmp/ps"  # the shard's folder, on the pod's scratch emptyDir: kept across container restarts
-CONFIG_ENV = "ELASTIC_STEP_PS_CONFIG"  # the shard's config.json (tables, routing): no secret in it
-POD_IP_ENV = "ELASTIC_STEP_POD_IP"
-DIR_ENV = "ELASTIC_STEP_PS_DIR"  # paths in the env, not the command: where a runtime relocates mounts, it rewrites the env
-RESTORE_ENV = "ELASTIC_STEP_PS_RESTORE"  # a resumed shard's cut: {"step", "digest", "routing"} (ps_cuts.py); no secret in it
-SHARD_LABEL = "elastic-step/ps-shard"
-COMPONENT = "ps"
-
-
-def ps_labels(names: JobNames) -> dict[str, str]:
-    """What selects this job's shard pods (and nobody else's)."""
-    return {"app.kubernetes.io/instance": names.instance, "app.kubernetes.io/component": COMPONENT}
-
-
-def ps_selector(names: JobNames) -> str:
-    return ",".join(f"{k}={v}" for k, v in ps_labels(names).items())
-
-
-def ps_pod_name(names: JobNames, shard: int) -> str:
-    return f"{names.instance}-ps-{shard}"
-
-
-def shard_config(specs: list[TableSpec], routing: RoutingTable, snapshot_every: int = 1000, checkpoint_every: int = 0) -> str:
-    """The shard's config.json; `checkpoint_every`: the job's --checkpoint-steps, whose multiples
-    it cuts ahead (ps/cuts.py)."""
-    return json.dumps({"tables": [s.to_json() for s in specs], "routing": routing.to_json(), "snapshot_every": snapshot_every,
-                       "checkpoint_every": checkpoint_every})
-
-
-def shard_settings(settings: PodSettings) -> PodSettings:
-    """The workers' settings with the shards' own cpu and memory (--ps-cpu, --ps-memory) where
-    given, and no GPU: a shard computes nothing on one."""
-    cpu, memory = settings.ps_cpu, settings.ps_memory
-    return replace(settings, gpus=0, **({"cpu_request": cpu[0], "cpu_limit": cpu[1]} if cpu else {}),
-                   **({"memory_request": memory[0], "memory_limit": memory[1]} if memory else {}))
-
-
-def ps_pod(settings: PodSettings, names: JobNames, master: MasterPod | None, image: str, shard: int, config: str,
-           restore: dict | None = None) -> k8s.V1Pod:
-    """Shard `shard`'s pod: the workers' image, service account (no API rights, no token
-    mounted), security context and requests (no GPU), restarted in place when it fails.
-    `restore`: a resumed job's cut for it to wait for before it serves (ps_cuts.py)."""
-    env = [
-        k8s.V1EnvVar(name=POD_IP_ENV, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP"))),
-        k8s.V1EnvVar(name=CONFIG_ENV, value=config),
-        k8s.V1EnvVar(name=DIR_ENV, value=DATA_DIR),
-        k8s.V1EnvVar(name=WorkerEnv.TOKEN_FILE.value, value=f"{TOKEN_MOUNT}/{TOKEN_KEY}"),
-        k8s.V1EnvVar(name="HOME", value="/tmp"),  # the root filesystem is read-only
-        k8s.V1EnvVar(name="OMP_NUM_THREADS", value="1"),
-        *([k8s.V1EnvVar(name=RESTORE_ENV, value=json.dumps(restore))] if restore else []),
-    ]
-    command = ["python", "-m", "elastic_step.backends.kubernetes.ps_pods", "--shard", str(shard),
-               "--host", f"$({POD_IP_ENV})", "--port", str(PS_PORT + shard)]
-    container = k8s.V1Container(
-        name="ps", image=image, command=command, env=env, resources=resources(shard_settings(settings)),
-        ports=[k8s.V1ContainerPort(name="ps", container_port=PS_PORT + shard, protocol="TCP")],
-        volume_mounts=[k8s.V1VolumeMount(name="token", mount_path=TOKEN_MOUNT, read_only=True),
-                       k8s.V1VolumeMount(name="scratch", mount_path="/tmp")],
-        security_context=restricted_container(),
-    )
-    spec = job_pod_spec(settings, names, container, volumes=[],
-                        restart_policy="OnFailure")  # a dead shard comes back in the same pod: same address, same emptyDir
-    labels = {**names.labels(COMPONENT), SHARD_LABEL: str(shard), ISTIO_INJECT_LABEL: "false"}  # no sidecar: workers connect directly
-    return k8s.V1Pod(api_version="v1", kind="Pod", spec=spec,
-                     metadata=k8s.V1ObjectMeta(name=ps_pod_name(names, shard), labels=labels,
-                                               owner_references=owner_references(master, settings.namespace)))
-
-
-def ps_network_policy(names: JobNames, master: MasterPod | None, namespace: str, master_labels: dict[str, str] | None,
-                      shards: int = DEFAULT_VIRTUAL_SHARDS) -> k8s.V1NetworkPolicy:
-    """The shards admit the job's workers and its master pod (stats, validation pulls, the last
-    rows), on the shards' ports only: the range of as many as `shards` (the virtual shards, the
-    most a scale --ps may run), so that a scale needs no change of the policy. The master is left
-    out when its pod has no labels to select it by (the user's --no-master-network-policy): an
-    empty selector would admit every pod."""
-    ports = [k8s.V1NetworkPolicyPort(protocol="TCP", port=PS_PORT, end_port=PS_PORT + shards - 1)]
-    peers = [k8s.V1NetworkPolicyPeer(pod_selector=k8s.V1LabelSelector(match_labels=names.worker_labels))]
-    selector = master_selector(master_labels)
-    if selector:
-        peers.append(k8s.V1NetworkPolicyPeer(pod_selector=k8s.V1LabelSelector(match_labels=selector)))
-    return k8s.V1NetworkPolicy(
-        api_version="networking.k8s.io/v1", kind="NetworkPolicy",
-        metadata=k8s.V1ObjectMeta(name=names.network_policy(COMPONENT), labels=names.labels("network-policy"),
-                                  owner_references=owner_references(master, namespace)),
-        spec=k8s.V1NetworkPolicySpec(pod_selector=k8s.V1LabelSelector(match_labels=ps_labels(names)), policy_types=["Ingress"],
-                                     ingress=[k8s.V1NetworkPolicyIngressRule(_from=peers, ports=ports)]),
-    )
-
-
-@dataclass
-class PodShard:
-    shard: int
-    host: str  # the pod's IP
-    port: int
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-class PodShards:
-    """The shards' addresses under one routing table (what LocalShards is for processes)."""
-
-    def __init__(self, shards: list[PodShard], routing: RoutingTable, launcher: PsPods | None = None):
-        self.shards, self.routing, self.launcher = shards, routing, launcher
-
-    def routes(self) -> RoutingTable:
-        return RoutingTable(self.routing.epoch, self.routing.owners, [s.endpoint for s in self.shards])
-
-    def resize(self, shards: int, call) -> MoveReport:
-        """`scale --ps`: run `shards` shard pods from now on, moving only the virtual shards that
-        change owner (ps/moves.py) while the workers go on, as LocalShards.resize does with
-        processes. Added pods start empty under the current routing; removed ones (the highest
-        indices) leave the list once they gave everything away, then their pods are deleted.
-        `call(endpoint, header, *arrays)` asks one shard."""
-        added = self.launcher.add_shards(range(len(self.shards), shards), self.routing)
-        everyone = self.shards + added
-        resized = self.routing.resized(shards, [s.endpoint for s in everyone[:shards]])
-        try:
-            report = move(lambda i, *request: call(everyone[i].endpoint, *request), self.routing, resized)
-        except BaseException:
-            self.shards = everyone  # deleted with the others at the end (a resume from a cut needs no move)
-            raise
-        self.routing = resized
-        self.shards = everyone[:shards]
-        self.launcher.delete_shards([s.shard for s in everyone[shards:]])
-        return report
-
-
-def _container_restarts(pod: k8s.V1Pod) -> tuple[int, bool]:
-    """(the shard container's restarts, whether it runs now)."""
-    for status in (pod.status.container_statuses or []) if pod.status else []:
-        if status.name == "ps":
-            return int(status.restart_count or 0), bool(status.state and status.state.running)
-    return 0, False
-
-
-class PodSupervisor:
-    """Watches the shard pods (ShardSupervisor's attributes, for ShardMonitor): a container the
-    kubelet restarted is RELAUNCHING until its shard answers again (snapshot loaded, ledger
-    replayed), then SERVING; a pod that ended or is gone took its emptyDir, so its rows, with it:
-    the job goes back to its newest checkpoint (`lost`, roll_back), that shard in a new pod, or
-    with none the shard is DOWN for good."""
-
-    POLL_S = 0.5
-    CUT_TIMEOUT_S = 120.0
-
-    def __init__(self, launcher: PsPods, shards: PodShards, client: PsClient, store: CutStore | None = None):
-        self.launcher, self.shards, self.client = launcher, shards, client
-        self.store = store  # where each checkpoint's cut goes (the run's artifacts); None: nowhere
-        self.ports = [s.port for s in shards.shards]
-        self.states = [PsShardState.SERVING for _ in shards.shards]
-        self.relaunches = [0 for _ in shards.shards]
-        self.seen_restarts = [0 for _ in shards.shards]
-        self.since = [0.0 for _ in shards.shards]
-        # `lost(shard)`: the job goes back to its newest checkpoint (master/ps_rollback.py); True
-        # when it does, False when it cannot (no checkpoint yet, or it failed): the shard is DOWN then.
-        self.lost = None
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="ps-pods", daemon=True)
-
-    def start(self) -> PodSupervisor:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join()
-
-    def resized(self) -> None:
-        """Follow the shards' list after a scale --ps: the added ones serve, the removed ones gone."""
-        count = len(self.shards.shards)
-        self.ports = [s.port for s in self.shards.shards]
-        self.states = (self.states + [PsShardState.SERVING] * count)[:count]
-        self.relaunches = (self.relaunches + [0] * count)[:count]
-        self.seen_restarts = (self.seen_restarts + [0] * count)[:count]
-        self.since = (self.since + [0.0] * count)[:count]
-
-    def keep_cut(self, cut: dict) -> None:
-        """Before a checkpoint is recorded: every shard's cut of its step, copied from the pods
-        (their folders go with them) and queued for the checkpoint store ahead of the checkpoint
-        (ps_cuts.py). PsError or OSError when a shard's cannot be had: no checkpoint then."""
-        if self.store is None:
-            return
-        step = int(cut["step"])
-        folder = self.store.folder(step)
-        client = PsClient(self.client.token, lambda: None, timeout_s=self.CUT_TIMEOUT_S)
-        try:
-            for shard, digest in zip(self.shards.shards, cut["digests"], strict=True):
-                fetch_cut(client, shard.endpoint, step, folder, shard.shard, digest)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)  # no half of a cut is kept, here or in the store
-            raise
-        finally:
-            client.close()
-        self.store.keep(step, folder)
-
-    def roll_back(self, lost: int, cut: dict, fence: int) -> None:
-        """Every shard back to its cut of the checkpoint `cut` names, behind `fence` (pushes of
-        rounds up to it refused): the others in place (their own cut, kept in their folder), the
-        lost one in a pod made anew from its cut in the checkpoint store, at a new address that
-        the routing's next epoch gives every shard (the workers re-route from their refusals).
-        PsError or ConfigError (one line) when one cannot."""
-        step, digests = int(cut["step"]), cut["digests"]
-        if len(digests) != len(self.shards.shards):
-            raise PsError(f"the checkpoint of step {step} has {len(digests)} shards' cuts, the job runs {len(self.shards.shards)} "
-                          "(a scale --ps since)")
-        files = self._kept_cut(step, lost, digests[lost])  # before any shard goes back
-        client = PsClient(self.client.token, lambda: None, timeout_s=self.CUT_TIMEOUT_S)
-        try:
-            for shard in self.shards.shards:
-                if shard.shard != lost:
-                    _asked(client, shard, {"op": "rollback", "step": step, "digest": digests[shard.shard], "fence": fence})
-            restore = {"step": step, "digest": digests[lost], "routing": cut["routing"], "fence": fence}
-            self.shards.shards[lost] = self.launcher.replace_shard(lost, self.shards.routing, restore, files)
-            routing = RoutingTable(self.shards.routing.epoch + 1, self.shards.routing.owners,
-                                   [s.endpoint for s in self.shards.shards])
-            for shard in self.shards.shards:
-                _asked(client, shard, {"op": "routing", "routing": routing.to_json()})
-            self.shards.routing = routing
-        finally:
-            client.close()
-        self.states[lost], self.seen_restarts[lost] = PsShardState.SERVING, 0
-        self.relaunches[lost] += 1
-        log.info("parameter-server shards back at their cuts of step %d; shard %d in a new pod at %s", step, lost,
-                 self.shards.shards[lost].endpoint)
-
-    def _kept_cut(self, step: int, index: int, digest: str) -> dict[str, str]:
-        """Shard `index`'s cut of `step` as this master copied it (keep_cut) or downloaded it (a
-        resume), else from the checkpoint store; checked by its digest."""
-        if self.store is None:
-            raise PsError("the job keeps no checkpoint cuts (no checkpoint store)")
-        for folder in (self.store.step_path(step), self.store.resumed_path(step)):
-            files = {part: os.path.join(folder, part_name(index, part)) for part in PARTS}
-            if all(os.path.exists(f) for f in files.values()) and files_digest([files[p] for p in PARTS]) == digest:
-                return files
-        return self.store.download(step, index, digest)
-
-    def _watch(self) -> None:
-        while not self.stopping.wait(self.POLL_S):
-            try:
-                pods = {p.metadata.name: p for p in self.launcher.list_pods()}
-            except Exception as exc:  # an API error or timeout: look again at the next poll
-                log.debug("listing the shard pods failed: %s", exc)
-                continue
-            for shard in self.shards.shards[: len(self.states)]:  # a scale --ps may be growing the list
-                if self.states[shard.shard] is not PsShardState.DOWN and not self.stopping.is_set():
-                    self._judge(shard, pods.get(ps_pod_name(self.launcher.names, shard.shard)))
-
-    def _judge(self, shard: PodShard, pod: k8s.V1Pod | None) -> None:
-        i = shard.shard
-        phase = pod.status.phase if pod is not None and pod.status else None
-        if pod is None or phase in ("Failed", "Succeeded") or (pod.metadata.deletion_timestamp is not None):
-            self.states[i] = PsShardState.RELAUNCHING
-            if self.lost is not None and self.lost(i):  # the job goes back to its newest checkpoint, this shard anew
-                return
-            log.error("parameter-server shard %d: its pod %s is %s; its rows were in that pod's emptyDir, so the shard is "
-                      "down for good and the job cannot go on exactly once: run it again", i, ps_pod_name(self.launcher.names, i),
-                      "gone" if pod is None else ("being deleted" if phase not in ("Failed", "Succeeded") else phase))
-            self.states[i] = PsShardState.DOWN
-            return
-        restarts, running = _container_restarts(pod)
-        if restarts > self.seen_restarts[i] or not running:
-            if self.states[i] is PsShardState.SERVING:
-                log.warning("parameter-server shard %d exited: the kubelet restarts it in its pod %s (same address, "
-                            "its snapshot and ledger in the pod's emptyDir)", i, pod.metadata.name)
-                self.states[i], self.since[i] = PsShardState.RELAUNCHING, time.monotonic()
-            self.seen_restarts[i] = max(restarts, self.seen_restarts[i])
-        if self.states[i] is PsShardState.RELAUNCHING and running and self.launcher.answers(self.client, shard.endpoint):
-            self.relaunches[i] += 1
-            self.states[i] = PsShardState.SERVING
-            log.info("parameter-server shard %d back in %.2f s", i, time.monotonic() - self.since[i])
-
-
-def _asked(client: PsClient, shard: PodShard, request: dict) -> dict:
-    """One shard's OK answer to `request`; PsError saying why not."""
-    try:
-        header, _ = client.call(shard.endpoint, request)
-    except (OSError, ValueError) as exc:
-        raise PsError(f"shard {shard.shard} at {shard.endpoint} did not answer its {request['op']} ({exc})") from None
-    if header.get("status") != Status.OK:
-        raise PsError(f"shard {shard.shard} refused its {request['op']}: {header.get('detail') or header.get('status')}")
-    return header
-
-
-def _exported(client: PsClient, shard: PodShard, vshards: list[int]):
-    """The rows of a shard's virtual shards, a message's worth at a time (moves.export_parts):
-    one message of a table of several GiB would be over what a frame may carry."""
-    stats = _asked(client, shard, {"op": "stats"})
-    held = sum(int(t["bytes"]) for t in stats["tables"].values())
-    for part in export_parts(vshards, held, len(vshards)):
-        reply, body = client.call(shard.endpoint, {"op": "export", "vshards": part})
-        yield wire.unpack(reply["arrays"], body)
 
 
 class PsPods:
@@ -573,7 +275,7 @@ class PsPods:
         try:
             for shard in shards.shards:
                 try:
-                    for arrays in _exported(client, shard, shards.routing.owned_by(shard.shard).tolist()):
+                    for arrays in exported(client, shard, shards.routing.owned_by(shard.shard).tolist()):
                         for spec in specs:
                             parts[spec.name].append((arrays[f"{spec.name}.ids"], arrays[f"{spec.name}.rows"][:, : spec.dim]))
                 except (OSError, ValueError) as exc:
