@@ -79,7 +79,7 @@ def test_best_rules_parse_with_sensible_directions_and_refuse_nonsense():
 
 # -- a real job --------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_a_job_keeps_its_best_validated_checkpoint_and_a_later_job_starts_from_it(digits, start_job, tmp_path, trained_run):
+def test_a_job_keeps_its_best_validated_checkpoint_and_a_later_job_starts_from_it(digits, start_job, tmp_path):
     import json
 
     from mlflow.tracking import MlflowClient
@@ -98,7 +98,8 @@ def test_a_job_keeps_its_best_validated_checkpoint_and_a_later_job_starts_from_i
     kept = [int(s) for s in run.data.tags["elastic_step.checkpoints"].split(",")]
     assert int(step) in kept and len(kept) <= 2  # the newest one, and the best where it is another
 
-    # Cold: trained_run's own first step (the same model and data, from its initial weights).
+    # Cold: the first job's own first step (the same model, data and settings, from its initial
+    # weights), so the test needs no other job.
     warm = start_job(*common, "--epochs", "1", "--init-from", f"{run.info.run_id}:best", name="warm")
     assert warm.finish() == 0, warm.output()
 
@@ -106,7 +107,7 @@ def test_a_job_keeps_its_best_validated_checkpoint_and_a_later_job_starts_from_i
         with open(os.path.join(j.job_dir, "metrics.jsonl")) as f:
             return json.loads(f.readline())["loss"]
 
-    assert first_loss(warm) < 0.5 * first_loss(trained_run)
+    assert first_loss(warm) < 0.5 * first_loss(job)
 
 
 def test_a_bad_keep_best_is_one_line_before_anything_starts(digits, tmp_path):
