@@ -661,3 +661,152 @@ def test_render_cli_refuses_a_file_as_out(tmp_path, capsys):
     target.write_text("keep me")
     assert main(["argo", "render", "--pipeline", "training", "--out", str(target)]) == 2
     assert "is a file" in capsys.readouterr().err and target.read_text() == "keep me"
+
+
+# ---- parity with the KFP pipelines --------------------------------------------------------------
+
+COMPILED = ROOT / "pipelines" / "compiled"  # the KFP pipelines as `make compile` wrote them (a test keeps them fresh)
+# The Argo step that runs the same `elastic-step` command as each KFP component.
+STEP_OF_COMPONENT = {"prepare-data": "prepare-data", "train-elastic": "train", "evaluate-model": "evaluate",
+                     "export-model": "export", "promote-model": "promote", "deploy-model": "deploy"}
+# Names that differ: the CLI's repeatable METRIC=VALUE flags are singular (`--floor accuracy=0.9`), the KFP
+# inputs are dicts named in the plural. Every other name is the KFP one with '-' for '_'.
+RENAMED = {"floors": "floor", "min_gains": "min-gain"}
+# KFP pipeline parameters that have no Argo counterpart, on purpose.
+KFP_ONLY = {
+    # Argo steps take MLflow's URI as MLFLOW_TRACKING_URI from the mlflow-credentials Secret, never from a
+    # step flag, so whoever submits a run cannot send the steps (and the password) to another server; a
+    # render without MLflow credentials has an `mlflow-uri` parameter, which reaches that variable only.
+    "mlflow_uri",
+    # The job's folder is where the template's storage layout puts it (the pod's /tmp/job, or the
+    # workflow's folder on the PVC), fixed when rendering: not a path inside the pod that a run chooses.
+    "job_dir",
+}
+# Argo workflow parameters the KFP pipelines do not expose (their components take them as inputs, the
+# pipeline functions do not): the label column, and where and in what precision the workers compute.
+ARGO_ONLY = {"label", "device", "precision"}
+
+
+def argo_name(kfp_name: str) -> str:
+    return RENAMED.get(kfp_name, kfp_name.replace("_", "-"))
+
+
+def kfp_parameter_routes(pipeline: str) -> tuple[dict, dict[str, set[tuple[str, str]]], dict[tuple[str, str], str]]:
+    """From the compiled KFP pipeline: its parameters' definitions (type, default), the (component, input)
+    pairs each one reaches through every sub-pipeline and condition, and the constants its tasks are given."""
+    spec = next(yaml.safe_load_all((COMPILED / f"{pipeline}_pipeline.yaml").read_text()))
+    definitions = spec["root"]["inputDefinitions"]["parameters"]
+    routes: dict[str, set[tuple[str, str]]] = {name: set() for name in definitions}
+    constants: dict[tuple[str, str], str] = {}
+
+    def walk(dag_component: dict, origin: dict[str, str]) -> None:  # origin: this DAG's input → pipeline parameter
+        for dag_task in dag_component["dag"]["tasks"].values():
+            ref = dag_task["componentRef"]["name"]
+            inner = {}
+            for name, source in dag_task["inputs"].get("parameters", {}).items():
+                if source.get("componentInputParameter") in origin:
+                    inner[name] = origin[source["componentInputParameter"]]
+                elif "runtimeValue" in source:
+                    constants[(ref.removeprefix("comp-"), name)] = source["runtimeValue"]["constant"]
+            if "dag" in spec["components"][ref]:
+                walk(spec["components"][ref], inner)
+            else:
+                for name, parameter in inner.items():
+                    routes[parameter].add((ref.removeprefix("comp-"), name))
+
+    walk(spec["root"], {name: name for name in definitions})
+    return definitions, routes, constants
+
+
+def same_as_kfp_default(definition: dict, parsed) -> bool:
+    """The KFP default, and what the step's CLI parsed from the Argo default, mean the same value."""
+    default = definition.get("defaultValue")
+    if isinstance(parsed, list) and definition["parameterType"] != "STRUCT":  # a repeatable flag, given once
+        assert len(parsed) == 1, parsed
+        parsed = parsed[0]
+    if definition["parameterType"] == "STRUCT":  # floors / min_gains: a dict in KFP, METRIC=VALUE for the CLI
+        from elastic_step.release.thresholds import parse_pairs
+
+        return parse_pairs(default, "kfp") == parse_pairs(parsed, "argo")
+    if definition["parameterType"] == "NUMBER_INTEGER":  # KFP's IR writes integers as floats (512.0)
+        return parsed == int(default)
+    return parsed == default
+
+
+def _step_argv(doc: dict, step: str, workflow_params: dict) -> list[str]:
+    task_args = {p["name"]: p["value"] for p in task(doc, step)["arguments"]["parameters"]}
+    return [_resolve(a, task_args, workflow_params) for a in templates_of(doc)[step]["container"]["args"]]
+
+
+@pytest.mark.parametrize("pipeline", ["training", "retraining"])
+def test_every_kfp_pipeline_parameter_that_reaches_a_step_has_an_argo_parameter(pipeline):
+    """Parity with the KFP pipeline of the same name, read from its compiled IR (not from a list kept
+    here): every pipeline parameter that reaches a component's input is a workflow parameter of the same
+    name (RENAMED aside) and default, and reaches the Argo step that runs that component's command on the
+    flag of the input's name; KFP_ONLY says which do not, and why. The other way round, every workflow
+    parameter is a KFP pipeline parameter's, or in ARGO_ONLY."""
+    definitions, routes, constants = kfp_parameter_routes(pipeline)
+    assert {"split", "rows_per_shard", "seed", "epochs", "floors", "serve_target"} <= set(routes)  # read, not empty
+    doc = documents()[f"{pipeline}-workflowtemplate.yaml"]
+    argo_defaults = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
+    parser = build_parser()
+    missing = sorted(name for name, reached in routes.items()
+                     if reached and name not in KFP_ONLY and argo_name(name) not in argo_defaults)
+    assert not missing, f"KFP pipeline parameters with no Argo workflow parameter: {missing} (add them to " \
+                        "elastic_step/argo/, or to KFP_ONLY with the reason)"
+    warm_start_alias = constants[("train-elastic", "warm_start_alias")]
+    checked = 0
+    for kfp_name, reached in sorted(routes.items()):
+        if kfp_name in KFP_ONLY:
+            continue
+        for component, input_name in sorted(reached):
+            step = STEP_OF_COMPONENT[component]
+            if (component, input_name) == ("train-elastic", "registered_model") and not warm_start_alias:
+                # train reads the registered model only to warm-start from its alias, which this pipeline leaves empty
+                assert "--registered-model" not in _step_argv(doc, step, argo_defaults)
+                continue
+            flag = f"--{argo_name(input_name)}"
+            probe = f"probe-{kfp_name}"
+            argv = _step_argv(doc, step, argo_defaults | {argo_name(kfp_name): probe})
+            assert [flag, probe] in [argv[i:i + 2] for i in range(len(argv) - 1)], \
+                f"{step}: `-p {argo_name(kfp_name)}=...` does not reach {flag} as KFP's {kfp_name} reaches {component}"
+            parsed = getattr(parser.parse_args(_step_argv(doc, step, argo_defaults)), flag[2:].replace("-", "_"))
+            assert same_as_kfp_default(definitions[kfp_name], parsed), \
+                f"{argo_name(kfp_name)}: Argo's default gives {step} {flag} {parsed!r}, KFP's is " \
+                f"{definitions[kfp_name].get('defaultValue')!r}"
+            checked += 1
+    assert checked >= 30
+    # The constant that decides what train does with registered-model is the same on both.
+    train_argv = _step_argv(doc, "train", argo_defaults)
+    assert (train_argv[train_argv.index("--warm-start-alias") + 1] if "--warm-start-alias" in train_argv else "") \
+        == warm_start_alias
+    argo_only = set(argo_defaults) - {argo_name(name) for name in routes}
+    assert argo_only <= ARGO_ONLY, f"workflow parameters the KFP pipeline lacks: {sorted(argo_only - ARGO_ONLY)}"
+
+
+def test_a_kfp_parameter_with_no_argo_counterpart_fails_the_parity_check(monkeypatch):
+    """The parity test sees a parameter missing from the templates: without `rows-per-shard` it fails."""
+    from elastic_step.argo import documents as argo_documents
+
+    monkeypatch.delitem(argo_documents.PARAMETERS, "rows-per-shard")
+    with pytest.raises(AssertionError, match=r"no Argo workflow parameter: \['rows_per_shard'\]"):
+        test_every_kfp_pipeline_parameter_that_reaches_a_step_has_an_argo_parameter("training")
+
+
+def test_a_runs_split_and_rows_per_shard_shape_the_prepared_data(tmp_path):
+    """`argo submit -p split=0.5,0.25,0.25 -p rows-per-shard=5`: prepare-data's command line, as the
+    template builds it, writes half the rows to train and a quarter to each of val and test, in shards of
+    5 rows (left unset: 0.8,0.1,0.1 and 512, the KFP pipelines' defaults)."""
+    doc = documents()["training-workflowtemplate.yaml"]
+    argo_defaults = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
+    assert (argo_defaults["split"], argo_defaults["rows-per-shard"]) == (defaults.SPLIT, str(defaults.ROWS_PER_SHARD))
+    source = tmp_path / "rows.csv"  # 40 rows: a CSV rather than sklearn:digits keeps this test to a second
+    source.write_text("x,label\n" + "".join(f"{i},{i % 2}\n" for i in range(40)))
+    run = {"source": str(source), "split": "0.5,0.25,0.25", "rows-per-shard": "5"}
+    argv = _step_argv(doc, "prepare-data", argo_defaults | run)
+    argv[argv.index("--out") + 1] = str(tmp_path / "dataset")
+    argv[argv.index("--outputs") + 1] = str(tmp_path / "outputs")
+    assert main(argv) == 0
+    manifest = json.loads((tmp_path / "dataset" / "manifest.json").read_text())
+    rows = {split: [shard["rows"] for shard in shards] for split, shards in manifest["splits"].items()}
+    assert rows == {"train": [5] * 4, "val": [5] * 2, "test": [5] * 2}, rows

@@ -48,6 +48,10 @@ PARAMETERS = {
     # prepare-data's --categorical (as the KFP pipelines' `categorical`): the string columns a mode=ps
     # model's tables index, e.g. `auto`; "" (the default) turns no column into ids.
     "categorical": "",
+    # prepare-data's --split (TRAIN,VAL,TEST fractions) and --rows-per-shard, as the KFP pipelines' `split`
+    # and `rows_per_shard` go to prepare_data.
+    "split": defaults.SPLIT,
+    "rows-per-shard": str(defaults.ROWS_PER_SHARD),
     "model-def": defaults.MODEL_DEF,
     "workers": defaults.WORKERS,
     "spares": str(defaults.SPARES),

@@ -166,14 +166,15 @@ def _container(name: str, settings: StepSettings, layout: Layout, args: list[str
     )
 
 
-PREPARE_INPUTS = ["source", "label", "categorical", "seed"]
+PREPARE_INPUTS = ["source", "label", "categorical", "split", "rows-per-shard", "seed"]
 
 
 def prepare_data(settings: StepSettings, layout: Layout, resources: StepResources) -> Container:
     # --categorical "" (the parameter's default) names no column, as the KFP component's categorical="" does.
     out = layout.outputs("prepare-data")
     args = ["prepare-data", "--source", _param("source"), "--label", _param("label"),
-            "--categorical", _param("categorical"), "--out", layout.dataset_out(), "--seed", _param("seed"),
+            "--categorical", _param("categorical"), "--split", _param("split"),
+            "--rows-per-shard", _param("rows-per-shard"), "--out", layout.dataset_out(), "--seed", _param("seed"),
             "--outputs", out]
     return _container("prepare-data", settings, layout, args, _inputs(layout, PREPARE_INPUTS, False),
                       _outputs(layout, "prepare-data", [],
