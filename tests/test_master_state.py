@@ -218,3 +218,26 @@ def test_a_loss_whose_round_never_trained_is_recovered_by_the_round_that_took_ov
     recovered = state.events.of("recovered")
     assert [(e["round"], e["cause"]) for e in recovered] == [(took_over.id, "w2.1 killed by SIGKILL")], recovered
     assert killed_at <= step.time - recovered[0]["seconds"] <= time.time()  # measured from the loss, not the join
+
+
+def test_a_step_every_member_says_it_holds_is_final_before_the_next_one_is_reported():
+    # The audit shows a round's first step (the recovery, seen from outside) once every member's
+    # heartbeat says it applied it, not a whole step later when rank 0 reports the second.
+    state, _ = make_state()
+    join_all(state)
+    ready = state.round
+    tasks = [state.next_task(w, ready.id).task for w in ready.members]
+    step = StepRecord(step=ready.start_step + 1, ranges=[RangeRecord(task_id=t.id, offset=0, count=2) for t in tasks],
+                      samples=6, loss=1.0, time=time.time())
+    state.report_steps(ready.members[0], ready.id, [step])
+    assert state.ledger.final_step == ready.start_step  # reported by rank 0 alone: the others may not hold it
+    state.heartbeat("w0.1", step.step, round_id=ready.id)
+    state.heartbeat("w1.1", step.step, round_id=ready.id)
+    state.heartbeat("w2.1", step.step, round_id=ready.id - 1)  # a beat of an older round says nothing of this one
+    state.heartbeat("w2.1", ready.start_step, round_id=ready.id)  # nor one from before the round's first collective
+    assert state.ledger.final_step == ready.start_step
+    reply = state.heartbeat("w2.1", step.step, round_id=ready.id)
+    assert state.ledger.final_step == step.step and state.ledger.rows_final == 6
+    assert reply.acked_step == step.step  # the members may forget its ranges
+    state.heartbeat("w0.1", step.step + 5, round_id=ready.id)  # ahead of what rank 0 reported: final stops there
+    assert state.ledger.final_step == step.step

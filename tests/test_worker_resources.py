@@ -114,3 +114,29 @@ def test_heartbeats_carry_the_figures():
         time.sleep(0.01)
     beat.halt()
     assert sent[-1].resources is not None and sent[-1].resources.rss_bytes > 0
+
+
+def test_a_beat_asked_for_now_goes_at_once_with_the_round_and_step_together():
+    from elastic_step.worker.background import Heartbeat
+
+    sent = []
+
+    class Client:
+        def call(self, method, path, body):
+            sent.append(body)
+            return {"round_id": 0, "acked_step": 0, "action": "continue"}
+
+    beat = Heartbeat(Client(), "w0.1", 60.0)  # the next regular beat is a minute away
+    beat.start()
+    deadline = time.monotonic() + 5
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    beat.position = (3, 41)
+    beat.beat_now()
+    deadline = time.monotonic() + 5
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    beat.halt()
+    assert [(b.round_id, b.step) for b in sent] == [(0, -1), (3, 41)]
+    beat.join(5)
+    assert not beat.is_alive()  # halt wakes it from its wait

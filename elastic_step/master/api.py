@@ -153,7 +153,7 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
     # learns to leave, and it changes nothing.
     @app.post(API + Route.HEARTBEAT, response_model=HeartbeatReply, responses=_declared(400))
     async def heartbeat(body: HeartbeatRequest):
-        return state.heartbeat(body.worker_id, body.step, body.resources)
+        return state.heartbeat(body.worker_id, body.step, body.resources, body.round_id)
 
     @app.post(API + Route.RENDEZVOUS, response_model=RendezvousReply, responses=_declared(400))
     async def rendezvous(body: RendezvousRequest):

@@ -3,7 +3,9 @@
 Rank 0 reports each applied step with the (task, offset, count) range every rank consumed in
 it. A reported step is *tentative* until it can no longer be undone: step s is final once step
 s+1 is reported (no rank enters step s+1's collective before applying s, so every survivor holds
-s). A regroup that settles at S voids the tentative steps above S: their rows go back to the
+s), or once every member of its round has said in a heartbeat that it applied s (MasterState's
+_held: a round's members beat at once after its first step, so the audit shows a recovery without
+waiting for the step after it). A regroup that settles at S voids the tentative steps above S: their rows go back to the
 dispatcher and so to todo. S itself stays tentative until the new round's first step: until its
 source has broadcast it, only the source holds it. Workers forget a step's ranges only once it is
 final (a voided step's number is reused by the next round's step). Only final steps reach the audit

@@ -72,6 +72,9 @@ class Round:
     source_rank: int = 0
     initial_state: str = ""  # "checkpoint" | "model" when the source loads it from the master
     first_step_at: float | None = None
+    # member -> the newest step it said (heartbeat) it applied in this round: a step every member
+    # holds is final, whether or not the next one has been reported yet (MasterState.heartbeat).
+    held: dict[str, int] = field(default_factory=dict)
     # The round's keys in the master's TCPStore. The store itself has no authentication, so the
     # prefix is a secret: 128 random bits, handed out only in the rendezvous reply (behind the
     # job's token) to the round's members. Anyone else who reaches the store cannot find the

@@ -207,14 +207,32 @@ class MasterState:
                 raise Conflict(mismatch)
             return self.spec
 
-    def heartbeat(self, worker_id: str, step: int, resources: ResourceSample | None = None) -> HeartbeatReply:
+    def heartbeat(self, worker_id: str, step: int, resources: ResourceSample | None = None, round_id: int = 0) -> HeartbeatReply:
         with self.lock:
             stop = self.membership.heartbeat(worker_id, step, resources, self.over)
+            self._held(worker_id, round_id, step)
             return HeartbeatReply(
                 round_id=self.round.id if self.round else 0,
                 acked_step=self.ledger.final_step,
                 action="stop" if stop else "continue",
             )
+
+    def _held(self, worker_id: str, round_id: int, step: int) -> None:
+        """A member of the ready round applied `step` in it. Once every member has applied a step,
+        no regroup can void it (the next round's source holds at least it): it is final now,
+        and its rows reach the audit, rather than when rank 0 reports the step after it. Only a
+        step after the round's start counts: before its first collective a member may not hold
+        the start step yet (the source has not shared it)."""
+        ready = self.rounds.ready_round
+        if ready is None or ready.id != round_id or worker_id not in ready.members or step <= ready.start_step:
+            return
+        ready.held[worker_id] = max(step, ready.held.get(worker_id, step))
+        if len(ready.held) < len(ready.members):
+            return
+        through = min(min(ready.held.values()), self.ledger.applied_step)  # a step rank 0 has not reported yet waits
+        if through > self.ledger.final_step:
+            self.ledger.finalize_through(through)
+            self._audit_written()
 
     def rendezvous(self, worker_id: str, step: int, unacked: list[StepRecord], left_round: int) -> RendezvousReply:
         """One non-blocking look; the API long-polls by calling again."""

@@ -24,12 +24,15 @@ class Heartbeat(threading.Thread):
         self.client = client
         self.worker_id = worker_id
         self.interval_s = interval_s
-        self.step = -1
-        self.round_id = 0
+        # (round, newest step this worker applied in it; -1 before its state is shared): one
+        # tuple, read whole, so that no beat pairs a new round with a step of the last one. The
+        # master counts a step as final once every member of its round has said it holds it.
+        self.position = (0, -1)
         self.latest_round = 0
         self.acked_step = 0
         self.stop_requested = False
         self._halt = threading.Event()
+        self._wake = threading.Event()
         self._sampler: ResourceSampler | None = None
 
     def _resources(self):
@@ -45,10 +48,12 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.is_set():
+            self._wake.clear()
+            round_id, step = self.position
             try:
                 reply = self.client.call(
                     "POST", Route.HEARTBEAT,
-                    HeartbeatRequest(worker_id=self.worker_id, round_id=self.round_id, step=self.step, resources=self._resources()),
+                    HeartbeatRequest(worker_id=self.worker_id, round_id=round_id, step=step, resources=self._resources()),
                 )
             except MasterGone as exc:
                 # No master: nobody will ever tell this worker to stop. The main thread leaves
@@ -61,10 +66,16 @@ class Heartbeat(threading.Thread):
                 self.latest_round = reply["round_id"]
                 self.acked_step = reply["acked_step"]
                 self.stop_requested = reply["action"] == "stop"
-            self._halt.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+
+    def beat_now(self) -> None:
+        """Send the next beat at once (a round's first step: the master makes it final, and the
+        audit shows the recovery, without waiting for the round's second step)."""
+        self._wake.set()
 
     def halt(self) -> None:
         self._halt.set()
+        self._wake.set()
 
 
 class StepReporter(threading.Thread):

@@ -143,7 +143,7 @@ class Worker:
                 return reply
 
     def _run_round(self, rv: RendezvousReply) -> RoundOutcome:
-        self.heartbeat.round_id = rv.round_id
+        self.heartbeat.position = (rv.round_id, -1)
         if self._hold_s:
             log.warning("round %d: held %.1f s before the meeting (%s)", rv.round_id, self._hold_s, HOLD_BEFORE_MEETING_ENV)
             time.sleep(self._hold_s)
@@ -152,7 +152,8 @@ class Worker:
             # A member missing at the meeting is given up on once the master proposes a newer round.
             self.collective.join(rv.store_prefix, rv.rank, rv.world_size, give_up=lambda: self.regroup_due(rv.round_id))
             self._share_state(rv)
-            self.progress.step = self.heartbeat.step = rv.start_step
+            self.progress.step = rv.start_step
+            self.heartbeat.position = (rv.round_id, rv.start_step)
             self.progress.unacked.clear()  # the master settled every step up to start_step
             log.info("round %d: rank %d of %d from step %d", rv.round_id, rv.rank, rv.world_size, rv.start_step)
             if self.spec.lr_scaling != LrScaling.NONE:
@@ -234,7 +235,10 @@ class Worker:
     def record_step(self, rv: RendezvousReply, ranges: list[list[RangeRecord]], samples: int, loss: float) -> None:
         """Every rank keeps the step's record until the master acknowledges it; rank 0 reports it,
         with the model's state when the step is a checkpoint's."""
-        step = self.heartbeat.step = self.progress.step
+        step = self.progress.step
+        self.heartbeat.position = (rv.round_id, step)
+        if step == rv.start_step + 1:
+            self.heartbeat.beat_now()
         record = StepRecord(step=step, ranges=[_rank_entry(merged(r)) for r in ranges], samples=samples, loss=loss,
                             time=time.time(), checkpoint=rv.rank == 0 and self.checkpoints.due(step))
         self.progress.unacked[step] = record
