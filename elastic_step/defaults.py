@@ -42,6 +42,10 @@ MAX_TASK_FAILURES = 3  # a task that fails this often fails the job
 # -- clocks, in seconds -----------------------------------------------------------------------------
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 10.0  # silence before a worker counts as hung
+# ... before a worker that has not yet called in to a round does: it may be importing its
+# framework, and TensorFlow's import holds the GIL for seconds on a busy node, so the worker's
+# heartbeat thread cannot run; dropping it then only costs a relaunch and the same import again.
+WARM_UP_SILENCE_S = 60.0
 RENDEZVOUS_TIMEOUT_S = 60.0
 STARTUP_GRACE_S = 60.0  # the first round waits this long for all MAX workers, then starts with MIN
 COLLECTIVE_TIMEOUT_S = 30.0

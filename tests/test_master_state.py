@@ -241,3 +241,24 @@ def test_a_step_every_member_says_it_holds_is_final_before_the_next_one_is_repor
     assert reply.acked_step == step.step  # the members may forget its ranges
     state.heartbeat("w0.1", step.step + 5, round_id=ready.id)  # ahead of what rank 0 reported: final stops there
     assert state.ledger.final_step == step.step
+
+
+def test_a_worker_still_warming_up_is_hung_only_after_the_warm_up_allowance():
+    # Registered, not yet called in to a round: importing TensorFlow on a busy node can starve its
+    # heartbeat thread for longer than the heartbeat timeout, and that is no hang.
+    state, backend = make_state(heartbeat_s=0.2)
+    state.timeouts.warm_up_s = 1.0
+    started = time.monotonic()
+    while time.monotonic() - started < 0.6:
+        time.sleep(0.05)
+        state.heartbeat("w0.1", -1)
+        state.heartbeat("w1.1", -1)
+        state.tick()
+    assert backend.stopped == []  # 3x the heartbeat timeout of silence, still warming up
+    while time.monotonic() - started < 1.4:
+        time.sleep(0.05)
+        state.heartbeat("w0.1", -1)
+        state.heartbeat("w1.1", -1)
+        state.tick()
+    assert backend.stopped == ["w2.1"]
+    assert "warming up" in state.events.of("dropped")[0]["message"]

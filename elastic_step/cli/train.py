@@ -57,7 +57,8 @@ def register(sub) -> None:
     p.add_argument("--max-relaunches", type=int, default=defaults.MAX_RELAUNCHES,
                    help="relaunches per worker slot (default %(default)s)")
     p.add_argument("--heartbeat-timeout", type=float, default=defaults.HEARTBEAT_TIMEOUT_S,
-                   help="seconds of silence before a worker counts as hung (default %(default)s)")
+                   help="seconds of silence before a worker counts as hung (default %(default)s; a worker "
+                        f"not yet in a round, still importing its framework, gets at least {defaults.WARM_UP_SILENCE_S:.0f})")
     p.add_argument("--rendezvous-timeout", type=float, default=defaults.RENDEZVOUS_TIMEOUT_S, help="default %(default)s")
     p.add_argument("--startup-grace", type=float, default=defaults.STARTUP_GRACE_S,
                    help="seconds to wait for all workers before starting with MIN (default %(default)s)")

@@ -236,8 +236,10 @@ class Membership:
         (proposed, not ready) that have not called in within the rendezvous timeout."""
         self._forgive_silence_while_paused(now, pending)
         for worker in self.workers.values():
-            if worker.state in (WorkerState.LIVE, WorkerState.RETIRING) and now - worker.last_seen > self.timeouts.heartbeat_s:
-                self.drop(worker, f"{worker.id} sent no heartbeat for {self.timeouts.heartbeat_s:.0f}s (hung)")
+            allowed = self.timeouts.heartbeat_s if worker.ready else max(self.timeouts.heartbeat_s, self.timeouts.warm_up_s)
+            if worker.state in (WorkerState.LIVE, WorkerState.RETIRING) and now - worker.last_seen > allowed:
+                warming = "" if worker.ready else ", warming up"
+                self.drop(worker, f"{worker.id} sent no heartbeat for {allowed:.0f}s (hung{warming})")
         if pending is not None and not pending.ready and now - pending.proposed_at > self.timeouts.rendezvous_s:
             for member in pending.members:
                 worker = self.workers[member]

@@ -62,6 +62,7 @@ class Timeouts:
     heartbeat_s: float = defaults.HEARTBEAT_TIMEOUT_S  # a worker silent this long is hung: dropped and killed
     rendezvous_s: float = defaults.RENDEZVOUS_TIMEOUT_S  # a proposed member that has not called in by then is dropped
     startup_grace_s: float = defaults.STARTUP_GRACE_S  # first round: wait this long for all MAX workers, then go with MIN
+    warm_up_s: float = defaults.WARM_UP_SILENCE_S  # the silence allowed a worker not yet called in to a round
 
 
 # A checkpoint's state may reach the master before the step's report (both are sent in the
