@@ -162,7 +162,7 @@ def _server_pod(model: ServedModel, settings: DeploySettings) -> dict:
             # the store's and the registry's credentials (AWS_*, MLFLOW_TRACKING_USERNAME/PASSWORD)
             "envFrom": [{"secretRef": {"name": settings.storage_secret}}],
             "ports": [{"name": "http", "containerPort": settings.port, "protocol": "TCP"}],
-            "readinessProbe": {"httpGet": {"path": "/ping", "port": settings.port}, "periodSeconds": 5,
+            "readinessProbe": {"httpGet": {"path": "/ping", "port": settings.port}, "periodSeconds": 2,
                                "failureThreshold": 3},
             "resources": settings.resources,
             "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
