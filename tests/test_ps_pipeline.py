@@ -52,12 +52,12 @@ def test_training_pipeline_in_ps_mode_trains_on_shards_and_its_models_hold_the_t
     connect(uri, str(tmp_path))
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
     job_dir = str(tmp_path / "train")
-    # The gate judges a click model's one logit as a regression; a floor every trained model passes,
-    # so the run follows the blessed path to export and promote.
+    # The gate judges a click model on AUC and log loss (one epoch of 2,000 rows barely learns: AUC
+    # about 0.5); a log-loss floor this run passes, so it follows the blessed path to export and promote.
     training_pipeline(source="synthetic:criteo?rows=2000&seed=3", categorical="auto", rows_per_shard=500,
                       model_def=DEEPFM_PS_KERAS, mode="ps", ps_shards=SHARDS, workers="2", epochs=1,
                       minibatch_size=MINIBATCH, checkpoint_steps=0, registered_model=NAME, mlflow_uri=uri, job_dir=job_dir,
-                      floors={"mean_squared_error": 1000.0}, min_gains={"mean_squared_error": 0.0})
+                      floors={"log_loss": 1.0}, min_gains={"auc": 0.0})
 
     result = json.load(open(os.path.join(job_dir, "result.json")))
     model_info = json.load(open(os.path.join(job_dir, "model", "model.json")))
@@ -80,8 +80,13 @@ def test_training_pipeline_in_ps_mode_trains_on_shards_and_its_models_hold_the_t
     wrong = {i: (counters[i], expected[i]) for i in set(counters) | set(expected) if counters[i] != expected[i]}
     assert not wrong, f"{len(wrong)} rows updated other than once per minibatch, e.g. {list(wrong.items())[:5]}"
 
-    # blessed, exported from this run as a SavedModel, promoted
-    assert run.data.tags["elastic_step.gate.blessed"] == "true", run.data.tags.get("elastic_step.gate.reason")
+    # blessed on AUC and log loss, exported from this run as a SavedModel, promoted
+    reason = run.data.tags.get("elastic_step.gate.reason", "")
+    assert run.data.tags["elastic_step.gate.blessed"] == "true", reason
+    assert "log_loss" in reason, reason
+    (evaluation,) = client.search_runs([run.info.experiment_id], "tags.`elastic_step.gate` = 'evaluation'")
+    assert {"auc", "log_loss", "accuracy_score"} <= set(evaluation.data.metrics), evaluation.data.metrics
+    assert 0 < evaluation.data.metrics["log_loss"] <= 1.0 and 0 <= evaluation.data.metrics["auc"] <= 1
     champion = client.get_model_version_by_alias(NAME, "champion")
     assert champion.tags["elastic_step.source_run_id"] == result["run_id"]
     assert mlflow.models.get_model_info(f"models:/{NAME}/{champion.version}").flavors["tensorflow"]["model_type"] == "tf2-module"
