@@ -105,6 +105,17 @@ def test_the_index_stays_exact_through_growth():
     assert sorted(table.ids[: table.size].tolist()) == sorted(expected)
 
 
+def test_a_shard_table_past_its_indexs_int32_slots_is_refused_in_one_line_and_keeps_its_rows(monkeypatch):
+    from elastic_step.ps import index
+
+    monkeypatch.setattr(index, "MAX_ROWS", 1000)  # 2**31 - 1 rows of a real table: the same check
+    table = EmbeddingTable(TableSpec("t", 2, OptimizerKind.SGD))
+    table.slots_of(np.arange(900))
+    with pytest.raises(OverflowError, match="at most 1,000 rows of one table .* run more shards"):
+        table.slots_of(np.arange(900, 1200))
+    assert table.size == table.index.count == 900 and (table.slots_of(np.arange(900)) == np.arange(900)).all()
+
+
 def test_a_row_costs_at_most_1_35x_its_payload():
     """dim 16 + Adagrad: 128 bytes of weights and accumulator. The table reserves its declared
     share of rows (TableSpec.capacity), as a shard of a declared table does."""

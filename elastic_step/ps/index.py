@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY = -1
+MAX_ROWS = 2**31 - 1  # the slots are int32: a table of one shard holds at most this many rows
 MAX_LOAD = 0.7
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: multiply, keep the high bits
 
@@ -61,6 +62,10 @@ class IdIndex:
 
     def insert(self, ids: np.ndarray, new_slots: np.ndarray, slot_ids: np.ndarray) -> None:
         """Index distinct ids that it does not hold yet; slot_ids must already name them."""
+        if self.count + len(ids) > MAX_ROWS:
+            raise OverflowError(f"a parameter-server shard holds at most {MAX_ROWS:,} rows of one table (its index's "
+                                f"slots are int32) and this one would hold {self.count + len(ids):,}: run more shards "
+                                "(train --ps-shards, or scale --ps while it trains)")
         if (self.count + len(ids)) > MAX_LOAD * len(self.slots):
             self._grow(self.count + len(ids), slot_ids)
         self._place(ids, new_slots.astype(np.int32))
