@@ -113,6 +113,7 @@ def test_the_readme_walkthrough_on_the_local_cluster_with_docker_pods():
     if not available():
         pytest.fail("this node cannot make network namespaces (needs root, iproute2 and unshare --net)")
     [[start], commands] = walkthrough_blocks()
+    begun = time.monotonic()
     work = image_smoke_dir()
     root = checkout_of_links()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "MLFLOW_", "AWS_", "ELASTIC_STEP_"))}
@@ -121,22 +122,29 @@ def test_the_readme_walkthrough_on_the_local_cluster_with_docker_pods():
     first = subprocess.Popen(["bash", "-c", start], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
     shell = Shell(root, env)
-    said = {}
+    # took: each phase's seconds, printed (pytest shows them with a failure, or with -s) for whoever cuts its time
+    said, took = {}, [("image-smoke's image checked", time.monotonic() - begun)]
     try:
-        started = []
+        started, up = [], time.monotonic()
         for line in first.stdout:  # the first terminal, until it says the cluster is up
             started.append(line)
             if "Local cluster stand-in up" in line:
                 break
         assert "Local cluster stand-in up" in "".join(started), "".join(started)
+        took.append((start, time.monotonic() - up))
         for command in commands:
             if command.startswith("elastic-step delete "):  # what the master recorded, before its pod goes
                 said[f"events {command.split()[2]}"], said[f"log {command.split()[2]}"] = job_record(root, command.split()[2])
+            began = time.monotonic()
             code, out = shell.run(command)
+            took.append((command.split("#")[0].strip(), time.monotonic() - began))
             said[command.split("#")[0].strip()] = out
             assert code == 0, f"{command}\n{out[-4000:]}"
+        began = time.monotonic()
         assert first.wait(180) == 0  # every container and sandbox removed, the Docker daemon stopped
+        took.append(("the first terminal's end", time.monotonic() - began))
     finally:
+        print("where the walk-through's time went:", *(f"{s:7.1f} s  {c[:100]}" for c, s in took), sep="\n  ")
         shell.close()
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGTERM)
