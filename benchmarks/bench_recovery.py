@@ -38,8 +38,10 @@ def recovery_split(job_dir: str, killed_at: float) -> dict[str, float]:
     with open(os.path.join(job_dir, "events.jsonl")) as f:
         events = [json.loads(line) for line in f]
     proposed = next(e for e in events if e["event"] == "round_proposed" and e["time"] > killed_at)
-    regrouped = next(e for e in events if e["event"] == "regrouped" and e["round"] >= proposed["round"])
-    recovered = next(e for e in events if e["event"] == "recovered" and e["round"] == regrouped["round"])
+    # The round that trained again: the smaller group's, or, when the replacement joined before that
+    # round's first step, the one with it that took over (it carries the kill's recovery).
+    recovered = next(e for e in events if e["event"] == "recovered" and e["step_time"] > killed_at)
+    regrouped = next(e for e in events if e["event"] == "regrouped" and e["round"] == recovered["round"])
     transfer, sent_to = 0.0, "?"
     for path in glob.glob(os.path.join(job_dir, "logs", "w*.log")):
         for line in open(path):

@@ -217,7 +217,7 @@ def test_a_loss_whose_round_never_trained_is_recovered_by_the_round_that_took_ov
     state.report_steps(took_over.members[0], took_over.id, [step])
     recovered = state.events.of("recovered")
     assert [(e["round"], e["cause"]) for e in recovered] == [(took_over.id, "w2.1 killed by SIGKILL")], recovered
-    assert killed_at <= step.time - recovered[0]["seconds"] <= time.time()  # measured from the loss, not the join
+    assert killed_at - 1e-3 <= step.time - recovered[0]["seconds"] <= time.time()  # from the loss, not the join (seconds: 4 places)
 
 
 def test_a_step_every_member_says_it_holds_is_final_before_the_next_one_is_reported():
@@ -241,6 +241,14 @@ def test_a_step_every_member_says_it_holds_is_final_before_the_next_one_is_repor
     assert reply.acked_step == step.step  # the members may forget its ranges
     state.heartbeat("w0.1", step.step + 5, round_id=ready.id)  # ahead of what rank 0 reported: final stops there
     assert state.ledger.final_step == step.step
+
+    # The beats can come before rank 0's report (it sends in batches): the report then makes it final.
+    for member in ready.members:
+        state.heartbeat(member, step.step + 1, round_id=ready.id)
+    second = StepRecord(step=step.step + 1, ranges=[RangeRecord(task_id=t.id, offset=2, count=2) for t in tasks],
+                        samples=6, loss=1.0, time=time.time())
+    assert state.report_steps(ready.members[0], ready.id, [second]) == second.step
+    assert state.ledger.rows_final == 12
 
 
 def test_a_worker_still_warming_up_is_hung_only_after_the_warm_up_allowance():

@@ -228,9 +228,14 @@ class MasterState:
         if ready is None or ready.id != round_id or worker_id not in ready.members or step <= ready.start_step:
             return
         ready.held[worker_id] = max(step, ready.held.get(worker_id, step))
+        self._finalize_held(ready)
+
+    def _finalize_held(self, ready: Round) -> None:
+        """Finalize through the lowest step every member of `ready` holds and rank 0 has reported
+        (whichever of the beats and the report comes last)."""
         if len(ready.held) < len(ready.members):
             return
-        through = min(min(ready.held.values()), self.ledger.applied_step)  # a step rank 0 has not reported yet waits
+        through = min(min(ready.held.values()), self.ledger.applied_step)
         if through > self.ledger.final_step:
             self.ledger.finalize_through(through)
             self._audit_written()
@@ -299,6 +304,7 @@ class MasterState:
                 except StepRejected as exc:
                     self.fail(inexact(worker_id, round_id, exc))
                     raise Conflict(str(exc)) from None
+            self._finalize_held(ready)  # the members' beats may have come first
             return self.ledger.final_step
 
     def _ingest(self, record: StepRecord, applied_in: Round | None) -> None:
