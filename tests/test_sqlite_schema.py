@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
@@ -29,11 +31,13 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_a_seeded_database_is_the_one_mlflow_makes_and_takes_runs(tmp_path, cache):
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
+    # MLflow's own fresh store, made as a job without the cache makes it: in a new process (which
+    # tables SQLAlchemy creates depends on the models a process has imported).
     mlflow_made = str(tmp_path / "plain" / "mlflow.db")
     os.makedirs(os.path.dirname(mlflow_made))
-    SqlAlchemyStore(f"sqlite:///{mlflow_made}", str(tmp_path / "plain" / "artifacts")).engine.dispose()
+    subprocess.run([sys.executable, "-c", "import sys; from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore; "
+                    "SqlAlchemyStore(sys.argv[1], sys.argv[2])", f"sqlite:///{mlflow_made}", str(tmp_path / "plain" / "a")],
+                   check=True, capture_output=True)
 
     client = connect(f"sqlite:///{tmp_path / 'job' / 'mlflow.db'}", str(tmp_path / "job"))
     assert os.path.exists(schema_copy_path())  # built on the first job, kept for the next

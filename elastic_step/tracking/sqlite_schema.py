@@ -17,6 +17,8 @@ import logging
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 import tempfile
 
 log = logging.getLogger("elastic_step.tracking")
@@ -62,16 +64,17 @@ def seed_database(db_path: str) -> bool:
 
 
 def build_schema(schema: str) -> None:
-    """MLflow's schema of this release, made by MLflow in a scratch database, with the default
-    experiment it inserts taken out again; published atomically into the cache."""
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
+    """MLflow's schema of this release, made by MLflow's own `mlflow db upgrade` in a scratch
+    database, in a process of its own (the tables SQLAlchemy creates depend on which of MLflow's
+    models a process has imported), with any experiment taken out; published atomically."""
     os.makedirs(os.path.dirname(schema), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(schema)) as scratch:
         db = os.path.join(scratch, "schema.db")
-        store = SqlAlchemyStore(f"sqlite:///{db}", os.path.join(scratch, "artifacts"))
-        store.engine.dispose()
-        with sqlite3.connect(db) as connection:  # the default experiment holds this scratch folder's path
+        made = subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", f"sqlite:///{db}"],
+                              capture_output=True, text=True, timeout=300)
+        if made.returncode != 0:
+            raise OSError(f"mlflow db upgrade failed: {made.stderr.strip()[-300:]}")
+        with sqlite3.connect(db) as connection:  # an experiment would hold this scratch folder's path
             for (table,) in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'experiment%'"):
                 connection.execute(f'DELETE FROM "{table}"')
         connection.close()
