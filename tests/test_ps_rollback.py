@@ -89,3 +89,32 @@ def test_a_fenced_push_ends_the_workers_round_and_does_not_fail_the_job(tmp_path
         server.shutdown()
         server.server_close()
         held.close()
+
+
+def test_a_stopping_shard_drops_requests_instead_of_answering_them_as_bad(tmp_path):
+    # SIGTERM (its pod deleted or evicted): the shard takes its last snapshot and closes its state
+    # while connections are still open. A push then must get no answer (the worker asks again and
+    # is fenced or re-routed by the rollback), never a "bad request" reply, which fails the job.
+    from elastic_step.ps.state import ShardClosed
+
+    held = shard(tmp_path / "s")
+    push(held, 1, round_id=1)
+    server = ShardServer(("127.0.0.1", 0), held, TOKEN)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    endpoint = f"127.0.0.1:{server.server_address[1]}"
+    client = PsClient(TOKEN, lambda: None, timeout_s=5.0)
+    body = {"op": "push", "table": SPEC.name, "epoch": 1, "count": 3, "task": 1, "batch_seq": 2, "attempt": 1, "step": 2}
+    try:
+        server.stopping.set()  # as the SIGTERM handler does, before the state is closed
+        with pytest.raises((ConnectionError, OSError)):
+            client.call(endpoint, {"op": "stats"})
+        server.stopping.clear()
+        held.close()  # a request already past that check meets the closed state
+        with pytest.raises(ShardClosed):
+            push(held, 2, round_id=1)
+        with pytest.raises((ConnectionError, OSError)):
+            client.call(endpoint, body, IDS, np.ones((3, 2), np.float32))
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()

@@ -35,7 +35,7 @@ from elastic_step.ps import cuts, wire
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.ledger import LedgerRecord
 from elastic_step.ps.routing import RoutingTable
-from elastic_step.ps.state import Refused, ShardState
+from elastic_step.ps.state import Refused, ShardClosed, ShardState
 
 READY_FILE = "ready.json"
 PARENT_POLL_S = 1.0
@@ -55,8 +55,12 @@ class ShardHandler(socketserver.BaseRequestHandler):
                 return
             if not wire.authorized(self.request, header, self.server.token):
                 return
+            if self.server.stopping.is_set():  # no answer: the client asks again, elsewhere or later
+                return
             try:
                 reply, arrays = self.server.answer(header, body)
+            except ShardClosed:
+                return
             except (KeyError, TypeError, ValueError) as exc:  # a malformed request, not a crash
                 reply, arrays = {"status": Status.BAD_REQUEST, "detail": str(exc)[:200]}, ()
             wire.send(self.request, reply, *arrays)
@@ -69,6 +73,7 @@ class ShardServer(socketserver.ThreadingTCPServer):
     def __init__(self, address: tuple[str, int], state: ShardState, token: str):
         self.state = state
         self.token = token.encode()
+        self.stopping = threading.Event()  # SIGTERM: connections get no more answers
         super().__init__(address, ShardHandler)
 
     def answer(self, header: dict, body: bytearray) -> tuple[dict, tuple]:
@@ -203,6 +208,7 @@ def serve(args: argparse.Namespace) -> None:
     server = ShardServer((_bind_host(args.host), args.port), state, token)
 
     def stop(signum, frame):
+        server.stopping.set()
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)

@@ -85,6 +85,12 @@ class Refused(Exception):
         self.status = status
 
 
+class ShardClosed(Exception):
+    """The shard is stopping (SIGTERM: its pod deleted or evicted) and its state is closed: the
+    request gets no answer, its connection is dropped, and the client asks again elsewhere or later
+    (a reply saying "bad request" would fail the job)."""
+
+
 class ShardState:
     def __init__(self, directory: str, specs: list[TableSpec], shard: int, routing: RoutingTable, snapshot_every: int = 1000, sync: bool = True,
                  checkpoint_every: int = 0):
@@ -108,6 +114,7 @@ class ShardState:
         self.snapshot_high: int | None = 0  # the newest step the snapshot holds a push of; None: unknown
         self.steps_begun: list[tuple[int, int]] = []  # (step, ledger offset of its first push) since the snapshot
         self.ledger_origin = 0  # ledger.written where the ledger file began
+        self.closed = False  # set by close(): nothing is applied after it
         self.fence = 0  # pushes of rounds (their `attempt`) up to this are refused: the job rolled back past them (0: none)
 
     def _path(self, name: str) -> str:
@@ -169,6 +176,8 @@ class ShardState:
         Refused when `epoch` (that of the request, if any) no longer fits its ids. `step`: the
         training step it belongs to (a checkpoint's cut may be due before it)."""
         with self.lock:
+            if self.closed:
+                raise ShardClosed("the shard is stopping")
             if self.fence and record.attempt <= self.fence:  # its round trained on what the job rolled back
                 raise Refused(Status.FENCED)
             self._checked(epoch, record.ids)
@@ -416,5 +425,9 @@ class ShardState:
             }
 
     def close(self) -> None:
-        if self.ledger is not None:
-            self.ledger.close()
+        """Under the lock, so that no push is between its checks and its ledger write."""
+        with self.lock:
+            self.closed = True
+            if self.ledger is not None:
+                with self.ledger.sync_lock:
+                    self.ledger.close()
