@@ -97,17 +97,23 @@ def test_a_gone_worker_s_figures_are_not_updated():
     assert state.workers["w0.1"].resources.rss_bytes == 10
 
 
+class BeatsSent:
+    """A master client that keeps each heartbeat it is sent and answers "continue"."""
+
+    def __init__(self):
+        self.sent = []
+
+    def call(self, method, path, body):
+        self.sent.append(body)
+        return {"round_id": 0, "acked_step": 0, "action": "continue"}
+
+
 def test_heartbeats_carry_the_figures():
     from elastic_step.worker.background import Heartbeat
 
-    sent = []
-
-    class Client:
-        def call(self, method, path, body):
-            sent.append(body)
-            return {"round_id": 0, "acked_step": 0, "action": "continue"}
-
-    beat = Heartbeat(Client(), "w0.1", 0.01)
+    client = BeatsSent()
+    sent = client.sent
+    beat = Heartbeat(client, "w0.1", 0.01)
     beat.start()
     deadline = time.monotonic() + 5
     while len(sent) < 2 and time.monotonic() < deadline:
@@ -119,14 +125,9 @@ def test_heartbeats_carry_the_figures():
 def test_a_beat_asked_for_now_goes_at_once_with_the_round_and_step_together():
     from elastic_step.worker.background import Heartbeat
 
-    sent = []
-
-    class Client:
-        def call(self, method, path, body):
-            sent.append(body)
-            return {"round_id": 0, "acked_step": 0, "action": "continue"}
-
-    beat = Heartbeat(Client(), "w0.1", 60.0)  # the next regular beat is a minute away
+    client = BeatsSent()
+    sent = client.sent
+    beat = Heartbeat(client, "w0.1", 60.0)  # the next regular beat is a minute away
     beat.start()
     deadline = time.monotonic() + 5
     while not sent and time.monotonic() < deadline:

@@ -66,6 +66,11 @@ def plan(old: RoutingTable, new: RoutingTable) -> dict[tuple[int, int], list[int
     return moves
 
 
+def stats_sum(stats: dict, key: str) -> int:
+    """A shard's `stats` reply summed over its tables: its "rows" or its "bytes"."""
+    return sum(int(table[key]) for table in stats["tables"].values())
+
+
 def export_parts(vshards: list[int], shard_bytes: int, owned: int, most: int | None = None) -> list[list[int]]:
     """`vshards` of one shard in groups whose export fits a message. Rows are spread over the
     virtual shards by hash, so each of the `owned` holds about `shard_bytes / owned` (the shard's
@@ -108,8 +113,8 @@ def move(call: Call, old: RoutingTable, new: RoutingTable, deadline_s: float = 1
     held = {}  # shard -> its tables' bytes
     for shard in range(old.shards):
         stats, _ = ask(call, shard, {"op": "stats"}, deadline_s=deadline_s)
-        report.rows_total += sum(int(t["rows"]) for t in stats["tables"].values())
-        held[shard] = sum(int(t["bytes"]) for t in stats["tables"].values())
+        report.rows_total += stats_sum(stats, "rows")
+        held[shard] = stats_sum(stats, "bytes")
     adopted = time.monotonic()
     _on_each(everyone, lambda shard: ask(call, shard, {"op": "adopt", "routing": new.to_json()}, deadline_s=deadline_s))
     for (source, target), vshards in plan(old, new).items():

@@ -10,12 +10,11 @@ from typing import TYPE_CHECKING
 from elastic_step.ps import wire
 from elastic_step.ps.api import PsError, Status
 from elastic_step.ps.client import PsClient
-from elastic_step.ps.moves import MoveReport, export_parts, move
+from elastic_step.ps.moves import MoveReport, export_parts, move, stats_sum
 from elastic_step.ps.routing import RoutingTable
 
 if TYPE_CHECKING:
     from elastic_step.backends.kubernetes.ps_pods import PsPods
-
 
 
 @dataclass
@@ -72,8 +71,7 @@ def asked(client: PsClient, shard: PodShard, request: dict) -> dict:
 def exported(client: PsClient, shard: PodShard, vshards: list[int]):
     """The rows of a shard's virtual shards, a message's worth at a time (moves.export_parts):
     one message of a table of several GiB would be over what a frame may carry."""
-    stats = asked(client, shard, {"op": "stats"})
-    held = sum(int(t["bytes"]) for t in stats["tables"].values())
+    held = stats_sum(asked(client, shard, {"op": "stats"}), "bytes")
     for part in export_parts(vshards, held, len(vshards)):
         reply, body = client.call(shard.endpoint, {"op": "export", "vshards": part})
         yield wire.unpack(reply["arrays"], body)
