@@ -108,6 +108,8 @@ def test_an_operator_lists_gets_tops_reads_logs_and_stops_a_job_on_worker_pods_t
     assert logs.returncode == 0 and 0 < len(logs.stdout.strip().splitlines()) <= 5, logs.stdout + logs.stderr
     logs = as_user(alice, "logs", JOB, "--backend", "kubernetes", "--master")  # the step pod's main container
     assert logs.returncode == 0 and logs.stdout.strip() and logs.stdout.strip() in master.log(), logs.stdout + logs.stderr
+    # without -v or a progress line, the step's log still says why the group changed
+    assert any("died" in line and victim["id"] in line for line in logs.stdout.splitlines()), logs.stdout
 
     # ui: the live page, served on this machine's loopback from the published status, in a browser.
     live_page(alice, browser, tmp_path, victim["id"])

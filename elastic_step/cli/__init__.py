@@ -20,7 +20,10 @@ COMMAND_MODULES = (data, train, submit, jobs, observe, logs, release, serve, arg
 # so main reads sys.argv) they have saved, recorded and flushed all they own by the time their
 # command returns, and skip the interpreter's teardown of torch's, MLflow's and pyarrow's modules
 # (seconds on a busy node, and a master waits for its workers' exits).
-JOB_PROCESSES = ("train", "worker")
+# prepare-data too: after a failed read, pyarrow's background reader thread can still hold the
+# source's Python file object; the interpreter's teardown then stops that thread inside C++ and the
+# process aborts (SIGABRT, "terminate called without an active exception") instead of exiting 2.
+EXIT_WITHOUT_TEARDOWN = ("train", "worker", "prepare-data")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,14 +44,14 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         code = args.func(args)
-        if argv is None and args.command in JOB_PROCESSES:
+        if argv is None and args.command in EXIT_WITHOUT_TEARDOWN:
             exit_now(code)
         return code
     except ElasticStepError as exc:
         # Exit codes are elastic_step.exit_codes'; a stop or a preemption is an end, not an error.
         is_error = exc.exit_code not in (ExitCode.SUCCESS, ExitCode.PREEMPTED)
         print(f"elastic-step {args.command}: {'error: ' if is_error else ''}{exc}", file=sys.stderr)
-        if exc.exit_code == ExitCode.PREEMPTED or (argv is None and args.command in JOB_PROCESSES):
+        if exc.exit_code == ExitCode.PREEMPTED or (argv is None and args.command in EXIT_WITHOUT_TEARDOWN):
             exit_now(exc.exit_code)
         return int(exc.exit_code)
 

@@ -11,6 +11,25 @@ import time
 from elastic_step.protocol import EventKind
 
 log = logging.getLogger("elastic_step.master")
+# What a person reading the job's log (`kubectl logs`, the KFP UI, a terminal) needs without -v:
+# the group changed, or the job was stopped or preempted. Routine events (a launch, a join, a round
+# proposed, a checkpoint) are -v's; how the job ended, the command's own last lines say.
+notable_log = logging.getLogger("elastic_step.events")
+NOTABLE = frozenset({
+    EventKind.DIED, EventKind.DROPPED, EventKind.RELAUNCHED, EventKind.NOT_RELAUNCHED, EventKind.SLOT_EXHAUSTED,
+    EventKind.LEFT, EventKind.SCALED, EventKind.PS_SCALE_STARTED, EventKind.PS_SCALE_FINISHED, EventKind.TASK_FAILED,
+    EventKind.REGROUPED, EventKind.RECOVERED, EventKind.RESTORED, EventKind.MASTER_PAUSED, EventKind.STOP_REQUESTED,
+    EventKind.STOPPED, EventKind.PREEMPTED,
+})
+
+
+def show_notable_events() -> None:
+    """Let the notable events into the job's log (stderr) at any log level: a step pod's log then
+    says why its group changed. A level the caller set on the logger stays."""
+    if notable_log.level == logging.NOTSET:
+        notable_log.setLevel(logging.INFO)
+    if not logging.getLogger().handlers:  # a pipeline's process that configured no logging
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 class EventLog:
@@ -44,7 +63,8 @@ class EventLog:
             with open(self.path, "a", encoding="utf-8") as out:
                 out.write(json.dumps(record) + "\n")
         fields = {k: v for k, v in record.items() if k not in ("time", "event", "message")}
-        log.info("%s %s", record["event"], record.get("message") or json.dumps(fields))
+        logger = notable_log if record["event"] in NOTABLE else log
+        logger.info("%s %s", record["event"], record.get("message") or json.dumps(fields))
         if self.listener is not None:
             self.listener(record)
 

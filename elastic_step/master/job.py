@@ -29,7 +29,7 @@ from elastic_step.frameworks.model_def import batch_arrays, load_model_definitio
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.master.api import PAGE_REFRESH_S, create_app, server_config
 from elastic_step.master.dispatcher import Dispatcher
-from elastic_step.master.events import EventLog, StepLog
+from elastic_step.master.events import EventLog, StepLog, notable_log, show_notable_events
 from elastic_step.master.ledger import Ledger
 from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigterm_as_preemption
 from elastic_step.master.progress import ProgressDisplay
@@ -166,6 +166,7 @@ def run_job(config: TrainConfig) -> JobResult:
     applied (or the job fails, is stopped or preempted), then save, evaluate and record the model."""
     started = time.time()
     budget = GraceBudget(config.termination_grace)
+    show_notable_events()
     with sigterm_as_preemption() as sigterm, contextlib.ExitStack() as early:
         # The workers' warm parent imports torch beside the checks and MLflow's start-up below
         # (it writes nothing until its first worker: a bad input leaves no trace of it).
@@ -348,12 +349,14 @@ def retire_master_info(job_dir: str, state: MasterState) -> None:
 
 
 class _AtLeast(logging.Filter):
+    """The console's level for the master's own log lines; the notable events pass at theirs."""
+
     def __init__(self, level: int):
         super().__init__()
         self.level = level
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.level
+        return record.levelno >= self.level or record.name == notable_log.name
 
 
 @contextlib.contextmanager
