@@ -13,8 +13,11 @@ from elastic_step.tracking.tensorboard import TensorBoardLog
 
 
 def read_scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in the TFRecord event files under `folder` (the framing TensorBoard reads)."""
+    """Every scalar in the TFRecord event files under `folder` (the framing TensorBoard reads),
+    each record's two checksums checked as TensorBoard's reader checks them (tensorboardX's
+    reference CRC): a record that fails them is where TensorBoard stops reading the file."""
     from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
 
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(glob.glob(os.path.join(folder, "**", "events.out.tfevents.*"), recursive=True)):
@@ -22,8 +25,12 @@ def read_scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
             data = f.read()
         offset = 0
         while offset + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            header, (length_crc,) = data[offset:offset + 8], struct.unpack("<I", data[offset + 8:offset + 12])
+            (length,) = struct.unpack("<Q", header)
+            body = data[offset + 12:offset + 12 + length]
+            (body_crc,) = struct.unpack("<I", data[offset + 12 + length:offset + 16 + length])
+            assert (length_crc, body_crc) == (masked_crc32c(header), masked_crc32c(body)), f"{path}: bad record at {offset}"
+            event = Event.FromString(body)
             offset += 12 + length + 4
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))

@@ -17,6 +17,8 @@ import struct
 import threading
 import time
 
+import google_crc32c
+
 log = logging.getLogger("elastic_step.tracking")
 
 TENSORBOARD_DIR = "tensorboard"
@@ -27,12 +29,18 @@ def tensorboard_dir(job_dir: str) -> str:
     return os.path.join(job_dir, TENSORBOARD_DIR)
 
 
+def _masked_crc32c(data: bytes) -> int:
+    """TFRecord's checksum: CRC-32C, rotated right by 15 bits, plus a constant. google-crc32c's C
+    code takes about 1.5 microseconds where tensorboardX's pure-Python CRC took 40: with two per
+    scalar and three scalars a step, that was most of the master's CPU per step of a small model."""
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 def _record(data: bytes) -> bytes:
     """One TFRecord: length, its masked CRC-32C, the data, the data's masked CRC-32C."""
-    from tensorboardX.record_writer import masked_crc32c
-
     header = struct.pack("<Q", len(data))
-    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+    return header + struct.pack("<I", _masked_crc32c(header)) + data + struct.pack("<I", _masked_crc32c(data))
 
 
 class TensorBoardLog:
