@@ -71,6 +71,7 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
     @dsl.pipeline(name=name, description=description)
     def pipeline(
         source: str = defaults.SOURCE,
+        label: str = defaults.LABEL,
         model_def: str = defaults.MODEL_DEF,
         registered_model: str = defaults.REGISTERED_MODEL,
         workers: str = defaults.WORKERS,
@@ -84,6 +85,8 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         ps_shards: int = defaults.PS_SHARDS,
         checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
         backend: str = defaults.BACKEND,
+        device: str = defaults.DEVICE,
+        precision: str = defaults.PRECISION,
         mlflow_uri: str = "",
         experiment: str = defaults.EXPERIMENT,
         floors: dict = dict(defaults.FLOORS),
@@ -99,12 +102,15 @@ def lifecycle_pipeline(name: str, description: str, warm_start_alias: str, cachi
         serve_storage_secret: str = "",
     ):
         # categorical: the string columns' ids (prepare_data's spec, or auto), as a mode=ps model's tables take them
-        prepared = prepare_data(source=source, split=split, rows_per_shard=rows_per_shard, seed=seed, categorical=categorical)
+        # The dataset's manifest records its label column: evaluate and export read it from there.
+        prepared = prepare_data(source=source, label=label, split=split, rows_per_shard=rows_per_shard, seed=seed,
+                                categorical=categorical)
         trained = train_elastic(
             dataset=prepared.outputs["dataset"], model_def=model_def, workers=workers, spares=spares, epochs=epochs,
             minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, mode=mode, ps_shards=ps_shards,
-            checkpoint_steps=checkpoint_steps, seed=seed, backend=backend, mlflow_uri=mlflow_uri, experiment=experiment,
+            checkpoint_steps=checkpoint_steps, seed=seed, backend=backend, device=device, precision=precision,
+            mlflow_uri=mlflow_uri, experiment=experiment,
             registered_model=registered_model, warm_start_alias=warm_start_alias,
             pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, job_dir=job_dir,
         )

@@ -682,9 +682,8 @@ KFP_ONLY = {
     # workflow's folder on the PVC), fixed when rendering: not a path inside the pod that a run chooses.
     "job_dir",
 }
-# Argo workflow parameters the KFP pipelines do not expose (their components take them as inputs, the
-# pipeline functions do not): the label column, and where and in what precision the workers compute.
-ARGO_ONLY = {"label", "device", "precision"}
+# Argo workflow parameters the KFP pipelines do not expose, on purpose: none (each would need its reason here).
+ARGO_ONLY: set[str] = set()
 
 
 def argo_name(kfp_name: str) -> str:
@@ -790,6 +789,22 @@ def test_a_kfp_parameter_with_no_argo_counterpart_fails_the_parity_check(monkeyp
 
     monkeypatch.delitem(argo_documents.PARAMETERS, "rows-per-shard")
     with pytest.raises(AssertionError, match=r"no Argo workflow parameter: \['rows_per_shard'\]"):
+        test_every_kfp_pipeline_parameter_that_reaches_a_step_has_an_argo_parameter("training")
+
+
+@pytest.mark.parametrize("dropped", ["label", "device", "precision"])
+def test_an_argo_parameter_the_kfp_pipeline_drops_fails_the_parity_check(monkeypatch, dropped):
+    """The other way round: a pipeline whose compiled IR lacks `label`, `device` or `precision` (once
+    Argo-only) fails the parity test."""
+    routes_of = kfp_parameter_routes
+
+    def without(pipeline):
+        definitions, routes, constants = routes_of(pipeline)
+        assert routes.pop(dropped), f"the compiled {pipeline} pipeline's {dropped} reaches no component"
+        return {k: v for k, v in definitions.items() if k != dropped}, routes, constants
+
+    monkeypatch.setitem(globals(), "kfp_parameter_routes", without)
+    with pytest.raises(AssertionError, match=rf"workflow parameters the KFP pipeline lacks: \['{dropped}'\]"):
         test_every_kfp_pipeline_parameter_that_reaches_a_step_has_an_argo_parameter("training")
 
 

@@ -32,6 +32,8 @@ SETTINGS = {
     "checkpoint_steps": defaults.CHECKPOINT_STEPS,
     "seed": defaults.SEED,
     "backend": defaults.BACKEND,
+    "device": defaults.DEVICE,
+    "precision": defaults.PRECISION,
     "experiment": defaults.EXPERIMENT,
     "model_def": defaults.MODEL_DEF,
     "source": defaults.SOURCE,
@@ -169,7 +171,7 @@ def test_compiled_pipeline_parameters(name):
         if parameter["parameterType"] == "NUMBER_INTEGER":
             value = int(value)
         found[key] = value
-    assert {"workers", "epochs", "source", "floors", "split"} <= set(found)
+    assert {"workers", "epochs", "source", "floors", "split", "label", "device", "precision"} <= set(found)
     assert drift(found) == {}
 
 
