@@ -47,3 +47,33 @@ def test_shard_counts_outside_one_to_v_are_refused():
         RoutingTable.initial(0)
     with pytest.raises(ValueError, match="between 1 and 128"):
         RoutingTable.initial(2).resized(129)
+
+
+def test_a_shard_address_that_never_answers_a_connection_is_given_up_in_seconds_not_the_read_timeout():
+    """A deleted pod's address takes no connection and refuses none (its packets go nowhere): a
+    listener whose accept queue is full is the same to a client on loopback. The client gives up
+    on the connection within CONNECT_TIMEOUT_S (then asks the routes again, or, past its deadline,
+    says the shards are unavailable) instead of waiting its 30 s read timeout: a worker's pushes
+    stalled that long after a shard pod was deleted."""
+    import socket
+    import time
+
+    from elastic_step.ps.client import CONNECT_TIMEOUT_S, PsClient
+    from elastic_step.ps.api import ShardUnavailable
+
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    endpoint = f"127.0.0.1:{full.getsockname()[1]}"
+    queued = socket.create_connection(("127.0.0.1", full.getsockname()[1]))  # fills the accept queue
+    client = PsClient("token", lambda: RoutingTable.initial(1, [endpoint]), deadline_s=1.0, timeout_s=30.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ShardUnavailable):
+            client.pull("table", np.arange(4, dtype=np.int64))
+        waited = time.monotonic() - started
+        assert waited < CONNECT_TIMEOUT_S + 2.0, waited  # one connection given up, then past the 1 s deadline
+    finally:
+        client.close()
+        queued.close()
+        full.close()

@@ -31,6 +31,13 @@ from elastic_step.ps import wire
 from elastic_step.ps.api import RETRY_AFTER_REFRESH, PsError, RoundFenced, ShardUnavailable, Status
 from elastic_step.ps.routing import RoutingTable
 
+# A connection to a live shard opens in milliseconds, or is refused at once while it relaunches.
+# One that does not open within this is to an address nobody holds any more (a deleted pod's: its
+# packets go nowhere, and no refusal comes back), and waiting the read timeout there held a worker
+# for 30 s, a checkpoint's cut for 120 s, before it asked the routes again. Long enough for the
+# kernel's first SYN retransmit (1 s) and its second (3 s) on a loaded node.
+CONNECT_TIMEOUT_S = 3.5
+
 
 @dataclass
 class PushReply:
@@ -197,7 +204,8 @@ class PsClient:
         sock = self._connections.get(endpoint)
         if sock is None:
             host, port = endpoint.rsplit(":", 1)
-            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+            sock = socket.create_connection((host, int(port)), timeout=min(self.timeout_s, CONNECT_TIMEOUT_S))
+            sock.settimeout(self.timeout_s)  # a shard's answer may take longer: a cut of large tables
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._connections[endpoint] = sock
         return sock
