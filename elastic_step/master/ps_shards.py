@@ -121,7 +121,7 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     running.callback(monitor.stop)
     routes = shards.routes()
     live = LiveRows(PsClient(token, shards.routes))  # current after a scale --ps
-    running.callback(live.client.close)
+    running.callback(live.close)
     bind_tables({spec.name: partial(live.pull, spec.name) for spec in specs})  # validation during training
     log.info("parameter servers: %d shards at %s holding %s", config.ps_shards, ", ".join(routes.endpoints),
              ", ".join(f"{s.name} (dim {s.dim}, {s.optimizer})" for s in specs))
@@ -247,6 +247,13 @@ class LiveRows:
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         with self.lock:
             return self.client.pull(table, ids)
+
+    def close(self) -> None:
+        """The shards are about to stop (the job's end): a pull from here on (a validation still in
+        MLflow's queue) that meets a stopped shard fails at once rather than after a minute's
+        retries; until the tables are frozen from the snapshots, the live shards still answer."""
+        self.client.deadline_s = 0.0
+        self.client.close()
 
 
 class ShardSupervisor:
