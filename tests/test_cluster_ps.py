@@ -187,11 +187,12 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
     pod waits on for the master's."""
     import threading
 
-    from elastic_step.backends.kubernetes.ps_cuts import fetch_cut, receive_cut, restored, send_cut
+    from elastic_step.backends.kubernetes.ps_cuts import RESTORING, fetch_cut, receive_cut, restored, send_cut
     from elastic_step.ps.api import PsError
     from elastic_step.ps.client import PsClient
     from elastic_step.ps.cuts import CutMissing
     from elastic_step.ps.shard import ShardServer
+    from elastic_step.ps.wire import FrameError
     from test_ps_cuts import push, shard
 
     held = shard(tmp_path / "old")
@@ -226,10 +227,11 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
 
-    def pod(folder, digest, intruder: bool = False) -> tuple[str, str]:
+    def pod(folder, digest, intruder: bool = False, early: PsClient | None = None) -> tuple[str, str]:
         """A resumed shard pod's first phase at a port of its own, sent the cut: (what the master
         was answered, how the pod's wait ended). `intruder`: someone without the job's token
-        sends a cut first."""
+        sends a cut first. `early`: a client (the master's stats poll) that asks before the cut
+        came, and keeps its connection."""
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -244,6 +246,16 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
 
         thread = threading.Thread(target=waiting, daemon=True)
         thread.start()
+        if early is not None:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    assert early.call(f"127.0.0.1:{port}", {"op": "stats"})[0]["status"] == RESTORING
+                    break
+                except OSError:  # not listening yet
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            early.endpoint = f"127.0.0.1:{port}"
         if intruder:  # refused, and the pod waits on for the master's
             wrong = PsClient("wrong", lambda: None, timeout_s=10.0)
             assert sent(wrong, f"127.0.0.1:{port}") == "missing or wrong job token"
@@ -258,8 +270,14 @@ def test_a_checkpoints_cut_goes_from_a_shard_through_the_master_into_a_new_pods_
     assert "SHA-256" in answered and "SHA-256" in ended
     assert not restored(str(tmp_path / "forged")) and not (tmp_path / "forged" / "snapshot.bin").exists()
     (tmp_path / "new").mkdir()
-    assert pod(tmp_path / "new", cut["digest"], intruder=True) == ("ok", "restored")
+    early = PsClient("t0k", lambda: None, timeout_s=10.0)
+    assert pod(tmp_path / "new", cut["digest"], intruder=True, early=early) == ("ok", "restored")
     assert restored(str(tmp_path / "new"))
+    # The early client's connection was closed with the wait: it connects again, to the shard that
+    # now listens there, instead of being answered 'restoring' on it for good.
+    with pytest.raises((OSError, FrameError)):
+        early.call(early.endpoint, {"op": "stats"})
+    early.close()
     assert shard(tmp_path / "new").tables["emb"].digest() == at_checkpoint
     client.close()
 

@@ -185,20 +185,30 @@ def receive_cut(directory: str, host: str, port: int, token: str, restore: dict)
     restore["step"] and it hashes to restore["digest"]; then the folder starts from it.
     cuts.CutMissing (one line) when what it sent does not: nothing of it is kept."""
     done, refused = threading.Event(), []
+    connections: set[socket.socket] = set()
 
     class Handler(socketserver.BaseRequestHandler):
         def handle(self) -> None:
+            connections.add(self.request)
             try:
                 if _restore_connection(self.request, directory, token.encode(), restore):
                     done.set()
             except cuts.CutMissing as exc:
                 refused.append(exc)
                 done.set()
+            finally:
+                connections.discard(self.request)
 
     with _Server((host, port), Handler) as server:
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
         done.wait()
         server.shutdown()
+        # A client that asked before the cut came (the master's stats poll, its validation's pulls)
+        # keeps its connection, and this process goes on to be the shard: its handler would answer
+        # 'restoring' on it for good. Closed, the client connects again, to the shard itself.
+        for connection in list(connections):
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
     if refused:
         raise refused[0]
 
