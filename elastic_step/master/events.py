@@ -17,7 +17,7 @@ log = logging.getLogger("elastic_step.master")
 notable_log = logging.getLogger("elastic_step.events")
 NOTABLE = frozenset({
     EventKind.DIED, EventKind.DROPPED, EventKind.RELAUNCHED, EventKind.NOT_RELAUNCHED, EventKind.SLOT_EXHAUSTED,
-    EventKind.LEFT, EventKind.SCALED, EventKind.PS_SCALE_STARTED, EventKind.PS_SCALE_FINISHED, EventKind.TASK_FAILED,
+    EventKind.LEFT, EventKind.SCALED, EventKind.PS_SCALE_STARTED, EventKind.PS_SCALE_FINISHED,
     EventKind.REGROUPED, EventKind.RECOVERED, EventKind.RESTORED, EventKind.MASTER_PAUSED, EventKind.STOP_REQUESTED,
     EventKind.STOPPED, EventKind.PREEMPTED,
 })
@@ -28,8 +28,11 @@ def show_notable_events() -> None:
     says why its group changed. A level the caller set on the logger stays."""
     if notable_log.level == logging.NOTSET:
         notable_log.setLevel(logging.INFO)
-    if not logging.getLogger().handlers:  # a pipeline's process that configured no logging
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not logging.getLogger().handlers and not notable_log.handlers:  # a process that configured no logging
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        notable_log.addHandler(handler)
+        notable_log.propagate = False  # one line each, should the process configure logging later
 
 
 class EventLog:

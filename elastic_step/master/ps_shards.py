@@ -41,7 +41,7 @@ from elastic_step.master.events import EventLog
 from elastic_step.master.ps_checkpoints import PS_CUT, restore_cut
 from elastic_step.protocol import EventKind, PsShardState, TrainingMode
 from elastic_step.ps import snapshot, wire
-from elastic_step.ps.api import PsError, Status, TableSpec
+from elastic_step.ps.api import PsError, ShardsStopped, ShardUnavailable, Status, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import bind_tables, freeze_tables, ps_tables
 from elastic_step.ps.local import LocalShards, saved_routings
@@ -240,20 +240,35 @@ class LiveRows:
     """Pulls from the running shards for the master's own model, one at a time (the client keeps
     one connection per shard)."""
 
+    CLOSE_WAIT_S = 5.0
+
     def __init__(self, client: PsClient):
         self.client = client
         self.lock = threading.Lock()
+        self.closed = False
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        if self.closed:
+            raise ShardsStopped("the parameter-server shards have stopped")
         with self.lock:
-            return self.client.pull(table, ids)
+            try:
+                return self.client.pull(table, ids)
+            except ShardUnavailable as exc:
+                if self.closed:
+                    raise ShardsStopped(f"the parameter-server shards stopped during the pull ({exc})") from exc
+                raise
 
     def close(self) -> None:
-        """The shards are about to stop (the job's end): a pull from here on (a validation still in
-        MLflow's queue) that meets a stopped shard fails at once rather than after a minute's
-        retries; until the tables are frozen from the snapshots, the live shards still answer."""
-        self.client.deadline_s = 0.0
-        self.client.close()
+        """The shards are about to stop (the job's end): a pull under way (a validation still in
+        MLflow's queue) ends at its next retry, saying the shards stopped, instead of retrying for
+        its minute; a later one at once. The tables are frozen from the snapshots next."""
+        self.closed = True
+        self.client.giving_up = True
+        if self.lock.acquire(timeout=self.CLOSE_WAIT_S):  # its connections are the pulling thread's until then
+            try:
+                self.client.close()
+            finally:
+                self.lock.release()
 
 
 class ShardSupervisor:

@@ -84,6 +84,10 @@ class ShardUnavailable(PsError):
     """A shard did not answer within the client's retry deadline."""
 
 
+class ShardsStopped(ShardUnavailable):
+    """The job's shards stopped (its end) while the master still pulled from them."""
+
+
 class RoundFenced(RuntimeError):
     """A push refused because the job rolled back to a checkpoint after its round began (the
     shards' fence). Not a PsError, which fails the job: the worker takes it as the end of its

@@ -53,6 +53,7 @@ class PsClient:
         self.routing = routes()
         self.deadline_s = deadline_s
         self.timeout_s = timeout_s
+        self.giving_up = False  # set by another thread: a call under way ends at its next retry
         self._connections: dict[str, socket.socket] = {}
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
@@ -127,7 +128,7 @@ class PsClient:
             pending = np.concatenate(failed)
             if reply is not None:
                 reply.retries += len(failed)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self.giving_up:
                 raise ShardUnavailable(f"{len(pending)} ids unanswered after {self.deadline_s:.0f} s; are the shards running?")
             time.sleep(backoff)  # a relaunched shard needs a moment to replay its ledger
             backoff = min(0.2, backoff * 2)  # a refused connection is cheap: look again soon

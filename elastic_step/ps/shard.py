@@ -69,6 +69,10 @@ class ShardHandler(socketserver.BaseRequestHandler):
 class ShardServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's listen backlog is 5: after a relaunch every worker and the master connect
+    # again at once, and a dropped SYN costs a connection a retransmit (the clients give up on a
+    # connection after 3.5 s, ps/client.py).
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], state: ShardState, token: str):
         self.state = state

@@ -14,7 +14,7 @@ import threading
 import time
 
 from elastic_step.durable import write_json_atomic
-from elastic_step.ps.api import PsError
+from elastic_step.ps.api import ShardsStopped
 from elastic_step.tracking.checkpoints import Checkpoint, CheckpointStore, parse_best_rule
 from elastic_step.tracking.handover import step_tracking_uri, take_task_run
 from elastic_step.tracking.run import RunOutcome, RunTracker, TrackingError, connect, default_tracking_uri
@@ -195,7 +195,7 @@ class TrainingRecorder:
             self.trainer.load_state_bytes(state)
             try:
                 metrics = evaluate(self.trainer, self.model_def, self.manifest, "val")
-            except PsError as exc:  # a --mode ps model's shards stopped (the job's end) or are away: not retried
+            except ShardsStopped as exc:  # the job's end came first; a shard that is only away is retried
                 log.warning("validation of the checkpoint of step %d skipped: %s", step, exc)
                 return
         self.checkpoints.validated(step, metrics)  # the best one so far is kept (--keep-best)

@@ -191,6 +191,8 @@ def receive_cut(directory: str, host: str, port: int, token: str, restore: dict)
         def handle(self) -> None:
             connections.add(self.request)
             try:
+                if done.is_set():  # accepted as the wait ended, after its connections were closed
+                    return
                 if _restore_connection(self.request, directory, token.encode(), restore):
                     done.set()
             except cuts.CutMissing as exc:
@@ -216,6 +218,7 @@ def receive_cut(directory: str, host: str, port: int, token: str, restore: dict)
 class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True  # the shard binds the same address once this one is closed
     daemon_threads = True
+    request_queue_size = 128  # as the shard's: every worker and the master may connect at once
 
 
 def _restore_connection(connection: socket.socket, directory: str, token: bytes, restore: dict) -> bool:
