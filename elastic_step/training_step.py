@@ -92,7 +92,7 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
         mode=mode, ps_shards=ps_shards,  # ps: the tables on shard processes beside the workers (local backend)
         checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
         mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None,
-        progress=True,  # not a terminal: a plain line every few seconds in the step's log
+        progress=True,  # in a pipeline's pod (no terminal) a plain line every few seconds in the step's log
         pipeline_run_id=pipeline_run_id,  # a retried task finds and resumes its run by it
         worker_env=stores.worker_env(),  # the store's location and options for the workers (never credentials)
         priority_class=priority_class or None,  # the worker pods'
