@@ -3,6 +3,7 @@ output is not a terminal (CI logs, pipeline pods)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -19,20 +20,37 @@ class ProgressDisplay:
         self._last_line = 0.0
         self._progress: Progress | None = None
         self._task = None
+        self._rebound: list[tuple[logging.StreamHandler, object]] = []  # (handler, the stream it had)
 
     def __enter__(self):
         if self.interactive:
+            terminal = sys.stderr
             self._progress = Progress(
                 TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False,
             )
             self._progress.__enter__()
             self._task = self._progress.add_task("train", total=None, info="")
+            self._log_above_the_bar(terminal, sys.stderr)
         return self
 
     def __exit__(self, *exc):
         if self._progress is not None:
             self._progress.__exit__(*exc)
+        for handler, stream in self._rebound:
+            handler.setStream(stream)
+        self._rebound = []
+
+    def _log_above_the_bar(self, terminal, proxy) -> None:
+        """Log lines (warnings, the job's notable events) go above the bar. rich put a proxy in
+        sys.stderr's place that prints them there, but the handlers made before the bar still hold
+        the terminal itself, where a line ran on from the end of the bar's."""
+        if proxy is terminal:
+            return
+        for logger in (logging.getLogger(), logging.getLogger("elastic_step.events")):
+            for handler in logger.handlers:
+                if isinstance(handler, logging.StreamHandler) and handler.stream is terminal:
+                    self._rebound.append((handler, handler.setStream(proxy)))
 
     def due(self) -> bool:
         """Whether update() would show something now. The master builds its status only then:
