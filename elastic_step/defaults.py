@@ -97,6 +97,9 @@ ISTIO_MASTER_INBOUND = ("traffic.sidecar.istio.io/includeInboundPorts", "")
 JOBS_NAMESPACE_LABEL = ("elastic-step/jobs", "true")
 
 
+# -- logs -------------------------------------------------------------------------------------------
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # each line a job logs: its console, master.log
+
 def metric_pairs(metrics: dict) -> str:
     """`{"accuracy": 0.9}` → `accuracy=0.9`, as `--floor` and `--min-gain` take them."""
     return ",".join(f"{name}={value}" for name, value in metrics.items())

@@ -1,9 +1,14 @@
 """Virtual-shard routing: growing or shrinking the shard processes moves only the virtual shards
 that must move (about 1/N of them), leaves every process balanced, and bumps the epoch."""
 
+import socket
+import time
+
 import numpy as np
 import pytest
 
+from elastic_step.ps.api import ShardUnavailable
+from elastic_step.ps.client import CONNECT_TIMEOUT_S, PsClient
 from elastic_step.ps.routing import RoutingTable, virtual_shard_of
 
 V = 128
@@ -55,12 +60,6 @@ def test_a_shard_address_that_never_answers_a_connection_is_given_up_in_seconds_
     on the connection within CONNECT_TIMEOUT_S (then asks the routes again, or, past its deadline,
     says the shards are unavailable) instead of waiting its 30 s read timeout: a worker's pushes
     stalled that long after a shard pod was deleted."""
-    import socket
-    import time
-
-    from elastic_step.ps.client import CONNECT_TIMEOUT_S, PsClient
-    from elastic_step.ps.api import ShardUnavailable
-
     full = socket.socket()
     full.bind(("127.0.0.1", 0))
     full.listen(0)

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from elastic_step.cli import argo, data, jobs, logs, observe, release, schedule, serve, submit, train
+from elastic_step.defaults import LOG_FORMAT
 from elastic_step.errors import ElasticStepError
 from elastic_step.exit_codes import ExitCode
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
     try:
         code = args.func(args)
         if argv is None and args.command in EXIT_WITHOUT_TEARDOWN:

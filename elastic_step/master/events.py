@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 
+from elastic_step.defaults import LOG_FORMAT
 from elastic_step.protocol import EventKind
 
 log = logging.getLogger("elastic_step.master")
@@ -30,7 +31,7 @@ def show_notable_events() -> None:
         notable_log.setLevel(logging.INFO)
     if not logging.getLogger().handlers and not notable_log.handlers:  # a process that configured no logging
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
         notable_log.addHandler(handler)
         notable_log.propagate = False  # one line each, should the process configure logging later
 

@@ -21,6 +21,7 @@ from elastic_step.backends.api import LaunchSpec
 from elastic_step.backends.local import warm_parent_for
 from elastic_step.backends.registry import create_backend
 from elastic_step.config import TrainConfig
+from elastic_step.defaults import LOG_FORMAT
 from elastic_step.data.manifest import load_manifest, validate_shards
 from elastic_step.data.reader import ShardReader
 from elastic_step.durable import fsync_path, write_atomic, write_json_atomic, write_private
@@ -365,7 +366,7 @@ def master_log(path: str):
     `elastic-step logs --master`; what reaches the console stays as the command line chose."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logger, root = logging.getLogger("elastic_step"), logging.getLogger()
     previous = logger.level
     console = _AtLeast(root.level if root.level != logging.NOTSET else logging.WARNING)

@@ -9,6 +9,8 @@ import time
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from elastic_step.master.events import notable_log
+
 BAR_EVERY_S = 0.25  # the bar's own refresh is 10 per second; the status behind it costs the master CPU
 
 
@@ -47,7 +49,7 @@ class ProgressDisplay:
         the terminal itself, where a line ran on from the end of the bar's."""
         if proxy is terminal:
             return
-        for logger in (logging.getLogger(), logging.getLogger("elastic_step.events")):
+        for logger in (logging.getLogger(), notable_log):
             for handler in logger.handlers:
                 if isinstance(handler, logging.StreamHandler) and handler.stream is terminal:
                     self._rebound.append((handler, handler.setStream(proxy)))

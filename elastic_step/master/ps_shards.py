@@ -245,16 +245,15 @@ class LiveRows:
     def __init__(self, client: PsClient):
         self.client = client
         self.lock = threading.Lock()
-        self.closed = False
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
-        if self.closed:
+        if self.client.giving_up:
             raise ShardsStopped("the parameter-server shards have stopped")
         with self.lock:
             try:
                 return self.client.pull(table, ids)
             except ShardUnavailable as exc:
-                if self.closed:
+                if self.client.giving_up:
                     raise ShardsStopped(f"the parameter-server shards stopped during the pull ({exc})") from exc
                 raise
 
@@ -262,7 +261,6 @@ class LiveRows:
         """The shards are about to stop (the job's end): a pull under way (a validation still in
         MLflow's queue) ends at its next retry, saying the shards stopped, instead of retrying for
         its minute; a later one at once. The tables are frozen from the snapshots next."""
-        self.closed = True
         self.client.giving_up = True
         if self.lock.acquire(timeout=self.CLOSE_WAIT_S):  # its connections are the pulling thread's until then
             try:
