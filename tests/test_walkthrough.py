@@ -169,7 +169,9 @@ def test_the_readme_walkthrough_on_the_local_cluster_with_docker_pods():
     # deleted, or (on a loaded node, its TERM handled late) the master dropped it first as absent.
     slot_1 = [e for e in events if str(e.get("worker", "")).startswith("w1.")]
     gone = [e for e in slot_1 if e["event"] in ("left", "died", "dropped")]
-    assert len(gone) == 1, slot_1
+    # None at all: the job ended before the delete took effect (a machine faster than the
+    # README's --epochs allows for): the walk-through no longer shows what it says.
+    assert len(gone) == 1, f"the deleted worker's events: {slot_1}"
     assert gone[0]["event"] == "dropped" or "deleted" in gone[0]["reason"] or "SIGTERM" in gone[0]["reason"], slot_1
     relaunched = [e for e in events if e["event"] == "relaunched"]
     assert [e["slot"] for e in relaunched] == [1], relaunched  # replaced once: no relaunch loop
