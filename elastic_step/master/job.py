@@ -410,6 +410,8 @@ def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: boo
             progress.update(state.status())
     except KeyboardInterrupt:
         state.fail("interrupted")
+    finally:
+        state.lock.writes.flush()  # the job's last audit lines, events and steps, whichever thread queued them
 
 
 def save_model(config: TrainConfig, manifest, trainer, model: bytes, steps: int) -> str:

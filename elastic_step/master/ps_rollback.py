@@ -6,7 +6,7 @@ cut, which the workers do not send again. So the whole job goes back to the chec
 process, and no worker restarts:
 
 1. The master marks a rollback pending (Rounds.begin_rollback): no round settles until step 3,
-   and the newest round's id is the fence. Leaving its lock runs its queued writes, so a
+   and the newest round's id is the fence. Then every queued write runs (`flush`), so a
    checkpoint handed over before is recorded (or not) by then; the restore point is read after.
 2. Under the monitor's `scaling` lock (no checkpoint's cut or scale --ps meanwhile) the shards'
    launcher puts every shard back to its cut of the point's step behind the fence: each refuses
@@ -49,7 +49,8 @@ class PsRollback:
         try:
             with state.lock:
                 fence = state.rounds.begin_rollback(cause)
-            with state.lock:  # read once the queued writes ran (leaving the lock runs them): no newer one comes
+            state.lock.writes.flush()  # a checkpoint handed over before is recorded (or not); no newer one comes
+            with state.lock:
                 point = state.rounds.restore_point
             log.warning("%s: every shard goes back to the checkpoint of step %d, then the workers (rounds up to %d fenced)",
                         cause, point.step, fence)
