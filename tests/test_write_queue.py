@@ -77,17 +77,33 @@ def test_flush_runs_every_write_queued_by_any_thread():
     thread.join(5)
 
 
-def test_a_write_that_queues_a_write_runs_it_before_its_caller_returns():
+def test_a_write_that_queues_a_write_has_it_run_after_it_and_flush_waits_for_both():
     lock, done = MasterLock(), []
 
     def outer():
         done.append("outer")
         with lock:  # a checkpoint's write records its event under the lock
             lock.writes.put("write the event", lambda: done.append("event"))
+        done.append("outer returned")  # the write did not wait for its own event
 
     with lock:
         lock.writes.put("write outer", outer)
-    assert done == ["outer", "event"]
+    lock.writes.flush()
+    assert done == ["outer", "outer returned", "event"]
+
+
+def test_a_call_waits_for_its_writes_only_so_long_and_they_run_later_in_their_turn():
+    lock, done = MasterLock(), []
+    lock.writes.wait_s = 0.3
+    thread, _, release = blocked_write(lock, done)
+    began = time.monotonic()
+    with lock:
+        lock.writes.put("write mine", lambda: done.append("mine"))
+    assert 0.25 < time.monotonic() - began < 2.0 and done == []  # a step report answered, its line not yet written
+    release.set()
+    lock.writes.flush()
+    assert done == ["slow", "mine"]
+    thread.join(5)
 
 
 def test_a_failed_write_is_remembered_and_the_next_ones_still_run():
@@ -99,7 +115,7 @@ def test_a_failed_write_is_remembered_and_the_next_ones_still_run():
     with lock:
         lock.writes.put("append to the audit file", fails)
         lock.writes.put("write event x", lambda: done.append("x"))
-    assert done == ["x"]
+    assert done == ["x"]  # the call waited for both
     assert lock.writes.error == "could not append to the audit file: OSError: disk full"
 
 

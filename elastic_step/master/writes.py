@@ -1,87 +1,108 @@
-"""The master's one lock, and the writes that wait for it to be released.
+"""The master's one lock, and the writes queued under it.
 
 Everything the master decides happens under one lock; nothing slow happens under it. Disk
 writes (events.jsonl, metrics.jsonl, the audit file, the master's log, a handed-over checkpoint)
-are queued while the lock is held and run when its outermost holder releases it, in the order
-they were queued, one writer at a time. So when a call into the master returns, everything it
-queued is written, and the order holds across threads: an audit line queued before a checkpoint
-is handed over is on disk before that checkpoint's files are written (and so before its commit,
-which fsyncs both).
+are queued while the lock is held and run by one writer thread, in the order they were queued.
+So the order holds across threads: an audit line queued before a checkpoint is handed over is on
+disk before that checkpoint's files are written (and so before its commit, which fsyncs both).
 
-A call that queued nothing returns at once, even while another thread's write is under way: a
-checkpoint's write can wait on the network (a parameter-server job's cut, up to its timeout), and
-heartbeats and task requests must not wait behind it, or a slow shard would stall every worker.
-A reader of what other threads' writes record (the rollback's restore point, the job's end) calls
-`flush()` first."""
+A call into the master waits, once it has released the lock, until its own writes ran (and so
+every write queued before them), at most WAIT_FOR_WRITES_S. A call that queued nothing returns
+at once. Writes are quick; the exception is a checkpoint's, which can wait on the network (a
+parameter-server job's cut, up to its timeout, while a shard is stopped). Nothing but the writer
+waits out such a write: heartbeats, task requests and step reports are answered meanwhile (a
+worker gives its master 30 s before it leaves as if the master were gone), the supervision loop
+goes on detecting deaths, and their writes follow in order. A reader of what other threads'
+writes record (the rollback's restore point, the job's end) calls `flush()`, which waits for all."""
 
 from __future__ import annotations
 
 import collections
 import logging
 import threading
+import time
 from typing import Callable
 
 log = logging.getLogger("elastic_step.master")
 
+# The longest a call into the master waits for its writes. Past it the call goes on, and its
+# writes run later in their turn: below the workers' 10 s request timeout.
+WAIT_FOR_WRITES_S = 5.0
+# The writer thread ends after this long with nothing to write (the next write starts another).
+WRITER_IDLE_S = 2.0
+
 
 class WriteQueue:
-    """Writes in the order they were queued, one writer at a time. A write that fails is
-    logged and remembered (`error`); the master fails the job with it at its next tick."""
+    """Writes in the order they were queued, by one writer thread. A write that fails is logged
+    and remembered (`error`); the master fails the job with it at its next tick."""
 
-    def __init__(self):
+    def __init__(self, wait_s: float = WAIT_FOR_WRITES_S):
+        self.wait_s = wait_s
+        self.error: str | None = None
         self._queue: collections.deque[tuple[int, str, Callable[[], None]]] = collections.deque()
-        self._writing = threading.Lock()
-        self._writer: int | None = None
+        self._changed = threading.Condition()
         self._queued = 0  # the number of the newest write queued (they are numbered from 1)
         self._done = 0  # the number of the newest write run (they run in order)
         self._mine = threading.local()  # .last: the number of the calling thread's newest write
-        self.error: str | None = None
+        self._writer: threading.Thread | None = None
 
     def put(self, what: str, write: Callable[[], None]) -> None:
-        """Queue `write` (`what` names it in an error); called under the master's lock."""
-        self._queued += 1
-        self._mine.last = self._queued
-        self._queue.append((self._queued, what, write))
+        """Queue `write` (`what` names it in a log line or an error); called under the master's lock."""
+        with self._changed:
+            self._queued += 1
+            self._mine.last = self._queued
+            self._queue.append((self._queued, what, write))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_all, name="master-writes", daemon=True)
+                self._writer.start()
+            self._changed.notify_all()
 
     def run(self) -> None:
-        """Run the calling thread's queued writes, and every write queued before them. A thread
-        with none waiting returns at once; one that is already writing (a write that took the
-        master's lock) leaves the rest to its outer call."""
-        self._run_until(0)
+        """Wait until the calling thread's writes ran, at most `wait_s`. (Writes that one of them
+        queued in turn, as a checkpoint's queues its event, come later: `flush` waits for those.)"""
+        mine = getattr(self._mine, "last", 0)
+        if mine <= self._done or threading.current_thread() is self._writer:
+            return  # most calls; and a write that took the master's lock never waits for itself
+        with self._changed:
+            self._changed.wait_for(lambda: self._done >= mine, self.wait_s)
 
     def flush(self) -> None:
-        """Run every write queued so far, whoever queued it. Never under the master's lock: a
-        write may take it."""
-        self._run_until(self._queued)
+        """Wait until nothing is left to write, whoever queued it. Never under the master's lock
+        (a write may take it), nor from a write."""
+        if threading.current_thread() is self._writer:
+            raise RuntimeError("a queued write cannot wait for the queue")
+        with self._changed:
+            self._changed.wait_for(lambda: self._done >= self._queued)
 
-    def _run_until(self, number: int) -> None:
-        def wanted() -> int:
-            return max(number, getattr(self._mine, "last", 0))
+    def _write_all(self) -> None:
+        while True:
+            with self._changed:
+                if not self._changed.wait_for(lambda: self._queue, WRITER_IDLE_S):
+                    self._writer = None  # under the condition: a put from now on starts a new writer
+                    return
+                number, what, write = self._queue.popleft()
+            self._write(what, write)
+            with self._changed:
+                self._done = number
+                self._changed.notify_all()
 
-        if self._writer == threading.get_ident() or wanted() <= self._done:
-            return  # most calls: nothing of theirs is waiting, no lock to take
-        with self._writing:
-            self._writer = threading.get_ident()
-            try:
-                while self._queue and self._done < wanted():  # a write's own writes are wanted too
-                    self._write(*self._queue.popleft())
-            finally:
-                self._writer = None
-
-    def _write(self, number: int, what: str, write: Callable[[], None]) -> None:
+    def _write(self, what: str, write: Callable[[], None]) -> None:
+        began = time.monotonic()
         try:
             write()
         except Exception as exc:
             log.error("could not %s: %s: %s", what, type(exc).__name__, exc)
             if self.error is None:
                 self.error = f"could not {what}: {type(exc).__name__}: {exc}"
-        finally:
-            self._done = number
+        took = time.monotonic() - began
+        if took > self.wait_s:
+            log.warning("took %.1fs to %s; the master answered its workers meanwhile, and wrote what came after it "
+                        "once it was done", took, what)
 
 
 class MasterLock:
-    """The master's one lock (re-entrant). Writes queued on `writes` while it is held run once
-    its outermost holder has released it."""
+    """The master's one lock (re-entrant). Its outermost holder, once it has released it, waits
+    for the writes it queued on `writes` while holding it."""
 
     def __init__(self):
         self._lock = threading.RLock()
