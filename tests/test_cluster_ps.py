@@ -9,12 +9,13 @@ its digest holds (ps_cuts.py).
 
 End to end (tests/cluster with its pod network: each pod its own address, the job's
 NetworkPolicies enforced): a DeepFM job of two worker pods and two shard pods on the synthetic CTR
-data read from a private bucket. Once the run has committed a checkpoint, the master's container
-is SIGKILLed; a new master pod runs the same command with --resume, and each
-of its new shard pods starts from exactly its cut of that checkpoint, which the run's artifacts
-hold (the table hash of the cut, loaded and replayed by the test). `scale --ps 3` then adds a
-shard pod and moves at most 1/3 + 5% of the rows, and one shard's container is SIGKILLed (`docker kill`), and a pod without the job's labels cannot connect to the shards. The
-kubelet restarts it in its pod, where it loads its snapshot and replays its ledger from the pod's
+data read from a private bucket. `scale --ps 3` adds a shard pod and moves at most 1/3 + 5% of
+the rows. Once the run has committed a checkpoint of the three shards, the master's container is
+SIGKILLed; a new master pod runs the same command (`--ps-shards 2`) with --resume, and makes
+three shard pods, the scaled routing's, each of which starts from exactly its cut of that
+checkpoint, which the run's artifacts hold (the table hash of the cut, loaded and replayed by the
+test). Then one shard's container is SIGKILLed (`docker kill`), and a pod without the job's
+labels cannot connect to the shards. The kubelet restarts it in its pod, where it loads its snapshot and replays its ledger from the pod's
 emptyDir, at the same address; the workers retry what it had not acknowledged and none of them
 restarts. Once a checkpoint of the three shards is committed, another shard's pod is deleted
 through the API, its emptyDir with it: the job goes back to its newest checkpoint in process
@@ -36,7 +37,6 @@ import socket
 import time
 from collections import Counter
 
-import numpy as np
 import pytest
 from kubernetes import client as k8s
 
@@ -45,15 +45,17 @@ from conftest import cli
 from elastic_step.backends.kubernetes.manifests import JobNames, to_dict
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
 from elastic_step.backends.kubernetes.ps_manifests import PS_PORT, ps_network_policy, ps_pod
+from elastic_step.ps.routing import RoutingTable
 from stores import S3Server, upload
 from test_cluster_e2e import JOB_DIR, master_pod, store_secret
 from test_cluster_network import PROBE, MasterOnPodNetwork, pod_network_cluster, python_pod
 from test_ps_mode import DEEPFM_PS, counters_from_the_data
 
 TEST_IMAGE = "registry.example/ml/elastic-step-torch-test:0.1.0"
-# 5 epochs: after the resume, enough steps for the scale, the shard pod's SIGKILL and the pod
-# deletion (with 2, on an idle machine, the resumed job ended 2 s after the scale).
-ROWS_PER_SHARD, MINIBATCH, EPOCHS = 800, 128, 5
+# 6 epochs: enough steps for the scale and a checkpoint after it before the master's SIGKILL, and
+# after the resume for the shard pod's SIGKILL and the pod deletion (with 2, on an idle machine,
+# the resumed job ended 2 s after a scale).
+ROWS_PER_SHARD, MINIBATCH, EPOCHS = 800, 128, 6
 
 
 def test_a_shard_pod_runs_as_a_worker_with_its_folder_kept_across_restarts():
@@ -154,7 +156,6 @@ def _shard_pod(restarts: int, running: bool, phase: str = "Running"):
 def test_a_restarted_shard_is_relaunching_until_it_answers_and_a_gone_pod_rolls_the_job_back_or_is_down():
     from elastic_step.backends.kubernetes.ps_pod_shards import PodShard, PodShards
     from elastic_step.backends.kubernetes.ps_pod_watch import PodSupervisor
-    from elastic_step.ps.routing import RoutingTable
 
     pods = _Pods()
     supervisor = PodSupervisor(pods, PodShards([PodShard(0, "10.0.0.7", PS_PORT)], RoutingTable.initial(1)), client=None)
@@ -458,13 +459,12 @@ def scale_ps(master, shards: int) -> dict:
     return reply.json()["ps_scale"]
 
 
-def cut_digest(folder, step: int, shard: int, shards: int) -> str:
+def cut_digest(folder, step: int, shard: int, routing) -> str:
     """The table hash of a shard's cut of `step` as the run's artifacts hold it: its snapshot
-    loaded and its ledger replayed, as a shard does, in a folder of this test's."""
+    loaded and its ledger replayed, as a shard of `routing` does, in a folder of this test's."""
     import shutil
 
     from elastic_step.master.ps_shards import table_specs
-    from elastic_step.ps.routing import RoutingTable
     from elastic_step.ps.state import LEDGER_FILE, SNAPSHOT_FILE, ShardState
 
     (kept,) = folder.glob(f"mlartifacts/**/artifacts/ps-cuts/step-{step:06d}")
@@ -472,7 +472,7 @@ def cut_digest(folder, step: int, shard: int, shards: int) -> str:
     replay.mkdir()
     shutil.copy(kept / f"shard-{shard}.bin", replay / SNAPSHOT_FILE)
     shutil.copy(kept / f"shard-{shard}.ledger", replay / LEDGER_FILE)
-    state = ShardState(str(replay), table_specs(DEEPFM_PS), shard, RoutingTable.initial(shards))
+    state = ShardState(str(replay), table_specs(DEEPFM_PS), shard, routing)
     state.recover()
     digest = state.tables["deepfm_ids"].digest()
     state.close()
@@ -481,12 +481,13 @@ def cut_digest(folder, step: int, shard: int, shards: int) -> str:
 
 @pytest.mark.e2e
 def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_pod_sigkill_and_a_master_sigkill(tmp_path, clicks):
-    """First the master: once the run has committed a checkpoint its container is SIGKILLed, and
-    a new master pod runs the same command with --resume (the failed pod and its pods are deleted
-    at the end): its new shard pods each start from exactly their cut of the checkpoint
-    (the table hash of the cut the run's artifacts hold). Then `scale --ps 3` adds a shard pod,
-    one shard pod of the resumed job is SIGKILLed, and, after a later checkpoint, another shard's
-    pod is deleted: the job goes back to that checkpoint in process (a RESTORED event names it)."""
+    """First `scale --ps 3` adds a shard pod. Then the master: once the run has committed a
+    checkpoint of the three shards its container is SIGKILLed, and a new master pod runs the same
+    command with --resume (the failed pod and its pods are deleted at the end): its three new
+    shard pods each start from exactly their cut of the checkpoint (the table hash of the cut the
+    run's artifacts hold). Then one shard pod of the resumed job is SIGKILLed, and, after a later
+    checkpoint, another shard's pod is deleted: the job goes back to that checkpoint in process (a
+    RESTORED event names it)."""
     tracking = tmp_path / "mlflow"
     with S3Server() as s3, pod_network_cluster(tmp_path, images={TEST_IMAGE: venv_image(TEST_IMAGE)}) as cluster:
         print(f"kubelet runtime: {cluster.kubelet.mode}")
@@ -503,10 +504,19 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         master = MasterOnPodNetwork(cluster, "train-step-ps")
         started = time.monotonic()
         expected = counters_from_the_data(clicks, EPOCHS, MINIBATCH)  # while the pods start
-        # The first master dies outright (SIGKILL) once the run has committed a checkpoint, mid-training.
+        # scale --ps 3 once the shards hold rows (a first checkpoint committed): a third shard pod,
+        # and only the virtual shards that change owner move.
         master.wait(lambda s: s["state"] == "running", timeout=240)
         deadline = time.monotonic() + 120
         while not committed_checkpoint(tracking):
+            assert time.monotonic() < deadline, master.log()
+            time.sleep(0.05)
+        moved = scale_ps(master, 3)
+        assert 0 < moved["rows_moved"] <= (1 / 3 + 0.05) * moved["rows_total"], moved
+        scaled = master.status()["step"]
+        # The first master dies outright (SIGKILL) once the run has committed a checkpoint of the three shards, mid-training.
+        deadline = time.monotonic() + 120
+        while committed_checkpoint(tracking) <= scaled:
             assert time.monotonic() < deadline, master.log()
             time.sleep(0.05)
         cluster.kubelet.kill(ns, "train-step-ps")
@@ -517,15 +527,13 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         api.create_namespaced_pod(ns, with_shared_tracking(master_pod(cluster, "train-step-ps2", [*args, "--resume"]), tracking))
         master = MasterOnPodNetwork(cluster, "train-step-ps2")
         status = master.wait(lambda s: s["state"] == "running" and s["world_size"] == 2, timeout=240)
-        print(f"resumed on 2 worker pods and 2 new shard pods after {time.monotonic() - started:.1f}s")
+        print(f"resumed on 2 worker pods and 3 new shard pods after {time.monotonic() - started:.1f}s")
         with open(master.path(f"{JOB_DIR}/logs/master.log")) as f:
             restored = re.findall(r"shard (\d) starts from its cut of step (\d+): table deepfm_ids digest (\w+)", f.read())
-        assert sorted(restored) == [(str(i), str(step), cut_digest(tracking, step, i, 2)) for i in range(2)], restored
-
-        # scale --ps 3: a third shard pod, and only the virtual shards that change owner move.
-        moved = scale_ps(master, 3)
-        assert 0 < moved["rows_moved"] <= (1 / 3 + 0.05) * moved["rows_total"], moved
-        endpoints = [s["address"] for s in master.status()["ps_shards"]]
+        # The command says --ps-shards 2; the checkpoint's routing has three: a resume runs the routing it goes back to.
+        scaled_routing = RoutingTable.initial(2).resized(3)  # what scale --ps 3 made of the first two
+        assert sorted(restored) == [(str(i), str(step), cut_digest(tracking, step, i, scaled_routing)) for i in range(3)], restored
+        endpoints = [s["address"] for s in status["ps_shards"]]
         shard_pods = sorted(p["metadata"]["name"] for p in cluster.pods() if p["metadata"]["name"] not in killed
                             and p["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "ps")
         assert len(endpoints) == len(shard_pods) == 3 and shard_pods[0].endswith("-ps-0"), shard_pods
@@ -538,9 +546,9 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
 
         # Shard 1's pod deleted (its emptyDir, its rows with it) once a checkpoint of the three shards is committed:
         # the job goes back to its newest checkpoint in process, shard 1 in a new pod from its cut, no worker restarts.
-        scaled = status["step"]
+        relaunched = status["step"]
         deadline = time.monotonic() + 120
-        while committed_checkpoint(tracking) <= scaled:
+        while committed_checkpoint(tracking) <= relaunched:
             assert time.monotonic() < deadline, master.log()
             time.sleep(0.05)
         assert master.status()["rows_done"] < master.status()["rows_total"], "every row was trained before the pod deletion"
@@ -566,7 +574,7 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
             events = [json.loads(line) for line in f]
         assert not [e for e in events if e["event"] in ("died", "relaunched")], events  # no worker restarted
         (back,) = [e for e in events if e["event"] == "restored"]
-        assert back["step"] > scaled and "shard 1's pod was deleted" in back["message"], back
+        assert back["step"] > relaunched and "shard 1's pod was deleted" in back["message"], back
         assert f"checkpoint of step {back['step']}" in back["message"], back
         with open(master.path(f"{JOB_DIR}/result.json")) as f:
             assert json.load(f)["test_metrics"]["auc"] > 0.6  # the tables the master froze from the shards' rows
