@@ -12,8 +12,13 @@
 3. SIGKILL -> first successful pull: a shard holding --kill-rows rows (snapshot + a ledger tail of
    pushes) is killed --kills times; the time from the kill until a client's pull succeeds
    (relaunch, snapshot load, ledger replay, reconnect), and the table hash before and after.
+4. A table larger than a worker (`--big-rows`, e.g. 40M rows of dim 16 + Adagrad, 5.1 GB of
+   payload, over `--big-shards` local shard processes): every row made by a pull from one client
+   process, as a PS-mode worker pulls a batch's rows; each shard process's peak RSS (VmHWM) beside
+   the client's, which holds a batch's rows at a time and never the table.
 
     .venv/bin/python benchmarks/bench_ps.py --rows 10000000 --kill-rows 2500000 --kills 5
+    .venv/bin/python benchmarks/bench_ps.py --only-big --big-rows 40000000 --big-shards 4
 """
 
 from __future__ import annotations
@@ -160,6 +165,41 @@ def kill_recovery(root: str, token_file: str, rows: int, kills: int) -> None:
         shards.stop()
 
 
+def peak_rss(pid: int | str = "self") -> int:
+    """A process's peak resident set (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def table_no_worker_holds(root: str, token_file: str, rows: int, shards: int, batch: int = 250_000) -> None:
+    """Every one of `rows` ids pulled once (a pull makes a row), from this process, over `shards`
+    shard processes whose declared capacity is their share; then each one's peak RSS and ours."""
+    spec = TableSpec("t", 16, OptimizerKind.ADAGRAD, capacity=int(rows / shards * 1.02))  # the hash's imbalance
+    local = LocalShards(os.path.join(root, "big"), [spec], shards, token_file, snapshot_every=10**9, fsync=False)
+    local.start()
+    client = PsClient(TOKEN, local.routes)
+    try:
+        start = time.perf_counter()
+        for begin in range(0, rows, batch):
+            client.pull("t", np.arange(begin, min(rows, begin + batch), dtype=np.int64) * 7919)
+        seconds = time.perf_counter() - start
+        held = [client.call(s.endpoint, {"op": "stats"})[0] for s in local.shards]
+        peaks = [peak_rss(s.process.pid) for s in local.shards]
+        print(f"  {rows:,} rows made in {seconds:.0f} s ({rows / seconds:,.0f} rows/s), {rows * PAYLOAD / 2**30:.2f} GiB of payload")
+        for s, stats, peak in zip(local.shards, held, peaks):
+            print(f"  shard {s.shard}: {_rows_of(stats):,} rows, peak RSS {peak / 2**30:.2f} GiB")
+        print(f"  the client (a worker's pulls, {batch:,} rows at a time): peak RSS {peak_rss() / 2**30:.2f} GiB")
+    finally:
+        client.close()
+        for s in local.shards:  # SIGKILL: a shard stopped with SIGTERM would first write a snapshot of its rows
+            s.kill(signal.SIGKILL)
+
+
+def _rows_of(stats: dict) -> int:
+    tables = stats.get("tables", {})
+    return sum(int(t.get("rows", 0)) for t in (tables.values() if isinstance(tables, dict) else tables))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000, help="rows for the bytes-per-row figure")
@@ -168,11 +208,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4096, help="ids drawn per batch (deduplicated)")
     parser.add_argument("--kill-rows", type=int, default=1_000_000)
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--big-rows", type=int, default=0, help="rows of the table no worker holds (section 4; 0: skip)")
+    parser.add_argument("--big-shards", type=int, default=4)
+    parser.add_argument("--only-big", action="store_true", help="section 4 alone")
     parser.add_argument("--measure", choices=["declared", "grown", "dict"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         return measure(args.measure, args.rows)
     print(f"bench_ps on {machine()}")
+    if args.only_big:
+        with tempfile.TemporaryDirectory() as root:
+            token_file = os.path.join(root, "token")
+            with open(token_file, "w") as f:
+                f.write(TOKEN)
+            print(f"4. a table no worker holds: {args.big_rows:,} rows, dim 16 + Adagrad, {args.big_shards} shards")
+            table_no_worker_holds(root, token_file, args.big_rows, args.big_shards)
+        return None
     print(f"1. bytes per row, dim 16 + Adagrad ({PAYLOAD} B payload), {args.rows:,} rows")
     bytes_per_row(args.rows, args.dict_rows)
     with tempfile.TemporaryDirectory() as root:
@@ -191,6 +242,9 @@ def main() -> None:
         print(f"  in-process ShardState (fsync'd ledger, no network): {in_process(root, batches):,.0f} rows/s")
         print(f"3. SIGKILL recovery, {args.kill_rows:,} rows")
         kill_recovery(root, token_file, args.kill_rows, args.kills)
+        if args.big_rows:
+            print(f"4. a table no worker holds: {args.big_rows:,} rows, dim 16 + Adagrad, {args.big_shards} shards")
+            table_no_worker_holds(root, token_file, args.big_rows, args.big_shards)
 
 
 if __name__ == "__main__":

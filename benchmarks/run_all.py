@@ -19,6 +19,9 @@ BENCHMARKS = [
     ["bench_remote_data.py"],
     ["bench_cluster.py"],
     ["bench_prepare.py", "--size-gb", "5", "--rows-per-shard", "500000"],
+    ["bench_ps.py", "--rows", "10000000", "--kill-rows", "2500000", "--kills", "5"],
+    ["bench_sparse.py", "--ids", "1000000", "--batches", "200", "--batch", "512", "--scale"],
+    ["bench_ctr_kills.py", "--rows", "240000", "--epochs", "2", "--kills", "20"],
 ]
 
 if __name__ == "__main__":

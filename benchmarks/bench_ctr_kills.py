@@ -1,0 +1,151 @@
+"""CTR training on parameter-server shards under worker kills: quality and exactly-once.
+
+The PyTorch DeepFM (model_zoo/deepfm_ps_torch: its embedding table on the shards) on the
+synthetic Criteo-shaped data (`prepare-data --source synthetic:criteo`), trained with
+`train --mode ps`: clean, `--clean-runs` times, then with a worker SIGKILLed at random every
+`--period` seconds until `--kills` kills (a replacement is launched after each), same data,
+seed and settings. For every run:
+
+- the test AUC and log loss the job recorded (result.json): the killed run beside the clean ones
+  (target: AUC within +/- 0.003 of the clean run; the clean runs' own spread is printed, since
+  which worker trains which task, and so the order of the updates, differs from run to run);
+- every embedding row's update counter on the shards after the job (their last snapshots) against
+  the count computed from the data alone (ps.expected_updates): each minibatch updates each of
+  its distinct ids once (target: zero mismatches, killed or not).
+
+    cd benchmarks && ../.venv/bin/python bench_ctr_kills.py --rows 240000 --epochs 2 --kills 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import elastic_step, live_pids_with_env, machine, wait_until  # noqa: E402
+
+DEEPFM_PS = "elastic_step.model_zoo.deepfm_ps_torch"
+MINIBATCH = 128
+
+
+def prepare(root: str, rows: int, rows_per_shard: int) -> str:
+    data = os.path.join(root, "data")
+    done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "prepare-data", "--source",
+                           f"synthetic:criteo?rows={rows}&seed=5", "--out", data, "--categorical", "auto",
+                           "--rows-per-shard", str(rows_per_shard), "--no-progress"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"prepare-data failed: {done.stderr.strip()}")
+    return data
+
+
+def victims(job_dir: str) -> list[int]:
+    """The workers training in the current round (a replacement still starting is no victim)."""
+    from elastic_step.operate.client import try_status
+
+    status = try_status(job_dir)
+    if not status or not status["round_ready"]:
+        return []
+    return [w["pid"] for w in status["workers"] if w["rank"] is not None and w["state"] == "live" and w.get("pid")]
+
+
+def first_step(job_dir: str) -> bool:
+    path = os.path.join(job_dir, "metrics.jsonl")
+    return os.path.exists(path) and os.path.getsize(path) > 0
+
+
+def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed: int, timeout_s: float) -> dict:
+    """One job to its end, with `kills` worker SIGKILLs every `period_s` s (0: clean)."""
+    os.makedirs(job_dir)
+    args = ["train", "--model-def", DEEPFM_PS, "--data", data, "--job-dir", job_dir, "--mode", "ps", "--ps-shards", "2",
+            "--workers", "2:3", "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
+            "--checkpoint-steps", "50", "--max-relaunches", "1000", "--seed", "1", "--no-progress"]
+    rng, began, done_kills = random.Random(seed), time.monotonic(), 0
+    with open(os.path.join(job_dir, "..", f"{os.path.basename(job_dir)}.log"), "wb") as out:
+        proc = elastic_step(*args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: first_step(job_dir) or proc.poll() is not None, 300, "the job applied no step")
+        next_at = time.monotonic() + period_s
+        while proc.poll() is None:
+            if done_kills < kills and time.monotonic() >= next_at and (pids := victims(job_dir)):
+                with contextlib.suppress(ProcessLookupError):  # it ended between the status and the signal
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                    done_kills += 1
+                next_at = time.monotonic() + period_s
+            if time.monotonic() - began > timeout_s:
+                raise TimeoutError(f"the job did not finish in {timeout_s:.0f}s")
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pid in live_pids_with_env(f"ELASTIC_STEP_TOKEN_FILE={os.path.join(job_dir, 'token')}".encode()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if proc.returncode != 0:
+        raise SystemExit(f"the job exited {proc.returncode}; see {job_dir}.log")
+    with open(os.path.join(job_dir, "result.json")) as f:
+        result = json.load(f)
+    return {"kills": done_kills, "seconds": time.monotonic() - began, "test": result["test_metrics"],
+            "counters": counters_on_the_shards(job_dir), "relaunches": result.get("relaunches")}
+
+
+def counters_on_the_shards(job_dir: str) -> Counter:
+    """Each id's update count as the shards' last snapshots hold it (they take one as they stop)."""
+    from elastic_step.ps import snapshot
+
+    counts: Counter = Counter()
+    root = os.path.join(job_dir, "ps")
+    for name in sorted(os.listdir(root)):
+        tables, _ = snapshot.load(os.path.join(root, name, "snapshot.bin"), ["deepfm_ids"])
+        held = tables["deepfm_ids"]
+        counts.update({i: u for i, u in zip(held["ids"].tolist(), held["updates"].tolist()) if u})
+    return counts
+
+
+def mismatches(got: Counter, expected: Counter) -> int:
+    return sum(1 for i in set(got) | set(expected) if got[i] != expected[i])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=240_000, help="rows of synthetic Criteo-shaped data")
+    parser.add_argument("--rows-per-shard", type=int, default=4_000)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--kills", type=int, default=20, help="worker SIGKILLs in the disturbed run")
+    parser.add_argument("--period", type=float, default=3.0, help="seconds between kills")
+    parser.add_argument("--clean-runs", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    args = parser.parse_args()
+    from elastic_step.ps.expected_updates import expected_updates
+
+    print(machine())
+    with tempfile.TemporaryDirectory(prefix="bench-ctr-") as root:
+        data = prepare(root, args.rows, args.rows_per_shard)
+        expected = expected_updates(data, DEEPFM_PS, MINIBATCH, args.epochs)
+        runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout))
+                for i in range(args.clean_runs)]
+        runs.append(("killed", run(data, os.path.join(root, "killed"), args.epochs, args.kills, args.period, 7, args.timeout)))
+    print(f"DeepFM on 2 parameter-server shards, {args.rows:,} rows x {args.epochs} epochs, minibatch {MINIBATCH}, "
+          f"workers 2:3; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
+    print(f"{'run':8} {'kills':>5} {'seconds':>8} {'test AUC':>9} {'log loss':>9} {'counter mismatches':>19}")
+    for name, r in runs:
+        print(f"{name:8} {r['kills']:5d} {r['seconds']:8.1f} {r['test']['auc']:9.4f} {r['test'].get('log_loss', float('nan')):9.4f} "
+              f"{mismatches(r['counters'], expected):19d}")
+    clean = [r["test"]["auc"] for name, r in runs if name == "clean"]
+    killed = runs[-1][1]["test"]["auc"]
+    print(f"clean AUC spread {max(clean) - min(clean):.4f}; killed - clean mean {killed - sum(clean) / len(clean):+.4f} "
+          "(target |difference| <= 0.003); counter mismatches target 0")
+
+
+if __name__ == "__main__":
+    main()
