@@ -5,6 +5,7 @@ parameter-server cut whose shard is stopped) must not hold heartbeats and task r
 import threading
 import time
 
+import pytest
 from fastapi.testclient import TestClient
 
 from elastic_step.master.api import create_app
@@ -137,3 +138,18 @@ def test_heartbeats_and_task_requests_are_answered_while_a_checkpoint_write_wait
     finally:
         release.set()
         thread.join(5)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the ended writer, on purpose
+def test_a_writer_ended_by_what_no_write_catches_is_replaced_by_the_next_write():
+    lock, done = MasterLock(), []
+
+    def ends_the_thread():
+        raise SystemExit  # ends a thread without a trace (threading ignores it)
+
+    with lock:
+        lock.writes.put("end the writer", ends_the_thread)
+    with lock:
+        lock.writes.put("write after it", lambda: done.append("after"))
+    lock.writes.flush()
+    assert done == ["after"]

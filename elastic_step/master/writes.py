@@ -75,16 +75,24 @@ class WriteQueue:
             self._changed.wait_for(lambda: self._done >= self._queued)
 
     def _write_all(self) -> None:
-        while True:
+        me = threading.current_thread()
+        try:
+            while True:
+                with self._changed:
+                    if not self._changed.wait_for(lambda: self._queue, WRITER_IDLE_S):
+                        self._writer = None  # under the condition: a put from now on starts a new writer
+                        return
+                    number, what, write = self._queue.popleft()
+                try:
+                    self._write(what, write)
+                finally:
+                    with self._changed:
+                        self._done = number
+                        self._changed.notify_all()
+        finally:  # ended by something no write catches (it is logged by threading): the next put starts another
             with self._changed:
-                if not self._changed.wait_for(lambda: self._queue, WRITER_IDLE_S):
-                    self._writer = None  # under the condition: a put from now on starts a new writer
-                    return
-                number, what, write = self._queue.popleft()
-            self._write(what, write)
-            with self._changed:
-                self._done = number
-                self._changed.notify_all()
+                if self._writer is me:
+                    self._writer = None
 
     def _write(self, what: str, write: Callable[[], None]) -> None:
         began = time.monotonic()
