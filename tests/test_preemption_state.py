@@ -4,6 +4,7 @@ a stop waits takes the sooner deadline; with nothing to checkpoint the job ends 
 
 from __future__ import annotations
 
+import threading
 import time
 
 from elastic_step.protocol import JobState
@@ -35,6 +36,26 @@ def test_without_a_checkpoint_in_time_the_job_ends_preempted_saying_so():
     state.tick()
     assert state.state == JobState.PREEMPTED and "no checkpoint after step 1" in state.failure
     assert "SIGTERM" in state.failure
+
+
+def test_a_checkpoint_still_being_written_at_the_deadline_decides_the_preemption_once_written():
+    """The supervision loop ticks on while a checkpoint is written (a parameter-server cut, an
+    upload): the deadline passing meanwhile must not end the job as if no checkpoint had come."""
+    release = threading.Event()
+    state, handed = started(record=lambda step: release.wait(10))
+    state.lock.writes.wait_s = 0.05  # the tick does not wait for the write
+    train(state, 1)
+    state.preempt(timeout_s=0.3)
+    train(state, 2, checkpoint=True)
+    train(state, 3)
+    state.tick()  # step 2's checkpoint handed over: its write waits
+    time.sleep(0.4)
+    state.tick()  # past the deadline, the write still under way
+    assert handed == [2] and state.state == JobState.RUNNING
+    release.set()
+    state.lock.writes.flush()
+    assert state.state == JobState.PREEMPTED and state.failure == ""
+    assert [e["step"] for e in state.events.of("preempted")] == [2]
 
 
 def test_a_preemption_while_a_stop_waits_ends_preempted_by_the_sooner_deadline():

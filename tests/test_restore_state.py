@@ -3,6 +3,7 @@ processes; test_restore_e2e.py runs real ones): the dispatcher and the ledger go
 newest handed-over checkpoint, or to the job's start while there is none (warm start kept), and
 the relaunched rank 0 is told to load that state. The audit then holds every row exactly once."""
 
+import threading
 import time
 
 from elastic_step.audit import read_audit
@@ -117,6 +118,35 @@ def test_every_holder_dead_after_a_checkpoint_the_group_goes_on_from_it_exactly(
     assert state.state.value == "succeeded"
     assert state.ledger.rows_final == ROWS  # what result.json's rows_audited says
     assert sum(worker_rows(state).values()) == ROWS  # what `get` shows per worker adds up to it
+    assert_exact(tmp_path)
+
+
+def test_every_holder_dead_while_a_checkpoint_is_written_the_group_goes_on_from_that_checkpoint(tmp_path):
+    """The newest checkpoint is still being written (off the lock) when every holder dies: the
+    relaunched round waits for it, then goes on from it. Restoring the older point at once would
+    leave the newer one, of the voided steps, to become the restore point when written."""
+    handed, release = [], threading.Event()
+
+    def record(*pair):
+        if pair[0] == 4:
+            release.wait(10)
+        handed.append(pair)
+
+    state, backend = make_state(tmp_path, RestorePoint(0, None), [])
+    state.checkpoints.on_checkpoint = record
+    state.lock.writes.wait_s = 0.05  # the calls below do not wait for the slow write
+    train(state, 3, checkpoint_at=2)
+    train(state, 3, first_step=4, checkpoint_at=4)  # step 4's checkpoint handed over once 5 is final: its write waits
+    relaunched = kill_everyone(state, backend)
+    start_round(state, relaunched)
+    assert not state.round.ready and not state.events.of("restored")  # waiting for the checkpoint being written
+    release.set()
+    state.lock.writes.flush()
+    join_all(state)
+    assert state.round.ready and state.round.start_step == 4 and state.initial_state.data == b"state at 4"
+    assert [(e["step"], e["steps_lost"]) for e in state.events.of("restored")] == [(4, 2)]
+    assert [pair[0] for pair in handed] == [2, 4]
+    finish(state)
     assert_exact(tmp_path)
 
 

@@ -17,13 +17,20 @@ from elastic_step.worker.background import StepReporter
 from test_master_state import SPEC, RecordingBackend, join_all
 
 
-def started(checkpoints: bool = True):
+def started(checkpoints: bool = True, record=None):
+    """A running job of two workers; `record(step)` is called for each checkpoint handed over
+    (after it is appended to the list returned)."""
     handed = []
+
+    def on_checkpoint(step, epoch, data, ledger):
+        handed.append(step)
+        if record is not None:
+            record(step)
+
     dispatcher = Dispatcher([64], ["f1"], rows_per_task=4, epochs=1, shuffle=False)
     backend = RecordingBackend()
     state = MasterState(SPEC, dispatcher, Ledger(dispatcher), backend, EventLog(None), 2, 2,
-                        timeouts=Timeouts(startup_grace_s=30),
-                        on_checkpoint=(lambda step, epoch, data, ledger: handed.append(step)) if checkpoints else None)
+                        timeouts=Timeouts(startup_grace_s=30), on_checkpoint=on_checkpoint if checkpoints else None)
     state.launch_all()
     for worker_id in backend.launched:
         state.register(worker_id, pid=1, host="h", engine=this_engine())

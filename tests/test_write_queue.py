@@ -43,7 +43,7 @@ def test_a_call_that_queued_nothing_returns_while_another_threads_write_is_under
     began = time.monotonic()
     with lock:
         pass  # a heartbeat that changes nothing on disk
-    assert time.monotonic() - began < 1.0
+    assert time.monotonic() - began < 4.0  # the slow write goes on until released: a call that waited would not return
     release.set()
     thread.join(5)
     assert done == ["slow"]
@@ -100,7 +100,7 @@ def test_a_call_waits_for_its_writes_only_so_long_and_they_run_later_in_their_tu
     began = time.monotonic()
     with lock:
         lock.writes.put("write mine", lambda: done.append("mine"))
-    assert 0.25 < time.monotonic() - began < 2.0 and done == []  # a step report answered, its line not yet written
+    assert 0.25 < time.monotonic() - began < 10.0 and done == []  # a step report answered, its line not yet written
     release.set()
     lock.writes.flush()
     assert done == ["slow", "mine"]
@@ -124,6 +124,7 @@ def test_heartbeats_and_task_requests_are_answered_while_a_checkpoint_write_wait
     state, _ = make_state()
     join_all(state)
     client, done = TestClient(create_app(state, TOKEN)), []
+    state.lock.writes.wait_s = 60.0  # a call that waited for the slow write would wait until it is released
     thread, _, release = blocked_write(state.lock, done)
     try:
         member = state.round.members[1]
@@ -133,7 +134,7 @@ def test_heartbeats_and_task_requests_are_answered_while_a_checkpoint_write_wait
             began = time.monotonic()
             response = client.post(path, headers=AUTH, json=body) if body else client.get(path, headers=AUTH)
             assert response.status_code == 200, (path, response.text)
-            assert time.monotonic() - began < 2.0, path
+            assert time.monotonic() - began < 10.0, path
         assert done == []  # the write was still waiting all along
     finally:
         release.set()
@@ -142,13 +143,15 @@ def test_heartbeats_and_task_requests_are_answered_while_a_checkpoint_write_wait
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the ended writer, on purpose
 def test_a_writer_ended_by_what_no_write_catches_is_replaced_by_the_next_write():
-    lock, done = MasterLock(), []
+    lock, done, ended = MasterLock(), [], []
 
     def ends_the_thread():
-        raise SystemExit  # ends a thread without a trace (threading ignores it)
+        ended.append(threading.current_thread())
+        raise SystemExit  # no write catches it: it ends the writer thread
 
     with lock:
         lock.writes.put("end the writer", ends_the_thread)
+    ended[0].join(5)  # its end reported within this test
     with lock:
         lock.writes.put("write after it", lambda: done.append("after"))
     lock.writes.flush()

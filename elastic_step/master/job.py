@@ -307,6 +307,10 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     )
     if ps_shards is not None:  # its shards hold their part of the model: they go back only with a rollback
         roll_back_on_loss(ps_shards, state)
+    # The job's last audit lines, events and steps, whichever thread queued them: registered
+    # before the API's and the backend's stop, so it runs after them (their last heartbeats and
+    # step reports queue writes too) and before the files above are closed.
+    running.callback(state.lock.writes.flush)
     # Registered before the API's stop, so it runs after it: the folder then names no address
     # where a later process could listen and be handed the token.
     running.callback(retire_master_info, config.job_dir, state)
@@ -410,8 +414,6 @@ def supervise(state: MasterState, recorder: TrainingRecorder, show_progress: boo
             progress.update(state.status())
     except KeyboardInterrupt:
         state.fail("interrupted")
-    finally:
-        state.lock.writes.flush()  # the job's last audit lines, events and steps, whichever thread queued them
 
 
 def save_model(config: TrainConfig, manifest, trainer, model: bytes, steps: int) -> str:

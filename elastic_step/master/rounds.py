@@ -64,6 +64,9 @@ class Rounds:
         # None: the job fails then. A PS-mode job's shards cannot go back with the ledger alone
         # (restores_on_loss False): its restore point serves only a rollback of the shards too.
         self.restore_point = restore_point
+        # Checkpoints handed over whose write is still under way (a queued write, off the lock):
+        # each may become the restore point, so no restore picks a point meanwhile.
+        self.checkpoints_in_writing = 0
         self.restores_on_loss = True
         self.rollback: Rollback | None = None  # mode ps: the shards are going back to a checkpoint (ps_rollback.py)
         self.round: Round | None = None  # the newest round, ready or still gathering
@@ -175,8 +178,8 @@ class Rounds:
     def _pick_source(self, current: Round) -> tuple[str, int, int] | None:
         """(initial-state kind or "", source rank, start step) of a round about to settle: the
         member with the newest step; rank 0 loading the initial state while nobody holds one; the
-        group restored when every worker that held the newest final step is gone. None: the job
-        failed."""
+        group restored when every worker that held the newest final step is gone. None: not now
+        (the job failed, or a restore waits for the point being written)."""
         steps = [self.membership.workers[m].step for m in current.members]
         if self.rollback is not None:  # none settles before the shards are back at the point
             return self._restore(current, steps, self.rollback) if self.rollback.point is not None else None
@@ -185,6 +188,8 @@ class Rounds:
         if newest < 0 and initial is not None and initial.step >= self.ledger.final_step:
             return initial.kind, 0, initial.step  # rank 0 loads the checkpoint (resume) or model (warm start)
         if self.ledger.final_step > 0 and newest < self.ledger.final_step:
+            if self.checkpoints_in_writing:
+                return None  # settles once the newer checkpoint is the restore point (or is not taken)
             return self._restore(current, steps)
         return "", steps.index(newest), max(newest, 0)
 

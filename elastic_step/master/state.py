@@ -492,9 +492,10 @@ class MasterState:
             for pair in handed:
                 # Written in order after the audit lines of the steps it covers (queued earlier);
                 # it counts (its event, a stop's end) once written, as a PS job's can be skipped.
+                self.rounds.checkpoints_in_writing += 1
                 self.lock.writes.put(f"write the checkpoint of step {pair.step}", lambda pair=pair: self._write_checkpoint(pair))
             now = time.time()
-            if not handed:  # a handed checkpoint decides the stop once written (_write_checkpoint)
+            if not self.rounds.checkpoints_in_writing:  # one being written decides the stop when written (_write_checkpoint)
                 self._maybe_stop([], now)
             if self.over:
                 return
@@ -508,8 +509,14 @@ class MasterState:
         """Off the lock (a queued write): record the checkpoint, then count it. A PS job's record
         returns False when the shards had no cut of its step (ps_checkpoints.py): no event, no
         restore point, and a stop waiting on it asks rank 0 for another checkpoint."""
-        taken = self.checkpoints.on_checkpoint(pair.step, pair.epoch, pair.state, pair.ledger) is not False
+        try:
+            taken = self.checkpoints.on_checkpoint(pair.step, pair.epoch, pair.state, pair.ledger) is not False
+        except BaseException:
+            with self.lock:
+                self.rounds.checkpoints_in_writing -= 1  # the write's error fails the job at the next tick
+            raise
         with self.lock:
+            self.rounds.checkpoints_in_writing -= 1
             if taken:
                 self._event(EventKind.CHECKPOINT, step=pair.step, epoch=pair.epoch)
                 # The newest committed checkpoint is where the group goes back to if every worker

@@ -53,8 +53,7 @@ class WriteQueue:
             self._mine.last = self._queued
             self._queue.append((self._queued, what, write))
             if self._writer is None:
-                self._writer = threading.Thread(target=self._write_all, name="master-writes", daemon=True)
-                self._writer.start()
+                self._start_writer()
             self._changed.notify_all()
 
     def run(self) -> None:
@@ -89,10 +88,18 @@ class WriteQueue:
                     with self._changed:
                         self._done = number
                         self._changed.notify_all()
-        finally:  # ended by something no write catches (it is logged by threading): the next put starts another
+        finally:  # ended by something no write catches (threading reports it): another writer takes over
             with self._changed:
                 if self._writer is me:
                     self._writer = None
+                    if self._queue:
+                        self._start_writer()
+
+    def _start_writer(self) -> None:
+        """Under the condition (the new thread waits on it before it reads anything)."""
+        writer = threading.Thread(target=self._write_all, name="master-writes", daemon=True)
+        writer.start()
+        self._writer = writer  # once started: a thread that could not start is never taken for the writer
 
     def _write(self, what: str, write: Callable[[], None]) -> None:
         began = time.monotonic()
