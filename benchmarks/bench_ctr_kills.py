@@ -34,6 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import elastic_step, live_pids_with_env, machine, wait_until  # noqa: E402
 
+from elastic_step.ps.expected_updates import expected_updates, updates_on_the_shards  # noqa: E402
+
 DEEPFM_PS = "elastic_step.model_zoo.deepfm_ps_torch"
 MINIBATCH = 128
 
@@ -96,20 +98,7 @@ def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed:
     with open(os.path.join(job_dir, "result.json")) as f:
         result = json.load(f)
     return {"kills": done_kills, "seconds": time.monotonic() - began, "test": result["test_metrics"],
-            "counters": counters_on_the_shards(job_dir), "relaunches": result.get("relaunches")}
-
-
-def counters_on_the_shards(job_dir: str) -> Counter:
-    """Each id's update count as the shards' last snapshots hold it (they take one as they stop)."""
-    from elastic_step.ps import snapshot
-
-    counts: Counter = Counter()
-    root = os.path.join(job_dir, "ps")
-    for name in sorted(os.listdir(root)):
-        tables, _ = snapshot.load(os.path.join(root, name, "snapshot.bin"), ["deepfm_ids"])
-        held = tables["deepfm_ids"]
-        counts.update({i: u for i, u in zip(held["ids"].tolist(), held["updates"].tolist()) if u})
-    return counts
+            "counters": updates_on_the_shards(job_dir, "deepfm_ids"), "relaunches": result.get("relaunches")}
 
 
 def mismatches(got: Counter, expected: Counter) -> int:
@@ -126,8 +115,6 @@ def main() -> None:
     parser.add_argument("--clean-runs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     args = parser.parse_args()
-    from elastic_step.ps.expected_updates import expected_updates
-
     print(machine())
     with tempfile.TemporaryDirectory(prefix="bench-ctr-") as root:
         data = prepare(root, args.rows, args.rows_per_shard)

@@ -30,7 +30,7 @@ import torch
 from rich.console import Console
 from conftest import cli
 
-from elastic_step.ps.expected_updates import expected_updates
+from elastic_step.ps.expected_updates import expected_updates, updates_on_the_shards
 from elastic_step.ps.torch_embedding import PsEmbedding, freeze_tables
 from elastic_step.worker.ps_step import push_key
 
@@ -214,15 +214,7 @@ def counters_from_the_data(data: str, epochs: int, minibatch: int) -> Counter:
 
 def counters_on_the_shards(job_dir: str) -> Counter:
     """Each id's update count as the shards' last snapshots hold it (they take one on SIGTERM)."""
-    from elastic_step.ps import snapshot
-
-    counts = Counter()
-    root = os.path.join(job_dir, "ps")
-    for name in sorted(os.listdir(root)):
-        tables, _ = snapshot.load(os.path.join(root, name, "snapshot.bin"), ["deepfm_ids"])
-        held = tables["deepfm_ids"]
-        counts.update({i: u for i, u in zip(held["ids"].tolist(), held["updates"].tolist()) if u})
-    return counts
+    return updates_on_the_shards(job_dir, "deepfm_ids")
 
 
 def test_every_minibatch_updates_each_embedding_row_exactly_once_through_a_worker_and_a_shard_sigkill(clicks, start_job, capsys):

@@ -1,5 +1,6 @@
 """How many times a clean run updates each embedding row: the ground truth that a PS job's
-per-row update counters are checked against, whatever was killed during the run.
+per-row update counters are checked against, whatever was killed during the run; and those
+counters as a local job's shards left them.
 
 A task is rows [k*B, (k+1)*B) of one data shard (B: the minibatch), and each minibatch pushes one
 merged update per distinct id, so each row's count follows from the data alone, whoever trained it.
@@ -29,3 +30,19 @@ def expected_updates(data: str, model_definition: str, minibatch: int, epochs: i
         for start in range(0, shard.rows, minibatch):
             counts.update(np.unique(ids[start:start + minibatch]).tolist())
     return Counter({i: n * epochs for i, n in counts.items()})
+
+
+def updates_on_the_shards(job_dir: str, table: str) -> Counter:
+    """Per id, the updates a local PS job's shards applied to `table`, as their last snapshots
+    hold them (JOB_DIR/ps/shard-*/snapshot.bin: each shard writes one as it stops)."""
+    import os
+
+    from elastic_step.ps import snapshot
+
+    counts = Counter()
+    root = os.path.join(job_dir, "ps")
+    for name in sorted(os.listdir(root)):
+        tables, _ = snapshot.load(os.path.join(root, name, "snapshot.bin"), [table])
+        held = tables[table]
+        counts.update({i: u for i, u in zip(held["ids"].tolist(), held["updates"].tolist()) if u})
+    return counts
