@@ -32,7 +32,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import elastic_step, live_pids_with_env, machine, wait_until  # noqa: E402
+from common import elastic_step, live_pids_with_env, machine, training_worker_pids, wait_until  # noqa: E402
 
 from elastic_step.ps.expected_updates import expected_updates, updates_on_the_shards  # noqa: E402
 
@@ -48,16 +48,6 @@ def prepare(root: str, rows: int, rows_per_shard: int) -> str:
     if done.returncode != 0:
         raise SystemExit(f"prepare-data failed: {done.stderr.strip()}")
     return data
-
-
-def victims(job_dir: str) -> list[int]:
-    """The workers training in the current round (a replacement still starting is no victim)."""
-    from elastic_step.operate.client import try_status
-
-    status = try_status(job_dir)
-    if not status or not status["round_ready"]:
-        return []
-    return [w["pid"] for w in status["workers"] if w["rank"] is not None and w["state"] == "live" and w.get("pid")]
 
 
 def first_step(job_dir: str) -> bool:
@@ -78,7 +68,7 @@ def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed:
         wait_until(lambda: first_step(job_dir) or proc.poll() is not None, 300, "the job applied no step")
         next_at = time.monotonic() + period_s
         while proc.poll() is None:
-            if done_kills < kills and time.monotonic() >= next_at and (pids := victims(job_dir)):
+            if done_kills < kills and time.monotonic() >= next_at and (pids := training_worker_pids(job_dir)):
                 with contextlib.suppress(ProcessLookupError):  # it ended between the status and the signal
                     os.kill(rng.choice(pids), signal.SIGKILL)
                     done_kills += 1

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from common import elastic_step, live_pids_with_env, machine, prepared_digits, read_steps, torchrun, wait_until
+from common import elastic_step, live_pids_with_env, machine, prepared_digits, read_steps, torchrun, training_worker_pids, wait_until
 
 MLP512 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mlp512_digits.py")
 WORKERS = 3
@@ -88,14 +88,8 @@ class ElasticStep:
         return live_pids_with_env(f"ELASTIC_STEP_TOKEN_FILE={os.path.join(self.job_dir, 'token')}".encode())
 
     def victims(self) -> list[int]:
-        """The workers training in its current round, as its status says: a replacement still
-        starting up is no disturbance to kill (the peer's victims, too, are workers in its group)."""
-        from elastic_step.operate.client import try_status
-
-        status = try_status(self.job_dir)
-        if not status or not status["round_ready"]:  # a proposed round's members may still be starting up
-            return []
-        return [w["pid"] for w in status["workers"] if w["rank"] is not None and w["state"] == "live" and w.get("pid")]
+        """The workers training in its current round (the peer's victims, too, are workers in its group)."""
+        return training_worker_pids(self.job_dir)
 
 
 class ElasticStepForks(ElasticStep):

@@ -187,17 +187,12 @@ def table_no_worker_holds(root: str, token_file: str, rows: int, shards: int, ba
         peaks = [peak_rss(s.process.pid) for s in local.shards]
         print(f"  {rows:,} rows made in {seconds:.0f} s ({rows / seconds:,.0f} rows/s), {rows * PAYLOAD / 2**30:.2f} GiB of payload")
         for s, stats, peak in zip(local.shards, held, peaks):
-            print(f"  shard {s.shard}: {_rows_of(stats):,} rows, peak RSS {peak / 2**30:.2f} GiB")
+            print(f"  shard {s.shard}: {stats['tables']['t']['rows']:,} rows, peak RSS {peak / 2**30:.2f} GiB")
         print(f"  the client (a worker's pulls, {batch:,} rows at a time): peak RSS {peak_rss() / 2**30:.2f} GiB")
     finally:
         client.close()
         for s in local.shards:  # SIGKILL: a shard stopped with SIGTERM would first write a snapshot of its rows
             s.kill(signal.SIGKILL)
-
-
-def _rows_of(stats: dict) -> int:
-    tables = stats.get("tables", {})
-    return sum(int(t.get("rows", 0)) for t in (tables.values() if isinstance(tables, dict) else tables))
 
 
 def main() -> None:

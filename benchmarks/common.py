@@ -93,6 +93,17 @@ def job_status(job_dir: str) -> dict | None:
     return {**view["summary"], "workers": view["workers"]}
 
 
+def training_worker_pids(job_dir: str) -> list[int]:
+    """The pids of the workers training in a job's current round, as its status says: a
+    replacement still starting up is no worker to disturb (nor are a proposed round's members)."""
+    from elastic_step.operate.client import try_status
+
+    status = try_status(job_dir)
+    if not status or not status["round_ready"]:
+        return []
+    return [w["pid"] for w in status["workers"] if w["rank"] is not None and w["state"] == "live" and w.get("pid")]
+
+
 def torchrun(*args: str, env=None, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env, **kwargs)
 

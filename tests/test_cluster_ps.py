@@ -443,6 +443,15 @@ def committed_checkpoint(folder) -> int:
     return max((int(v) for (v,) in rows), default=0)
 
 
+def checkpoint_after(folder, step: int, master, timeout_s: float = 120) -> int:
+    """The step of the first checkpoint the run commits after `step` (0: any), waited for."""
+    deadline = time.monotonic() + timeout_s
+    while (committed := committed_checkpoint(folder)) <= step:
+        assert time.monotonic() < deadline, master.log()
+        time.sleep(0.05)
+    return committed
+
+
 def scale_ps(master, shards: int) -> dict:
     """`scale --ps` through the master's API (what the CLI sends): what moved."""
     import httpx
@@ -507,18 +516,12 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         # scale --ps 3 once the shards hold rows (a first checkpoint committed): a third shard pod,
         # and only the virtual shards that change owner move.
         master.wait(lambda s: s["state"] == "running", timeout=240)
-        deadline = time.monotonic() + 120
-        while not committed_checkpoint(tracking):
-            assert time.monotonic() < deadline, master.log()
-            time.sleep(0.05)
+        checkpoint_after(tracking, 0, master)
         moved = scale_ps(master, 3)
         assert 0 < moved["rows_moved"] <= (1 / 3 + 0.05) * moved["rows_total"], moved
         scaled = master.status()["step"]
         # The first master dies outright (SIGKILL) once the run has committed a checkpoint of the three shards, mid-training.
-        deadline = time.monotonic() + 120
-        while committed_checkpoint(tracking) <= scaled:
-            assert time.monotonic() < deadline, master.log()
-            time.sleep(0.05)
+        checkpoint_after(tracking, scaled, master)
         cluster.kubelet.kill(ns, "train-step-ps")
         step = committed_checkpoint(tracking)
         print(f"master SIGKILLed {time.monotonic() - started:.1f}s after it started, its checkpoint of step {step} committed")
@@ -547,10 +550,7 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         # Shard 1's pod deleted (its emptyDir, its rows with it) once a checkpoint of the three shards is committed:
         # the job goes back to its newest checkpoint in process, shard 1 in a new pod from its cut, no worker restarts.
         relaunched = status["step"]
-        deadline = time.monotonic() + 120
-        while committed_checkpoint(tracking) <= relaunched:
-            assert time.monotonic() < deadline, master.log()
-            time.sleep(0.05)
+        checkpoint_after(tracking, relaunched, master)
         assert master.status()["rows_done"] < master.status()["rows_total"], "every row was trained before the pod deletion"
         api.delete_namespaced_pod(shard_pods[1], ns)
         status = master.wait(lambda s: s["ps_shards"][1]["relaunches"] == 1 and s["ps_shards"][1]["state"] == "serving",

@@ -9,7 +9,8 @@ import sys
 
 SHOW_A_BAR_AND_LOG = r"""
 import logging, time
-logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+from elastic_step.defaults import LOG_FORMAT
+logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)  # as the CLI sets it up
 from elastic_step.master.events import show_notable_events
 from elastic_step.master.progress import ProgressDisplay
 show_notable_events()  # as a job does: its notable events at INFO

@@ -17,9 +17,9 @@ TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def blocked_write(lock: MasterLock, done: list) -> tuple[threading.Thread, threading.Event, threading.Event]:
+def blocked_write(lock: MasterLock, done: list) -> tuple[threading.Thread, threading.Event]:
     """A thread that queues a write which waits until released (a cut waiting on a stopped
-    shard); returns the thread, the event set once the write is under way, and its release."""
+    shard); returns the thread and, once the write is under way, its release."""
     started, release = threading.Event(), threading.Event()
 
     def write():
@@ -34,12 +34,12 @@ def blocked_write(lock: MasterLock, done: list) -> tuple[threading.Thread, threa
     thread = threading.Thread(target=queue_it)
     thread.start()
     assert started.wait(5)
-    return thread, started, release
+    return thread, release
 
 
 def test_a_call_that_queued_nothing_returns_while_another_threads_write_is_under_way():
     lock, done = MasterLock(), []
-    thread, _, release = blocked_write(lock, done)
+    thread, release = blocked_write(lock, done)
     began = time.monotonic()
     with lock:
         pass  # a heartbeat that changes nothing on disk
@@ -51,7 +51,7 @@ def test_a_call_that_queued_nothing_returns_while_another_threads_write_is_under
 
 def test_a_call_that_queued_a_write_waits_for_it_and_for_every_write_queued_before_it():
     lock, done = MasterLock(), []
-    thread, _, release = blocked_write(lock, done)
+    thread, release = blocked_write(lock, done)
     finished = []
 
     def queue_mine():
@@ -71,7 +71,7 @@ def test_a_call_that_queued_a_write_waits_for_it_and_for_every_write_queued_befo
 
 def test_flush_runs_every_write_queued_by_any_thread():
     lock, done = MasterLock(), []
-    thread, _, release = blocked_write(lock, done)
+    thread, release = blocked_write(lock, done)
     threading.Timer(0.3, release.set).start()
     lock.writes.flush()
     assert done == ["slow"]
@@ -96,7 +96,7 @@ def test_a_write_that_queues_a_write_has_it_run_after_it_and_flush_waits_for_bot
 def test_a_call_waits_for_its_writes_only_so_long_and_they_run_later_in_their_turn():
     lock, done = MasterLock(), []
     lock.writes.wait_s = 0.3
-    thread, _, release = blocked_write(lock, done)
+    thread, release = blocked_write(lock, done)
     began = time.monotonic()
     with lock:
         lock.writes.put("write mine", lambda: done.append("mine"))
@@ -125,7 +125,7 @@ def test_heartbeats_and_task_requests_are_answered_while_a_checkpoint_write_wait
     join_all(state)
     client, done = TestClient(create_app(state, TOKEN)), []
     state.lock.writes.wait_s = 60.0  # a call that waited for the slow write would wait until it is released
-    thread, _, release = blocked_write(state.lock, done)
+    thread, release = blocked_write(state.lock, done)
     try:
         member = state.round.members[1]
         for path, body in [("/v1/heartbeat", {"worker_id": member, "round_id": state.round.id, "step": -1}),
