@@ -43,7 +43,7 @@ def test_unknown_backend_is_a_clear_error():
 
 def test_worker_collective_defaults_to_gloo_and_really_reduces(store, monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    collective = Collective("127.0.0.1", store.port, timeout_s=20)
+    collective = Collective("127.0.0.1", store.port, timeout_s=20, link_key=b"k")
     assert collective.backend == "gloo"
     backend, buffer, payload = one_rank_round(collective)
     assert backend == "gloo"
@@ -55,13 +55,13 @@ def test_nccl_from_the_environment_without_a_gpu_is_a_clear_error(store, monkeyp
     monkeypatch.setenv(BACKEND_ENV, "nccl")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on GPU machines
     with pytest.raises(ConfigError, match=rf"{BACKEND_ENV}=nccl but this worker sees no GPU"):
-        Collective("127.0.0.1", store.port, timeout_s=20)
+        Collective("127.0.0.1", store.port, timeout_s=20, link_key=b"k")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_nccl_from_the_environment_reduces_on_the_gpu(store, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "nccl")
-    collective = Collective("127.0.0.1", store.port, timeout_s=60)
+    collective = Collective("127.0.0.1", store.port, timeout_s=60, link_key=b"k")
     assert collective.backend == "nccl" and collective.device.type == "cuda"
     backend, buffer, payload = one_rank_round(collective)
     assert backend == "nccl"
@@ -75,7 +75,7 @@ _RANK_SCRIPT = """
 import sys, numpy as np
 from elastic_step.worker import collective as module
 port, rank, world, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-c = module.Collective("127.0.0.1", port, timeout_s=30)
+c = module.Collective("127.0.0.1", port, timeout_s=30, link_key=b"k")
 c.join("round-1/", rank=rank, world_size=world)
 try:
     direct = np.random.default_rng(rank).standard_normal(17_000).astype(np.float32)

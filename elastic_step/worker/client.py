@@ -54,6 +54,7 @@ def refused(exc: BaseException) -> bool:
 class MasterClient:
     def __init__(self, url: str, token: str, master_timeout_s: float = defaults.MASTER_TIMEOUT_S, refused_grace_s: float = 2.0):
         self.url = url.rstrip("/")
+        self.token = token  # also what a round's peer links prove they hold (peer_links.py)
         self.master_timeout_s = master_timeout_s
         self.refused_grace_s = refused_grace_s
         self._http = httpx.Client(

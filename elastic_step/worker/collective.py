@@ -12,7 +12,9 @@ On gloo, a small step buffer is summed by a direct exchange (every rank sends it
 other rank at once, then adds them up in rank order) instead of gloo's ring allreduce: one
 message hop instead of 2(N-1), which on a CPU cluster is most of a small model's step time
 (benchmarks/README.md). Adding in rank order gives every rank the same bits, as the ring does.
-Large buffers, where bandwidth matters more than hops, and NCCL keep the ring allreduce."""
+The exchange runs over the round's own peer links (peer_links.py), not gloo's point-to-point
+calls, whose machinery cost more CPU than the bytes. Large buffers, where bandwidth matters more
+than hops, and NCCL keep the ring allreduce."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from elastic_step.errors import ConfigError
 from elastic_step.protocol import WorkerEnv
+from elastic_step.worker.peer_links import PeerLinks, local_address
 
 # Integers ride in the float32 step buffer as two exact halves (each < 2**22).
 _HALF = 1 << 22
@@ -101,7 +104,8 @@ def meet(store, rank: int, world_size: int, give_up: Callable[[], bool], timeout
 
 
 class Collective:
-    def __init__(self, store_host: str, store_port: int, timeout_s: float, backend: str | None = None):
+    def __init__(self, store_host: str, store_port: int, timeout_s: float, link_key: bytes, backend: str | None = None):
+        """`link_key`: the job's shared secret, which a peer link's dialer proves it holds."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.backend = backend or backend_from_env()
         # NCCL reduces only tensors on the GPU: the step buffer visits this device and comes back.
@@ -113,7 +117,10 @@ class Collective:
         self._store_address = (store_host, store_port)
         self.store = self._connect()
         self.rank, self.world_size = 0, 1
-        self._received: list[torch.Tensor] = []  # the other ranks' buffers, for direct exchange
+        self._link_key = link_key
+        self._link_host = local_address(store_host, store_port)
+        self._links: PeerLinks | None = None  # the round's peer links (gloo with more than one rank)
+        self._received: dict[int, np.ndarray] = {}  # the other ranks' buffers, for direct exchange
 
     def _connect(self) -> dist.TCPStore:
         host, port = self._store_address
@@ -135,18 +142,27 @@ class Collective:
             raise
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # the group's operations: the collective timeout
         self.rank, self.world_size = rank, world_size
-        self._received = []
+        self._received = {}
+        if self.backend == "gloo" and world_size > 1:
+            # Within the group's start timeout: every member is past gloo's start, so only a
+            # member that died since is waited for.
+            self._links = PeerLinks.open(store, prefix, rank, world_size, self._link_host, self._link_key,
+                                         start_timeout.total_seconds())
+            self._links.timeout_s = self.timeout.total_seconds()
 
     def leave(self) -> None:
         # Always destroy before leaving a round or exiting: a live gloo group's threads can
         # abort the process ("terminate called") when it exits.
+        if self._links is not None:
+            self._links.close()
+            self._links = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def allreduce_sum(self, buffer: np.ndarray) -> None:
         """Sum `buffer` over all ranks, in place. A dead peer fails it within a fraction of a
         second, a hung one at the group timeout (RuntimeError either way)."""
-        if self.backend == "gloo" and self.world_size > 1 and (self.world_size - 1) * buffer.nbytes <= DIRECT_EXCHANGE_MAX_BYTES:
+        if self._links is not None and (self.world_size - 1) * buffer.nbytes <= DIRECT_EXCHANGE_MAX_BYTES:
             self._exchange_sum(buffer)
             return
         tensor = torch.from_numpy(buffer).to(self.device)
@@ -155,27 +171,20 @@ class Collective:
             buffer[:] = tensor.cpu().numpy()
 
     def _exchange_sum(self, buffer: np.ndarray) -> None:
-        if not self._received or self._received[0].numel() != buffer.size:
-            self._received = [torch.empty(buffer.size, dtype=torch.float32) for _ in range(self.world_size)]
-        mine = torch.from_numpy(buffer)
-        ops = []
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                ops.append(dist.P2POp(dist.isend, mine, peer))
-                ops.append(dist.P2POp(dist.irecv, self._received[peer], peer))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        if len(self._received) != self.world_size - 1 or next(iter(self._received.values())).size != buffer.size:
+            self._received = {q: np.empty(buffer.size, dtype=np.float32) for q in range(self.world_size) if q != self.rank}
+        self._links.exchange(buffer, self._received)
         # The sum in rank order, (p0 + p1) + p2 ..., made in place: the ranks before this one
         # summed in the first of them, this rank's own part added to that (a + b is b + a, bit for
         # bit), then the later ranks'. Every rank gets the same bits, with no copy of the buffer.
-        parts = [part.numpy() for part in self._received]
+        parts = self._received
         if self.rank > 0:
             before = parts[0]
-            for part in parts[1:self.rank]:
-                before += part
+            for q in range(1, self.rank):
+                before += parts[q]
             buffer += before
-        for part in parts[self.rank + 1:]:
-            buffer += part
+        for q in range(self.rank + 1, self.world_size):
+            buffer += parts[q]
 
     def gather_identities(self, step: int, lineage: int) -> list[tuple[int, int]]:
         """Every rank's (step, lineage), in rank order: one small allreduce in which each rank

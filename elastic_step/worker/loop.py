@@ -82,7 +82,7 @@ class Worker:
             except ModelDefinitionError as exc:
                 self.heartbeat.halt()
                 raise PreflightFailed(str(exc)) from None
-        self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s)
+        self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s, link_key=client.token.encode())
         self.reporter = StepReporter(client, worker_id)
         self.handover = StepHandOver(self.reporter.push)  # rank 0's records, to the reporter in batches
         self.tasks = TaskFeed(client, worker_id, self.reader, self.model_def, spec)

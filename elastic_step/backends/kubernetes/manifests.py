@@ -325,8 +325,8 @@ def master_selector(labels: dict[str, str] | None) -> dict[str, str]:
 
 def network_policies(names: JobNames, master: MasterPod | None, namespace: str, master_labels: dict[str, str] | None,
                      master_ports: list[int] | None = None) -> list[k8s.V1NetworkPolicy]:
-    """The job's data plane, closed: its worker pods admit only each other (gloo picks its ports
-    at random, so every port); the master pod admits only the job's worker pods (on its ports
+    """The job's data plane, closed: its worker pods admit only each other (gloo and the round's
+    peer links pick their ports at random, so every port); the master pod admits only the job's worker pods (on its ports
     when known). The master pod is selected by its own labels (`master_selector`); without them
     only the workers' policy is made (the backend refuses that unless the user opted out)."""
     workers = k8s.V1LabelSelector(match_labels=names.worker_labels)
