@@ -142,5 +142,17 @@ def test_a_dead_peer_fails_the_exchange_at_once_and_a_hung_one_at_the_timeout(st
         peer.wait()
 
 
+def test_a_member_whose_listener_is_gone_fails_the_opening_as_a_peer_lost(store):
+    gone = socket.create_server(("127.0.0.1", 0))
+    port = gone.getsockname()[1]
+    gone.close()  # rank 0 published its listener, then died
+    prefix = dist.PrefixStore("round-3/", dist.TCPStore("127.0.0.1", store.port, is_master=False))
+    prefix.set("links/0", f"127.0.0.1 {port}")
+    started = time.monotonic()
+    with pytest.raises(PeerLost, match="rank 1 could not link"):
+        PeerLinks.open(prefix, "round-3/", 1, 2, "127.0.0.1", KEY, 10.0)
+    assert time.monotonic() - started < 2.0
+
+
 def test_the_links_listen_on_the_address_that_reaches_the_master():
     assert local_address("127.0.0.1", 29500) == "127.0.0.1"

@@ -90,9 +90,11 @@ class PeerLinks:
             while len(peers) < world - 1:
                 dialer, sock = _admit(listener, round_name, rank, world, key, deadline, taken=peers.keys())
                 peers[dialer] = sock
-        except BaseException:
+        except BaseException as exc:
             for sock in peers.values():
                 sock.close()
+            if isinstance(exc, OSError):  # a member died since gloo's start: regroup, as for gloo's errors
+                raise PeerLost(f"rank {rank} could not link to every other member of the round: {exc}") from None
             raise
         finally:
             if listener is not None:
