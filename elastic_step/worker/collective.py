@@ -118,7 +118,9 @@ class Collective:
         self.store = self._connect()
         self.rank, self.world_size = 0, 1
         self._link_key = link_key
-        self._link_host = local_address(store_host, store_port)
+        # Only gloo's rounds open peer links (where the worker reaches the master from: the
+        # route its peers take too; GLOO_SOCKET_IFNAME, where set, picks gloo's own interface).
+        self._link_host = local_address(store_host, store_port) if self.backend == "gloo" else ""
         self._links: PeerLinks | None = None  # the round's peer links (gloo with more than one rank)
         self._received: dict[int, np.ndarray] = {}  # the other ranks' buffers, for direct exchange
 
@@ -147,7 +149,7 @@ class Collective:
             # Within the group's start timeout: every member is past gloo's start, so only a
             # member that died since is waited for.
             self._links = PeerLinks.open(store, prefix, rank, world_size, self._link_host, self._link_key,
-                                         start_timeout.total_seconds())
+                                         start_timeout.total_seconds(), give_up=give_up)
             self._links.timeout_s = self.timeout.total_seconds()
 
     def leave(self) -> None:

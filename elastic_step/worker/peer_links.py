@@ -7,15 +7,18 @@ step; a socket's send and receive cost about 0.06 ms (benchmarks/README.md). glo
 for everything else: state sharing, the identity check, the ring for large buffers.
 
 A link is opened by the higher rank, bound to the address this worker uses to reach the master
-(the pod's own address, or loopback on one machine), and admitted only with proof that the dialer
-holds the job's token: the listener sends a fresh nonce, the dialer answers with its rank and an
-HMAC of the nonce, the round and both ranks under the token. gloo's own connections have no
-such check; the job's NetworkPolicy is the only fence around them.
+(the pod's own address, or loopback on one machine), and admitted only once the dialer has shown
+it holds the job's token: the listener sends a fresh nonce, the dialer answers with its rank and
+an HMAC of the nonce, the round and both ranks under the token. That keeps a stranger who can
+reach the port from feeding a round its bytes; it does not authenticate the listener, whose
+address comes from the master's store (gloo trusts that store for its own addresses too).
+
+Every message starts with its payload's byte count, so ranks that disagree on the buffer fail
+loudly instead of reading each other's bytes out of step.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import hmac
 import logging
@@ -24,6 +27,7 @@ import select
 import socket
 import struct
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -32,11 +36,19 @@ log = logging.getLogger("elastic_step.worker")
 _NONCE_BYTES = 16
 _RANK = struct.Struct("!I")
 _MAC_BYTES = hashlib.sha256().digest_size
+_HEADER = struct.Struct("!Q")  # a message's payload size
+# How long an admitted connection may take to answer the nonce: a member answers at once, and a
+# connection that does not must not hold up the members queued behind it for long.
+HANDSHAKE_TIMEOUT_S = 1.0
+# While opening, how often a member looks again (for a peer's address, or whether to give up).
+_POLL_S = (0.001, 0.02)
+_SLICE_S = 0.1
 
 
 class PeerLost(RuntimeError):
-    """A member of the round closed its link, reset it, or sent nothing for the collective
-    timeout. A RuntimeError, as gloo's failed collectives are: the worker regroups."""
+    """A member of the round closed its link, reset it, sent nothing for the collective timeout,
+    or could not be linked to. A RuntimeError, as gloo's failed collectives are: the worker
+    regroups."""
 
 
 def local_address(host: str, port: int) -> str:
@@ -53,14 +65,48 @@ def _proof(key: bytes, nonce: bytes, round_name: str, dialer: int, listener: int
     return hmac.new(key, message, hashlib.sha256).digest()
 
 
-def _read_exactly(sock: socket.socket, count: int) -> bytes:
-    data = bytearray()
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise PeerLost("a peer closed its link while it was being opened")
-        data += chunk
-    return bytes(data)
+class _Opening:
+    """What one member's opening of its links needs to know: its round, rank and key, its
+    deadline, and whether the master has moved on (a newer round: give up at once)."""
+
+    def __init__(self, store, round_name: str, rank: int, world: int, key: bytes, timeout_s: float,
+                 give_up: Callable[[], bool]):
+        self.store, self.round_name, self.rank, self.world, self.key = store, round_name, rank, world, key
+        self.deadline = time.monotonic() + timeout_s
+        self.give_up = give_up
+
+    def remaining(self, limit: float | None = None) -> float:
+        """Seconds left, at most `limit`; PeerLost once none are, or once the master moved on."""
+        if self.give_up():
+            raise PeerLost(f"rank {self.rank} stopped opening its links: the master proposed a newer round")
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise PeerLost(f"rank {self.rank} could not link to every member of the round in time")
+        return left if limit is None else min(left, limit)
+
+    def address_of(self, listener: int) -> tuple[str, int]:
+        key, pause = f"links/{listener}", _POLL_S[0]
+        while not self.store.check([key]):
+            time.sleep(self.remaining(pause))
+            pause = min(2 * pause, _POLL_S[1])
+        host, port = self.store.get(key).decode().split()
+        return host, int(port)
+
+    def read_exactly(self, sock: socket.socket, count: int, until: float | None = None) -> bytes:
+        data = bytearray()
+        while len(data) < count:
+            limit = _SLICE_S if until is None else min(_SLICE_S, until - time.monotonic())
+            if limit <= 0:
+                raise TimeoutError("no answer to the handshake")
+            sock.settimeout(self.remaining(limit))
+            try:
+                chunk = sock.recv(count - len(data))
+            except TimeoutError:
+                continue
+            if not chunk:
+                raise PeerLost("a peer closed its link while it was being opened")
+            data += chunk
+        return bytes(data)
 
 
 class PeerLinks:
@@ -69,15 +115,18 @@ class PeerLinks:
     def __init__(self, peers: dict[int, socket.socket], timeout_s: float):
         self.peers = peers
         self.timeout_s = timeout_s
+        self._poll = select.poll()  # not select(): it refuses descriptors past 1023
+        self._polled: set[int] = set()
         for sock in peers.values():
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setblocking(False)
 
     @classmethod
-    def open(cls, store, round_name: str, rank: int, world: int, host: str, key: bytes, timeout_s: float) -> PeerLinks:
+    def open(cls, store, round_name: str, rank: int, world: int, host: str, key: bytes, timeout_s: float,
+             give_up: Callable[[], bool] = lambda: False) -> PeerLinks:
         """Link this rank to every other: publish a listener in the round's store, dial each lower
         rank, admit each higher one. Every member calls this once its gloo group has started."""
-        deadline = time.monotonic() + timeout_s
+        opening = _Opening(store, round_name, rank, world, key, timeout_s, give_up)
         peers: dict[int, socket.socket] = {}
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.create_server((host, 0), family=family) if rank < world - 1 else None
@@ -86,9 +135,9 @@ class PeerLinks:
                 listener_host, port = listener.getsockname()[:2]
                 store.set(f"links/{rank}", f"{listener_host} {port}")
             for lower in range(rank):
-                peers[lower] = _dial(store, round_name, lower, rank, key, deadline)
+                peers[lower] = _dial(opening, lower)
             while len(peers) < world - 1:
-                dialer, sock = _admit(listener, round_name, rank, world, key, deadline, taken=peers.keys())
+                dialer, sock = _admit(opening, listener, taken=peers.keys())
                 peers[dialer] = sock
         except BaseException as exc:
             for sock in peers.values():
@@ -103,39 +152,39 @@ class PeerLinks:
 
     def exchange(self, mine: np.ndarray, received: dict[int, np.ndarray]) -> None:
         """Send `mine` to every peer and fill received[peer] with theirs, all at once (a send
-        that waited for the peer's receive could wait for ever: both sides send first)."""
-        outgoing = memoryview(mine).cast("B")
-        total = outgoing.nbytes
-        sent = {q: 0 for q in self.peers}
-        got = {q: 0 for q in self.peers}
-        incoming = {q: memoryview(received[q]).cast("B") for q in self.peers}
+        that waited for the peer's receive could wait for ever: both sides send first). PeerLost
+        when a peer is gone, or when the exchange has not finished within the timeout."""
+        payload = memoryview(mine).cast("B")
+        header = _HEADER.pack(payload.nbytes)
+        outgoing = {q: _Message([memoryview(header), payload]) for q in self.peers}
+        incoming = {q: _Message([memoryview(bytearray(_HEADER.size)), memoryview(received[q]).cast("B")])
+                    for q in self.peers}
+        deadline = time.monotonic() + self.timeout_s
         while True:
             moved = False
             for q, sock in self.peers.items():
-                try:
-                    if sent[q] < total:
-                        n = sock.send(outgoing[sent[q]:])
-                        sent[q], moved = sent[q] + n, True
-                    if got[q] < total:
-                        n = sock.recv_into(incoming[q][got[q]:])
-                        if n == 0:
-                            raise PeerLost(f"rank {q} closed its link (it left or died)")
-                        got[q], moved = got[q] + n, True
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError as exc:
-                    raise PeerLost(f"the link to rank {q} failed ({exc}): it left or died") from None
-            if all(got[q] == total and sent[q] == total for q in self.peers):
+                moved |= _send_some(q, sock, outgoing[q])
+                moved |= _receive_some(q, sock, incoming[q], payload.nbytes)
+            if all(outgoing[q].done and incoming[q].done for q in self.peers):
                 return
             if not moved:
-                self._wait(sent, got, total)
+                self._wait(outgoing, incoming, deadline)
 
-    def _wait(self, sent: dict[int, int], got: dict[int, int], total: int) -> None:
-        readable = [s for q, s in self.peers.items() if got[q] < total]
-        writable = [s for q, s in self.peers.items() if sent[q] < total]
-        ready = select.select(readable, writable, [], self.timeout_s)
-        if not ready[0] and not ready[1]:
-            raise PeerLost(f"no peer sent or took a byte of the step for {self.timeout_s:.0f} s (a member hung)")
+    def _wait(self, outgoing: dict[int, _Message], incoming: dict[int, _Message], deadline: float) -> None:
+        """Sleep until some link can move a byte; a peer that is done is not waited on (its
+        closed socket would wake the wait at once, for ever)."""
+        for q, sock in self.peers.items():
+            mask = (0 if incoming[q].done else select.POLLIN) | (0 if outgoing[q].done else select.POLLOUT)
+            fd = sock.fileno()
+            if mask:
+                self._poll.register(fd, mask)  # registering again changes the mask
+                self._polled.add(fd)
+            elif fd in self._polled:
+                self._poll.unregister(fd)
+                self._polled.discard(fd)
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._poll.poll(left * 1000):
+            raise PeerLost(f"the step's exchange did not finish in {self.timeout_s:.0f} s (a member hung)")
 
     def close(self) -> None:
         for sock in self.peers.values():
@@ -143,45 +192,101 @@ class PeerLinks:
         self.peers = {}
 
 
-def _dial(store, round_name: str, listener: int, rank: int, key: bytes, deadline: float) -> socket.socket:
-    remaining = max(deadline - time.monotonic(), 0.001)
-    store.wait([f"links/{listener}"], datetime.timedelta(seconds=remaining))
-    host, port = store.get(f"links/{listener}").decode().split()
-    sock = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 0.001))
+class _Message:
+    """One direction of one link's message: its parts (header, payload) and how far it got."""
+
+    def __init__(self, parts: list[memoryview]):
+        self.parts = parts
+        self.part, self.offset = 0, 0
+
+    @property
+    def done(self) -> bool:
+        return self.part == len(self.parts)
+
+    def rest(self) -> list[memoryview]:
+        return [self.parts[self.part][self.offset:]] + self.parts[self.part + 1:]
+
+    def advance(self, count: int) -> None:
+        while count:
+            step = min(count, self.parts[self.part].nbytes - self.offset)
+            self.offset += step
+            count -= step
+            if self.offset == self.parts[self.part].nbytes:
+                self.part, self.offset = self.part + 1, 0
+
+
+def _send_some(q: int, sock: socket.socket, message: _Message) -> bool:
+    if message.done:
+        return False
     try:
-        nonce = _read_exactly(sock, _NONCE_BYTES)
-        sock.sendall(_RANK.pack(rank) + _proof(key, nonce, round_name, rank, listener))
+        message.advance(sock.sendmsg(message.rest()))
+        return True
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError as exc:
+        raise PeerLost(f"the link to rank {q} failed ({exc}): it left or died") from None
+
+
+def _receive_some(q: int, sock: socket.socket, message: _Message, expected: int) -> bool:
+    if message.done:
+        return False
+    try:
+        count = sock.recvmsg_into(message.rest())[0]
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError as exc:
+        raise PeerLost(f"the link to rank {q} failed ({exc}): it left or died") from None
+    if count == 0:
+        raise PeerLost(f"rank {q} closed its link (it left or died)")
+    header_was_open = message.part == 0
+    message.advance(count)
+    if header_was_open and message.part > 0:
+        (size,) = _HEADER.unpack(message.parts[0])
+        if size != expected:
+            raise PeerLost(f"rank {q} sent a step buffer of {size} bytes and this rank's holds {expected}: "
+                           "the ranks do not train the same model")
+    return True
+
+
+def _dial(opening: _Opening, listener: int) -> socket.socket:
+    host, port = opening.address_of(listener)
+    sock = socket.create_connection((host, port), timeout=opening.remaining(HANDSHAKE_TIMEOUT_S))
+    try:
+        nonce = opening.read_exactly(sock, _NONCE_BYTES)  # the listener may be admitting others first
+        sock.sendall(_RANK.pack(opening.rank) + _proof(opening.key, nonce, opening.round_name, opening.rank, listener))
     except BaseException:
         sock.close()
         raise
     return sock
 
 
-def _admit(listener: socket.socket, round_name: str, rank: int, world: int, key: bytes, deadline: float,
-           taken) -> tuple[int, socket.socket]:
-    """The next higher rank that proves it holds the key; a connection that does not is closed
-    and logged, and the wait goes on until the deadline."""
+def _admit(opening: _Opening, listener: socket.socket, taken) -> tuple[int, socket.socket]:
+    """The next higher rank that shows it holds the key; a connection that does not, or does
+    not answer within HANDSHAKE_TIMEOUT_S, is closed and logged, and the wait goes on."""
+    rank = opening.rank
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise PeerLost(f"not every higher rank linked to rank {rank} in time")
-        listener.settimeout(remaining)
+        listener.settimeout(opening.remaining(_SLICE_S))
         try:
             sock, address = listener.accept()
         except TimeoutError:
             continue
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             nonce = os.urandom(_NONCE_BYTES)
+            sock.settimeout(opening.remaining(HANDSHAKE_TIMEOUT_S))
             sock.sendall(nonce)
-            claim = _read_exactly(sock, _RANK.size + _MAC_BYTES)
+            claim = opening.read_exactly(sock, _RANK.size + _MAC_BYTES, until=time.monotonic() + HANDSHAKE_TIMEOUT_S)
         except (OSError, PeerLost) as exc:
-            log.warning("a link to rank %d from %s failed while opening: %s", rank, address, exc)
             sock.close()
+            if opening.give_up() or time.monotonic() > opening.deadline:
+                raise
+            log.warning("a link to rank %d from %s failed while opening: %s", rank, address, exc)
             continue
+        except BaseException:
+            sock.close()
+            raise
         (dialer,) = _RANK.unpack(claim[:_RANK.size])
-        valid_rank = rank < dialer < world and dialer not in taken
-        if valid_rank and hmac.compare_digest(claim[_RANK.size:], _proof(key, nonce, round_name, dialer, rank)):
+        proof = _proof(opening.key, nonce, opening.round_name, dialer, rank)
+        if rank < dialer < opening.world and dialer not in taken and hmac.compare_digest(claim[_RANK.size:], proof):
             sock.settimeout(None)
             return dialer, sock
         log.warning("refused a link to rank %d from %s: it did not prove it holds the job's token for rank %d",
