@@ -4,8 +4,10 @@ A Python dict costs ~100 bytes per entry, more than a dim-16 row itself. Here th
 int32 array of slots (a power of two long, at most 70% full, linear probing) and the ids live
 once, in the table's per-slot id array: a probe compares `ids[slot]` with the id it looks for.
 That is 8 bytes of id per row plus 4 / load-factor bytes of index (~6-11 bytes). Every
-operation is vectorised over a batch of ids: each loop round advances every unresolved probe
-by one position, so a batch costs a few numpy passes, not a Python loop per id.
+operation is vectorised over a batch of ids: each loop round reads a window of consecutive
+positions for every unresolved probe (4 at first, doubling up to 64), so a batch costs a few
+numpy passes, not a Python loop per id nor a round per position of the longest chain (linear
+probing's chains have a long tail, and every round costs a fixed numpy overhead).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import numpy as np
 EMPTY = -1
 MAX_ROWS = 2**31 - 1  # the slots are int32: a table of one shard holds at most this many rows
 MAX_LOAD = 0.7
+FIRST_WINDOW = 4  # positions a probe reads in its first vectorised round (most ids end there)
+LAST_WINDOW = 64  # the widest window: a round costs its width in every probe still going on
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: multiply, keep the high bits
 
 
@@ -44,20 +48,25 @@ class IdIndex:
         mixed = ids.astype(np.uint64) * _GOLDEN  # wraps modulo 2**64 by design
         return (mixed >> np.uint64(64 - self.bits)).astype(np.int64)
 
+    def _windows(self, pos: np.ndarray, width: int) -> np.ndarray:
+        """The slots at `width` consecutive positions from each of `pos` (wrapping), one row per
+        offset (width x len(pos)): reductions over the offsets then run along whole rows."""
+        return self.slots[(pos + np.arange(width)[:, None]) & ((1 << self.bits) - 1)]
+
     def find(self, ids: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
         """The slot of each id, or -1 where the index does not hold it."""
         result = np.full(len(ids), EMPTY, dtype=np.int64)
-        pos = self._home(ids)
-        active = np.arange(len(ids))
-        mask = (1 << self.bits) - 1
+        pos, active, width = self._home(ids), np.arange(len(ids)), FIRST_WINDOW
         while len(active):
-            slot = self.slots[pos]
-            occupied = slot != EMPTY
-            hit = occupied.copy()
-            hit[occupied] = slot_ids[slot[occupied]] == ids[active[occupied]]
-            result[active[hit]] = slot[hit]
-            going_on = occupied & ~hit  # an empty position ends a probe: the id is absent
-            active, pos = active[going_on], (pos[going_on] + 1) & mask
+            window = self._windows(pos, width)
+            empty = window == EMPTY  # slot_ids[-1] below reads some row: an empty position is no hit
+            hit = ~empty & (slot_ids[window] == ids[active])
+            # An id sits before the first empty position from its home (linear probing), so a
+            # window holding it or an empty position ends its probe.
+            result[active] = np.where(hit, window, EMPTY).max(axis=0)
+            going_on = ~(hit | empty).any(axis=0)
+            active, pos = active[going_on], pos[going_on] + width
+            width = min(2 * width, LAST_WINDOW)  # the few long chains left: a few wide rounds, not one per position
         return result
 
     def insert(self, ids: np.ndarray, new_slots: np.ndarray, slot_ids: np.ndarray) -> None:
@@ -72,18 +81,21 @@ class IdIndex:
         self.count += len(ids)
 
     def _place(self, ids: np.ndarray, new_slots: np.ndarray) -> None:
-        pos = self._home(ids)
-        mask = (1 << self.bits) - 1
+        pos, width = self._home(ids), FIRST_WINDOW
         while len(ids):
-            free = self.slots[pos] == EMPTY
-            # Several ids of the batch may probe the same free position: the first one takes
-            # it, the others see it taken and move on, as they would have one at a time.
-            _, first = np.unique(pos[free], return_index=True)
-            winners = np.flatnonzero(free)[first]
-            self.slots[pos[winners]] = new_slots[winners]
-            placed = np.zeros(len(ids), dtype=bool)
-            placed[winners] = True
-            ids, new_slots, pos = ids[~placed], new_slots[~placed], (pos[~placed] + 1) & mask
+            empty = self._windows(pos, width) == EMPTY
+            first_free = np.where(empty, np.arange(width)[:, None], width).min(axis=0)  # width: none
+            claim = np.flatnonzero(first_free < width)
+            target = (pos[claim] + first_free[claim]) & ((1 << self.bits) - 1)
+            # Several ids of the batch may claim the same free position: one write lands, and
+            # the others, reading the position back, go on probing past it as they would have
+            # one at a time (every position before a claimed one was taken already).
+            self.slots[target] = new_slots[claim]
+            going_on = np.ones(len(ids), dtype=bool)
+            going_on[claim] = self.slots[target] != new_slots[claim]
+            pos = (pos + first_free + (first_free < width))[going_on]
+            ids, new_slots = ids[going_on], new_slots[going_on]
+            width = min(2 * width, LAST_WINDOW)
 
     def _grow(self, needed: int, slot_ids: np.ndarray) -> None:
         held = self.slots[self.slots != EMPTY]

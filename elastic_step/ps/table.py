@@ -59,11 +59,12 @@ class EmbeddingTable:
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id (any order, repeats allowed), creating the rows not held yet."""
         slots = self.index.find(ids, self.ids)
-        missing = slots < 0
-        if missing.any():
-            new_ids = np.unique(ids[missing])
+        missing = np.flatnonzero(slots < 0)
+        if len(missing):
+            new_ids, inverse = np.unique(ids[missing], return_inverse=True)
+            first = self.size
             self._create(new_ids)
-            slots[missing] = self.index.find(ids[missing], self.ids)
+            slots[missing] = first + inverse  # _create gives new_ids the slots first, first + 1, ...: no second probe
         return slots
 
     def _create(self, new_ids: np.ndarray) -> None:
