@@ -37,6 +37,12 @@ def initial_weights(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
     return ((unit * 2 - 1) * np.float32(spec.init_scale)).astype(np.float32)
 
 
+def _repeats(values: np.ndarray) -> bool:
+    """Whether any value occurs twice: a sort (no argsort), as a push's ids are distinct but for rare cases."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 def _own_array(array: np.ndarray, dtype) -> bool:
     return array.dtype == dtype and array.flags.c_contiguous and array.flags.writeable and array.flags.owndata
 
@@ -87,20 +93,22 @@ class EmbeddingTable:
     def pull(self, ids: np.ndarray) -> np.ndarray:
         """The weights of each id (len(ids) x dim)."""
         slots = self.slots_of(ids)  # first: it may grow (replace) the block
-        return self.block[slots, : self.spec.dim]
+        # np.take gathers whole rows ~3x faster than fancy indexing; the result is a fresh array.
+        return np.take(self.block, slots, axis=0)[:, : self.spec.dim]
 
     def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Apply one update: `grads` (len(ids) x dim) merged per id (repeated ids are summed
         here too, since fancy-index assignment would keep only one of them)."""
-        unique, inverse = np.unique(ids, return_inverse=True)
-        if len(unique) != len(ids):
-            merged = np.zeros((len(unique), self.spec.dim), np.float32)
-            np.add.at(merged, inverse, grads)
-            ids, grads = unique, merged
         slots = self.slots_of(ids)
-        rows = self.block[slots]
-        steps = self.updates[slots] + np.uint32(1)
-        apply_rows(self.spec, rows, grads.astype(np.float32, copy=False), steps)
+        grads = grads.astype(np.float32, copy=False)
+        if _repeats(slots):
+            slots, inverse = np.unique(slots, return_inverse=True)
+            merged = np.zeros((len(slots), self.spec.dim), np.float32)
+            np.add.at(merged, inverse, grads)
+            grads = merged
+        rows = np.take(self.block, slots, axis=0)
+        steps = np.take(self.updates, slots) + np.uint32(1)
+        apply_rows(self.spec, rows, grads, steps)
         self.block[slots] = rows
         self.updates[slots] = steps
 

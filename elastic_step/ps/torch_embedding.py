@@ -92,7 +92,9 @@ class PsEmbedding(nn.Module):
             rows.requires_grad_(True)
             self.ps_table.note(unique, lambda: None if rows.grad is None else rows.grad.detach().float().cpu().numpy())
         index = torch.from_numpy(inverse).to(self._device.device)
-        return rows[index].reshape(*ids.shape, self.spec.dim)
+        # index_select: the same rows and (summed per id) gradient as rows[index], whose backward
+        # (an accumulating index_put) costs more
+        return torch.index_select(rows, 0, index).reshape(*ids.shape, self.spec.dim)
 
     def _frozen_lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Plain torch ops only, so that torch.jit.trace and torch.export can follow them."""
