@@ -58,7 +58,8 @@ def exchange_all(links: list[PeerLinks], size: int) -> list[dict[int, np.ndarray
     world = len(links)
     mine = [np.full(size, rank + 1, dtype=np.float32) for rank in range(world)]
     received = [{q: np.zeros(size, dtype=np.float32) for q in range(world) if q != rank} for rank in range(world)]
-    threads = [threading.Thread(target=links[r].exchange, args=(mine[r], received[r])) for r in range(world)]
+    threads = [threading.Thread(target=links[r].exchange, args=({q: mine[r] for q in received[r]}, received[r]))
+               for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -114,7 +115,7 @@ import datetime, sys, time, numpy as np, torch.distributed as dist
 from elastic_step.worker.peer_links import PeerLinks
 client = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
 links = PeerLinks.open(dist.PrefixStore("r/", client), "r/", 1, 2, "127.0.0.1", b"the job's token", 10.0)
-links.exchange(np.ones(1000, np.float32), {0: np.empty(1000, np.float32)})
+links.exchange({0: np.ones(1000, np.float32)}, {0: np.empty(1000, np.float32)})
 print("exchanged", flush=True)
 time.sleep(600)
 """
@@ -127,12 +128,12 @@ def test_a_dead_peer_fails_the_exchange_at_once_and_a_hung_one_at_the_timeout(st
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         links = PeerLinks.open(dist.PrefixStore("r/", client), "r/", 0, 2, "127.0.0.1", KEY, 10.0)
         links.timeout_s = 2.0
-        links.exchange(np.ones(1000, np.float32), {1: np.empty(1000, np.float32)})
+        links.exchange({1: np.ones(1000, np.float32)}, {1: np.empty(1000, np.float32)})
         assert peer.stdout.readline().strip() == "exchanged"
         os.kill(peer.pid, getattr(signal, how))
         started = time.monotonic()
         with pytest.raises(PeerLost, match=r"rank 1 (closed its link|failed).*left or died" if how == "SIGKILL" else "did not finish in 2 s"):
-            links.exchange(np.ones(1000, np.float32), {1: np.empty(1000, np.float32)})
+            links.exchange({1: np.ones(1000, np.float32)}, {1: np.empty(1000, np.float32)})
         took = time.monotonic() - started
         assert took < 1.0 if how == "SIGKILL" else 1.9 < took < 5.0
         assert isinstance(PeerLost("x"), RuntimeError)  # what the worker regroups on
@@ -187,7 +188,7 @@ def test_ranks_that_disagree_on_the_buffer_fail_loudly_not_out_of_step(store):
 
     def one(rank: int, size: int) -> None:
         try:
-            links[rank].exchange(np.ones(size, np.float32), {1 - rank: np.empty(size, np.float32)})
+            links[rank].exchange({1 - rank: np.ones(size, np.float32)}, {1 - rank: np.empty(size, np.float32)})
         except PeerLost as exc:
             errors.append(str(exc))
 
@@ -198,7 +199,7 @@ def test_ranks_that_disagree_on_the_buffer_fail_loudly_not_out_of_step(store):
         t.join(30)
     for link in links:
         link.close()
-    assert any("sent a step buffer of 4004 bytes and this rank's holds 4000" in e for e in errors), errors
+    assert any("sent 4004 bytes of the step buffer where this rank expects 4000" in e for e in errors), errors
 
 
 def test_a_connection_that_never_answers_the_nonce_does_not_keep_the_real_rank_out(store, caplog):
@@ -277,7 +278,7 @@ def test_a_peer_that_stalls_mid_step_fails_the_exchange_at_the_timeout_without_s
         assert peer.stdout.readline().strip() == "stalled"
         cpu_before, started = resource.getrusage(resource.RUSAGE_SELF).ru_utime, time.monotonic()
         with pytest.raises(PeerLost, match="did not finish in 2 s"):
-            links.exchange(np.ones(4_000_000, np.float32), {1: np.empty(4_000_000, np.float32)})
+            links.exchange({1: np.ones(4_000_000, np.float32)}, {1: np.empty(4_000_000, np.float32)})
         assert 1.9 < time.monotonic() - started < 4.0
         assert resource.getrusage(resource.RUSAGE_SELF).ru_utime - cpu_before < 1.0, "the wait spun"
         links.close()

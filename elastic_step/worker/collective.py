@@ -13,8 +13,11 @@ other rank at once, then adds them up in rank order) instead of gloo's ring allr
 message hop instead of 2(N-1), which on a CPU cluster is most of a small model's step time
 (benchmarks/README.md). Adding in rank order gives every rank the same bits, as the ring does.
 The exchange runs over the round's own peer links (peer_links.py), not gloo's point-to-point
-calls, whose machinery cost more CPU than the bytes. Large buffers, where bandwidth matters more
-than hops, and NCCL keep the ring allreduce."""
+calls, whose machinery cost more CPU than the bytes. A large buffer, where bandwidth matters more
+than hops, is summed over the same links in parts: each rank sums one part (a reduce-scatter),
+then sends it to every other (an all-gather). That moves the bytes gloo's ring does, in two hops
+instead of 2(N-1), and, each part summed in rank order, gives the same bits as the direct
+exchange. NCCL keeps its own ring allreduce."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ _HALF = 1 << 22
 IDENTITY_FLOATS = 5  # per rank in gather_identities: step (two halves), lineage (three parts)
 
 # Direct exchange while the bytes each rank sends, (N-1) x the buffer, stay at most this; for two
-# ranks it sends exactly what the ring does, in one hop.
+# ranks it sends exactly what the ring does, in one hop. Past it, the sum in parts.
 DIRECT_EXCHANGE_MAX_BYTES = 16 << 20
 
 # gloo's own rendezvous, once every member is at the meeting: the members set their addresses
@@ -164,29 +167,41 @@ class Collective:
     def allreduce_sum(self, buffer: np.ndarray) -> None:
         """Sum `buffer` over all ranks, in place. A dead peer fails it within a fraction of a
         second, a hung one at the group timeout (RuntimeError either way)."""
-        if self._links is not None and (self.world_size - 1) * buffer.nbytes <= DIRECT_EXCHANGE_MAX_BYTES:
-            self._exchange_sum(buffer)
+        if self._links is not None:
+            if (self.world_size - 1) * buffer.nbytes <= DIRECT_EXCHANGE_MAX_BYTES:
+                self._exchange_sum(buffer)
+            else:
+                self._sum_in_parts(buffer)
             return
         tensor = torch.from_numpy(buffer).to(self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         if tensor.device.type != "cpu":
             buffer[:] = tensor.cpu().numpy()
 
+    def _others(self) -> list[int]:
+        return [q for q in range(self.world_size) if q != self.rank]
+
+    def _receiving(self, size: int) -> dict[int, np.ndarray]:
+        """A buffer of `size` floats for each other rank's message, kept from step to step."""
+        if len(self._received) != self.world_size - 1 or next(iter(self._received.values())).size != size:
+            self._received = {q: np.empty(size, dtype=np.float32) for q in self._others()}
+        return self._received
+
     def _exchange_sum(self, buffer: np.ndarray) -> None:
-        if len(self._received) != self.world_size - 1 or next(iter(self._received.values())).size != buffer.size:
-            self._received = {q: np.empty(buffer.size, dtype=np.float32) for q in range(self.world_size) if q != self.rank}
-        self._links.exchange(buffer, self._received)
-        # The sum in rank order, (p0 + p1) + p2 ..., made in place: the ranks before this one
-        # summed in the first of them, this rank's own part added to that (a + b is b + a, bit for
-        # bit), then the later ranks'. Every rank gets the same bits, with no copy of the buffer.
-        parts = self._received
-        if self.rank > 0:
-            before = parts[0]
-            for q in range(1, self.rank):
-                before += parts[q]
-            buffer += before
-        for q in range(self.rank + 1, self.world_size):
-            buffer += parts[q]
+        received = self._receiving(buffer.size)
+        self._links.exchange({q: buffer for q in self._others()}, received)
+        _sum_in_rank_order(buffer, received, self.rank, self.world_size)
+
+    def _sum_in_parts(self, buffer: np.ndarray) -> None:
+        """Rank q sums part q of the buffer from every rank's copy of it, then every rank sends
+        its summed part to every other, straight into their buffers."""
+        bounds = np.linspace(0, buffer.size, self.world_size + 1).astype(np.int64)
+        parts = [buffer[bounds[q]:bounds[q + 1]] for q in range(self.world_size)]
+        mine = parts[self.rank]
+        received = self._receiving(mine.size)
+        self._links.exchange({q: parts[q] for q in self._others()}, received)
+        _sum_in_rank_order(mine, received, self.rank, self.world_size)
+        self._links.exchange({q: mine for q in self._others()}, {q: parts[q] for q in self._others()})
 
     def gather_identities(self, step: int, lineage: int) -> list[tuple[int, int]]:
         """Every rank's (step, lineage), in rank order: one small allreduce in which each rank
@@ -229,3 +244,16 @@ class Collective:
         )
         dist.broadcast(payload, src)
         return payload.cpu().numpy().tobytes()
+
+
+def _sum_in_rank_order(mine: np.ndarray, others: dict[int, np.ndarray], rank: int, world: int) -> None:
+    """`mine` becomes the sum in rank order, (p0 + p1) + p2 ..., made in place: the ranks before
+    this one summed in the first of them, this rank's own part added to that (a + b is b + a, bit
+    for bit), then the later ranks'. Every rank gets the same bits, with no copy of the buffer."""
+    if rank > 0:
+        before = others[0]
+        for q in range(1, rank):
+            before += others[q]
+        mine += before
+    for q in range(rank + 1, world):
+        mine += others[q]

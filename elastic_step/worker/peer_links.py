@@ -150,21 +150,22 @@ class PeerLinks:
                 listener.close()
         return cls(peers, timeout_s)
 
-    def exchange(self, mine: np.ndarray, received: dict[int, np.ndarray]) -> None:
-        """Send `mine` to every peer and fill received[peer] with theirs, all at once (a send
-        that waited for the peer's receive could wait for ever: both sides send first). PeerLost
-        when a peer is gone, or when the exchange has not finished within the timeout."""
-        payload = memoryview(mine).cast("B")
-        header = _HEADER.pack(payload.nbytes)
-        outgoing = {q: _Message([memoryview(header), payload]) for q in self.peers}
-        incoming = {q: _Message([memoryview(bytearray(_HEADER.size)), memoryview(received[q]).cast("B")])
+    def exchange(self, sending: dict[int, np.ndarray], receiving: dict[int, np.ndarray]) -> None:
+        """Send sending[peer] to every peer and fill receiving[peer] with what it sends, all at
+        once (a send that waited for the peer's receive could wait for ever: both sides send
+        first). Both are contiguous arrays, and the peer's message must be exactly the size of
+        receiving[peer]. PeerLost when a peer is gone, or when the exchange has not finished
+        within the timeout."""
+        outgoing = {q: _Message([memoryview(_HEADER.pack(sending[q].nbytes)), memoryview(sending[q]).cast("B")])
+                    for q in self.peers}
+        incoming = {q: _Message([memoryview(bytearray(_HEADER.size)), memoryview(receiving[q]).cast("B")])
                     for q in self.peers}
         deadline = time.monotonic() + self.timeout_s
         while True:
             moved = False
             for q, sock in self.peers.items():
                 moved |= _send_some(q, sock, outgoing[q])
-                moved |= _receive_some(q, sock, incoming[q], payload.nbytes)
+                moved |= _receive_some(q, sock, incoming[q], receiving[q].nbytes)
             if all(outgoing[q].done and incoming[q].done for q in self.peers):
                 return
             if not moved:
@@ -243,7 +244,7 @@ def _receive_some(q: int, sock: socket.socket, message: _Message, expected: int)
     if header_was_open and message.part > 0:
         (size,) = _HEADER.unpack(message.parts[0])
         if size != expected:
-            raise PeerLost(f"rank {q} sent a step buffer of {size} bytes and this rank's holds {expected}: "
+            raise PeerLost(f"rank {q} sent {size} bytes of the step buffer where this rank expects {expected}: "
                            "the ranks do not train the same model")
     return True
 
