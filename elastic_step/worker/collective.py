@@ -125,7 +125,7 @@ class Collective:
         # route its peers take too; GLOO_SOCKET_IFNAME, where set, picks gloo's own interface).
         self._link_host = local_address(store_host, store_port) if self.backend == "gloo" else ""
         self._links: PeerLinks | None = None  # the round's peer links (gloo with more than one rank)
-        self._received: dict[int, np.ndarray] = {}  # the other ranks' buffers, for direct exchange
+        self._received: dict[int, np.ndarray] = {}  # the other ranks' messages, kept between steps
 
     def _connect(self) -> dist.TCPStore:
         host, port = self._store_address
@@ -152,8 +152,8 @@ class Collective:
             # Within the group's start timeout: every member is past gloo's start, so only a
             # member that died since is waited for.
             self._links = PeerLinks.open(store, prefix, rank, world_size, self._link_host, self._link_key,
-                                         start_timeout.total_seconds(), give_up=give_up)
-            self._links.timeout_s = self.timeout.total_seconds()
+                                         start_timeout.total_seconds(), give_up=give_up,
+                                         exchange_timeout_s=self.timeout.total_seconds())
 
     def leave(self) -> None:
         # Always destroy before leaving a round or exiting: a live gloo group's threads can

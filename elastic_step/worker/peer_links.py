@@ -123,9 +123,11 @@ class PeerLinks:
 
     @classmethod
     def open(cls, store, round_name: str, rank: int, world: int, host: str, key: bytes, timeout_s: float,
-             give_up: Callable[[], bool] = lambda: False) -> PeerLinks:
+             give_up: Callable[[], bool] = lambda: False, exchange_timeout_s: float | None = None) -> PeerLinks:
         """Link this rank to every other: publish a listener in the round's store, dial each lower
-        rank, admit each higher one. Every member calls this once its gloo group has started."""
+        rank, admit each higher one. Every member calls this once its gloo group has started.
+        `timeout_s` bounds the opening; each exchange then gets `exchange_timeout_s` (the same
+        when not given)."""
         opening = _Opening(store, round_name, rank, world, key, timeout_s, give_up)
         peers: dict[int, socket.socket] = {}
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -148,7 +150,7 @@ class PeerLinks:
         finally:
             if listener is not None:
                 listener.close()
-        return cls(peers, timeout_s)
+        return cls(peers, timeout_s if exchange_timeout_s is None else exchange_timeout_s)
 
     def exchange(self, sending: dict[int, np.ndarray], receiving: dict[int, np.ndarray]) -> None:
         """Send sending[peer] to every peer and fill receiving[peer] with what it sends, all at
@@ -165,7 +167,7 @@ class PeerLinks:
             moved = False
             for q, sock in self.peers.items():
                 moved |= _send_some(q, sock, outgoing[q])
-                moved |= _receive_some(q, sock, incoming[q], receiving[q].nbytes)
+                moved |= _receive_some(q, sock, incoming[q])
             if all(outgoing[q].done and incoming[q].done for q in self.peers):
                 return
             if not moved:
@@ -228,7 +230,8 @@ def _send_some(q: int, sock: socket.socket, message: _Message) -> bool:
         raise PeerLost(f"the link to rank {q} failed ({exc}): it left or died") from None
 
 
-def _receive_some(q: int, sock: socket.socket, message: _Message, expected: int) -> bool:
+def _receive_some(q: int, sock: socket.socket, message: _Message) -> bool:
+    """Read what the link holds of `message`; its header must announce the payload it expects."""
     if message.done:
         return False
     try:
@@ -243,6 +246,7 @@ def _receive_some(q: int, sock: socket.socket, message: _Message, expected: int)
     message.advance(count)
     if header_was_open and message.part > 0:
         (size,) = _HEADER.unpack(message.parts[0])
+        expected = message.parts[1].nbytes
         if size != expected:
             raise PeerLost(f"rank {q} sent {size} bytes of the step buffer where this rank expects {expected}: "
                            "the ranks do not train the same model")
