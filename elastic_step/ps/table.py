@@ -11,6 +11,7 @@ Bytes per row at dim 16 + Adagrad: 128 of payload, 8 of id, 4 of counter and ~6-
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from elastic_step.ps.index import IdIndex
 from elastic_step.ps.optimizers import apply_rows, initial_slots
 
 GROWTH = 1.25  # a modest factor: the block's spare rows are part of the bytes per row
+RECENT_PULLS = 16  # pulls whose slots a push of the same ids reuses: a few steps in flight per worker
 _SEED_MIX = 0xD1B54A32D192ED03
 
 
@@ -57,6 +59,10 @@ class EmbeddingTable:
         self.updates = np.zeros(capacity, np.uint32)
         self.size = 0
         self.index = IdIndex(capacity)
+        # (ids, slots) of recent pulls: a worker pushes the gradients of exactly the ids it pulled
+        # for the step, so the push finds their slots here instead of probing the index again.
+        # A row keeps its slot until load() (which clears this), so a remembered slot stays right.
+        self._recent: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=RECENT_PULLS)
 
     @property
     def nbytes(self) -> int:
@@ -93,13 +99,16 @@ class EmbeddingTable:
     def pull(self, ids: np.ndarray) -> np.ndarray:
         """The weights of each id (len(ids) x dim)."""
         slots = self.slots_of(ids)  # first: it may grow (replace) the block
+        self._recent.append((np.array(ids, dtype=np.int64), slots))  # a copy: the caller's buffer may be reused
         # np.take gathers whole rows ~3x faster than fancy indexing; the result is a fresh array.
         return np.take(self.block, slots, axis=0)[:, : self.spec.dim]
 
     def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Apply one update: `grads` (len(ids) x dim) merged per id (repeated ids are summed
         here too, since fancy-index assignment would keep only one of them)."""
-        slots = self.slots_of(ids)
+        slots = self._pulled_slots(ids)
+        if slots is None:
+            slots = self.slots_of(ids)
         grads = grads.astype(np.float32, copy=False)
         if _repeats(slots):
             slots, inverse = np.unique(slots, return_inverse=True)
@@ -111,6 +120,13 @@ class EmbeddingTable:
         apply_rows(self.spec, rows, grads, steps)
         self.block[slots] = rows
         self.updates[slots] = steps
+
+    def _pulled_slots(self, ids: np.ndarray) -> np.ndarray | None:
+        """The slots of a recent pull of exactly these ids, in this order (None: none was)."""
+        for pulled, slots in reversed(self._recent):
+            if len(pulled) == len(ids) and np.array_equal(pulled, ids):
+                return slots
+        return None
 
     def counters(self) -> dict[int, int]:
         """id -> update count of every row held (for audits and tests; not for big tables)."""
@@ -127,6 +143,7 @@ class EmbeddingTable:
         if rows.shape != (len(ids), self.width) or updates.shape != ids.shape:
             raise ValueError(f"table {self.spec.name}: a snapshot whose rows do not fit dim {self.spec.dim} and its optimizer")
         self.size = len(ids)
+        self._recent.clear()  # rows take new slots
         if capacity == len(ids) and _own_array(rows, np.float32) and _own_array(ids, np.int64) and _own_array(updates, np.uint32):
             self.block, self.ids, self.updates = rows, ids, updates  # a snapshot's fresh arrays: no copy
         else:
