@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import machine  # noqa: E402
 
+from elastic_step.allocator import keep_step_memory  # noqa: E402
 from elastic_step.model_zoo.deepfm_ps_torch import TABLE, TABLE_LR, DeepFM  # noqa: E402
 from elastic_step.ps.client import PsClient  # noqa: E402
 from elastic_step.ps.ledger import LedgerRecord  # noqa: E402
@@ -90,10 +91,10 @@ def peer_rate(data, ids: int) -> float:
     return _timed(step, data)
 
 
-def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool) -> float:
+def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool, ids: int) -> float:
     """The table on `shards` local shard processes: pull, compute, push merged per id, Adam."""
     torch.manual_seed(0)
-    net = DeepFM(FIELDS, 2 * DENSE)
+    net = DeepFM(FIELDS, 2 * DENSE, rows=ids)  # the table's size, as the peer's nn.Embedding has it
     table = ps_tables(net)[0]
     started = LocalShards(os.path.join(root, f"shards-{fsync}"), [table.spec], shards, token_file,
                           snapshot_every=10**9, fsync=fsync)
@@ -117,13 +118,13 @@ def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool) -> float
         started.stop()
 
 
-def in_process_rate(data, root: str, shards: int) -> float:
+def in_process_rate(data, root: str, shards: int, ids: int) -> float:
     """The same step with the shards' state in this process (ShardState, fsync'd ledger): the
     cost of the table's own code, without the processes and the network. Each shard's part of a
     push runs on a thread of its own, as shard processes apply and fsync their parts side by side
     (numpy and fsync release the GIL: the two fsyncs overlap, the Python around them does not)."""
     torch.manual_seed(0)
-    net = DeepFM(FIELDS, 2 * DENSE)
+    net = DeepFM(FIELDS, 2 * DENSE, rows=ids)  # the table's size, as the peer's nn.Embedding has it
     table = ps_tables(net)[0]
     routing = RoutingTable.initial(shards)
     states = []
@@ -160,13 +161,13 @@ def in_process_rate(data, root: str, shards: int) -> float:
         return _timed(step, data)
 
 
-def scale_figure(data, root: str, token_file: str, shards: int) -> dict:
+def scale_figure(data, root: str, token_file: str, shards: int, ids: int) -> dict:
     """Train on `shards` shard processes and resize them to shards + 1 once a third of the steps
     ran, the steps going on meanwhile on this thread's client."""
     import threading
 
     torch.manual_seed(0)
-    net = DeepFM(FIELDS, 2 * DENSE)
+    net = DeepFM(FIELDS, 2 * DENSE, rows=ids)  # the table's size, as the peer's nn.Embedding has it
     table = ps_tables(net)[0]
     started = LocalShards(os.path.join(root, "scaled"), [table.spec], shards, token_file, snapshot_every=10**9)
     started.start()
@@ -225,6 +226,9 @@ def main() -> None:
     parser.add_argument("--scale-only", action="store_true", help="only the resize figure")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # This process trains as a PS-mode worker does, with its malloc settings (allocator.py); the
+    # peer, run in this process too, gets them as well (its users' default glibc is slower).
+    keep_step_memory()
     torch.sparse.check_sparse_tensor_invariants.disable()  # the peer's default, said out loud (no warning)
     print(f"bench_sparse on {machine()}")
     print(f"DeepFM, {FIELDS} fields over a table of {args.ids:,} ids x 9, batches of {args.batch}, {args.batches} steps, "
@@ -235,12 +239,12 @@ def main() -> None:
         with open(token_file, "w") as f:
             f.write(TOKEN)
         if args.scale or args.scale_only:
-            print_scale(scale_figure(data, root, token_file, args.shards), args.shards)
+            print_scale(scale_figure(data, root, token_file, args.shards, args.ids), args.shards)
         if args.scale_only:
             return
-        ours = ps_rate(data, root, token_file, args.shards, fsync=True)
-        unsynced = ps_rate(data, root, token_file, args.shards, fsync=False)
-        in_process = in_process_rate(data, root, args.shards)
+        ours = ps_rate(data, root, token_file, args.shards, fsync=True, ids=args.ids)
+        unsynced = ps_rate(data, root, token_file, args.shards, fsync=False, ids=args.ids)
+        in_process = in_process_rate(data, root, args.shards, args.ids)
         peer = peer_rate(data, args.ids)
     print(f"  peer, single-process PyTorch (nn.Embedding sparse + Adagrad): {peer:,.0f} rows/s")
     print(f"  elastic-step, {args.shards} local shards, fsync'd ledger: {ours:,.0f} rows/s ({ours / peer:.2f}x the peer)")

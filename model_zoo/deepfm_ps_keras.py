@@ -36,6 +36,7 @@ def model() -> keras.Model:
     fields, dense_width = len(SPARSE.columns), 2 * len(DENSE)
     packed = keras.Input(shape=(fields + dense_width,), dtype="float64")
     ids, dense = _Split(fields)(packed)
-    rows = PsEmbedding(TABLE, 1 + FACTORS, optimizer="adagrad", lr=TABLE_LR, init_scale=0.01)(ids)  # [rows, F, 1 + k]
+    rows = PsEmbedding(TABLE, 1 + FACTORS, optimizer="adagrad", lr=TABLE_LR, init_scale=0.01,
+                       rows=SPARSE.num_ids)(ids)  # [rows, F, 1 + k]; the table's size: the shards reserve it
     return keras.Model(packed, fm_and_deep(keras.ops.sum(rows[:, :, 0], axis=1), rows[:, :, 1:], dense))
 

@@ -19,10 +19,11 @@ TABLE_LR = 0.05  # Adagrad's rate on the shards
 
 
 class DeepFM(nn.Module):
-    def __init__(self, fields: int, dense: int):
+    def __init__(self, fields: int, dense: int, rows: int = 0):
         super().__init__()
         self.fields = fields
-        self.table = PsEmbedding(TABLE, 1 + FACTORS, optimizer="adagrad", lr=TABLE_LR, init_scale=0.01)
+        # rows: the table's size (every field's ids side by side); the shards reserve it up front
+        self.table = PsEmbedding(TABLE, 1 + FACTORS, optimizer="adagrad", lr=TABLE_LR, init_scale=0.01, rows=rows)
         self.dense_linear = nn.Linear(dense, 1)
         self.dense_factor = nn.Linear(dense, FACTORS)  # the dense features as one more FM field
         self.deep = nn.Sequential(nn.Linear((fields + 1) * FACTORS, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
@@ -39,7 +40,7 @@ class DeepFM(nn.Module):
 
 
 def model() -> nn.Module:
-    return DeepFM(len(SPARSE.columns), 2 * len(DENSE))
+    return DeepFM(len(SPARSE.columns), 2 * len(DENSE), rows=SPARSE.num_ids)
 
 
 def loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

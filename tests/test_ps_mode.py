@@ -52,9 +52,9 @@ def test_pulled_rows_and_merged_gradients_are_nn_embeddings():
     weights = torch.randn(2, 3, 4)
     (table(ids) * weights).sum().backward()
     (reference(ids) * weights).sum().backward()
-    assert pulls[0].tolist() == [0, 3, 7, 49]  # each distinct id pulled once
+    assert pulls[0].tolist() == [3, 7, 49, 0]  # each distinct id pulled once, in order of appearance
     got_ids, grads = table.take_gradients()
-    assert got_ids.tolist() == [0, 3, 7, 49]
+    assert got_ids.tolist() == [3, 7, 49, 0]  # the pull's order: a shard reuses the pull's slots
     np.testing.assert_allclose(grads, reference.weight.grad.numpy()[got_ids], rtol=1e-6)
     assert table.take_gradients() is None  # taken once
 
@@ -205,6 +205,32 @@ def clicks(tmp_path_factory) -> str:
                "--categorical", "auto", "--rows-per-shard", str(ROWS_PER_SHARD))
     assert done.returncode == 0, done.stderr
     return str(data)
+
+
+DECLARED_DEEPFM = """
+from elastic_step.model_zoo.deepfm_ps_torch import DENSE, SPARSE, DeepFM, feed, loss, metrics, optimizer  # noqa: F401
+
+
+def model():
+    return DeepFM(len(SPARSE.columns), 2 * len(DENSE), rows={rows})
+"""
+
+
+@pytest.mark.parametrize("rows, words", [
+    (10, "embedding table 'deepfm_ids' declares 10 rows (ids 0 to 9) but was given id "),
+    (10**9, "need 49.0 GiB on each of 2 shards, more than this machine's memory divided among them"),
+    (10**10, "table 'deepfm_ids' declares 10,000,000,000 rows, over 2,147,483,647 a shard across 2 shards"),
+])
+def test_a_declared_table_the_feed_or_the_shards_cannot_hold_is_one_line_and_exit_2(clicks, tmp_path, rows, words):
+    """A table's declared size (PsEmbedding's rows=) is checked before any process starts:
+    against the ids the feed makes (the master runs a batch through the model) and against the
+    memory and index of the shards that would hold it."""
+    (tmp_path / "declared.py").write_text(DECLARED_DEEPFM.format(rows=rows))
+    done = cli("train", "--model-def", str(tmp_path / "declared.py"), "--data", clicks, "--job-dir", str(tmp_path / "job"),
+               "--mode", "ps", "--ps-shards", "2")
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "job" / "ps").exists()  # no shard was started
 
 
 def counters_from_the_data(data: str, epochs: int, minibatch: int) -> Counter:

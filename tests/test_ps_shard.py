@@ -144,3 +144,18 @@ def test_a_push_queue_delivers_every_push_once_in_order(shards):
     with pytest.raises(PsError, match="unauthorized"):
         broken.wait()
     broken.close()
+
+
+def test_each_gradient_reaches_its_own_id_whatever_the_order_and_repeats_are_summed(shards):
+    """A forward's distinct ids come in order of appearance, not sorted; several forwards may
+    repeat an id. Against a reference table given the same pushes in one process."""
+    client = PsClient(TOKEN, shards.routes)
+    expected = EmbeddingTable(SPEC)
+    rng = np.random.default_rng(4)
+    distinct = rng.permutation(300)
+    repeated = np.concatenate([distinct[:40], distinct[20:60]])
+    for b, ids in enumerate((distinct, repeated)):
+        grads = rng.normal(size=(len(ids), SPEC.dim)).astype(np.float32)
+        client.push(SPEC.name, 9, b, 0, ids, grads)
+        expected.push(ids, grads)
+    np.testing.assert_allclose(client.pull(SPEC.name, np.arange(300)), expected.pull(np.arange(300)), rtol=1e-6, atol=1e-7)

@@ -118,14 +118,51 @@ def test_a_shard_table_past_its_indexs_int32_slots_is_refused_in_one_line_and_ke
 
 def test_a_row_costs_at_most_1_35x_its_payload():
     """dim 16 + Adagrad: 128 bytes of weights and accumulator. The table reserves its declared
-    share of rows (TableSpec.capacity), as a shard of a declared table does."""
+    share of rows (TableSpec.rows), as a shard of a declared table does."""
     rows = 300_000
-    table = EmbeddingTable(TableSpec("t", 16, OptimizerKind.ADAGRAD, capacity=rows))
+    table = EmbeddingTable(TableSpec("t", 16, OptimizerKind.ADAGRAD, rows=rows), reserve=rows)
     for start in range(0, rows, 50_000):
         table.pull(np.arange(start, start + 50_000) * 7919)
     payload = 2 * 16 * 4
     assert table.size == rows
     assert table.nbytes / rows <= 1.35 * payload
+
+
+def test_a_reserved_table_fills_without_moving_its_rows_and_equals_a_growing_one():
+    """A shard of a declared table reserves its share up front: filling it never copies the block
+    (a growth would), and every row, slot and counter is what a table that grew holds."""
+    spec = TableSpec("t", DIM, OptimizerKind.ADAGRAD, rows=4000)
+    reserved, growing = EmbeddingTable(spec, reserve=4000), EmbeddingTable(spec)
+    block = reserved.block
+    for ids, grads in pushes(rows=4000, steps=20, per_step=400):
+        for table in (reserved, growing):
+            table.pull(ids)
+            table.push(ids, grads)
+    assert reserved.block is block and reserved.size > 3000
+    assert reserved.digest() == growing.digest()
+
+
+def test_a_push_reuses_its_pulls_slots_only_while_they_hold_its_ids():
+    """A push of the ids a pull fetched reuses the pull's slots; a caller that reuses the pulled
+    ids' buffer, or a table whose rows were reloaded (load, drop) since, gets the right rows."""
+    spec = TableSpec("t", DIM, OptimizerKind.SGD, lr=1.0)
+    table, reference = EmbeddingTable(spec), EmbeddingTable(spec)
+    grads = np.ones((3, DIM), np.float32)
+    buffer = np.array([10, 20, 30])
+    table.pull(buffer)
+    buffer[:] = [40, 20, 10]  # a server reusing its receive buffer for the next request
+    table.pull(np.arange(50))
+    table.push(buffer, grads)
+    reference.push(np.array([40, 20, 10]), grads)
+    probe = np.arange(50)
+    np.testing.assert_array_equal(table.pull(probe), reference.pull(probe))
+    pulled = np.array([45, 46, 47])
+    table.pull(pulled)
+    table.drop(np.isin(table.ids[: table.size], [0, 1, 2]))  # rows 3 onwards take new slots
+    reference.drop(np.isin(reference.ids[: reference.size], [0, 1, 2]))
+    table.push(pulled, grads)
+    reference.push(pulled, grads)
+    assert table.digest() == reference.digest()
 
 
 def test_snapshot_arrays_restore_an_equal_table():

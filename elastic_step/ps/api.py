@@ -41,7 +41,10 @@ class TableSpec:
     eps: float = 1e-10  # Adagrad: torch's 1e-10; set 1e-8 for Adam as torch does
     beta1: float = 0.9
     beta2: float = 0.999
-    capacity: int = 0  # rows to reserve up front (the table's declared size / shards); 0: grow
+    # The table's declared size, as nn.Embedding's num_embeddings: its ids are in [0, rows), and
+    # each shard reserves its share of them up front. 0: undeclared (any int64 id, e.g. a raw
+    # hash), and a shard's table grows as ids arrive.
+    rows: int = 0
 
     def __post_init__(self):
         if not _TABLE_NAME.match(self.name):
@@ -51,6 +54,8 @@ class TableSpec:
         object.__setattr__(self, "optimizer", OptimizerKind(self.optimizer))
         if not self.lr > 0:
             raise ValueError(f"table {self.name}: lr {self.lr} must be positive")
+        if self.rows < 0:
+            raise ValueError(f"table {self.name}: rows {self.rows} must be 0 (undeclared) or the number of ids")
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -77,9 +77,13 @@ class PsClient:
              step: int | None = None) -> PushReply:
         """Send one batch's gradients (summed per id) for the shards to apply once. `step`: the
         training step it belongs to, which tells a shard when a checkpoint's cut is due (cuts.py)."""
-        unique, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
-        merged = np.zeros((len(unique), grads.shape[1]), np.float32)
-        np.add.at(merged, inverse.reshape(-1), np.asarray(grads, dtype=np.float32))
+        unique, first, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_index=True, return_inverse=True)
+        grads = np.asarray(grads, dtype=np.float32)
+        if len(unique) == len(ids):  # distinct already (one forward's ids): only put in id order
+            merged = grads[first]
+        else:  # the same id from several forwards: summed (np.add.at adds repeats, indexing would not)
+            merged = np.zeros((len(unique), grads.shape[1]), np.float32)
+            np.add.at(merged, inverse.reshape(-1), grads)
         reply = PushReply()
         key = {"op": "push", "table": table, "task": int(task), "batch_seq": int(batch_seq), "attempt": int(attempt),
                "step": None if step is None else int(step)}

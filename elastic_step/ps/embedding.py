@@ -1,6 +1,6 @@
 """What an embedding whose table lives on the parameter-server shards does, whatever the front end:
 PyTorch's PsEmbedding (torch_embedding.py) and Keras' (keras_embedding.py) each hold one
-`TableRows` and add only their framework's tensors and autodiff around it. numpy only.
+`TableRows` and add only their framework's tensors and autodiff around it. numpy only (and pandas' factorize).
 
 Where a table's rows come from, for a forward pass:
 - on a PS-mode worker the training step sets `source`: a pull from the shards (worker/ps_step.py);
@@ -26,6 +26,7 @@ from functools import partial
 from typing import Callable
 
 import numpy as np
+import pandas
 
 from elastic_step.ps.api import TableSpec
 from elastic_step.ps.table import initial_weights
@@ -102,7 +103,10 @@ class TableRows:
     def distinct(self, ids: np.ndarray, training: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(distinct ids, each id's index among them, their rows) for a batch's ids, pulled once each."""
         flat = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
-        unique, inverse = np.unique(flat, return_inverse=True)
+        # A hash table's factorize, not np.unique's sort: about twice as fast on a batch's ids,
+        # which come out in order of first appearance (a pull and its push keep that order).
+        inverse, unique = pandas.factorize(flat)
+        self._check_range(unique)
         source = self.source
         if source is None:  # the trained table once held (the shards stopped), else the master's live shards
             source = self.frozen_rows if self._table() is not None else _TABLE_SOURCES.get(self.spec.name)
@@ -113,6 +117,17 @@ class TableRows:
             source = partial(initial_weights, self.spec)
         rows = np.ascontiguousarray(source(unique), dtype=np.float32)
         return unique, inverse.reshape(-1), rows
+
+    def _check_range(self, unique: np.ndarray) -> None:
+        """A declared table's ids are in [0, rows): one outside is a feed or vocabulary that does
+        not match the table, refused here (the master's check of the model definition runs a
+        batch through it, so a mismatch fails before any process starts)."""
+        rows = self.spec.rows
+        if rows and len(unique) and (unique.min() < 0 or unique.max() >= rows):
+            bad = unique.min() if unique.min() < 0 else unique.max()
+            raise ValueError(f"embedding table {self.spec.name!r} declares {rows:,} rows (ids 0 to {rows - 1:,}) but was "
+                             f"given id {bad:,}: declare rows= as the number of ids the feed makes (e.g. "
+                             "SparseFeatures.num_ids), or 0 for ids of any value")
 
     def _table(self) -> Table | None:
         return self.held if self.held is not None else frozen_table(self.spec.name)

@@ -50,9 +50,10 @@ on_freeze(_adopt_all)
 @keras.saving.register_keras_serializable(package="elastic_step")
 class PsEmbedding(keras.layers.Layer):
     def __init__(self, table: str, dim: int, optimizer: str = "adagrad", lr: float = 0.01, seed: int = 0,
-                 init_scale: float = 0.05, **kwargs):
-        super().__init__(**kwargs)
-        self.ps_table = TableRows(TableSpec(table, dim, OptimizerKind(optimizer), lr=lr, seed=seed, init_scale=init_scale))
+                 init_scale: float = 0.05, rows: int = 0, **kwargs):
+        super().__init__(**kwargs)  # rows: the table's declared size (torch_embedding.PsEmbedding says more)
+        self.ps_table = TableRows(TableSpec(table, dim, OptimizerKind(optimizer), lr=lr, seed=seed, init_scale=init_scale,
+                                            rows=rows))
         self.held_ids = self.held_rows = None  # the trained table, once held (TensorFlow variables)
         _INSTANCES.add(self)
         self._adopt_frozen()
@@ -144,4 +145,4 @@ class PsEmbedding(keras.layers.Layer):
     def get_config(self) -> dict:
         spec = self.spec
         return {**super().get_config(), "table": spec.name, "dim": spec.dim, "optimizer": str(spec.optimizer),
-                "lr": spec.lr, "seed": spec.seed, "init_scale": spec.init_scale}
+                "lr": spec.lr, "seed": spec.seed, "init_scale": spec.init_scale, "rows": spec.rows}

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from elastic_step.allocator import keep_step_memory
 from elastic_step.ps import cuts, wire
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.ledger import LedgerRecord
@@ -206,6 +207,7 @@ def serve(args: argparse.Namespace) -> None:
     except FileNotFoundError:
         pass
     specs, routing, snapshot_every, checkpoint_every = load_config(args.dir)
+    keep_step_memory()
     token = wire.read_token(args.token_file)
     state = ShardState(args.dir, specs, args.shard, routing, snapshot_every, sync=not args.no_fsync, checkpoint_every=checkpoint_every)
     replayed = state.recover()

@@ -48,6 +48,7 @@ from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.applied import AppliedGroups
 from elastic_step.ps.ledger import Ledger, LedgerRecord, _fsync_dir, replay
 from elastic_step.ps.routing import RoutingTable, virtual_shard_of
+from elastic_step.ps.sizing import RESERVE_SLACK
 from elastic_step.ps.table import EmbeddingTable
 
 log = logging.getLogger("elastic_step.ps")
@@ -56,6 +57,12 @@ SNAPSHOT_FILE = "snapshot.bin"
 LEDGER_FILE = "ledger.bin"
 ROUTING_FILE = "routing.json"
 FENCE_FILE = "fence.json"  # the newest rollback's fence: pushes of rounds up to it are refused
+
+
+def reserved_rows(spec: TableSpec, routing: RoutingTable, shard: int) -> int:
+    """The rows a shard reserves up front for a table of declared size: its virtual shards' share."""
+    owned = int((routing.owners == shard).sum())
+    return int(spec.rows * owned / len(routing.owners) * RESERVE_SLACK)
 
 
 def write_fence(directory: str, fence: int) -> None:
@@ -95,7 +102,7 @@ class ShardState:
     def __init__(self, directory: str, specs: list[TableSpec], shard: int, routing: RoutingTable, snapshot_every: int = 1000, sync: bool = True,
                  checkpoint_every: int = 0):
         self.directory = directory
-        self.tables = {spec.name: EmbeddingTable(spec) for spec in specs}
+        self.tables = {spec.name: EmbeddingTable(spec, reserved_rows(spec, routing, shard)) for spec in specs}
         self.shard = shard
         self.routing = routing
         self.virtual_shards = len(routing.owners)
@@ -311,7 +318,7 @@ class ShardState:
             with self.ledger.sync_lock:  # a push applied before waits on no fsync of a closed file
                 self.ledger.close()
             cuts.restore(self.directory, step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
-            self.tables = {name: EmbeddingTable(table.spec) for name, table in self.tables.items()}
+            self.tables = {name: EmbeddingTable(table.spec, table.reserved) for name, table in self.tables.items()}
             self.applied = {name: AppliedGroups(self.virtual_shards) for name in self.tables}
             self.pending, self.previous, self.steps_begun = set(), None, []
             self.high = self.snapshot_high = 0

@@ -50,10 +50,13 @@ def _own_array(array: np.ndarray, dtype) -> bool:
 
 
 class EmbeddingTable:
-    def __init__(self, spec: TableSpec):
+    def __init__(self, spec: TableSpec, reserve: int = 0):
+        """`reserve`: rows to make room for up front (a shard's share of the declared size), so
+        the block and the index do not grow, copying every row, while the table fills."""
         self.spec = spec
         self.width = spec.dim * (1 + SLOTS[spec.optimizer])
-        capacity = max(16, spec.capacity)
+        self.reserved = reserve
+        capacity = max(16, reserve)
         self.block = np.empty((capacity, self.width), np.float32)
         self.ids = np.empty(capacity, np.int64)
         self.updates = np.zeros(capacity, np.uint32)
@@ -139,7 +142,7 @@ class EmbeddingTable:
 
     def load(self, ids: np.ndarray, rows: np.ndarray, updates: np.ndarray, index: np.ndarray | None = None) -> None:
         """Replace the table's rows by a snapshot's (rebuilding the index if it has none)."""
-        capacity = max(16, len(ids), self.spec.capacity)
+        capacity = max(16, len(ids), self.reserved)
         if rows.shape != (len(ids), self.width) or updates.shape != ids.shape:
             raise ValueError(f"table {self.spec.name}: a snapshot whose rows do not fit dim {self.spec.dim} and its optimizer")
         self.size = len(ids)

@@ -42,9 +42,13 @@ on_freeze(_adopt_all)
 
 class PsEmbedding(nn.Module):
     def __init__(self, name: str, dim: int, optimizer: str = "adagrad", lr: float = 0.01, seed: int = 0,
-                 init_scale: float = 0.05):
+                 init_scale: float = 0.05, rows: int = 0):
+        """`rows`: the table's size, as nn.Embedding's num_embeddings (ids in [0, rows)): the shards
+        reserve it up front and the job is refused before it starts if it would not fit them.
+        0: undeclared, for ids of any int64 value (raw hashes); the shards grow as ids come."""
         super().__init__()
-        self.ps_table = TableRows(TableSpec(name, dim, OptimizerKind(optimizer), lr=lr, seed=seed, init_scale=init_scale))
+        self.ps_table = TableRows(TableSpec(name, dim, OptimizerKind(optimizer), lr=lr, seed=seed, init_scale=init_scale,
+                                            rows=rows))
         self.register_buffer("_device", torch.zeros(0), persistent=False)  # follows the net to its device
         # Not in the state dict: the workers' model bytes never hold the table (freeze_tables).
         self.register_buffer("frozen_ids", torch.full((1,), -1, dtype=torch.int64), persistent=False)

@@ -49,7 +49,10 @@ def load_candidate(client, run_id: str, model_uri: str, model_def: str | None = 
                      dict(run.data.params), dict(run.data.metrics), run.info.experiment_id)
 
 
-def _test_manifest(data: str, split: str):
+def split_manifest(data: str, split: str):
+    """The dataset's manifest, checked to hold `split`. Loaded before a model is built from its
+    definition: one that sizes its tables from the dataset's specs (SparseFeatures.num_ids) reads
+    them from the manifest this process loaded last."""
     manifest = load_manifest(data)
     if manifest.rows(split) == 0:
         raise DataError(f"the {split} split of {manifest.root} is empty; prepare the data with a non-zero "
@@ -61,7 +64,7 @@ def _test_manifest(data: str, split: str):
 def split_batches(data: str, model_def: ModelDefinition, split: str = "test") -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The features and labels of a split, one shard at a time, as the model definition feeds
     them: memory holds one shard, however large the split."""
-    manifest = _test_manifest(data, split)
+    manifest = split_manifest(data, split)
     reader = ShardReader(manifest)
     try:
         for index, shard in enumerate(manifest.splits[split]):
@@ -74,7 +77,7 @@ def split_batches(data: str, model_def: ModelDefinition, split: str = "test") ->
 def split_head(data: str, model_def: ModelDefinition, rows: int, split: str = "test") -> np.ndarray:
     """The features of the first `rows` rows of a split (an input example), reading only the row
     groups that hold them."""
-    manifest = _test_manifest(data, split)
+    manifest = split_manifest(data, split)
     reader = ShardReader(manifest)
     try:
         batch = reader.read(split, 0, 0, min(rows, manifest.splits[split][0].rows))
@@ -107,6 +110,7 @@ def predict_split(model_uris: list[str], data: str, model_def: ModelDefinition, 
     """Every model's outputs on a split, and its labels. Each model is `model_def`'s network with
     the weights its training run logged (never an unpickled MLflow model); the split is read and
     predicted one shard at a time, so only the outputs and labels are held whole."""
+    split_manifest(data, split)  # first: the models may be sized by its specs
     models = [load_weights(uri, model_def, tracking_uri) for uri in model_uris]
     outputs: list[list[np.ndarray]] = [[] for _ in models]
     labels = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.ps.embedding import TABLES_FILE, hold_tables, read_tables, trainer_network
-from elastic_step.release.candidate import load_candidate, split_head
+from elastic_step.release.candidate import load_candidate, split_head, split_manifest
 from elastic_step.errors import ConfigError
 from elastic_step.release.registry import registry_client
 from elastic_step.tracking.checkpoints import BEST_TAG, CheckpointStore, checkpoint_name
@@ -49,6 +49,7 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
     client = registry_client(mlflow_uri)
     candidate = load_candidate(client, run_id, model_uri, model_def)
     model_def = load_model_definition(candidate.model_def_source)
+    split_manifest(data, "test")  # first: the model may be sized by its specs (SparseFeatures.num_ids)
     trainer = build_trainer(model_def)
     best = None
     if checkpoint == "best" and candidate.params.get("mode") == "ps":

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 
+from elastic_step.allocator import keep_step_memory
 from elastic_step.errors import ConfigError, ElasticStepError, ModelDefinitionError
 from elastic_step.frameworks.device import placement_here, worker_slot
 from elastic_step.frameworks.model_def import batch_arrays
@@ -280,6 +281,7 @@ def register(client: MasterClient, worker_id: str) -> JobSpec:
 def run_worker() -> int:
     logging.getLogger().setLevel(logging.INFO)  # worker logs go to JOB_DIR/logs/, read when things go wrong
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
+    keep_step_memory()
     url, token, worker_id = worker_identity()
     client = MasterClient(url, token)
     spec = register(client, worker_id)

@@ -1,0 +1,48 @@
+"""How much memory a table of declared size needs on its shards, and how much a shard has.
+
+A held row costs its float32 line ([weights | optimizer slots], table.py), its id (8 bytes), its
+update counter (4) and its share of the id index (4 bytes a position, the index between 35% and
+70% full: at most ~11.4). A shard reserves its share of the declared rows with RESERVE_SLACK's
+room (state.py), and its process costs SHARD_PROCESS_BYTES before any row.
+"""
+
+from __future__ import annotations
+
+import os
+
+from elastic_step.ps.api import SLOTS, TableSpec
+from elastic_step.ps.index import MAX_LOAD, MAX_ROWS
+
+RESERVE_SLACK = 1.1  # ids spread over the virtual shards by a hash, not exactly evenly: reserve with room
+SHARD_PROCESS_BYTES = 128 << 20  # Python, numpy and the sockets of one shard process, measured ~100 MB
+_CGROUP_LIMIT = "/sys/fs/cgroup/memory.max"  # cgroup v2: the container's limit ("max": none)
+
+
+def bytes_per_row(spec: TableSpec) -> float:
+    return 4 * spec.dim * (1 + SLOTS[spec.optimizer]) + 8 + 4 + 4 / (MAX_LOAD / 2)
+
+
+def shard_share(spec: TableSpec, shards: int) -> int:
+    """The rows one of `shards` shards reserves for a declared table (an even share, with room)."""
+    return int(spec.rows / shards * RESERVE_SLACK)
+
+
+def shard_bytes(specs: list[TableSpec], shards: int) -> float:
+    """The memory one shard needs for its share of every declared table (undeclared ones: none)."""
+    return SHARD_PROCESS_BYTES + sum(shard_share(spec, shards) * bytes_per_row(spec) for spec in specs)
+
+
+def local_memory_bytes() -> int:
+    """This machine's memory, or this container's limit where it has a lower one."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open(_CGROUP_LIMIT, encoding="ascii") as f:
+            limit = f.read().strip()
+    except OSError:
+        return physical
+    return min(physical, int(limit)) if limit.isdigit() else physical
+
+
+def too_many_rows(specs: list[TableSpec], shards: int) -> TableSpec | None:
+    """A declared table whose share would pass a shard's index limit (int32 slots), if any."""
+    return next((spec for spec in specs if shard_share(spec, shards) > MAX_ROWS), None)
