@@ -163,6 +163,17 @@ def test_bad_ps_settings_are_refused_before_anything_starts(tmp_path, settings, 
     assert not (tmp_path / "job").exists()
 
 
+def test_train_takes_ps_n_as_its_number_of_shards_as_scale_does(tmp_path):
+    """`train --mode ps --ps N` is `--ps-shards N`: not refused as ambiguous with --ps-cpu/--ps-memory."""
+    from elastic_step.cli import build_parser
+    from elastic_step.cli.train import train_config
+
+    argv = ["train", "--model-def", DEEPFM_PS, "--data", str(tmp_path / "data"), "--job-dir", str(tmp_path / "job"),
+            "--mode", "ps", "--ps", "3"]  # 3: not the default
+    config = train_config(build_parser().parse_args(argv))
+    assert (config.mode, config.ps_shards) == ("ps", 3)
+
+
 def test_a_model_without_ps_tables_is_refused_and_the_tables_are_found():
     from elastic_step.errors import ConfigError
     from elastic_step.master.ps_shards import table_specs

@@ -326,13 +326,15 @@ def test_bad_flags_are_refused_in_one_line_without_a_cluster(tmp_path, capsys, e
     assert "hunter2" not in err
 
 
-def test_a_ps_mode_job_is_submitted_with_its_shards_for_the_master_to_run_as_pods(capsys):
+@pytest.mark.parametrize("shards_flag", ["--ps-shards", "--ps"])
+def test_a_ps_mode_job_is_submitted_with_its_shards_for_the_master_to_run_as_pods(capsys, shards_flag):
     """`--mode ps` reaches the master pod's `train` with its shard count: the master's
-    Kubernetes backend runs the shards as pods of the job (tests/test_cluster_ps.py)."""
+    Kubernetes backend runs the shards as pods of the job (tests/test_cluster_ps.py). Given as
+    --ps, the count goes as --ps-shards, which every master's `train` reads."""
     from elastic_step.cli import main
 
     args = ["submit", "--job-name", JOB, "--image", "img", "--model-def", "elastic_step.model_zoo.deepfm_ps_torch",
-            "--data", "s3://b/ctr", "--mode", "ps", "--ps-shards", "3", "--ps-memory", "8Gi", "--dry-run"]
+            "--data", "s3://b/ctr", "--mode", "ps", shards_flag, "3", "--ps-memory", "8Gi", "--dry-run"]
     assert main(args) == 0
     (pod,) = yaml.safe_load_all(capsys.readouterr().out)
     argv = pod["spec"]["containers"][0]["args"]

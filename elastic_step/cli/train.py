@@ -45,7 +45,10 @@ def register(sub) -> None:
     p.add_argument("--mode", choices=[m.value for m in TrainingMode], default=defaults.MODE,
                    help="allreduce: every worker holds the whole model; ps: the model's embedding tables (PsEmbedding) "
                         "live on --ps-shards parameter-server processes, dense weights by allreduce (default %(default)s)")
-    p.add_argument("--ps-shards", type=int, default=defaults.PS_SHARDS, metavar="N", help="with --mode ps: shard processes (default %(default)s)")
+    # --ps as well, the flag `scale JOB --ps N` takes: without it argparse finds --ps ambiguous
+    # (--ps-shards, --ps-cpu, --ps-memory) and refuses it.
+    p.add_argument("--ps-shards", "--ps", dest="ps_shards", type=int, default=defaults.PS_SHARDS, metavar="N",
+                   help="with --mode ps: shard processes (default %(default)s)")
     p.add_argument("--minibatches-per-task", type=int, default=defaults.MINIBATCHES_PER_TASK, help="default %(default)s")
     p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")

@@ -1,9 +1,10 @@
 """The worker: register, rendezvous, train a round, regroup in process, repeat until done.
 
 The Worker does what every training mode needs: rendezvous, make the round's members identical
-(state sharing), report applied steps, checkpoints and the final model. How a round's steps are
-trained is the job's TrainingMode's step class (step_registry.py): the allreduce step, say, sums
-each step's gradients and row ranges in one collective (allreduce_step.py).
+(state sharing, state_sharing.py), report applied steps, checkpoints and the final model. How a
+round's steps are trained is the job's TrainingMode's step class (step_registry.py): the
+allreduce step, say, sums each step's gradients and row ranges in one collective
+(allreduce_step.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from elastic_step.worker.collective import Collective
 from elastic_step.worker.handover import StepHandOver
 from elastic_step.worker.preflight import PreflightFailed, check_worker
 from elastic_step.worker.rows import merged
-from elastic_step.worker.step_api import Progress, RoundOutcome, initial_lineage
+from elastic_step.worker.state_sharing import share_state
+from elastic_step.worker.step_api import Progress, RoundOutcome
 from elastic_step.worker.step_registry import training_step
 from elastic_step.worker.tasks import TaskFeed
 
@@ -152,7 +154,7 @@ class Worker:
         try:
             # A member missing at the meeting is given up on once the master proposes a newer round.
             self.collective.join(rv.store_prefix, rv.rank, rv.world_size, give_up=lambda: self.regroup_due(rv.round_id))
-            self._share_state(rv)
+            share_state(rv, self.progress, self.collective, self.trainer, self.client)
             self.progress.step = rv.start_step
             self.heartbeat.position = (rv.round_id, rv.start_step)
             self.progress.unacked.clear()  # the master settled every step up to start_step
@@ -173,51 +175,6 @@ class Worker:
         finally:
             self.handover.hand_over()  # the round's last steps go now, not after the rendezvous
             self.collective.leave()
-
-    def _share_state(self, rv: RendezvousReply) -> None:
-        """Make every member identical to the state source (the highest applied step). Members
-        that applied exactly the source's steps already are (the step made them so): only a
-        joiner, or a rank behind or on another line of steps, is sent the state, so a regroup
-        after a death costs no transfer however large the model."""
-        started = time.perf_counter()
-        step, lineage = self.progress.step, self.progress.lineage
-        if rv.rank == rv.source_rank and rv.initial_state:  # nobody holds state yet: a checkpoint or a warm start
-            self._load_initial_state(rv.initial_state)
-            step, lineage = rv.start_step, initial_lineage(rv.initial_state, rv.start_step)
-        identities = self.collective.gather_identities(step, lineage)
-        source_step, source_lineage = identities[rv.source_rank]
-        behind = [r for r, (s, line) in enumerate(identities)
-                  if r != rv.source_rank and not (s >= 0 and s == source_step and line == source_lineage)]
-        size = self._send_state(rv, behind)
-        self.progress.lineage = source_lineage
-        log.info("round %d: state of rank %d sent to ranks %s (%d bytes) in %.3f s",
-                 rv.round_id, rv.source_rank, behind or "none (every member holds it)", size, time.perf_counter() - started)
-
-    def _send_state(self, rv: RendezvousReply, behind: list[int]) -> int:
-        """The source's state to the ranks `behind`: one broadcast when that is everyone else,
-        else point to point. Returns the state's size in bytes (0: nothing was sent)."""
-        source = rv.rank == rv.source_rank
-        if behind and len(behind) == rv.world_size - 1:
-            data = self.collective.broadcast_bytes(self.trainer.state_bytes() if source else None, rv.source_rank)
-            if not source:
-                self.trainer.load_state_bytes(data)
-        elif behind and source:
-            data = self.trainer.state_bytes()
-            self.collective.send_bytes(data, behind)
-        elif rv.rank in behind:
-            data = self.collective.recv_bytes(rv.source_rank)
-            self.trainer.load_state_bytes(data)
-        else:
-            return 0
-        return len(data)
-
-    def _load_initial_state(self, kind: str) -> None:
-        """The first round's state source loads the master's checkpoint (resume) or model (warm start)."""
-        data = self.client.call_bytes("GET", Route.INITIAL_STATE)
-        if kind == "checkpoint":
-            self.trainer.load_state_bytes(data)
-        else:
-            self.trainer.load_model_bytes(data)
 
     # -- what a training step asks of its worker (step_api.StepHost) -----------------------------
     def task_taker(self, round_id: int):
