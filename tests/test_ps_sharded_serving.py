@@ -97,3 +97,13 @@ def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_
     with open(os.path.join(job.job_dir, "logs", "master.log")) as f:
         assert "exceed --ps-table-limit-mb" in f.read()
     assert json.load(open(os.path.join(model_dir, "ps_shards", "manifest.json")))["files"] == ["shard-0.bin", "shard-1.bin"]
+
+
+@pytest.mark.parametrize("limit", ["-1", "nan"])
+def test_a_bad_table_limit_is_one_line_and_exit_2(tmp_path, limit):
+    done = cli("train", "--model-def", DEEPFM_PS, "--data", str(tmp_path / "nowhere"), "--job-dir", str(tmp_path / "job"),
+               "--mode", "ps", "--ps-table-limit-mb", limit)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--ps-table-limit-mb must be >= 0" in done.stderr and limit in done.stderr, done.stderr
+    assert not (tmp_path / "job").exists()
