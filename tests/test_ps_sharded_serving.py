@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
 import numpy as np
 import pytest
@@ -51,7 +52,6 @@ def whole_table_trainer(job_dir: str, model_def, source=None):
 
 def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_model(clicks, start_job):
     import mlflow
-    from functools import partial
 
     from elastic_step.data.manifest import load_manifest
     from elastic_step.evaluation import evaluate
@@ -96,7 +96,8 @@ def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_
     assert "--ps-table-limit-mb" in refused.stderr and f"serve its MLflow pyfunc model {result['model_uri']}" in refused.stderr
     with open(os.path.join(job.job_dir, "logs", "master.log")) as f:
         assert "exceed --ps-table-limit-mb" in f.read()
-    assert json.load(open(os.path.join(model_dir, "ps_shards", "manifest.json")))["files"] == ["shard-0.bin", "shard-1.bin"]
+    with open(os.path.join(model_dir, "ps_shards", "manifest.json")) as f:
+        assert json.load(f)["files"] == ["shard-0.bin", "shard-1.bin"]  # one file per shard, as on disk
 
 
 @pytest.mark.parametrize("limit", ["-1", "nan"])
