@@ -41,6 +41,7 @@ class TrainConfig:
     precision: str = defaults.PRECISION  # fp32|bf16: what the forward pass computes in
     mode: str = defaults.MODE  # allreduce|ps: where the model's embedding tables live (protocol.TrainingMode)
     ps_shards: int = defaults.PS_SHARDS  # mode ps: parameter-server shard processes holding the tables
+    ps_table_limit_mb: float = defaults.PS_TABLE_LIMIT_MB  # mode ps: beyond it, served from the shards' snapshots
     seed: int = defaults.SEED
     shuffle: bool = True
     audit: str | None = None
@@ -137,6 +138,9 @@ class TrainConfig:
             return
         if not 1 <= self.ps_shards <= 128:
             raise ConfigError(f"--ps-shards must be between 1 and 128 (the virtual shards), got {self.ps_shards}")
+        if not self.ps_table_limit_mb >= 0:
+            raise ConfigError(f"--ps-table-limit-mb must be >= 0 (0: always serve the tables from the shards' snapshots), "
+                              f"got {self.ps_table_limit_mb}")
         if self.global_batch_size:  # a push is keyed by its minibatch's rows: every minibatch is one task's
             raise ConfigError("--mode ps trains --minibatch-size rows per push; drop --global-batch-size")
 

@@ -24,6 +24,9 @@ DEVICE = "auto"  # each worker on its GPU where it sees one, else the CPU (frame
 PRECISION = "fp32"
 MODE = "allreduce"  # every worker holds the model; "ps": embedding tables on parameter-server shards
 PS_SHARDS = 2  # with --mode ps: shard processes holding the tables
+# With --mode ps: the tables' ids and weights the master holds whole at the job's end (its test
+# evaluation, the logged model); beyond it the model is served from the shards' snapshots.
+PS_TABLE_LIMIT_MB = 2048
 SPARES = 0  # warm spare workers beyond the group's MAX
 SEED = 0  # the model's initialisation and the per-epoch shuffle (and prepare-data's split)
 BACKEND = "local"  # local processes; "kubernetes": pods

@@ -49,6 +49,10 @@ def register(sub) -> None:
     # (--ps-shards, --ps-cpu, --ps-memory) and refuses it.
     p.add_argument("--ps-shards", "--ps", dest="ps_shards", type=int, default=defaults.PS_SHARDS, metavar="N",
                    help="with --mode ps: shard processes (default %(default)s)")
+    p.add_argument("--ps-table-limit-mb", type=float, default=defaults.PS_TABLE_LIMIT_MB, metavar="MB",
+                   help="with --mode ps: tables (ids and weights) up to this size are held whole by the master and "
+                        "logged with the model; larger ones are logged as the shards' snapshots with an MLflow pyfunc "
+                        "model that serves from them (default %(default)s)")
     p.add_argument("--minibatches-per-task", type=int, default=defaults.MINIBATCHES_PER_TASK, help="default %(default)s")
     p.add_argument("--seed", type=int, default=defaults.SEED, help="default %(default)s")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep task order fixed per epoch")
@@ -150,7 +154,7 @@ def train_config(args) -> TrainConfig:
         model_def=args.model_def, data=args.data, job_dir=args.job_dir, workers=args.workers, spares=args.spares,
         epochs=args.epochs,
         minibatch_size=args.minibatch_size, minibatches_per_task=args.minibatches_per_task, seed=args.seed,
-        global_batch_size=args.global_batch_size, lr_scaling=args.lr_scaling, device=args.device, precision=args.precision, mode=args.mode, ps_shards=args.ps_shards, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
+        global_batch_size=args.global_batch_size, lr_scaling=args.lr_scaling, device=args.device, precision=args.precision, mode=args.mode, ps_shards=args.ps_shards, ps_table_limit_mb=args.ps_table_limit_mb, shuffle=args.shuffle, audit=args.audit, backend=args.backend, host=args.host, port=args.port,
         max_relaunches=args.max_relaunches, heartbeat_timeout=args.heartbeat_timeout,
         rendezvous_timeout=args.rendezvous_timeout, startup_grace=args.startup_grace,
         collective_timeout=args.collective_timeout, master_timeout=args.master_timeout,

@@ -10,7 +10,9 @@ but cannot run code in the pipeline's pods.
 
 A `--mode ps` run logs its trained embedding tables beside it (`elastic_step_model/ps_tables.npz`,
 numpy arrays read with `allow_pickle=False`): the gate and export give them to the network they
-build (ps/embedding.py's hold_tables).
+build (ps/embedding.py's hold_tables). One whose tables exceeded `train --ps-table-limit-mb` logs
+its shards' final snapshots instead (`elastic_step_model/ps_shards/`, ps/shard_tables.py): the
+gate's network looks its rows up there (ps/embedding.py's read_rows_from).
 
 A model URI names its run: `runs:/RUN/...`, `models:/NAME@ALIAS`, `models:/NAME/VERSION` (the
 version's source run), or MLflow 3's `models:/m-ID` (the logged model's source run).
@@ -105,5 +107,28 @@ def final_model_tables(model_uri: str, tracking_uri: str | None = None) -> dict:
                                                     tracking_uri=client.tracking_uri)
         try:
             return read_tables(local)
+        except ValueError as exc:
+            raise WeightsError(f"run {run_id} of model {model_uri!r}: {exc}") from None
+
+
+def final_model_shards(model_uri: str, tracking_uri: str | None = None):
+    """The shards' tables (ps/shard_tables.ShardTables) of a `--mode ps` run whose tables were too
+    big to hold whole (its `elastic_step_model/ps_shards/`); None for any other run."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from elastic_step.ps.shard_tables import SHARDS_FOLDER, ShardTables
+
+    client = MlflowClient(tracking_uri)
+    run_id = run_of_model_uri(model_uri, client)
+    path = f"{FINAL_MODEL_ARTIFACTS}/{SHARDS_FOLDER}"
+    if path not in {a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)}:
+        return None
+    # The snapshots are memory-mapped: the maps stay readable once the folder is removed (POSIX).
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=tmp,
+                                                    tracking_uri=client.tracking_uri)
+        try:
+            return ShardTables.open(local)
         except ValueError as exc:
             raise WeightsError(f"run {run_id} of model {model_uri!r}: {exc}") from None

@@ -8,7 +8,9 @@ routing table with the shards' addresses in their job spec (`ps_routing`).
 
 While they run the master's own model (validation) pulls from them. At the job's end they are
 sent SIGTERM, which makes each take a last snapshot, and the master's models get the trained
-tables from those snapshots as buffers (the test-set evaluation, the exported models).
+tables from those snapshots as buffers (the test-set evaluation, the exported models). Tables
+larger than `--ps-table-limit-mb` are not held whole: the snapshots go to JOB_DIR/model/ps_shards
+(ps/shard_tables.py), logged with the model, and the master's models look their rows up there.
 
 `scale --ps N` (ShardMonitor.scale) adds or removes shard processes while the job trains,
 moving only the virtual shards that change owner (ps/moves.py); the workers learn the new
@@ -49,11 +51,13 @@ from elastic_step.ps.index import MAX_ROWS
 from elastic_step.ps.local import LocalShards, saved_routings
 from elastic_step.ps.moves import ask, move
 from elastic_step.ps.routing import RoutingTable
+from elastic_step.ps.shard_tables import SHARDS_FOLDER, ShardTables, weight_bytes, write_folder
 from elastic_step.ps.state import SNAPSHOT_FILE
 
 log = logging.getLogger("elastic_step.master")
 
 STOP_TIMEOUT_S = 60.0  # a shard's last snapshot on SIGTERM
+MIB = 1 << 20
 
 
 def table_specs(model_def_source: str, net=None) -> list[TableSpec]:
@@ -197,7 +201,7 @@ def _start_local(config: TrainConfig, specs: list[TableSpec], token_file: str, r
     # Shards that had not taken the newest routing start on the previous one: the move's adopt
     # then marks what they gain as pending, instead of their serving it empty.
     shards = LocalShards(root, specs, count, token_file, routing=previous or newest, checkpoint_every=config.checkpoint_steps)
-    running.callback(_stop_and_freeze, shards, specs)
+    running.callback(_stop_and_freeze, shards, specs, config)
     shards.start()
     if newest is not None and newest.epoch > 1:
         _finish_move(shards, newest, previous, wire.read_token(token_file))
@@ -237,9 +241,10 @@ def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTab
     shards.shards = shards.shards[: newest.shards]
 
 
-def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec]) -> None:
+def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec], config: TrainConfig) -> None:
     """SIGTERM every shard (a last snapshot each), then give this process's models the trained
-    tables from the snapshots (embedding.freeze_tables)."""
+    tables from the snapshots: whole (embedding.freeze_tables) when they fit --ps-table-limit-mb,
+    else looked up in the snapshots themselves (`serve_from_snapshots`)."""
     for shard in shards.shards:
         if shard.process is not None and shard.process.poll() is None:
             shard.process.send_signal(signal.SIGTERM)
@@ -251,8 +256,25 @@ def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec]) -> None:
                 log.warning("shard %d did not stop in %.0f s: killed, its last snapshot may be older", shard.shard, STOP_TIMEOUT_S)
                 shard.process.kill()
                 shard.process.wait()
-
+    snapshots = [os.path.join(s.directory, SNAPSHOT_FILE) for s in shards.shards]
+    folder = os.path.join(config.job_dir, "model", SHARDS_FOLDER)
+    size = weight_bytes(snapshots, specs)
+    if size > config.ps_table_limit_mb * MIB:
+        serve_from_snapshots(folder, specs, shards.routing, snapshots, size)
+        return
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt's (a resumed job's): this model holds its tables
     freeze_tables({spec.name: snapshot_table(spec, [s.directory for s in shards.shards]) for spec in specs})
+
+
+def serve_from_snapshots(folder: str, specs: list[TableSpec], routing: RoutingTable, snapshots: list[str], size: int) -> None:
+    """Tables too big to hold whole: the shards' snapshots and routing go to `folder` (beside the
+    final model's weights, logged with them, and served by the run's pyfunc model), and this
+    process's models look their rows up there, shard by shard, memory-mapped."""
+    log.info("parameter servers: the tables' %.1f MiB exceed --ps-table-limit-mb; the model is served from the "
+             "shards' snapshots (%s)", size / MIB, folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    write_folder(folder, specs, routing, snapshots)
+    bind_tables(ShardTables.open(folder).sources())
 
 
 def snapshot_table(spec: TableSpec, directories: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,8 @@ Where a table's rows come from, for a forward pass:
   `ps_tables.npz` beside its weights file, `write_tables`) looks it up itself; the front end
   keeps it with the model (torch buffers, a Keras layer's saved variables), so the logged and
   exported models predict with it in any process;
+- a table too big to hold whole is looked up in the shards' final snapshots (shard_tables.py):
+  bound in the master (`bind_tables`), a model's own source in the release steps (`read_rows_from`);
 - with neither (the master's check of the model definition before the shards start), a table's
   initial rows, as a fresh shard would create them.
 
@@ -198,6 +200,15 @@ def hold_tables(model, tables: dict[str, Table]) -> None:
         table = tables.get(part.ps_table.spec.name)
         if table is not None:
             part.hold_table(*table)
+
+
+def read_rows_from(model, sources: dict[str, RowSource]) -> None:
+    """This model's embeddings (only this model's) take their rows from `sources`, by table name:
+    a table served from the shards' snapshots (shard_tables.py), too big to hold whole."""
+    for part in embeddings(model):
+        source = sources.get(part.ps_table.spec.name)
+        if source is not None:
+            part.ps_table.source = source
 
 
 def trainer_network(trainer):

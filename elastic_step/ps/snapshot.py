@@ -12,6 +12,9 @@ rebuild it), and the pushes this shard has applied (applied.py): `<table>.applie
 for each group of virtual shards moved in with keys of their own `<table>.applied_gI.mask`
 (bool, one per virtual shard), `.applied_gI.below` and `.applied_gI.above`.
 
+`mapped` opens a snapshot's tables memory-mapped, read-only (a served model whose tables are the
+shards' snapshots: release/sharded_model.py), so only the rows looked up are read from disk.
+
 A snapshot is written whole to a temporary file, fsync'd and renamed over the previous one, so a
 SIGKILL leaves either the old snapshot or the new one, never half of one.
 """
@@ -72,3 +75,37 @@ def load(path: str, table_names: list[str], virtual_shards: int = DEFAULT_VIRTUA
         prefix = f"{name}.applied_"
         applied[name] = AppliedGroups.from_arrays(virtual_shards, {k[len(prefix):]: v for k, v in data.items() if k.startswith(prefix)})
     return tables, applied
+
+
+def mapped(path: str, table_names: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """The snapshot's tables (`ids`, `rows`, `index`) as read-only memory maps of the file, by
+    name; a table it does not hold is left out. Only each array's .npy header is parsed (an
+    object dtype, which would need pickle, is refused); ValueError for a file that is not a snapshot."""
+    arrays = {}
+    with open(path, "rb") as f:
+        names_line = f.readline(MAX_NAMES_LINE) if f.readline(len(MAGIC)) == MAGIC else b""
+        if not names_line.endswith(b"\n"):
+            raise ValueError(f"{path} is not a shard snapshot")
+        for name in json.loads(names_line):
+            shape, fortran, dtype = _header(f)
+            if dtype.hasobject or fortran:
+                raise ValueError(f"{path}: array {name} is not a plain array")
+            arrays[name] = (f.tell(), shape, dtype)
+            f.seek(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, os.SEEK_CUR)
+    tables = {}
+    for table in table_names:
+        if f"{table}.ids" in arrays:
+            tables[table] = {key: _map(path, *arrays[f"{table}.{key}"]) for key in ("ids", "rows", "index")}
+    return tables
+
+
+def _header(f) -> tuple[tuple, bool, np.dtype]:
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    return read(f)
+
+
+def _map(path: str, offset: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    if int(np.prod(shape, dtype=np.int64)) == 0:  # mmap cannot map zero bytes
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.frameworks.registry import build_trainer
 from elastic_step.ps.embedding import TABLES_FILE, hold_tables, read_tables, trainer_network
+from elastic_step.ps.shard_tables import SHARDS_FOLDER
 from elastic_step.release.candidate import load_candidate, split_head, split_manifest
 from elastic_step.errors import ConfigError
 from elastic_step.release.registry import registry_client
@@ -55,6 +56,8 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
     if checkpoint == "best" and candidate.params.get("mode") == "ps":
         raise ConfigError(f"--checkpoint best: run {run_id} trained its embedding tables on parameter-server shards, and "
                           "only its final tables are logged with the model; export its final model (--checkpoint final)")
+    if candidate.params.get("mode") == "ps":
+        _check_tables_held(client, candidate)
     if checkpoint == "best":  # read first: its step is part of what was exported
         best = _best_checkpoint(client, run_id)
         source = f"best {checkpoint_name(best.step)}"
@@ -103,6 +106,16 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
     version = mlflow.register_model(info.model_uri, registered_model, tags=tags, await_registration_for=60)
     log.info("registered %s version %s from run %s", registered_model, version.version, run_id)
     return Export(registered_model, str(version.version), f"models:/{registered_model}/{version.version}", info.model_uri, False)
+
+
+def _check_tables_held(client, candidate) -> None:
+    """A --mode ps run whose tables exceeded --ps-table-limit-mb logged them as its shards'
+    snapshots, which a TorchScript or SavedModel cannot hold: its pyfunc model is what serves it."""
+    logged = {a.path for a in client.list_artifacts(candidate.run_id, FINAL_MODEL_ARTIFACTS)}
+    if f"{FINAL_MODEL_ARTIFACTS}/{SHARDS_FOLDER}" in logged:
+        raise ConfigError(f"run {candidate.run_id}: its embedding tables exceeded train --ps-table-limit-mb and are served "
+                          f"from its shards' snapshots, which an exported model cannot hold; serve its MLflow pyfunc model "
+                          f"{candidate.model_uri} instead (mlflow models serve -m {candidate.model_uri} --env-manager local)")
 
 
 def _best_checkpoint(client, run_id: str):

@@ -273,6 +273,7 @@ class TrainingRecorder:
         from elastic_step.data.reader import ShardReader
         from elastic_step.frameworks.model_def import batch_arrays
         from elastic_step.ps.embedding import TABLES_FILE, held_tables, trainer_network, write_tables
+        from elastic_step.ps.shard_tables import SHARDS_FOLDER
 
         split = "test" if self.manifest.rows("test") else "train"
         batch = ShardReader(self.manifest).read(split, 0, 0, min(5, self.manifest.splits[split][0].rows))
@@ -285,8 +286,15 @@ class TrainingRecorder:
             tables = held_tables(trainer_network(self.trainer))  # a --mode ps model's, from the shards
             if tables:  # beside the weights file, for the release steps (embedding.hold_tables)
                 write_tables(os.path.join(job_dir, "model", TABLES_FILE), tables)
+            sharded = os.path.isdir(os.path.join(job_dir, "model", SHARDS_FOLDER))  # tables too big to hold whole
             with mlflow.start_run(run_id=self.run_id):
-                info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
+                if sharded:  # served from the shards' snapshots (master/ps_shards.py)
+                    from elastic_step.release.sharded_model import log_sharded_model
+
+                    info = log_sharded_model(os.path.join(job_dir, "model"), self.model_def.source, features,
+                                             infer_signature(features, outputs))
+                else:
+                    info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
                 # The raw parameters too: export rebuilds the model from them and the model
                 # definition in any framework, without going through a flavour's loader.
                 mlflow.log_artifacts(os.path.join(job_dir, "model"), FINAL_MODEL_ARTIFACTS)

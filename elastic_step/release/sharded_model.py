@@ -1,0 +1,60 @@
+"""The MLflow pyfunc model of a `--mode ps` run whose tables were too big to hold whole
+(`train --ps-table-limit-mb`): the run's dense weights file and the shards' final snapshots
+(ps/shard_tables.py), looked up shard by shard, memory-mapped, at each prediction.
+
+It is logged as MLflow's "model from code" (sharded_model_code.py is the model's code): nothing
+of it is pickled, and loading it builds the model definition's network from the weights file
+(parsed without pickle, as export does) and reads the snapshots with allow_pickle=False.
+`predict` takes a batch of packed feature rows, as the run's other models do, and returns the
+network's outputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlflow.pyfunc
+import numpy as np
+
+from elastic_step.ps.embedding import read_rows_from, trainer_network
+from elastic_step.ps.shard_tables import SHARDS_FOLDER, ShardTables
+
+CODE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_model_code.py")
+
+
+def sharded_trainer(model_def_source: str, weights_file: str, shards_folder: str):
+    """A trainer of the model definition's network with the run's dense weights, whose embeddings
+    take their rows from the shards' snapshots in `shards_folder`."""
+    from elastic_step.frameworks.model_def import load_model_definition
+    from elastic_step.frameworks.registry import build_trainer
+
+    trainer = build_trainer(load_model_definition(model_def_source))
+    with open(weights_file, "rb") as f:
+        trainer.load_model_bytes(f.read())
+    read_rows_from(trainer_network(trainer), ShardTables.open(shards_folder).sources())
+    return trainer
+
+
+class ShardedTablesModel(mlflow.pyfunc.PythonModel):
+    def load_context(self, context):
+        self.trainer = sharded_trainer(context.model_config["model_def"], context.artifacts["weights"],
+                                       context.artifacts["shards"])
+
+    def predict(self, context, model_input, params=None):
+        return self.trainer.predict(np.asarray(model_input))
+
+
+def log_sharded_model(model_dir: str, model_def_source: str, input_example: np.ndarray, signature):
+    """Log the pyfunc model (in the active run) from a job's model folder: its weights file and
+    its shards' folder, both copied into the model."""
+    from elastic_step import __version__
+
+    return mlflow.pyfunc.log_model(
+        name="model",
+        python_model=CODE_FILE,
+        artifacts={"weights": os.path.join(model_dir, "model.bin"), "shards": os.path.join(model_dir, SHARDS_FOLDER)},
+        model_config={"model_def": model_def_source},
+        signature=signature,
+        input_example=input_example,
+        pip_requirements=[f"elastic-step=={__version__}", f"numpy=={np.__version__}"],
+    )

@@ -1,0 +1,110 @@
+"""A `--mode ps` model whose tables exceed `train --ps-table-limit-mb` (set to 0 here, so that a
+small run takes the path): the master does not hold its tables whole but logs the shards' final
+snapshots beside the weights file, with an MLflow pyfunc model that serves from them.
+
+End to end, with a real job (the PyTorch DeepFM, one worker, two shards, one epoch) and its
+SQLite MLflow store: the pyfunc loaded back with mlflow.pyfunc.load_model, the gate's network
+(release/candidate.load_weights) and the master's test evaluation all give what the trained
+dense weights with the whole table (the shards' snapshots merged, as the master freezes a table
+that fits) give; `export` of the run is refused in one line (exit 2) naming the pyfunc to serve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+
+import numpy as np
+import pytest
+from conftest import cli
+
+DEEPFM_PS = "elastic_step.model_zoo.deepfm_ps_torch"
+SHARDS = 2
+
+
+@pytest.fixture(scope="module")
+def clicks(tmp_path_factory) -> str:
+    data = tmp_path_factory.mktemp("ctr") / "data"
+    done = cli("prepare-data", "--source", "synthetic:criteo?rows=2000&seed=3", "--out", str(data),
+               "--categorical", "auto", "--rows-per-shard", "500")
+    assert done.returncode == 0, done.stderr
+    return str(data)
+
+
+def whole_table_trainer(job_dir: str, model_def, source=None):
+    """The run's dense weights with the whole table the shards' snapshots hold (or `source`'s rows)."""
+    from elastic_step.frameworks.registry import build_trainer
+    from elastic_step.master.ps_shards import snapshot_table, table_specs
+    from elastic_step.ps.embedding import embeddings, hold_tables
+
+    trainer = build_trainer(model_def)
+    with open(os.path.join(job_dir, "model", "model.bin"), "rb") as f:
+        trainer.load_model_bytes(f.read())
+    if source is not None:
+        for embedding in embeddings(trainer.net):
+            embedding.ps_table.source = source
+        return trainer
+    shard_dirs = [os.path.join(job_dir, "ps", f"shard-{i}") for i in range(SHARDS)]
+    hold_tables(trainer.net, {spec.name: snapshot_table(spec, shard_dirs) for spec in table_specs(DEEPFM_PS)})
+    return trainer
+
+
+def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_model(clicks, start_job):
+    import mlflow
+
+    from elastic_step.data.manifest import load_manifest
+    from elastic_step.evaluation import evaluate
+    from elastic_step.frameworks.model_def import load_model_definition
+    from elastic_step.master.ps_shards import table_specs
+    from elastic_step.ps.table import initial_weights
+    from elastic_step.release.candidate import load_weights, split_head
+
+    job = start_job("--model-def", DEEPFM_PS, "--data", clicks, "--mode", "ps", "--ps-shards", str(SHARDS),
+                    "--workers", "1", "--epochs", "1", "--minibatch-size", "128", "--checkpoint-steps", "0",
+                    "--ps-table-limit-mb", "0")
+    assert job.finish(timeout=600) == 0, job.output()
+    model_dir = os.path.join(job.job_dir, "model")
+    assert os.path.exists(os.path.join(model_dir, "ps_shards", "manifest.json"))
+    assert not os.path.exists(os.path.join(model_dir, "ps_tables.npz"))  # the master never held the table whole
+    result = job.result()
+    uri = f"sqlite:///{os.path.join(job.job_dir, 'mlflow.db')}"
+    mlflow.set_tracking_uri(uri)
+
+    model_def = load_model_definition(DEEPFM_PS)
+    features = split_head(clicks, model_def, rows=64)
+    whole = whole_table_trainer(job.job_dir, model_def)
+    reference = whole.predict(features)
+    spec, = table_specs(DEEPFM_PS)
+    untrained = whole_table_trainer(job.job_dir, model_def, partial(initial_weights, spec)).predict(features)
+    assert not np.allclose(reference, untrained, atol=1e-4)  # the table matters to these rows
+
+    served = mlflow.pyfunc.load_model(result["model_uri"])
+    assert served.metadata.flavors.keys() == {"python_function"}
+    np.testing.assert_allclose(np.asarray(served.predict(features)), reference, rtol=1e-5, atol=1e-6)
+    gate_model = load_weights(result["model_uri"], model_def, uri)  # what the gate judges
+    np.testing.assert_allclose(gate_model.predict(features), reference, rtol=1e-5, atol=1e-6)
+    # the master's test evaluation looked the rows up in the shards' snapshots too
+    expected = evaluate(whole, model_def, load_manifest(clicks), "test")
+    assert result["test_metrics"]["auc"] == pytest.approx(expected["auc"], abs=1e-6), (result["test_metrics"], expected)
+    assert result["test_metrics"]["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+    refused = cli("export", "--run-id", result["run_id"], "--model-uri", result["model_uri"], "--data", clicks,
+                  "--registered-model", "ctr-sharded", "--mlflow-uri", uri, "--model-def", DEEPFM_PS)
+    assert refused.returncode == 2, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "--ps-table-limit-mb" in refused.stderr and f"serve its MLflow pyfunc model {result['model_uri']}" in refused.stderr
+    with open(os.path.join(job.job_dir, "logs", "master.log")) as f:
+        assert "exceed --ps-table-limit-mb" in f.read()
+    with open(os.path.join(model_dir, "ps_shards", "manifest.json")) as f:
+        assert json.load(f)["files"] == ["shard-0.bin", "shard-1.bin"]  # one file per shard, as on disk
+
+
+@pytest.mark.parametrize("limit", ["-1", "nan"])
+def test_a_bad_table_limit_is_one_line_and_exit_2(tmp_path, limit):
+    done = cli("train", "--model-def", DEEPFM_PS, "--data", str(tmp_path / "nowhere"), "--job-dir", str(tmp_path / "job"),
+               "--mode", "ps", "--ps-table-limit-mb", limit)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--ps-table-limit-mb must be >= 0" in done.stderr and limit in done.stderr, done.stderr
+    assert not (tmp_path / "job").exists()
