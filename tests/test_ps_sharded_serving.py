@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from functools import partial
 
 import numpy as np
@@ -50,6 +52,15 @@ def whole_table_trainer(job_dir: str, model_def, source=None):
     return trainer
 
 
+SERVE_IN_A_FRESH_PROCESS = """
+import os, sys
+import mlflow, numpy as np
+mlflow.set_tracking_uri(sys.argv[1])
+model = mlflow.pyfunc.load_model(sys.argv[2])
+np.save(os.path.join(sys.argv[3], "served.npy"), np.asarray(model.predict(np.load(os.path.join(sys.argv[3], "features.npy")))))
+"""
+
+
 def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_model(clicks, start_job):
     import mlflow
 
@@ -82,6 +93,12 @@ def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_
     served = mlflow.pyfunc.load_model(result["model_uri"])
     assert served.metadata.flavors.keys() == {"python_function"}
     np.testing.assert_allclose(np.asarray(served.predict(features)), reference, rtol=1e-5, atol=1e-6)
+    # A serving process has no dataset loaded: the pyfunc brings the specs the network is sized by.
+    np.save(os.path.join(job.job_dir, "features.npy"), features)
+    served_elsewhere = subprocess.run([sys.executable, "-c", SERVE_IN_A_FRESH_PROCESS, uri, result["model_uri"], job.job_dir],
+                                      capture_output=True, text=True, timeout=300)
+    assert served_elsewhere.returncode == 0, served_elsewhere.stderr[-3000:]
+    np.testing.assert_allclose(np.load(os.path.join(job.job_dir, "served.npy")), reference, rtol=1e-5, atol=1e-6)
     gate_model = load_weights(result["model_uri"], model_def, uri)  # what the gate judges
     np.testing.assert_allclose(gate_model.predict(features), reference, rtol=1e-5, atol=1e-6)
     # the master's test evaluation looked the rows up in the shards' snapshots too

@@ -11,11 +11,16 @@ network's outputs.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 
 import mlflow.pyfunc
 import numpy as np
 
+from elastic_step.data.manifest import MANIFEST_NAME, load_manifest
+from elastic_step.data.stores import resolve
 from elastic_step.ps.embedding import read_rows_from, trainer_network
 from elastic_step.ps.shard_tables import SHARDS_FOLDER, ShardTables
 
@@ -35,8 +40,26 @@ def sharded_trainer(model_def_source: str, weights_file: str, shards_folder: str
     return trainer
 
 
+def save_dataset_specs(manifest, folder: str) -> str:
+    """The dataset's manifest and vocabulary files, not its shards: a model definition may size
+    its tables from the dataset's specs (SparseFeatures.num_ids), and a serving process has no
+    dataset of its own to load them from."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, MANIFEST_NAME), "w", encoding="utf-8") as f:
+        json.dump(manifest.to_json(), f)
+    for spec in manifest.categorical.values():
+        if spec.vocabulary_file:  # a large vocabulary lives beside the manifest
+            fs, path, _ = resolve(manifest.root.rstrip("/") + "/" + spec.vocabulary_file)
+            target = os.path.join(folder, spec.vocabulary_file)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with fs.open(path, "rb") as source, open(target, "wb") as copy:
+                shutil.copyfileobj(source, copy)
+    return folder
+
+
 class ShardedTablesModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
+        load_manifest(context.artifacts["dataset"])  # first: the network may be sized by its specs
         self.trainer = sharded_trainer(context.model_config["model_def"], context.artifacts["weights"],
                                        context.artifacts["shards"])
 
@@ -44,17 +67,20 @@ class ShardedTablesModel(mlflow.pyfunc.PythonModel):
         return self.trainer.predict(np.asarray(model_input))
 
 
-def log_sharded_model(model_dir: str, model_def_source: str, input_example: np.ndarray, signature):
-    """Log the pyfunc model (in the active run) from a job's model folder: its weights file and
-    its shards' folder, both copied into the model."""
+def log_sharded_model(model_dir: str, model_def_source: str, input_example: np.ndarray, signature, manifest):
+    """Log the pyfunc model (in the active run) from a job's model folder: its weights file, its
+    shards' folder and the dataset's specs (`manifest`'s), all copied into the model."""
     from elastic_step import __version__
 
-    return mlflow.pyfunc.log_model(
-        name="model",
-        python_model=CODE_FILE,
-        artifacts={"weights": os.path.join(model_dir, "model.bin"), "shards": os.path.join(model_dir, SHARDS_FOLDER)},
-        model_config={"model_def": model_def_source},
-        signature=signature,
-        input_example=input_example,
-        pip_requirements=[f"elastic-step=={__version__}", f"numpy=={np.__version__}"],
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        artifacts = {"weights": os.path.join(model_dir, "model.bin"), "shards": os.path.join(model_dir, SHARDS_FOLDER),
+                     "dataset": save_dataset_specs(manifest, os.path.join(tmp, "dataset"))}
+        return mlflow.pyfunc.log_model(
+            name="model",
+            python_model=CODE_FILE,
+            artifacts=artifacts,
+            model_config={"model_def": model_def_source},
+            signature=signature,
+            input_example=input_example,
+            pip_requirements=[f"elastic-step=={__version__}", f"numpy=={np.__version__}"],
+        )
