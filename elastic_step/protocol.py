@@ -486,6 +486,7 @@ class PsShardStatus(Status):
     rows: int = 0  # embedding rows it holds, over all its tables
     bytes: int = 0  # what those rows and their optimizer slots take
     pushes: int = 0  # pushes applied (each once), over all its tables
+    updates_per_s: float | None = None  # pushes applied per second between its last two polls; None before a second one
     relaunches: int = 0
 
 

@@ -315,6 +315,8 @@ def shards_shown_after_the_job(job_dir: str, address: str, counters: Counter) ->
     for shard in shards:
         logged = client.get_metric_history(run_id, f"ps.shard{shard['shard']}.pushes")
         assert logged and max(logged, key=lambda m: m.step).value == shard["pushes"] > 0, (shard, logged)
+        rates = [m.value for m in client.get_metric_history(run_id, f"ps.shard{shard['shard']}.updates_per_s")]
+        assert rates and min(rates) >= 0 and max(rates) > 0, (shard, rates)
     console = Console(width=200, record=True)
     console.print(job_tables(view))
     text = console.export_text()

@@ -166,3 +166,68 @@ def test_scale_on_kubernetes_reaches_the_master_through_its_status_configmap(tmp
     assert len(state.events.of(EventKind.SCALED)) == 1
     assert json.loads(api.config_maps[backend.names.status_map].data[STATUS_KEY])["status"]["target_workers"] == 2
     backend.shutdown(grace_s=0)
+
+
+class ShardsOfTheJob:
+    """The master's ShardMonitor as `scale --ps` reaches it: its rows in the status, and a scale
+    that answers as the real one does (what moved, ps/moves.py; ValueError when it cannot)."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.asked: list[int] = []
+
+    def rows(self) -> list[dict]:
+        return [{"shard": i, "address": f"10.0.0.{i}:7460", "state": "serving"} for i in range(self.count)]
+
+    def scale(self, shards: int) -> dict:
+        self.asked.append(shards)
+        if shards == self.count:
+            raise ValueError(f"the job already runs {shards} parameter-server shards")
+        self.count = shards
+        return {"epoch": len(self.asked), "virtual_shards": 128, "moved": 42, "rows_total": 9000, "rows_moved": 2950,
+                "seconds": 1.25, "pause_max_s": 0.031, "pause_mean_s": 0.01}
+
+
+def test_scale_ps_on_kubernetes_reaches_the_master_through_its_status_configmap(tmp_path, api, monkeypatch, capsys):
+    """`elastic-step scale JOB --ps N --backend kubernetes`: the request (an annotation naming it)
+    is taken in by the master's next publish, the rows move on a thread of their own, and the
+    command prints what moved from the answer the master publishes; a refusal is one line, exit 2,
+    and asking the same count again is a new request, answered again."""
+    from elastic_step.cli import main as cli_main
+
+    monkeypatch.setattr("elastic_step.operate.kubernetes.core_api", lambda: api)
+    monkeypatch.setattr("elastic_step.operate.ps_scale.POLL_S", 0.05)
+    monkeypatch.setattr("elastic_step.operate.ps_scale.ANSWER_TIMEOUT_S", 20.0)  # a request the master never answers fails the test
+    state, backend, publisher = running_job(tmp_path, api)
+    state.ps_shards = shards = ShardsOfTheJob(2)
+    publisher.interval_s = 0.05
+    publisher.start()
+    try:
+        scale = ["scale", backend.names.instance, "--ps", "3", "--backend", "kubernetes", "-n", "ml"]
+        assert cli_main(scale) == 0
+        assert capsys.readouterr().out.strip() == (
+            f"job {state.status()['job']} runs 3 parameter-server shards (routing epoch 1): moved 42 of 128 virtual shards, 2950 of 9000 rows, "
+            "in 1.25 s; each moved virtual shard paused at most 0.03 s")
+        assert cli_main(scale) == 2
+        said = capsys.readouterr().err.strip()
+        assert len(said.splitlines()) == 1 and "cannot run 3 parameter-server shards: the job already runs 3" in said, said
+        assert shards.asked == [3, 3]
+        time.sleep(0.3)  # more publishes: each request is taken once
+        assert shards.asked == [3, 3]
+    finally:
+        publisher.close()
+        backend.shutdown(grace_s=0)
+
+
+def test_scale_ps_of_a_job_without_shards_on_kubernetes_is_refused_before_anything_is_asked(tmp_path, api, monkeypatch, capsys):
+    from elastic_step.backends.kubernetes.manifests import PS_SCALE_ANNOTATION
+    from elastic_step.cli import main as cli_main
+
+    monkeypatch.setattr("elastic_step.operate.kubernetes.core_api", lambda: api)
+    state, backend, publisher = running_job(tmp_path, api)  # a dense job: no parameter-server shards
+    publisher.publish_once()
+    assert cli_main(["scale", backend.names.instance, "--ps", "3", "--backend", "kubernetes", "-n", "ml"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert len(said.splitlines()) == 1 and "has no parameter-server shards" in said, said
+    assert PS_SCALE_ANNOTATION not in (api.config_maps[backend.names.status_map].metadata.annotations or {})
+    backend.shutdown(grace_s=0)

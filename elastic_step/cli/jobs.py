@@ -16,7 +16,7 @@ def register(sub) -> None:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--workers", type=int, metavar="N", help="the number of workers to run from now on")
     size.add_argument("--ps", type=int, metavar="N", help="the number of parameter-server shards to run from now on "
-                      "(a --mode ps job, local backend): moves only the rows that change shard, no worker restarts")
+                      "(a --mode ps job): moves only the rows that change shard, no worker restarts")
     p.set_defaults(func=scale)
     p = sub.add_parser("delete", help="delete a submitted job and everything it made (pods, ConfigMaps, Secrets, "
                                       "NetworkPolicies with its label)")

@@ -88,10 +88,12 @@ def worker_table(rows: list[dict]) -> Table:
 def ps_shard_table(rows: list[dict]) -> Table:
     """A --mode ps job's parameter-server shards: where each listens, what it holds and did."""
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("PS SHARD", "ADDRESS", "STATE", "ROWS", "MEMORY", "PUSHES", "RELAUNCHES"):
+    for column in ("PS SHARD", "ADDRESS", "STATE", "ROWS", "MEMORY", "PUSHES", "UPDATES/S", "RELAUNCHES"):
         table.add_column(column, no_wrap=True)
     for r in rows:
-        row(table, str(r["shard"]), r["address"], r["state"], str(r["rows"]), size(r["bytes"]), str(r["pushes"]), str(r["relaunches"]))
+        rate = "-" if r.get("updates_per_s") is None else f"{r['updates_per_s']:.1f}"
+        row(table, str(r["shard"]), r["address"], r["state"], str(r["rows"]), size(r["bytes"]), str(r["pushes"]), rate,
+            str(r["relaunches"]))
     return table
 
 

@@ -17,7 +17,8 @@ moving only the virtual shards that change owner (ps/moves.py); the workers lear
 routing from the shards' refusals of the old epoch and no worker restarts.
 
 `get`, `top` and /status show each shard (ShardMonitor: its address, state, rows, bytes, pushes
-applied and relaunches), and the job's MLflow run gets each shard's numbers as ps.shardI.*.
+applied, updates per second and relaunches), and the job's MLflow run gets each shard's numbers
+as ps.shardI.*.
 """
 
 from __future__ import annotations
@@ -392,18 +393,24 @@ class ShardMonitor:
     """Each shard's numbers for /status and the MLflow run: its `stats` asked every STATS_S on
     this thread (never under the master's lock; a shard that does not answer keeps its last
     numbers), its state and relaunches from the supervisor. Logged as ps.shardI.rows, .bytes
-    and .pushes (their sums over the shard's tables), the poll's count as the metric's step."""
+    and .pushes (their sums over the shard's tables), and .updates_per_s (the pushes it applied
+    since its previous answered poll over the seconds between them), the poll's count as the
+    metric's step."""
 
     STATS_S = 2.0
     CUT_WAIT_S = 120.0  # a scale --ps waits this long for a checkpoint's cut or a rollback to let go of the shards
 
-    def __init__(self, supervisor: ShardSupervisor, token: str, metric: Metric | None = None, events: EventLog | None = None):
+    def __init__(self, supervisor: ShardSupervisor, token: str, metric: Metric | None = None, events: EventLog | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.supervisor = supervisor
         self.metric = metric
         self.events = events  # the job's: each scale --ps is recorded there (get -e)
         self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
         self.client = PsClient(token, lambda: None, timeout_s=5.0)  # call() only: no routing needed
         self.numbers = [{"rows": 0, "bytes": 0, "pushes": 0} for _ in self.addresses]
+        self.clock = clock  # monotonic: a rate must not jump with the wall clock
+        self.answered: list[tuple[int, float] | None] = [None for _ in self.addresses]  # (pushes, clock) at its last answer
+        self.rates: list[float | None] = [None for _ in self.addresses]  # updates/s between its last two answers
         self.polls = 0
         self.stopping = threading.Event()
         self.scaling = threading.Lock()  # the shards' rows are being moved or cut: one at a time
@@ -461,6 +468,9 @@ class ShardMonitor:
         self.numbers = self.numbers + [{"rows": 0, "bytes": 0, "pushes": 0} for _ in range(shards)]  # then cut: a poll may run
         self.follow()
         self.numbers = self.numbers[:shards]
+        # The moved rows took their applied pushes with them: no shard's count since its last poll is its updates.
+        self.answered = [None] * shards
+        self.rates = [None] * shards
         moved = report.to_json()
         # what get -e shows (one line): the rows moved and the longest a moved virtual shard was refused
         self._event(EventKind.PS_SCALE_FINISHED, ok=True, **sizes, rows_moved=report.rows_moved, rows_total=report.rows_total,
@@ -494,9 +504,9 @@ class ShardMonitor:
 
     def rows(self) -> list[dict]:
         """One PsShardStatus each, as of the last poll."""
-        rows = zip(self.addresses, self.supervisor.states, self.numbers, self.supervisor.relaunches)  # zip: a scale may be resizing them
-        return [{"shard": i, "address": address, "state": state, **numbers, "relaunches": relaunches}
-                for i, (address, state, numbers, relaunches) in enumerate(rows)]
+        rows = zip(self.addresses, self.supervisor.states, self.numbers, self.rates, self.supervisor.relaunches)  # zip: a scale may be resizing them
+        return [{"shard": i, "address": address, "state": state, **numbers, "updates_per_s": rate, "relaunches": relaunches}
+                for i, (address, state, numbers, rate, relaunches) in enumerate(rows)]
 
     def poll(self) -> None:
         self.polls += 1
@@ -504,19 +514,42 @@ class ShardMonitor:
         for i, address in enumerate(self.addresses):
             try:
                 reply = self._stats(address)
-            except (OSError, ValueError) as exc:  # down or relaunching: its last numbers stand
+            except (OSError, ValueError) as exc:  # down or relaunching: its last numbers stand, but not its rate
                 log.debug("parameter-server shard %d did not answer its stats: %s", i, exc)
+                self._unanswered(i)
                 continue
             if reply.get("status") != Status.OK:
                 log.debug("parameter-server shard %d refused its stats: %s", i, reply.get("detail"))
+                self._unanswered(i)
                 continue
             tables = reply.get("tables", {}).values()
             if i >= len(self.numbers):  # removed by a scale --ps meanwhile
                 break
             self.numbers[i] = {key: sum(int(t[key]) for t in tables) for key in ("rows", "bytes", "pushes")}
+            self._rate(i, self.numbers[i]["pushes"])
             if self.metric is not None:
-                for key, value in self.numbers[i].items():
-                    self.metric(f"ps.shard{i}.{key}", value, self.polls, now)
+                logged = {**self.numbers[i], "updates_per_s": self.rates[i]}
+                for key, value in logged.items():
+                    if value is not None:
+                        self.metric(f"ps.shard{i}.{key}", value, self.polls, now)
+
+    def _unanswered(self, i: int) -> None:
+        """A shard that does not answer applies nothing we can see; its next answer's rate spans the gap."""
+        if i < len(self.rates):
+            self.rates[i] = None
+
+    def _rate(self, i: int, pushes: int) -> None:
+        """Shard i's updates per second since its previous answer. None after its first answer,
+        and when its count went down (a shard relaunched without its rows, or put back to a
+        checkpoint's cut by a rollback): no negative rate."""
+        now = self.clock()
+        before = self.answered[i] if i < len(self.answered) else None
+        rate = None
+        if before is not None and pushes >= before[0] and now > before[1]:
+            rate = (pushes - before[0]) / (now - before[1])
+        if i < len(self.answered):  # a scale --ps may have cut the lists meanwhile
+            self.answered[i] = (pushes, now)
+            self.rates[i] = rate
 
     def _stats(self, address: str) -> dict:
         """A shard's stats, asked again once on a new connection when the kept one fails: a shard

@@ -52,6 +52,10 @@ class StatusPublisher:
         self.stop_taken = False
         self.stop_refused = ""  # why a requested stop cannot be done, for the operator's `stop`
         self.workers_taken: str | None = None  # the operator's last `scale` request taken in
+        self.ps_taken: str | None = None  # the operator's last `scale --ps` request taken in
+        # Its answer, published for the operator's `scale --ps` to wait on: {"request", "shards"}
+        # while the rows move, then with "moved" (what moved) or "refused" (why not).
+        self.ps_scale: dict | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="status-publisher", daemon=True)
 
@@ -79,6 +83,8 @@ class StatusPublisher:
                     "events_next": count, "history": history[::-stride][::-1]}  # the newest point always
         if self.stop_refused:
             document["stop_refused"] = self.stop_refused
+        if self.ps_scale is not None:
+            document["ps_scale"] = self.ps_scale
         requests = self.backend.publish(within(document))
         if "stop" in requests and not self.stop_taken:
             self.stop_taken = True  # the annotation stays; one request is enough
@@ -90,6 +96,8 @@ class StatusPublisher:
                 log.warning("the operator asked for a stop, which cannot be done: %s", exc)
         if requests.get("workers") not in (None, self.workers_taken):
             self._scale(requests["workers"])
+        if requests.get("ps_shards") not in (None, self.ps_taken):
+            self._scale_ps(requests["ps_shards"])
 
     def _scale(self, requested: str) -> None:
         """The operator's `scale`: taken once per value (the annotation stays until the next)."""
@@ -99,3 +107,36 @@ class StatusPublisher:
             log.info("scaled to %s workers by the operator (the job's status ConfigMap)", requested)
         except ValueError as exc:  # not a number, outside the job's range, or the job has ended
             log.warning("the operator asked for %r workers, which cannot be done: %s", requested, exc)
+
+    def _scale_ps(self, requested: str) -> None:
+        """The operator's `scale --ps` ("SHARDS/REQUEST"), taken once per request. The rows move on
+        a thread of their own: a move takes a while, and the status goes on being published meanwhile."""
+        self.ps_taken = requested
+        count, _, request = requested.partition("/")
+        self.ps_scale = {"request": request, "shards": count}
+        monitor = self.state.ps_shards  # master/ps_shards.py's ShardMonitor; None unless --mode ps
+        if monitor is None:
+            self._ps_answer(request, refused="this job has no parameter-server shards: scale --ps is for a --mode ps job")
+        elif not count.isdigit():
+            self._ps_answer(request, refused=f"{count!r} is not a number of shards")
+        else:
+            threading.Thread(target=self._move, args=(monitor, int(count), request), name="ps-scale", daemon=True).start()
+
+    def _move(self, monitor, shards: int, request: str) -> None:
+        try:
+            moved = monitor.scale(shards)
+        except ValueError as exc:  # the same count, a shard down, another scale under way, the job ending
+            self._ps_answer(request, refused=str(exc))
+            return
+        except Exception as exc:  # a bug: logged with its trace, and the operator is not left waiting
+            log.exception("scaling the parameter-server shards failed")
+            self._ps_answer(request, refused=f"the move failed ({type(exc).__name__}: {exc}); see the master's log")
+            return
+        log.info("scaled to %d parameter-server shards by the operator (the job's status ConfigMap)", shards)
+        self._ps_answer(request, moved=moved)
+
+    def _ps_answer(self, request: str, **answer) -> None:
+        if "refused" in answer:
+            log.warning("the operator asked for other parameter-server shards, which cannot be done: %s", answer["refused"])
+        if self.ps_scale is not None and self.ps_scale["request"] == request:  # not overtaken by a newer request
+            self.ps_scale = {**self.ps_scale, **answer}

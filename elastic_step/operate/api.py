@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+PS_MOVE_TIMEOUT_S = 600.0  # `scale --ps`: moving a large table's rows takes a while; the master answers once done
 
 @dataclass(frozen=True)
 class LogRequest:
@@ -57,6 +58,11 @@ class JobOperator(ABC):
     @abstractmethod
     def scale(self, job: str, workers: int) -> str:
         """Ask the job to run `workers` workers; what was asked, for people."""
+
+    @abstractmethod
+    def scale_ps(self, job: str, shards: int) -> dict:
+        """Ask a --mode ps job to run `shards` parameter-server shards and wait until its master
+        has moved the rows: {"job": its name, "ps_scale": what moved (ps/moves.py's MoveReport)}."""
 
     @abstractmethod
     def log_lines(self, job: str, request: LogRequest) -> Iterator[str]:

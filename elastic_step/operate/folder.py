@@ -133,10 +133,12 @@ def worker_rows(status: dict, now: float) -> list[dict]:
 
 def ps_shard_rows(status: dict, live: bool) -> list[dict]:
     """One row per parameter-server shard, as the master last polled it; an ended job's shards
-    are stopped with it (their last numbers stand)."""
-    keys = ("shard", "address", "state", "rows", "bytes", "pushes", "relaunches")
+    are stopped with it (their last numbers stand; they update nothing more)."""
+    keys = ("shard", "address", "state", "rows", "bytes", "pushes", "updates_per_s", "relaunches")
     rows = [{k: s.get(k) for k in keys} for s in status.get("ps_shards", [])]
     for r in rows:
+        if not live:
+            r["updates_per_s"] = None
         if not live and r["state"] != "down":
             r["state"] = "ended"
     return rows

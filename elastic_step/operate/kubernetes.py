@@ -1,6 +1,7 @@
 """Jobs on Kubernetes, read and steered with the caller's own credentials (kubeconfig or
 in-cluster; deploy/operator's Role): a job's status ConfigMap, which its master keeps current
-and takes a stop request from, and its pods and their logs (statusmap.py, pods.py)."""
+and takes a stop or scale request from, and its pods and their logs (statusmap.py, ps_scale.py,
+pods.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Callable, Iterator
 from elastic_step.errors import ElasticStepError
 from elastic_step.operate.api import JobOperator, LivePage, LogRequest
 from elastic_step.operate.pods import WORKER_CONTAINER, master_pod, pod_log, worker_pod
+from elastic_step.operate.ps_scale import scale_ps_kubernetes
 from elastic_step.operate.statusmap import (core_api, current_namespace, kubernetes_view, list_kubernetes, published_document,
                                             published_job, scale_kubernetes, status_map, stop_kubernetes, where_of)
 
@@ -36,6 +38,9 @@ class KubernetesJobs(JobOperator):
 
     def scale(self, job: str, workers: int) -> str:
         return scale_kubernetes(job, self.namespace, workers, api=self.api)
+
+    def scale_ps(self, job: str, shards: int) -> dict:
+        return scale_ps_kubernetes(job, self.namespace, shards, api=self.api)
 
     def log_lines(self, job: str, request: LogRequest) -> Iterator[str]:
         if request.worker is None:

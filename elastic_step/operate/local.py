@@ -8,7 +8,7 @@ import time
 from typing import Callable, Iterator
 
 from elastic_step.errors import ElasticStepError
-from elastic_step.operate.api import JobOperator, LivePage, LogRequest
+from elastic_step.operate.api import PS_MOVE_TIMEOUT_S, JobOperator, LivePage, LogRequest
 from elastic_step.operate.client import JobClient
 from elastic_step.operate.folder import find_job, job_view, list_local, load_job
 from elastic_step.operate.logfiles import follow, log_path, read_log
@@ -45,9 +45,13 @@ class LocalJobs(JobOperator):
         status = self._ask(self.locate(job), lambda client: client.scale(workers))
         return f"scaling job {status['job']} to {status['target_workers']} workers"
 
+    def scale_ps(self, job: str, shards: int) -> dict:
+        status = self._ask(self.locate(job), lambda client: client.scale_ps(shards), timeout_s=PS_MOVE_TIMEOUT_S)
+        return {"job": status["job"], "ps_scale": status["ps_scale"]}
+
     @staticmethod
-    def _ask(job_dir: str, call) -> dict:
-        client = JobClient(job_dir)
+    def _ask(job_dir: str, call, timeout_s: float = 5.0) -> dict:
+        client = JobClient(job_dir, timeout_s=timeout_s)
         try:
             return call(client)
         finally:
