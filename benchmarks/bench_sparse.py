@@ -20,7 +20,7 @@ a whole job (no master, no allreduce: the step a PS-mode worker runs, alone).
 of the rows held (target <= 1/N + 5%), how long a moved virtual shard was refused, the longest
 step the training process saw during the move, and that the step count's pushes all landed.
 
-    .venv/bin/python benchmarks/bench_sparse.py --ids 1000000 --batches 200 --batch 512
+    .venv/bin/python benchmarks/bench_sparse.py --ids 1000000 --batches 200 --batch 512 --repeats 3
     .venv/bin/python benchmarks/bench_sparse.py --scale-only --ids 1000000 --batches 300
 """
 
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -120,9 +120,9 @@ def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool, ids: int
 
 def in_process_rate(data, root: str, shards: int, ids: int) -> float:
     """The same step with the shards' state in this process (ShardState, fsync'd ledger): the
-    cost of the table's own code, without the processes and the network. Each shard's part of a
-    push runs on a thread of its own, as shard processes apply and fsync their parts side by side
-    (numpy and fsync release the GIL: the two fsyncs overlap, the Python around them does not)."""
+    cost of the table's own code, without the processes and the network. The shards' parts of a
+    push are applied one after the other, their fsyncs too (a thread per shard, to overlap the
+    fsyncs as shard processes do, measured slower: the threads' numpy and Python wait on the GIL)."""
     torch.manual_seed(0)
     net = DeepFM(FIELDS, 2 * DENSE, rows=ids)  # the table's size, as the peer's nn.Embedding has it
     table = ps_tables(net)[0]
@@ -143,22 +143,18 @@ def in_process_rate(data, root: str, shards: int, ids: int) -> float:
     table.source = pull
     dense, seq = dense_optimizer(net), iter(range(10**9))
 
-    def push(shard, key, ids, grads):
-        states[shard].push(LedgerRecord(TABLE, 0, key, 0, ids, grads))
-
     def step(x, y):
         dense.zero_grad()
         table.forget()
         nn.functional.binary_cross_entropy_with_logits(net(x), y).backward()
         pushed_ids, grads = table.take_gradients()
         owner, key = routing.shard_of(pushed_ids), next(seq)
-        parts = [(shard, key, pushed_ids[owner == shard], grads[owner == shard]) for shard in np.unique(owner)]
-        for done in [pool.submit(push, *part) for part in parts]:
-            done.result()
+        for shard in np.unique(owner):
+            mine = owner == shard
+            states[shard].push(LedgerRecord(TABLE, 0, key, 0, pushed_ids[mine], grads[mine]))
         dense.step()
 
-    with ThreadPoolExecutor(max_workers=shards) as pool:
-        return _timed(step, data)
+    return _timed(step, data)
 
 
 def scale_figure(data, root: str, token_file: str, shards: int, ids: int) -> dict:
@@ -222,6 +218,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512, help="rows per step")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for both)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every variant, alternating (medians printed)")
     parser.add_argument("--scale", action="store_true", help="also resize the shards to --shards + 1 midway (scale --ps)")
     parser.add_argument("--scale-only", action="store_true", help="only the resize figure")
     args = parser.parse_args()
@@ -242,15 +239,31 @@ def main() -> None:
             print_scale(scale_figure(data, root, token_file, args.shards, args.ids), args.shards)
         if args.scale_only:
             return
-        ours = ps_rate(data, root, token_file, args.shards, fsync=True, ids=args.ids)
-        unsynced = ps_rate(data, root, token_file, args.shards, fsync=False, ids=args.ids)
-        in_process = in_process_rate(data, root, args.shards, args.ids)
-        peer = peer_rate(data, args.ids)
-    print(f"  peer, single-process PyTorch (nn.Embedding sparse + Adagrad): {peer:,.0f} rows/s")
-    print(f"  elastic-step, {args.shards} local shards, fsync'd ledger: {ours:,.0f} rows/s ({ours / peer:.2f}x the peer)")
-    print(f"  elastic-step, the {args.shards} shards' state in-process (fsync'd ledger): {in_process:,.0f} rows/s "
-          f"({in_process / peer:.2f}x the peer)")
-    print(f"  elastic-step without fsync: {unsynced:,.0f} rows/s; the ledger's cost {1 - ours / unsynced:.1%}")
+        runs: dict[str, list[float]] = {"ours": [], "unsynced": [], "in_process": [], "peer": []}
+        for repeat in range(args.repeats):  # each repeat runs every variant, so a slow minute hits all of them
+            folder = os.path.join(root, f"repeat-{repeat}")
+            os.makedirs(folder)
+            runs["ours"].append(ps_rate(data, folder, token_file, args.shards, fsync=True, ids=args.ids))
+            runs["unsynced"].append(ps_rate(data, folder, token_file, args.shards, fsync=False, ids=args.ids))
+            runs["in_process"].append(in_process_rate(data, folder, args.shards, args.ids))
+            runs["peer"].append(peer_rate(data, args.ids))
+    print_rates(runs, args.shards)
+
+
+def print_rates(runs: dict[str, list[float]], shards: int) -> None:
+    """Medians, each repeat's figure, and the ratios to the peer of the same repeat (their median)."""
+    def line(name: str) -> str:
+        return f"{statistics.median(runs[name]):,.0f} rows/s ({', '.join(f'{r:,.0f}' for r in runs[name])})"
+
+    def ratio(name: str, to: str = "peer") -> str:
+        each = [ours / theirs for ours, theirs in zip(runs[name], runs[to])]
+        return f"{statistics.median(each):.2f}x ({', '.join(f'{r:.2f}' for r in each)})"
+
+    print(f"  peer, single-process PyTorch (nn.Embedding sparse + Adagrad): {line('peer')}")
+    print(f"  elastic-step, {shards} local shards, fsync'd ledger: {line('ours')}: {ratio('ours')} the peer")
+    print(f"  elastic-step, the {shards} shards' state in-process (fsync'd ledger): {line('in_process')}: "
+          f"{ratio('in_process')} the peer")
+    print(f"  elastic-step without fsync: {line('unsynced')}; with fsync {ratio('ours', 'unsynced')} of that")
 
 
 def print_scale(report: dict, shards: int) -> None:
