@@ -59,6 +59,28 @@ def test_pulled_rows_and_merged_gradients_are_nn_embeddings():
     assert table.take_gradients() is None  # taken once
 
 
+def test_a_dense_weight_a_model_puts_on_the_shards_pushes_its_whole_gradient_and_is_no_parameter():
+    """PsWeight: a model keeps a dense weight on the shards (not in the allreduce): every forward
+    pulls all its rows, and the push carries the gradient torch gives the same weight in place."""
+    from elastic_step.master.ps_shards import table_specs
+    from elastic_step.ps.torch_embedding import PsWeight
+
+    torch.manual_seed(0)
+    weight = PsWeight("dense_out", 3, 5)
+    net = torch.nn.ModuleDict({"out": weight, "hidden": torch.nn.Linear(5, 5)})
+    reference = torch.nn.Parameter(torch.empty(3, 5).uniform_(-0.5, 0.5))
+    weight.table.source = lambda ids: reference.detach().numpy()[ids]
+    x = torch.randn(8, 5)
+    (net["hidden"](x) @ weight().T).pow(2).sum().backward()
+    (net["hidden"](x) @ reference.T).pow(2).sum().backward()
+    ids, grads = weight.table.take_gradients()
+    np.testing.assert_allclose(grads[np.argsort(ids)], reference.grad.numpy(), rtol=1e-5)
+    assert sorted(ids.tolist()) == [0, 1, 2]
+    assert [name for name, _ in net.named_parameters()] == ["hidden.weight", "hidden.bias"]  # not allreduced
+    spec, = table_specs("dense_on_ps.py", net=net)
+    assert (spec.name, spec.rows, spec.dim, spec.init_scale) == ("dense_out", 3, 5, pytest.approx(5 ** -0.5))
+
+
 def test_a_frozen_table_is_plain_torch_and_exported_whole():
     table = PsEmbedding("frozen_t", 2)
     freeze_tables({"frozen_t": (np.array([10, 2, 7]), np.array([[1, 1], [2, 2], [3, 3]], np.float32))})

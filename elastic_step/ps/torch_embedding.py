@@ -16,6 +16,7 @@ Only this module of elastic_step.ps imports torch.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -27,7 +28,7 @@ from elastic_step.ps.embedding import (RowSource, TableRows, bind_tables, freeze
                                        on_freeze)
 from elastic_step.ps.embedding import ps_tables as _ps_tables
 
-__all__ = ["PsEmbedding", "bind_tables", "freeze_tables", "ps_tables"]
+__all__ = ["PsEmbedding", "PsWeight", "bind_tables", "freeze_tables", "ps_tables"]
 
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()  # every PsEmbedding of this process, for freeze_tables
 
@@ -114,6 +115,30 @@ class PsEmbedding(nn.Module):
 
     def forget(self) -> None:
         self.ps_table.forget()
+
+
+class PsWeight(nn.Module):
+    """A dense weight (rows x cols) on the parameter-server shards instead of the workers'
+    allreduce, where a model chooses: a weight too large to sum every step, or one it wants
+    updated by the shards' optimizer. It is a table of `rows` rows whose ids are the row indices,
+    so it has what a table has (exactly-once pushes, the ledger, snapshots, moves, checkpoint
+    cuts, export); each training forward pulls the whole weight, as every batch uses every row.
+
+        self.weight = PsWeight("wide_out", 10, 4096)  # as nn.Linear(4096, 10)'s weight
+        ...
+        return x @ self.weight().T
+    """
+
+    def __init__(self, name: str, rows: int, cols: int, optimizer: str = "adagrad", lr: float = 0.01, seed: int = 0,
+                 init_scale: float | None = None):
+        super().__init__()
+        # nn.Linear's default bound, 1/sqrt(fan_in), unless the model says otherwise
+        scale = 1.0 / math.sqrt(cols) if init_scale is None else init_scale
+        self.table = PsEmbedding(name, cols, optimizer, lr=lr, seed=seed, init_scale=scale, rows=rows)
+        self.register_buffer("row_ids", torch.arange(rows), persistent=False)
+
+    def forward(self) -> torch.Tensor:
+        return self.table(self.row_ids)
 
 
 def ps_tables(net: nn.Module) -> list[PsEmbedding]:
