@@ -73,7 +73,8 @@ def measure(kind: str, rows: int) -> None:
         held = {i * 7919: np.zeros(32, np.float32) for i in range(rows)}
         accounted = 0
     else:
-        held = EmbeddingTable(TableSpec("t", 16, OptimizerKind.ADAGRAD, capacity=rows if kind == "declared" else 0))
+        declared = rows if kind == "declared" else 0  # a declared table's shard reserves its share up front
+        held = EmbeddingTable(TableSpec("t", 16, OptimizerKind.ADAGRAD, rows=declared), reserve=declared)
         fill(held, rows)
         accounted = held.nbytes
     seconds = time.perf_counter() - start
@@ -134,7 +135,7 @@ def in_process(root: str, batches: list[np.ndarray]) -> float:
 
 
 def kill_recovery(root: str, token_file: str, rows: int, kills: int) -> None:
-    spec = TableSpec("t", 16, capacity=rows)
+    spec = TableSpec("t", 16, rows=rows)  # declared: the one shard reserves it (state.reserved_rows)
     shards = LocalShards(os.path.join(root, "kill"), [spec], 1, token_file, snapshot_every=10**9)
     shards.start()
     shard, client = shards.shards[0], PsClient(TOKEN, shards.routes)
@@ -173,8 +174,9 @@ def peak_rss(pid: int | str = "self") -> int:
 
 def table_no_worker_holds(root: str, token_file: str, rows: int, shards: int, batch: int = 250_000) -> None:
     """Every one of `rows` ids pulled once (a pull makes a row), from this process, over `shards`
-    shard processes whose declared capacity is their share; then each one's peak RSS and ours."""
-    spec = TableSpec("t", 16, OptimizerKind.ADAGRAD, capacity=int(rows / shards * 1.02))  # the hash's imbalance
+    shard processes of a table declared with `rows` rows, each reserving its share (with the
+    room sizing.RESERVE_SLACK gives for the hash's imbalance); then each one's peak RSS and ours."""
+    spec = TableSpec("t", 16, OptimizerKind.ADAGRAD, rows=rows)
     local = LocalShards(os.path.join(root, "big"), [spec], shards, token_file, snapshot_every=10**9, fsync=False)
     local.start()
     client = PsClient(TOKEN, local.routes)
