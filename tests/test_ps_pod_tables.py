@@ -3,7 +3,7 @@ with real shard processes standing in for the shard pods: the master reaches the
 shard protocol, as it reaches pods, never through their folders. Up to --ps-table-limit-mb it
 holds the tables whole; past it the shards' snapshots come over the wire into
 JOB_DIR/model/ps_shards, laid out as the local backend lays them out, and the master's models
-look their rows up there."""
+look their rows up there. A snapshot crosses in parts, and one replaced mid-copy is refused."""
 
 from __future__ import annotations
 
@@ -104,3 +104,51 @@ def test_a_backend_that_runs_the_shards_is_handed_the_jobs_table_limit(tmp_path,
     with ExitStack() as running, pytest.raises(Started) as started:
         ps_shards.start_ps_shards(config, str(tmp_path / "token"), running, launcher=Launcher())
     assert started.value.args[0]["table_limit_mb"] == 7.5
+
+
+def test_a_snapshot_comes_from_a_pod_in_parts_whole_and_one_replaced_mid_copy_is_refused(tmp_path, monkeypatch):
+    """fetch_snapshot against a shard served in this process, its frames cut to 64 bytes: the
+    copy is the shard's snapshot byte for byte; one whose file a later snapshot replaces between
+    two parts is refused (PsError), not pieced together from two snapshots."""
+    import threading
+
+    from elastic_step.backends.kubernetes.ps_pod_shards import fetch_snapshot
+    from elastic_step.ps import cuts
+    from elastic_step.ps.api import PsError
+    from elastic_step.ps.ledger import LedgerRecord
+    from elastic_step.ps.routing import RoutingTable
+    from elastic_step.ps.shard import ShardServer
+    from elastic_step.ps.state import SNAPSHOT_FILE, ShardState
+
+    monkeypatch.setattr(cuts, "FILE_CHUNK", 64)
+    (tmp_path / "shard").mkdir()
+    state = ShardState(str(tmp_path / "shard"), SPECS, 0, RoutingTable.initial(1), snapshot_every=100_000, sync=False)
+    state.recover()
+    ids = np.arange(40, dtype=np.int64)
+    state.push(LedgerRecord("pod_clicks", 1, 0, 0, ids, np.ones((40, 4), np.float32)))
+    server = ShardServer(("127.0.0.1", 0), state, TOKEN)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    shard = PodShard(0, "127.0.0.1", server.server_address[1])
+    client = PsClient(TOKEN, lambda: None, timeout_s=10.0)
+    try:
+        fetch_snapshot(client, shard, str(tmp_path / "copy.bin"))
+        copied = (tmp_path / "copy.bin").read_bytes()
+        assert len(copied) > 10 * 64 and copied == (tmp_path / "shard" / SNAPSHOT_FILE).read_bytes()
+
+        asked = client.call
+
+        def snapshot_again_after_a_part(endpoint, header, *arrays):
+            answer = asked(endpoint, header, *arrays)
+            if header["op"] == "snapshot_file" and header["offset"] == 64:
+                state.snapshot()  # a new file in the snapshot's place
+            return answer
+
+        monkeypatch.setattr(client, "call", snapshot_again_after_a_part)
+        with pytest.raises(PsError, match="changed or ended"):
+            fetch_snapshot(client, shard, str(tmp_path / "mixed.bin"))
+        assert not (tmp_path / "mixed.bin").exists()
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+        state.close()
