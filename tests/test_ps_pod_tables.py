@@ -8,12 +8,14 @@ look their rows up there. A snapshot crosses in parts, and one replaced mid-copy
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from elastic_step.backends.kubernetes.ps_final import STAGING, freeze
 from elastic_step.backends.kubernetes.ps_pod_shards import PodShard, PodShards
+from elastic_step.backends.kubernetes.ps_pods import PsPods
 from elastic_step.ps import embedding
 from elastic_step.ps.api import TableSpec
 from elastic_step.ps.client import PsClient
@@ -60,7 +62,12 @@ def looked_up(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
 def test_past_the_limit_the_pods_snapshots_are_laid_out_as_the_local_backends_and_give_the_whole_tables_rows(trained):
     client, pods, job_dir = trained
     ids = np.arange(-3, 400, dtype=np.int64)  # never-trained ids among them
-    freeze(client, SPECS, pods, str(job_dir), limit_mb=0)  # any table is past 0 MB
+    # The pod backend's own call at the job's end (no Kubernetes API call is made in it).
+    backend = SimpleNamespace(api=None, settings=SimpleNamespace(namespace="ml"), timeout_s=5.0, names=None,
+                              spec=SimpleNamespace(job_dir=str(job_dir)))
+    launcher = PsPods(backend)
+    launcher.table_limit_mb = 0  # as start_shards sets it from --ps-table-limit-mb: any table is past 0 MB
+    launcher._freeze(SPECS, pods, TOKEN)
     folder = job_dir / "model" / SHARDS_FOLDER
     manifest = json.loads((folder / MANIFEST_FILE).read_text())
     assert manifest["files"] == ["shard-0.bin", "shard-1.bin", "shard-2.bin"]
