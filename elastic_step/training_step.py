@@ -64,7 +64,8 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
                spares: int = defaults.SPARES, epochs: int = defaults.EPOCHS, minibatch_size: int = defaults.MINIBATCH_SIZE,
                minibatches_per_task: int = defaults.MINIBATCHES_PER_TASK,
                global_batch_size: int = defaults.GLOBAL_BATCH_SIZE, lr_scaling: str = defaults.LR_SCALING,
-               mode: str = defaults.MODE, ps_shards: int = defaults.PS_SHARDS, checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
+               mode: str = defaults.MODE, ps_shards: int = defaults.PS_SHARDS,
+               ps_table_limit_mb: float = defaults.PS_TABLE_LIMIT_MB, checkpoint_steps: int = defaults.CHECKPOINT_STEPS,
                seed: int = defaults.SEED, backend: str = defaults.BACKEND, mlflow_uri: str = "",
                experiment: str = defaults.EXPERIMENT, init_from: str = "", registered_model: str = "",
                warm_start_alias: str = "", pipeline_run_id: str = "", job_dir: str = "", job_name: str = "train-elastic",
@@ -90,6 +91,7 @@ def train_step(*, data: str, model_dir: str, model_def: str = defaults.MODEL_DEF
         workers=workers, spares=spares, epochs=epochs, minibatch_size=minibatch_size,
         minibatches_per_task=minibatches_per_task, global_batch_size=global_batch_size, lr_scaling=lr_scaling,
         mode=mode, ps_shards=ps_shards,  # ps: the tables on shard processes beside the workers (local backend)
+        ps_table_limit_mb=ps_table_limit_mb,  # ps: larger tables are served from the shards' snapshots
         checkpoint_steps=checkpoint_steps, seed=seed, backend=backend,
         mlflow_uri=mlflow_uri or None, experiment=experiment, init_from=init_from or None,
         progress=True,  # in a pipeline's pod (no terminal) a plain line every few seconds in the step's log

@@ -580,9 +580,10 @@ def test_every_step_command_line_parses_with_the_real_cli(variant, pipeline):
 
 @pytest.mark.parametrize("pipeline", ["training", "retraining"])
 def test_a_ps_runs_parameters_reach_its_steps(pipeline):
-    """`argo submit -p mode=ps -p ps-shards=3 -p categorical=auto`: prepare-data turns the string
-    columns into ids (its --categorical, as the KFP pipelines' `categorical` goes to prepare_data)
-    and the train step trains in PS mode on 3 shards (on the local backend, in its own pod); left
+    """`argo submit -p mode=ps -p ps-shards=3 -p ps-table-limit-mb=64 -p categorical=auto`:
+    prepare-data turns the string columns into ids (its --categorical, as the KFP pipelines'
+    `categorical` goes to prepare_data) and the train step trains in PS mode on 3 shards (on the
+    local backend, in its own pod), serving tables past 64 MB from the shards' snapshots; left
     unset, prepare-data turns no column into ids and train trains allreduce, as the CLI's defaults do."""
     from elastic_step.data.categorical_spec import parse_categorical
 
@@ -595,9 +596,10 @@ def test_a_ps_runs_parameters_reach_its_steps(pipeline):
         argv = templates_of(doc)[step]["container"]["args"]
         return build_parser().parse_args([_resolve(a, task_args, defaults_ | run) for a in argv])
 
-    for run, expected in (({}, ("allreduce", 2)), ({"mode": "ps", "ps-shards": "3"}, ("ps", 3))):
+    ps_run = {"mode": "ps", "ps-shards": "3", "ps-table-limit-mb": "64"}
+    for run, expected in (({}, ("allreduce", 2, 2048)), (ps_run, ("ps", 3, 64))):
         args = parsed("train", run)
-        assert (args.mode, args.ps_shards, args.backend) == (*expected, "local")
+        assert (args.mode, args.ps_shards, args.ps_table_limit_mb, args.backend) == (*expected, "local")
     assert parse_categorical(parsed("prepare-data", {}).categorical) == ({}, False)
     assert parse_categorical(parsed("prepare-data", {"categorical": "auto"}).categorical) == ({}, True)
     specs, auto = parse_categorical(parsed("prepare-data", {"categorical": "C1=hash:100;C2"}).categorical)

@@ -64,7 +64,7 @@ def run_component(tmp_path, **inputs):
 def test_the_components_cluster_inputs_reach_every_worker_pod(started, tmp_path):
     with pytest.raises(JobStarted):
         run_component(tmp_path, workers="2:3", worker_cpu="500m:2", worker_memory="4Gi", worker_gpus=1, device="cuda",
-                      ps_cpu="1:3", ps_memory="6Gi",
+                      ps_cpu="1:3", ps_memory="6Gi", ps_table_limit_mb=64.0,
                       precision="bf16", image="registry.example.com/team/elastic-step-torch:0.1.0",
                       worker_service_account="gpu-workers", node_selector={"cloud.google.com/gke-accelerator": "nvidia-l4"},
                       tolerations=[GPU_TOLERATION, "dedicated=ml:NoExecute"])
@@ -85,6 +85,7 @@ def test_the_components_cluster_inputs_reach_every_worker_pod(started, tmp_path)
     # A PS run's shard pods: their own cpu and memory, no GPU (the kubernetes backend's shard settings)
     shard = resources(shard_settings(settings_from_config(config)))
     assert (shard.requests, shard.limits) == ({"cpu": "1", "memory": "6Gi"}, {"cpu": "3", "memory": "6Gi"})
+    assert config.ps_table_limit_mb == 64.0  # past it, the master serves the tables from the shard pods' snapshots
 
 
 def test_the_component_takes_node_selector_and_tolerations_as_json_text(started, tmp_path):

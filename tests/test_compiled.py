@@ -51,12 +51,13 @@ def test_compiled_pipeline_loads_back(name):
 
 
 @pytest.mark.parametrize("name", list(PIPELINES))
-def test_the_pipelines_mode_and_ps_shards_go_to_the_train_task(name):
-    """A run's `mode=ps` and `ps_shards` (the KFP UI's fields) are what train_elastic gets, not its own defaults."""
+def test_the_pipelines_ps_settings_go_to_the_train_task(name):
+    """A run's `mode=ps`, `ps_shards` and `ps_table_limit_mb` (the KFP UI's fields) are what
+    train_elastic gets, not its own defaults."""
     spec = next(yaml.safe_load_all((PIPELINES_DIR / "compiled" / f"{name}.yaml").read_text()))
     given = spec["root"]["dag"]["tasks"]["train-elastic"]["inputs"]["parameters"]
-    assert {key: given[key] for key in ("mode", "ps_shards")} == {
-        "mode": {"componentInputParameter": "mode"}, "ps_shards": {"componentInputParameter": "ps_shards"}}
+    keys = ("mode", "ps_shards", "ps_table_limit_mb")
+    assert {key: given.get(key) for key in keys} == {key: {"componentInputParameter": key} for key in keys}
 
 
 def test_retraining_pipeline_is_never_cached_and_retries_training():

@@ -28,6 +28,7 @@ SETTINGS = {
     "lr_scaling": defaults.LR_SCALING,
     "mode": defaults.MODE,
     "ps_shards": defaults.PS_SHARDS,
+    "ps_table_limit_mb": defaults.PS_TABLE_LIMIT_MB,
     "spares": defaults.SPARES,
     "checkpoint_steps": defaults.CHECKPOINT_STEPS,
     "seed": defaults.SEED,

@@ -334,13 +334,15 @@ def test_a_ps_mode_job_is_submitted_with_its_shards_for_the_master_to_run_as_pod
     from elastic_step.cli import main
 
     args = ["submit", "--job-name", JOB, "--image", "img", "--model-def", "elastic_step.model_zoo.deepfm_ps_torch",
-            "--data", "s3://b/ctr", "--mode", "ps", shards_flag, "3", "--ps-memory", "8Gi", "--dry-run"]
+            "--data", "s3://b/ctr", "--mode", "ps", shards_flag, "3", "--ps-memory", "8Gi", "--ps-table-limit-mb", "64",
+            "--dry-run"]
     assert main(args) == 0
     (pod,) = yaml.safe_load_all(capsys.readouterr().out)
     argv = pod["spec"]["containers"][0]["args"]
     options = dict(zip(argv, argv[1:]))
     assert options["--mode"] == "ps" and options["--ps-shards"] == "3" and options["--backend"] == "kubernetes"
     assert options["--ps-memory"] == "8Gi"  # each shard pod's, for the tables it holds
+    assert options["--ps-table-limit-mb"] == "64.0"  # past it, the tables are served from the shards' snapshots
 
 
 def test_data_on_gcs_reaches_the_master_as_its_uri_and_is_read_by_workload_identity_not_a_store_secret(capsys):

@@ -22,6 +22,7 @@ def train_elastic(
     lr_scaling: str = "none",
     mode: str = "allreduce",
     ps_shards: int = 2,
+    ps_table_limit_mb: float = 2048.0,
     checkpoint_steps: int = 100,
     seed: int = 0,
     backend: str = "local",
@@ -89,6 +90,9 @@ def train_elastic(
             workers (processes in its pod, or pods with `backend=kubernetes`), each row updated once
             per minibatch. `ps` needs no `global_batch_size`.
         ps_shards: With `mode=ps`: the shard processes holding the tables (1 to 128).
+        ps_table_limit_mb: With `mode=ps`: tables (ids and weights) up to this size are held whole
+            and logged with the model; larger ones are logged as the shards' snapshots with an MLflow
+            pyfunc model that serves from them (which export refuses, naming the pyfunc).
         checkpoint_steps: Checkpoint every K steps and at each epoch end (0: never).
         seed: Seed of the model's initialisation and of the per-epoch shuffle.
         backend: Where workers run: `local` or `kubernetes`.
@@ -136,7 +140,7 @@ def train_elastic(
             data=data, storage_options=storage_options, model_dir=model.path, model_def=model_def, workers=workers,
             spares=spares, epochs=epochs, minibatch_size=minibatch_size, minibatches_per_task=minibatches_per_task,
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, mode=mode, ps_shards=ps_shards,
-            checkpoint_steps=checkpoint_steps, seed=seed,
+            ps_table_limit_mb=ps_table_limit_mb, checkpoint_steps=checkpoint_steps, seed=seed,
             backend=backend, mlflow_uri=mlflow_uri, experiment=experiment, init_from=init_from,
             registered_model=registered_model, warm_start_alias=warm_start_alias, pipeline_run_id=pipeline_run_id,
             job_dir=job_dir, priority_class=priority_class, device=device, precision=precision, worker_cpu=worker_cpu,

@@ -63,6 +63,7 @@ PARAMETERS = {
     # ps: embedding tables on shards beside the workers (processes in the step's pod, or pods with backend kubernetes).
     "mode": defaults.MODE,
     "ps-shards": str(defaults.PS_SHARDS),
+    "ps-table-limit-mb": str(defaults.PS_TABLE_LIMIT_MB),  # ps: larger tables are served from the shards' snapshots
     "checkpoint-steps": str(defaults.CHECKPOINT_STEPS),
     "seed": str(defaults.SEED),
     "backend": defaults.BACKEND,

@@ -183,7 +183,8 @@ def prepare_data(settings: StepSettings, layout: Layout, resources: StepResource
 
 
 TRAIN_INPUTS = ["model-def", "workers", "spares", "epochs", "minibatch-size", "minibatches-per-task", "global-batch-size",
-                "lr-scaling", "mode", "ps-shards", "checkpoint-steps", "seed", "backend", "device", "precision", "experiment"]
+                "lr-scaling", "mode", "ps-shards", "ps-table-limit-mb", "checkpoint-steps", "seed", "backend", "device",
+                "precision", "experiment"]
 
 
 def train(settings: StepSettings, layout: Layout, retries: int, warm_start: bool, resources: StepResources,

@@ -37,6 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
+from elastic_step import defaults
 from elastic_step.config import TrainConfig
 from elastic_step.backends.kubernetes.options import parse_quantity, request_and_limit
 from elastic_step.errors import ConfigError
@@ -121,14 +122,17 @@ class ShardLauncher(Protocol):
     backends/kubernetes/ps_pods.py) instead of this machine's processes."""
 
     def start_shards(self, specs: list[TableSpec], count: int, token: str, resuming: bool, running: contextlib.ExitStack,
-                     cut: dict | None = None, checkpoints=None, checkpoint_every: int = 0) -> ShardSupervisor:
+                     cut: dict | None = None, checkpoints=None, checkpoint_every: int = 0,
+                     table_limit_mb: float = defaults.PS_TABLE_LIMIT_MB) -> ShardSupervisor:
         """Start `count` shards and watch them (relaunching one that dies); at `running`'s close
         stop them with a last snapshot and freeze their tables into this process's models. The
         returned watcher has ShardSupervisor's attributes (shards, ports, states, relaunches, stopping).
         A resume starts them from `cut` (the checkpoint's, ps_checkpoints.py), whose files the
         launcher keeps in `checkpoints` (the run's checkpoint store) when the shards' own folders
         do not outlive them: its watcher's `keep_cut(cut)` copies each checkpoint's there before
-        the checkpoint is recorded (see `keeping_cuts`). `checkpoint_every`: --checkpoint-steps."""
+        the checkpoint is recorded (see `keeping_cuts`). `checkpoint_every`: --checkpoint-steps.
+        `table_limit_mb`: --ps-table-limit-mb, which decides how the tables are frozen (as
+        `_stop_and_freeze` does)."""
         ...
 
 
@@ -147,7 +151,8 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
     token = wire.read_token(token_file)
     if launcher is not None:
         supervisor = launcher.start_shards(specs, config.ps_shards, token, resuming, running, cut=cut,
-                                           checkpoints=checkpoints, checkpoint_every=config.checkpoint_steps)
+                                           checkpoints=checkpoints, checkpoint_every=config.checkpoint_steps,
+                                           table_limit_mb=config.ps_table_limit_mb)
     else:
         supervisor = _start_local(config, specs, token_file, running, resuming, cut)
     shards = supervisor.shards

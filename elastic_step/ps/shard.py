@@ -9,8 +9,8 @@ load_s, replay_s): whoever launched it waits for that file. The token comes from
 the command line; every request carries it and one without it is refused. SIGTERM takes a last
 snapshot and exits, and so does the loss of the process that launched it (a master SIGKILLed).
 
-Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py), a
-checkpoint's cut (cuts.py) and its files (`cut_file`, in parts), a rollback to a checkpoint's cut
+Requests (header `op`): pull, push, routing, stats, digest, counters, snapshot (wire.py) and its
+file (`snapshot_file`, in parts), a checkpoint's cut (cuts.py) and its files (`cut_file`, in parts), a rollback to a checkpoint's cut
 behind a fence of rounds (state.py), and a move's adopt, export, import and release (state.py,
 moves.py). A refusal for a stale epoch carries the shard's routing, so a client learns the next
 one from any shard it reaches.
@@ -36,7 +36,7 @@ from elastic_step.ps import cuts, wire
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.ledger import LedgerRecord
 from elastic_step.ps.routing import RoutingTable
-from elastic_step.ps.state import Refused, ShardClosed, ShardState
+from elastic_step.ps.state import SNAPSHOT_FILE, Refused, ShardClosed, ShardState
 
 READY_FILE = "ready.json"
 PARENT_POLL_S = 1.0
@@ -108,6 +108,8 @@ class ShardServer(socketserver.ThreadingTCPServer):
                 return _cut_file(state.directory, int(header["step"]), header["part"], int(header["offset"]))
             except cuts.CutMissing as exc:
                 return {"status": Status.NO_CUT, "detail": str(exc)}, ()
+        if op == "snapshot_file":  # the last snapshot's bytes, for a master whose shards' folders are not its own (pods)
+            return _snapshot_file(state.directory, int(header["offset"]))
         if op in MOVE_OPS:
             return self._move(op, header, body)
         table = state.tables[header["table"]]
@@ -167,6 +169,20 @@ def _cut_file(directory: str, step: int, part: str, offset: int) -> tuple[dict, 
             return {"status": Status.OK, "size": 0, "offset": offset}, ()
         raise cuts.CutMissing(f"the cut of step {step} was dropped") from None
     return {"status": Status.OK, "size": size, "offset": offset}, (np.frombuffer(data, np.uint8),)
+
+
+def _snapshot_file(directory: str, offset: int) -> tuple[dict, tuple]:
+    """Up to cuts.FILE_CHUNK bytes of the folder's snapshot from `offset`, its size, and which
+    file it is: a later snapshot replaces the file, and a reader must not mix two of them."""
+    try:
+        with open(os.path.join(directory, SNAPSHOT_FILE), "rb") as f:
+            found = os.fstat(f.fileno())
+            f.seek(offset)
+            data = f.read(cuts.FILE_CHUNK)
+    except FileNotFoundError:
+        return {"status": Status.BAD_REQUEST, "detail": "no snapshot yet: ask for a `snapshot` first"}, ()
+    return ({"status": Status.OK, "size": found.st_size, "file": f"{found.st_ino}.{found.st_mtime_ns}"},
+            (np.frombuffer(data, np.uint8),))
 
 
 def _bind_host(host: str) -> str:

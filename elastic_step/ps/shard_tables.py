@@ -29,6 +29,11 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = 1
 
 
+def table_bytes(spec: TableSpec, rows: int) -> int:
+    """What `rows` rows of a table take held whole: their ids and weights, optimizer slots left out."""
+    return rows * (8 + 4 * spec.dim)
+
+
 def weight_bytes(snapshots: list[str], specs: list[TableSpec]) -> int:
     """What the tables' ids and weights (optimizer slots left out) take held whole in one process;
     read from the snapshots' array headers, not their rows."""
@@ -37,7 +42,7 @@ def weight_bytes(snapshots: list[str], specs: list[TableSpec]) -> int:
         if not os.path.exists(path):
             continue
         tables = snapshot.mapped(path, [spec.name for spec in specs])
-        total += sum(len(tables[s.name]["ids"]) * (8 + 4 * s.dim) for s in specs if s.name in tables)
+        total += sum(table_bytes(s, len(tables[s.name]["ids"])) for s in specs if s.name in tables)
     return total
 
 

@@ -1,9 +1,11 @@
 """A `--mode ps` job's shard pods as addresses under one routing table (what ps/local.py's
 LocalShards is for processes), and asking them: one request (`asked`), a shard's rows a message's
-worth at a time (`exported`), a scale --ps (`PodShards.resize`)."""
+worth at a time (`exported`), its last snapshot's file (`fetch_snapshot`), a scale --ps
+(`PodShards.resize`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,3 +77,21 @@ def exported(client: PsClient, shard: PodShard, vshards: list[int]):
     for part in export_parts(vshards, held, len(vshards)):
         reply, body = client.call(shard.endpoint, {"op": "export", "vshards": part})
         yield wire.unpack(reply["arrays"], body)
+
+
+def fetch_snapshot(client: PsClient, shard: PodShard, target: str) -> None:
+    """A snapshot the shard takes now (every update it acknowledged), copied from its pod's folder
+    to `target` in parts (a frame's body is bounded); PsError saying why not."""
+    asked(client, shard, {"op": "snapshot"})
+    offset, size, first = 0, 1, None
+    with open(target + ".partial", "wb") as out:
+        while offset < size:
+            header, body = client.call(shard.endpoint, {"op": "snapshot_file", "offset": offset})
+            if header.get("status") != Status.OK:
+                raise PsError(f"shard {shard.shard} did not give its snapshot: {header.get('detail') or header.get('status')}")
+            size, first = int(header["size"]), first or header["file"]
+            if header["file"] != first or (not body and offset < size):  # replaced, or cut short, mid-copy
+                raise PsError(f"shard {shard.shard}'s snapshot changed or ended at {offset} of {size} bytes while it was copied")
+            out.write(body)
+            offset += len(body)
+    os.replace(target + ".partial", target)

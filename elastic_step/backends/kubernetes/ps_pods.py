@@ -34,9 +34,10 @@ checkpoint yet, or one of another routing (a scale --ps since), the shard is DOW
 fails in one line, rather than going on with an empty shard and losing acknowledged updates.
 
 The master watches the pods (a list every POLL_S, on its own thread): a restarted container is
-RELAUNCHING until the shard answers again. At the job's end it asks each shard for its rows
-(`export`), gives this process's models the trained tables (torch_embedding.freeze_tables), and
-deletes the pods, whose SIGTERM makes each take a last snapshot and exit 0.
+RELAUNCHING until the shard answers again. At the job's end it gives this process's models the
+trained tables (ps_final.py: the shards' rows held whole, or past --ps-table-limit-mb their
+snapshots copied from the pods), and deletes the pods, whose SIGTERM makes each take a last
+snapshot and exit 0.
 
 Checkpoints and resume (ps_cuts.py): each checkpoint's cut of the shards is copied from the
 pods into the run's artifacts beside the checkpoint, ahead of its commit; a resumed job's new
@@ -57,15 +58,15 @@ import os
 import sys
 import time
 
-import numpy as np
 import urllib3
 from kubernetes import client as k8s
 
+from elastic_step import defaults
 from elastic_step.backends.kubernetes.manifests import JobNames
 from elastic_step.backends.kubernetes.ps_cuts import CutStore, receive_cut, restored, send_cut
 from elastic_step.backends.kubernetes.ps_manifests import (CONFIG_ENV, DIR_ENV, PS_PORT, RESTORE_ENV, SHARD_LABEL, ps_network_policy,
                                                             ps_pod, ps_pod_name, ps_selector, shard_config)
-from elastic_step.backends.kubernetes.ps_pod_shards import PodShard, PodShards, exported
+from elastic_step.backends.kubernetes.ps_pod_shards import PodShard, PodShards
 from elastic_step.backends.kubernetes.ps_pod_watch import PodSupervisor
 from elastic_step.errors import ConfigError
 from elastic_step.protocol import WorkerEnv
@@ -93,6 +94,7 @@ class PsPods:
         self.made: list[str] = []
         self.specs: list[TableSpec] = []
         self.checkpoint_every = 0
+        self.table_limit_mb = float(defaults.PS_TABLE_LIMIT_MB)
         self.client: PsClient | None = None
 
     def list_pods(self) -> list[k8s.V1Pod]:
@@ -107,16 +109,18 @@ class PsPods:
             return False
 
     def start_shards(self, specs: list[TableSpec], count: int, token: str, resuming: bool, running: contextlib.ExitStack,
-                     cut: dict | None = None, checkpoints=None, checkpoint_every: int = 0) -> PodSupervisor:
+                     cut: dict | None = None, checkpoints=None, checkpoint_every: int = 0,
+                     table_limit_mb: float = defaults.PS_TABLE_LIMIT_MB) -> PodSupervisor:
         """`cut`: a resumed checkpoint's cut of the shards, which the new pods start from (from
-        `checkpoints`, the run's checkpoint store, where each checkpoint's cut is kept too)."""
+        `checkpoints`, the run's checkpoint store, where each checkpoint's cut is kept too).
+        `table_limit_mb`: --ps-table-limit-mb, for the tables at the job's end (ps_final.py)."""
         store = CutStore(checkpoints, self.backend.spec.job_dir) if checkpoints is not None else None
         files = self._resumed_cuts(cut, store) if resuming else None
         routing = RoutingTable.from_json(cut["routing"]) if files else RoutingTable.initial(count)
         count = routing.shards
         running.callback(self._delete_pods)  # also when a start fails half-way
         self._create_policy()
-        self.specs, self.checkpoint_every = specs, checkpoint_every
+        self.specs, self.checkpoint_every, self.table_limit_mb = specs, checkpoint_every, table_limit_mb
         for shard in range(count):
             restore = {"step": int(cut["step"]), "digest": cut["digests"][shard], "routing": cut["routing"]} if files else None
             self._create_pod(shard, routing, restore)
@@ -266,29 +270,14 @@ class PsPods:
         return True
 
     def _freeze(self, specs: list[TableSpec], shards: PodShards, token: str) -> None:
-        """Every shard's rows (`export` of the virtual shards it owns), as this process's models'
-        trained tables (torch_embedding.freeze_tables)."""
-        from elastic_step.ps.torch_embedding import freeze_tables
+        """The shards' trained tables for this process's models (ps_final.py), while the pods serve."""
+        from elastic_step.backends.kubernetes.ps_final import freeze  # the master's models: not in a shard pod's imports
 
         client = PsClient(token, lambda: None, timeout_s=self.EXPORT_TIMEOUT_S)
-        parts: dict[str, list] = {s.name: [] for s in specs}
         try:
-            for shard in shards.shards:
-                try:
-                    for arrays in exported(client, shard, shards.routing.owned_by(shard.shard).tolist()):
-                        for spec in specs:
-                            parts[spec.name].append((arrays[f"{spec.name}.ids"], arrays[f"{spec.name}.rows"][:, : spec.dim]))
-                except (OSError, ValueError) as exc:
-                    log.error("parameter-server shard %d did not give its rows (%s): its ids get zero rows in the "
-                              "evaluation and the exported model", shard.shard, exc)
+            freeze(client, specs, shards, self.backend.spec.job_dir, self.table_limit_mb)
         finally:
             client.close()
-        tables = {}
-        for spec in specs:
-            ids = [np.zeros(0, np.int64)] + [p[0] for p in parts[spec.name]]
-            rows = [np.zeros((0, spec.dim), np.float32)] + [p[1] for p in parts[spec.name]]
-            tables[spec.name] = (np.concatenate(ids), np.concatenate(rows))
-        freeze_tables(tables)
 
     def _delete_pods(self) -> None:
         """SIGTERM each shard (a last snapshot, exit 0) by deleting its pod."""

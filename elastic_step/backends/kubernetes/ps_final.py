@@ -1,0 +1,96 @@
+"""A `--mode ps` job's trained tables from its shard pods at the job's end, for this process's
+models (the test-set evaluation, the logged model), by the rule the local backend follows
+(master/ps_shards.py's _stop_and_freeze).
+
+The pods still serve (they are deleted after this), and their folders are emptyDirs the master
+cannot read. The size of the tables held whole is each shard's rows (`stats`, the count its
+snapshot's headers would give) times their ids and weights. Up to `train --ps-table-limit-mb`,
+each shard's rows come over the wire (`export`) and the master holds the tables whole
+(freeze_tables). Beyond it, each shard takes a last snapshot and the master copies the file
+(`snapshot_file`) into JOB_DIR/ps-final, then lays it out as the local backend does
+(JOB_DIR/model/ps_shards with its manifest, serve_from_snapshots): the run logs it with the
+pyfunc that serves from it. A shard that gives nothing is said in one line; its ids get zero rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import numpy as np
+
+from elastic_step.backends.kubernetes.ps_pod_shards import PodShards, asked, exported, fetch_snapshot
+from elastic_step.master.ps_shards import MIB, serve_from_snapshots
+from elastic_step.ps.api import PsError, TableSpec
+from elastic_step.ps.client import PsClient
+from elastic_step.ps.embedding import freeze_tables
+from elastic_step.ps.shard_tables import SHARDS_FOLDER, table_bytes
+
+log = logging.getLogger("elastic_step.backends.kubernetes")
+
+STAGING = "ps-final"  # under JOB_DIR: the snapshots copied from the pods, before they are laid out
+
+
+def freeze(client: PsClient, specs: list[TableSpec], shards: PodShards, job_dir: str, limit_mb: float) -> None:
+    """This process's models get the shards' trained tables: whole up to `limit_mb`, else looked
+    up in the shards' snapshots, copied under `job_dir`."""
+    folder = os.path.join(job_dir, "model", SHARDS_FOLDER)
+    size = held_bytes(client, specs, shards)
+    if size > limit_mb * MIB:
+        staging = os.path.join(job_dir, STAGING)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        try:
+            serve_from_snapshots(folder, specs, shards.routing, copied_snapshots(client, shards, staging), size)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # laid out by hard links (or copies): these are spare
+        return
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt's (a resumed job's): this model holds its tables
+    freeze_tables(whole_tables(client, specs, shards))
+
+
+def held_bytes(client: PsClient, specs: list[TableSpec], shards: PodShards) -> int:
+    """The ids and weights every shard holds (shard_tables.weight_bytes' sum, from `stats`)."""
+    total = 0
+    for shard in shards.shards:
+        try:
+            held = asked(client, shard, {"op": "stats"})["tables"]
+        except PsError as exc:
+            log.error("parameter-server shard %d did not say what it holds (%s)", shard.shard, exc)
+            continue
+        total += sum(table_bytes(spec, int(held[spec.name]["rows"])) for spec in specs if spec.name in held)
+    return total
+
+
+def copied_snapshots(client: PsClient, shards: PodShards, staging: str) -> list[str]:
+    """Each shard's last snapshot copied to `staging`, by shard; a path not written for one that
+    did not give it (shard_tables.write_folder: that shard holds nothing)."""
+    paths = []
+    for shard in shards.shards:
+        paths.append(os.path.join(staging, f"shard-{shard.shard}.bin"))
+        try:
+            fetch_snapshot(client, shard, paths[-1])
+        except (OSError, ValueError, PsError) as exc:
+            log.error("parameter-server shard %d did not give its snapshot (%s): its ids get zero rows in the "
+                      "evaluation and the logged model", shard.shard, exc)
+    return paths
+
+
+def whole_tables(client: PsClient, specs: list[TableSpec], shards: PodShards) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every shard's rows (`export` of the virtual shards it owns), by table: (ids, weights)."""
+    parts: dict[str, list] = {s.name: [] for s in specs}
+    for shard in shards.shards:
+        try:
+            for arrays in exported(client, shard, shards.routing.owned_by(shard.shard).tolist()):
+                for spec in specs:
+                    parts[spec.name].append((arrays[f"{spec.name}.ids"], arrays[f"{spec.name}.rows"][:, : spec.dim]))
+        except (OSError, ValueError, PsError) as exc:
+            log.error("parameter-server shard %d did not give its rows (%s): its ids get zero rows in the "
+                      "evaluation and the exported model", shard.shard, exc)
+    tables = {}
+    for spec in specs:
+        ids = [np.zeros(0, np.int64)] + [p[0] for p in parts[spec.name]]
+        rows = [np.zeros((0, spec.dim), np.float32)] + [p[1] for p in parts[spec.name]]
+        tables[spec.name] = (np.concatenate(ids), np.concatenate(rows))
+    return tables
