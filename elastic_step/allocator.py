@@ -6,7 +6,9 @@ frees the same few hundred KB numpy temporaries (a batch's rows, gradients, ids)
 faults in fresh pages for them on every step: a PS shard's initial rows of 6,000 new ids took
 1.8 ms that way and 0.5 ms with these settings. Blocks up to MMAP_THRESHOLD come from the heap
 and up to TRIM_THRESHOLD of free heap is kept, so a steady step reuses its pages. Blocks past
-16 MiB (a table's block, a model's state) are still mapped and unmapped on their own.
+4 MiB (a table's block, a model's state) are still mapped and unmapped on their own, so what a
+process keeps is bounded by its threads' arenas times TRIM_THRESHOLD at most, and in practice by
+the few MB of temporaries each thread uses (a shard serves each connection on a thread).
 
 Called once by the processes that run steps: workers and parameter-server shards.
 """
@@ -17,8 +19,8 @@ import ctypes
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-MMAP_THRESHOLD = 16 << 20
-TRIM_THRESHOLD = 64 << 20
+MMAP_THRESHOLD = 4 << 20
+TRIM_THRESHOLD = 32 << 20
 _USERS_OWN = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD")
 
 

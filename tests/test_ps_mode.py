@@ -81,6 +81,20 @@ def test_a_dense_weight_a_model_puts_on_the_shards_pushes_its_whole_gradient_and
     assert (spec.name, spec.rows, spec.dim, spec.init_scale) == ("dense_out", 3, 5, pytest.approx(5 ** -0.5))
 
 
+def test_a_declared_tables_range_is_checked_in_training_not_when_serving():
+    """An id past `rows` fails a training step (a feed that does not match its table), while a
+    served model's lookup gives it what it gives any id the table never held: a zero row."""
+    from elastic_step.ps.embedding import TableRows
+    from elastic_step.ps.api import TableSpec
+
+    table = TableRows(TableSpec("ranged", 2, rows=10))
+    table.source = lambda ids: np.where((ids < 10)[:, None], 1.0, 0.0).astype(np.float32) * np.ones((len(ids), 2), np.float32)
+    with pytest.raises(ValueError, match="declares 10 rows .* given id 12"):
+        table.distinct(np.array([3, 12]), training=True)
+    unique, _, rows = table.distinct(np.array([3, 12]), training=False)
+    assert unique.tolist() == [3, 12] and rows[1].tolist() == [0.0, 0.0]
+
+
 def test_a_frozen_table_is_plain_torch_and_exported_whole():
     table = PsEmbedding("frozen_t", 2)
     freeze_tables({"frozen_t": (np.array([10, 2, 7]), np.array([[1, 1], [2, 2], [3, 3]], np.float32))})

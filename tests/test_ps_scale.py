@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
 
 from elastic_step.ps import wire
-from elastic_step.ps.api import Status, TableSpec
+from elastic_step.ps.api import OptimizerKind, Status, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.ledger import LedgerRecord
 from elastic_step.ps.local import LocalShards
@@ -243,6 +244,7 @@ def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path, capsys):
     monitor = ShardMonitor.__new__(ShardMonitor)
     monitor.supervisor, monitor.stopping = supervisor, threading.Event()
     monitor.scaling, monitor.scale_asked = threading.Lock(), threading.Lock()
+    monitor.fits = None
     for count, words in [(2, "already runs 2"), (129, "between 1 and 128"), (3, "shard 1 is relaunching")]:
         with pytest.raises(ValueError, match=words):
             monitor.scale(count)
@@ -262,6 +264,19 @@ def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path, capsys):
     monitor.CUT_WAIT_S = 0.2
     with monitor.scaling, pytest.raises(ValueError, match="a checkpoint's cut or a rollback has held the shards"):
         monitor.scale(3)
+
+    # Fewer shards hold more each: a declared table that fits two 1Gi shard pods does not fit one.
+    from types import SimpleNamespace
+
+    from elastic_step.master.ps_shards import check_table_sizes
+
+    supervisor.states = [PsShardState.SERVING, PsShardState.SERVING]
+    config = SimpleNamespace(ps_shards=2, backend="kubernetes", ps_memory="1Gi", worker_memory=None)
+    declared = [TableSpec("big", 16, OptimizerKind.ADAGRAD, rows=8_000_000)]
+    check_table_sizes(config, declared)  # as the job started: 0.8 GiB a shard
+    monitor.fits = partial(check_table_sizes, config, declared)
+    with pytest.raises(ValueError, match=r"need 1\.4 GiB on each of 1 shards, more than each shard pod's --ps-memory limit"):
+        monitor.scale(1)
 
 
 def test_applied_groups_answer_as_a_set_per_virtual_shard_would_through_moves_and_snapshots():

@@ -61,7 +61,7 @@ np.save(os.path.join(sys.argv[3], "served.npy"), np.asarray(model.predict(np.loa
 """
 
 
-def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_model(clicks, start_job):
+def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_model(clicks, start_job, tmp_path):
     import mlflow
 
     from elastic_step.data.manifest import load_manifest
@@ -71,7 +71,10 @@ def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_
     from elastic_step.ps.table import initial_weights
     from elastic_step.release.candidate import load_weights, split_head
 
-    job = start_job("--model-def", DEEPFM_PS, "--data", clicks, "--mode", "ps", "--ps-shards", str(SHARDS),
+    # The model definition as a .py file, as users often give it: the pyfunc must carry it.
+    model_def_file = tmp_path / "deepfm_as_a_file.py"
+    model_def_file.write_text(open(load_model_definition(DEEPFM_PS).module.__file__).read())
+    job = start_job("--model-def", str(model_def_file), "--data", clicks, "--mode", "ps", "--ps-shards", str(SHARDS),
                     "--workers", "1", "--epochs", "1", "--minibatch-size", "128", "--checkpoint-steps", "0",
                     "--ps-table-limit-mb", "0")
     assert job.finish(timeout=600) == 0, job.output()
@@ -93,7 +96,9 @@ def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_
     served = mlflow.pyfunc.load_model(result["model_uri"])
     assert served.metadata.flavors.keys() == {"python_function"}
     np.testing.assert_allclose(np.asarray(served.predict(features)), reference, rtol=1e-5, atol=1e-6)
-    # A serving process has no dataset loaded: the pyfunc brings the specs the network is sized by.
+    # A serving process has no dataset loaded and another file system: the pyfunc brings the
+    # specs the network is sized by, and the model definition's file.
+    model_def_file.unlink()
     np.save(os.path.join(job.job_dir, "features.npy"), features)
     served_elsewhere = subprocess.run([sys.executable, "-c", SERVE_IN_A_FRESH_PROCESS, uri, result["model_uri"], job.job_dir],
                                       capture_output=True, text=True, timeout=300)

@@ -165,6 +165,48 @@ def test_a_push_reuses_its_pulls_slots_only_while_they_hold_its_ids():
     assert table.digest() == reference.digest()
 
 
+def test_dropping_moved_rows_keeps_every_other_row_as_it_was_in_its_reserved_block():
+    spec = TableSpec("t", DIM, OptimizerKind.ADAGRAD, rows=5000)
+    table = EmbeddingTable(spec, reserve=5000)
+    for ids, grads in pushes(rows=5000, steps=10, per_step=800):
+        table.push(ids, grads)
+    gone = np.random.default_rng(5).random(table.size) < 0.4
+    kept, dropped = table.where(~gone), table.where(gone)["ids"]
+    block = table.block
+    table.drop(gone)
+    assert table.block is block and table.size == len(kept["ids"])  # in place: no second copy of the table
+    reference = EmbeddingTable(spec)
+    reference.load(**kept)
+    assert table.digest() == reference.digest()
+    assert (table.index.find(dropped, table.ids) == -1).all()  # forgotten: a pull would make them anew
+    np.testing.assert_array_equal(table.pull(kept["ids"]), kept["rows"][:, :DIM])
+
+
+def test_a_relaunched_shard_reads_its_snapshot_into_its_reserved_block_without_a_second_copy(tmp_path):
+    """Recovery maps the snapshot and copies it into the table's own (reserved) arrays: the
+    memory it allocates at its peak is about the table's, not the table's plus the snapshot's."""
+    import tracemalloc
+
+    from elastic_step.ps.routing import RoutingTable
+    from elastic_step.ps.state import ShardState
+
+    spec = TableSpec("t", 16, OptimizerKind.ADAGRAD, rows=200_000)
+    state = ShardState(str(tmp_path), [spec], 0, RoutingTable.initial(1), snapshot_every=10**9)
+    state.recover()
+    state.pull("t", np.arange(200_000))
+    state.snapshot()
+    digest = state.tables["t"].digest()
+    state.close()
+    relaunched = ShardState(str(tmp_path), [spec], 0, RoutingTable.initial(1), snapshot_every=10**9)
+    tracemalloc.start()
+    relaunched.recover()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    table = relaunched.tables["t"]
+    assert table.digest() == digest and len(table.ids) >= 200_000  # its reservation, with room
+    assert peak < 1.3 * table.nbytes, (peak, table.nbytes)
+
+
 def test_snapshot_arrays_restore_an_equal_table():
     spec = TableSpec("t", DIM, OptimizerKind.ADAM)
     table = EmbeddingTable(spec)

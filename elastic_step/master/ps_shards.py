@@ -74,10 +74,11 @@ def table_specs(model_def_source: str, net=None) -> list[TableSpec]:
     return specs
 
 
-def check_table_sizes(config: TrainConfig, specs: list[TableSpec]) -> None:
+def check_table_sizes(config: TrainConfig, specs: list[TableSpec], shards: int | None = None) -> None:
     """Tables of declared size (PsEmbedding's rows=) that their shards could not hold are refused
-    before anything starts, rather than a shard dying of OOM an hour into the run."""
-    shards = config.ps_shards
+    before anything starts (and before a scale --ps to `shards`), rather than a shard dying of OOM
+    an hour into the run."""
+    shards = config.ps_shards if shards is None else shards
     too_big = sizing.too_many_rows(specs, shards)
     if too_big is not None:
         raise ConfigError(f"--mode ps: table {too_big.name!r} declares {too_big.rows:,} rows, over {MAX_ROWS:,} a shard "
@@ -157,7 +158,7 @@ def start_ps_shards(config: TrainConfig, token_file: str, running: contextlib.Ex
         supervisor = _start_local(config, specs, token_file, running, resuming, cut)
     shards = supervisor.shards
     running.callback(supervisor.stop)  # stops before the shards do (last in, first out)
-    monitor = ShardMonitor(supervisor, token, metric, events).start()
+    monitor = ShardMonitor(supervisor, token, metric, events, fits=partial(check_table_sizes, config, specs)).start()
     running.callback(monitor.stop)
     routes = shards.routes()
     live = LiveRows(PsClient(token, shards.routes))  # current after a scale --ps
@@ -262,14 +263,17 @@ def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec], config: TrainC
                 log.warning("shard %d did not stop in %.0f s: killed, its last snapshot may be older", shard.shard, STOP_TIMEOUT_S)
                 shard.process.kill()
                 shard.process.wait()
-    snapshots = [os.path.join(s.directory, SNAPSHOT_FILE) for s in shards.shards]
+    # The shards the routing names: after a move that did not finish, the added ones hold only
+    # rows their old owners still hold (a resume finishes the move).
+    snapshots = [os.path.join(s.directory, SNAPSHOT_FILE) for s in shards.shards[: shards.routing.shards]]
     folder = os.path.join(config.job_dir, "model", SHARDS_FOLDER)
     size = weight_bytes(snapshots, specs)
     if size > config.ps_table_limit_mb * MIB:
         serve_from_snapshots(folder, specs, shards.routing, snapshots, size)
         return
     shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt's (a resumed job's): this model holds its tables
-    freeze_tables({spec.name: snapshot_table(spec, [s.directory for s in shards.shards]) for spec in specs})
+    named = shards.shards[: shards.routing.shards]
+    freeze_tables({spec.name: snapshot_table(spec, [s.directory for s in named]) for spec in specs})
 
 
 def serve_from_snapshots(folder: str, specs: list[TableSpec], routing: RoutingTable, snapshots: list[str], size: int) -> None:
@@ -406,8 +410,9 @@ class ShardMonitor:
     CUT_WAIT_S = 120.0  # a scale --ps waits this long for a checkpoint's cut or a rollback to let go of the shards
 
     def __init__(self, supervisor: ShardSupervisor, token: str, metric: Metric | None = None, events: EventLog | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, fits: Callable[[int], None] | None = None):
         self.supervisor = supervisor
+        self.fits = fits  # raises ConfigError when the declared tables would not fit that many shards
         self.metric = metric
         self.events = events  # the job's: each scale --ps is recorded there (get -e)
         self.addresses = [f"{shard.host}:{port}" for shard, port in zip(supervisor.shards.shards, supervisor.ports)]
@@ -498,6 +503,11 @@ class ShardMonitor:
         down = [i for i, state in enumerate(supervisor.states) if state is not PsShardState.SERVING]
         if down:
             raise ValueError(f"shard {down[0]} is {supervisor.states[down[0]]}; scale once every shard serves")
+        if self.fits is not None:
+            try:  # fewer shards hold more each: a declared table may no longer fit their memory
+                self.fits(shards)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
 
     def _event(self, kind: EventKind, message: str = "", **fields) -> None:
         """Recorded and written at once (events.jsonl, the log, the run): this thread holds no

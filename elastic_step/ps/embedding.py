@@ -108,13 +108,14 @@ class TableRows:
         # A hash table's factorize, not np.unique's sort: about twice as fast on a batch's ids,
         # which come out in order of first appearance (a pull and its push keep that order).
         inverse, unique = pandas.factorize(flat)
-        self._check_range(unique)
         source = self.source
         if source is None:  # the trained table once held (the shards stopped), else the master's live shards
             source = self.frozen_rows if self._table() is not None else _TABLE_SOURCES.get(self.spec.name)
         if source is None and training:
             raise RuntimeError(f"embedding table {self.spec.name!r} lives on parameter-server shards: "
                                "train it with --mode ps")
+        if training or source is None:  # not when serving: an id the table never held gets a zero row there
+            self._check_range(unique)
         if source is None:  # no shards (yet): the rows a fresh table starts with, as a pull would give
             source = partial(initial_weights, self.spec)
         rows = np.ascontiguousarray(source(unique), dtype=np.float32)

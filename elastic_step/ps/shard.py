@@ -156,6 +156,8 @@ class ShardServer(socketserver.ThreadingTCPServer):
 def _cut_file(directory: str, step: int, part: str, offset: int) -> tuple[dict, tuple]:
     """Up to cuts.FILE_CHUNK bytes of a sealed cut's `part` (one of cuts.PARTS) from `offset`, and
     the file's size. Only a cut whose .json holds its digest: nothing half-written is handed out."""
+    if offset < 0:
+        return {"status": Status.BAD_REQUEST, "detail": f"offset {offset}: give a byte offset of 0 or more"}, ()
     found = cuts.meta(directory, step)
     if part not in cuts.PARTS or found is None or found.get("digest") is None:
         raise cuts.CutMissing(f"no sealed cut of step {step} (part {part!r}) in this shard")
@@ -174,6 +176,8 @@ def _cut_file(directory: str, step: int, part: str, offset: int) -> tuple[dict, 
 def _snapshot_file(directory: str, offset: int) -> tuple[dict, tuple]:
     """Up to cuts.FILE_CHUNK bytes of the folder's snapshot from `offset`, its size, and which
     file it is: a later snapshot replaces the file, and a reader must not mix two of them."""
+    if offset < 0:
+        return {"status": Status.BAD_REQUEST, "detail": f"offset {offset}: give a byte offset of 0 or more"}, ()
     try:
         with open(os.path.join(directory, SNAPSHOT_FILE), "rb") as f:
             found = os.fstat(f.fileno())

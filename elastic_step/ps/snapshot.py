@@ -53,21 +53,52 @@ def save(path: str, tables: dict[str, dict[str, np.ndarray]], applied: dict[str,
     _fsync_dir(path)
 
 
-def _read(path: str) -> dict[str, np.ndarray]:
+def _read(path: str, mapped: bool = False) -> dict[str, np.ndarray]:
+    """Every array of the snapshot; `mapped`: each table's parts (TABLE_PARTS) as read-only
+    memory maps of the file instead of arrays read into memory."""
+    if not mapped:
+        with open(path, "rb") as f:
+            return {name: np.lib.format.read_array(f, allow_pickle=False) for name in _names(f, path)}
+    arrays = {}
     with open(path, "rb") as f:
-        names_line = f.readline(MAX_NAMES_LINE) if f.readline(len(MAGIC)) == MAGIC else b""
-        if not names_line.endswith(b"\n"):
-            raise ValueError(f"{path} is not a shard snapshot")
-        return {name: np.lib.format.read_array(f, allow_pickle=False) for name in json.loads(names_line)}
+        for name, offset, shape, dtype in _located(f, path):
+            if name.rsplit(".", 1)[-1] in TABLE_PARTS:
+                arrays[name] = _map(path, offset, shape, dtype)
+            else:  # the applied pushes: small, and kept by the shard
+                f.seek(offset)
+                arrays[name] = np.fromfile(f, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
+    return arrays
 
 
-def load(path: str, table_names: list[str], virtual_shards: int = DEFAULT_VIRTUAL_SHARDS
+def _names(f, path: str) -> list[str]:
+    names_line = f.readline(MAX_NAMES_LINE) if f.readline(len(MAGIC)) == MAGIC else b""
+    if not names_line.endswith(b"\n"):
+        raise ValueError(f"{path} is not a shard snapshot")
+    return json.loads(names_line)
+
+
+def _located(f, path: str):
+    """(name, offset, shape, dtype) of each array, from its .npy header alone (no object dtype,
+    which would need pickle; ValueError for a file that is not a snapshot)."""
+    located = []
+    for name in _names(f, path):
+        shape, fortran, dtype = _header(f)
+        if dtype.hasobject or fortran:
+            raise ValueError(f"{path}: array {name} is not a plain array")
+        located.append((name, f.tell(), shape, dtype))
+        f.seek(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, os.SEEK_CUR)
+    return located
+
+
+def load(path: str, table_names: list[str], virtual_shards: int = DEFAULT_VIRTUAL_SHARDS, mapped: bool = False
          ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, AppliedGroups]]:
-    """The snapshot's tables and applied batches; empty when there is no snapshot yet."""
+    """The snapshot's tables and applied batches; empty when there is no snapshot yet. `mapped`:
+    the tables' arrays as memory maps, for a caller that copies them into arrays of its own (a
+    shard's recovery: its reserved block, without the snapshot's rows held in memory beside it)."""
     tables, applied = {}, {}
     if not os.path.exists(path):
         return tables, applied
-    data = _read(path)
+    data = _read(path, mapped)
     for name in table_names:
         if f"{name}.ids" not in data:
             continue
@@ -81,17 +112,8 @@ def mapped(path: str, table_names: list[str]) -> dict[str, dict[str, np.ndarray]
     """The snapshot's tables (`ids`, `rows`, `index`) as read-only memory maps of the file, by
     name; a table it does not hold is left out. Only each array's .npy header is parsed (an
     object dtype, which would need pickle, is refused); ValueError for a file that is not a snapshot."""
-    arrays = {}
     with open(path, "rb") as f:
-        names_line = f.readline(MAX_NAMES_LINE) if f.readline(len(MAGIC)) == MAGIC else b""
-        if not names_line.endswith(b"\n"):
-            raise ValueError(f"{path} is not a shard snapshot")
-        for name in json.loads(names_line):
-            shape, fortran, dtype = _header(f)
-            if dtype.hasobject or fortran:
-                raise ValueError(f"{path}: array {name} is not a plain array")
-            arrays[name] = (f.tell(), shape, dtype)
-            f.seek(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, os.SEEK_CUR)
+        arrays = {name: (offset, shape, dtype) for name, offset, shape, dtype in _located(f, path)}
     tables = {}
     for table in table_names:
         if f"{table}.ids" in arrays:

@@ -138,7 +138,9 @@ class ShardState:
                 self.routing, self.pending = newer, set(data.get("pending", []))
                 self.previous = RoutingTable.from_json(data["previous"]) if data.get("previous") else None
         started = time.perf_counter()
-        tables, applied = snapshot.load(self._path(SNAPSHOT_FILE), list(self.tables), self.virtual_shards)
+        # Mapped, then copied into each table's own (reserved) arrays: the snapshot's rows are not
+        # held in memory beside them, so a relaunch needs no more memory than the shard had.
+        tables, applied = snapshot.load(self._path(SNAPSHOT_FILE), list(self.tables), self.virtual_shards, mapped=True)
         for name, parts in tables.items():
             self.tables[name].load(**parts)
             self.applied[name] = applied[name]

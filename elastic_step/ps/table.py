@@ -21,6 +21,8 @@ from elastic_step.ps.optimizers import apply_rows, initial_slots
 
 GROWTH = 1.25  # a modest factor: the block's spare rows are part of the bytes per row
 RECENT_PULLS = 16  # pulls whose slots a push of the same ids reuses: a few steps in flight per worker
+DROP_PART = 1 << 16  # rows moved at a time when a table forgets rows (drop)
+RECENT_IDS = 1 << 20  # and at most this many ids among them (16 MiB a table), whatever the batch size
 _SEED_MIX = 0xD1B54A32D192ED03
 
 
@@ -65,7 +67,8 @@ class EmbeddingTable:
         # (ids, slots) of recent pulls: a worker pushes the gradients of exactly the ids it pulled
         # for the step, so the push finds their slots here instead of probing the index again.
         # A row keeps its slot until load() (which clears this), so a remembered slot stays right.
-        self._recent: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=RECENT_PULLS)
+        self._recent: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        self._recent_ids = 0
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +105,7 @@ class EmbeddingTable:
     def pull(self, ids: np.ndarray) -> np.ndarray:
         """The weights of each id (len(ids) x dim)."""
         slots = self.slots_of(ids)  # first: it may grow (replace) the block
-        self._recent.append((np.array(ids, dtype=np.int64), slots))  # a copy: the caller's buffer may be reused
+        self._remember(ids, slots)
         # np.take gathers whole rows ~3x faster than fancy indexing; the result is a fresh array.
         return np.take(self.block, slots, axis=0)[:, : self.spec.dim]
 
@@ -123,6 +126,12 @@ class EmbeddingTable:
         apply_rows(self.spec, rows, grads, steps)
         self.block[slots] = rows
         self.updates[slots] = steps
+
+    def _remember(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        self._recent.append((np.array(ids, dtype=np.int64), slots))  # a copy: the caller's buffer may be reused
+        self._recent_ids += len(ids)
+        while len(self._recent) > RECENT_PULLS or self._recent_ids > RECENT_IDS:
+            self._recent_ids -= len(self._recent.popleft()[0])
 
     def _pulled_slots(self, ids: np.ndarray) -> np.ndarray | None:
         """The slots of a recent pull of exactly these ids, in this order (None: none was)."""
@@ -147,6 +156,7 @@ class EmbeddingTable:
             raise ValueError(f"table {self.spec.name}: a snapshot whose rows do not fit dim {self.spec.dim} and its optimizer")
         self.size = len(ids)
         self._recent.clear()  # rows take new slots
+        self._recent_ids = 0
         if capacity == len(ids) and _own_array(rows, np.float32) and _own_array(ids, np.int64) and _own_array(updates, np.uint32):
             self.block, self.ids, self.updates = rows, ids, updates  # a snapshot's fresh arrays: no copy
         else:
@@ -154,8 +164,8 @@ class EmbeddingTable:
             self.ids = np.empty(capacity, np.int64)
             self.updates = np.zeros(capacity, np.uint32)
             self.block[: self.size], self.ids[: self.size], self.updates[: self.size] = rows, ids, updates
-        if index is not None:
-            self.index = IdIndex.from_slots(index, self.size)
+        if index is not None:  # a mapped snapshot's is read-only: the index writes its slots
+            self.index = IdIndex.from_slots(index if index.flags.writeable else np.array(index), self.size)
         else:
             self.index = IdIndex(capacity)
             self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
@@ -166,9 +176,22 @@ class EmbeddingTable:
         return {"ids": self.ids[:n][keep].copy(), "rows": self.block[:n][keep].copy(), "updates": self.updates[:n][keep].copy()}
 
     def drop(self, gone: np.ndarray) -> None:
-        """Forget the held rows where `gone` (rows that moved to another shard)."""
-        if gone.any():
-            self.load(**self.where(~gone))
+        """Forget the held rows where `gone` (rows that moved to another shard), moving the kept
+        ones to the front of the block in place, a part at a time: no second copy of the table is
+        held meanwhile (a declared table's block is its reservation, kept)."""
+        if not gone.any():
+            return
+        keep = np.flatnonzero(~gone)
+        # keep[i] >= i: a part is read (a copy) before it is written, and only over rows already moved
+        for start in range(0, len(keep), DROP_PART):
+            part = keep[start : start + DROP_PART]
+            end = start + len(part)
+            self.block[start:end], self.ids[start:end], self.updates[start:end] = self.block[part], self.ids[part], self.updates[part]
+        self.size = len(keep)
+        self._recent.clear()  # rows took new slots
+        self._recent_ids = 0
+        self.index = IdIndex(len(self.ids))
+        self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
 
     def put(self, ids: np.ndarray, rows: np.ndarray, updates: np.ndarray) -> None:
         """Hold these rows as given (moved in), replacing any held for the same ids."""

@@ -57,24 +57,36 @@ def save_dataset_specs(manifest, folder: str) -> str:
     return folder
 
 
+def _is_file(model_def_source: str) -> bool:
+    """A model definition given as a .py file (load_model_definition's rule), not a module name."""
+    path = model_def_source.removeprefix("file://")
+    return path.endswith(".py") or os.sep in path
+
+
 class ShardedTablesModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
         load_manifest(context.artifacts["dataset"])  # first: the network may be sized by its specs
-        self.trainer = sharded_trainer(context.model_config["model_def"], context.artifacts["weights"],
-                                       context.artifacts["shards"])
+        # A .py model definition travels with the model; a module name is imported where it is served.
+        model_def = context.artifacts.get("model_def", context.model_config["model_def"])
+        self.trainer = sharded_trainer(model_def, context.artifacts["weights"], context.artifacts["shards"])
 
     def predict(self, context, model_input, params=None):
         return self.trainer.predict(np.asarray(model_input))
 
 
-def log_sharded_model(model_dir: str, model_def_source: str, input_example: np.ndarray, signature, manifest):
+def log_sharded_model(model_dir: str, model_def_source: str, input_example: np.ndarray, signature, manifest,
+                      framework: str):
     """Log the pyfunc model (in the active run) from a job's model folder: its weights file, its
-    shards' folder and the dataset's specs (`manifest`'s), all copied into the model."""
+    shards' folder, the dataset's specs (`manifest`'s) and a .py model definition, all copied
+    into the model. `framework`: the trainer's (pytorch or tensorflow), for the requirement's extra."""
     from elastic_step import __version__
 
+    extra = "tensorflow" if framework == "tensorflow" else "torch"
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = {"weights": os.path.join(model_dir, "model.bin"), "shards": os.path.join(model_dir, SHARDS_FOLDER),
                      "dataset": save_dataset_specs(manifest, os.path.join(tmp, "dataset"))}
+        if _is_file(model_def_source):
+            artifacts["model_def"] = os.path.abspath(model_def_source.removeprefix("file://"))
         return mlflow.pyfunc.log_model(
             name="model",
             python_model=CODE_FILE,
@@ -82,5 +94,5 @@ def log_sharded_model(model_dir: str, model_def_source: str, input_example: np.n
             model_config={"model_def": model_def_source},
             signature=signature,
             input_example=input_example,
-            pip_requirements=[f"elastic-step=={__version__}", f"numpy=={np.__version__}"],
+            pip_requirements=[f"elastic-step[{extra}]=={__version__}", f"numpy=={np.__version__}"],
         )

@@ -292,7 +292,7 @@ class TrainingRecorder:
                     from elastic_step.release.sharded_model import log_sharded_model
 
                     info = log_sharded_model(os.path.join(job_dir, "model"), self.model_def.source, features,
-                                             infer_signature(features, outputs), self.manifest)
+                                             infer_signature(features, outputs), self.manifest, self.trainer.framework)
                 else:
                     info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
                 # The raw parameters too: export rebuilds the model from them and the model

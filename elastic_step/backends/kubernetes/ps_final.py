@@ -53,7 +53,7 @@ def freeze(client: PsClient, specs: list[TableSpec], shards: PodShards, job_dir:
 def held_bytes(client: PsClient, specs: list[TableSpec], shards: PodShards) -> int:
     """The ids and weights every shard holds (shard_tables.weight_bytes' sum, from `stats`)."""
     total = 0
-    for shard in shards.shards:
+    for shard in shards.shards[: shards.routing.shards]:
         try:
             held = asked(client, shard, {"op": "stats"})["tables"]
         except PsError as exc:
@@ -63,17 +63,25 @@ def held_bytes(client: PsClient, specs: list[TableSpec], shards: PodShards) -> i
     return total
 
 
+SNAPSHOT_TRIES = 3  # a copy cut by a dropped connection, or by a snapshot replacing the file, is asked again
+
+
 def copied_snapshots(client: PsClient, shards: PodShards, staging: str) -> list[str]:
     """Each shard's last snapshot copied to `staging`, by shard; a path not written for one that
     did not give it (shard_tables.write_folder: that shard holds nothing)."""
     paths = []
-    for shard in shards.shards:
+    for shard in shards.shards[: shards.routing.shards]:  # after a move that did not finish: the routing's own
         paths.append(os.path.join(staging, f"shard-{shard.shard}.bin"))
-        try:
-            fetch_snapshot(client, shard, paths[-1])
-        except (OSError, ValueError, PsError) as exc:
-            log.error("parameter-server shard %d did not give its snapshot (%s): its ids get zero rows in the "
-                      "evaluation and the logged model", shard.shard, exc)
+        for attempt in range(1, SNAPSHOT_TRIES + 1):
+            try:
+                fetch_snapshot(client, shard, paths[-1])
+                break
+            except (OSError, ValueError, PsError) as exc:
+                if attempt == SNAPSHOT_TRIES:
+                    log.error("parameter-server shard %d did not give its snapshot in %d tries (%s): its ids get zero "
+                              "rows in the evaluation and the logged model", shard.shard, attempt, exc)
+                else:
+                    log.warning("parameter-server shard %d's snapshot copy failed (%s); asking again", shard.shard, exc)
     return paths
 
 
