@@ -7,6 +7,7 @@ never seen."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -214,6 +215,48 @@ def test_scale_ps_on_kubernetes_reaches_the_master_through_its_status_configmap(
         assert shards.asked == [3, 3]
         time.sleep(0.3)  # more publishes: each request is taken once
         assert shards.asked == [3, 3]
+    finally:
+        publisher.close()
+        backend.shutdown(grace_s=0)
+
+
+class SlowShards(ShardsOfTheJob):
+    """A move that takes a while; a second scale meanwhile is refused, as ShardMonitor refuses it."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self.moving, self.began = threading.Lock(), threading.Event()
+
+    def scale(self, shards: int) -> dict:
+        if not self.moving.acquire(blocking=False):
+            raise ValueError("another scale --ps of this job is under way")
+        try:
+            self.began.set()
+            time.sleep(0.6)
+            return super().scale(shards)
+        finally:
+            self.moving.release()
+
+
+def test_a_scale_ps_refused_while_another_moves_leaves_the_first_operator_its_answer(tmp_path, api, monkeypatch):
+    from elastic_step.errors import ElasticStepError
+    from elastic_step.operate.ps_scale import scale_ps_kubernetes
+
+    monkeypatch.setattr("elastic_step.operate.ps_scale.POLL_S", 0.05)
+    monkeypatch.setattr("elastic_step.operate.ps_scale.ANSWER_TIMEOUT_S", 8.0)
+    state, backend, publisher = running_job(tmp_path, api)
+    state.ps_shards = shards = SlowShards(2)
+    publisher.interval_s = 0.05
+    publisher.start()
+    first: dict = {}
+    try:
+        asking = threading.Thread(target=lambda: first.update(scale_ps_kubernetes(backend.names.instance, "ml", 3, api)))
+        asking.start()
+        assert shards.began.wait(5)  # the first request taken, its rows moving
+        with pytest.raises(ElasticStepError, match="another scale --ps of this job is under way"):
+            scale_ps_kubernetes(backend.names.instance, "ml", 4, api)
+        asking.join(10)
+        assert first["ps_scale"]["rows_moved"] == 2950 and shards.count == 3, first
     finally:
         publisher.close()
         backend.shutdown(grace_s=0)

@@ -20,6 +20,7 @@ log = logging.getLogger("elastic_step.master")
 PUBLISH_INTERVAL_S = 2.0
 PUBLISHED_EVENTS = 300  # the newest events only: a ConfigMap holds at most 1 MiB
 PUBLISHED_HISTORY = 300  # points of loss, samples/s and world size over time, evenly thinned
+PS_ANSWERS_KEPT = 4  # the answers to the newest scale --ps requests, published together
 # The document's own cap, in bytes of JSON: a ConfigMap holds at most 1 MiB with its metadata, and
 # a larger document makes every update fail (300 events of 4 KB each are more), which would also
 # hide the operator's stop annotation, read from the update's reply.
@@ -53,9 +54,11 @@ class StatusPublisher:
         self.stop_refused = ""  # why a requested stop cannot be done, for the operator's `stop`
         self.workers_taken: str | None = None  # the operator's last `scale` request taken in
         self.ps_taken: str | None = None  # the operator's last `scale --ps` request taken in
-        # Its answer, published for the operator's `scale --ps` to wait on: {"request", "shards"}
-        # while the rows move, then with "moved" (what moved) or "refused" (why not).
-        self.ps_scale: dict | None = None
+        # The answers of the last few requests, published for the operator's `scale --ps` to wait
+        # on: {"request", "shards"} while the rows move, then with "moved" (what moved) or
+        # "refused" (why not). Several: a second request refused while the first moves must not
+        # take the first one's answer from its operator.
+        self.ps_scales: dict[str, dict] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="status-publisher", daemon=True)
 
@@ -83,8 +86,8 @@ class StatusPublisher:
                     "events_next": count, "history": history[::-stride][::-1]}  # the newest point always
         if self.stop_refused:
             document["stop_refused"] = self.stop_refused
-        if self.ps_scale is not None:
-            document["ps_scale"] = self.ps_scale
+        if self.ps_scales:
+            document["ps_scales"] = list(self.ps_scales.values())
         requests = self.backend.publish(within(document))
         if "stop" in requests and not self.stop_taken:
             self.stop_taken = True  # the annotation stays; one request is enough
@@ -113,7 +116,9 @@ class StatusPublisher:
         a thread of their own: a move takes a while, and the status goes on being published meanwhile."""
         self.ps_taken = requested
         count, _, request = requested.partition("/")
-        self.ps_scale = {"request": request, "shards": count}
+        self.ps_scales[request] = {"request": request, "shards": count}
+        while len(self.ps_scales) > PS_ANSWERS_KEPT:
+            del self.ps_scales[next(iter(self.ps_scales))]
         monitor = self.state.ps_shards  # master/ps_shards.py's ShardMonitor; None unless --mode ps
         if monitor is None:
             self._ps_answer(request, refused="this job has no parameter-server shards: scale --ps is for a --mode ps job")
@@ -138,5 +143,6 @@ class StatusPublisher:
     def _ps_answer(self, request: str, **answer) -> None:
         if "refused" in answer:
             log.warning("the operator asked for other parameter-server shards, which cannot be done: %s", answer["refused"])
-        if self.ps_scale is not None and self.ps_scale["request"] == request:  # not overtaken by a newer request
-            self.ps_scale = {**self.ps_scale, **answer}
+        asked = self.ps_scales.get(request)
+        if asked is not None:  # a new dict, not a change of the one being published
+            self.ps_scales[request] = {**asked, **answer}

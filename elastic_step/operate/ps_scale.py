@@ -1,7 +1,8 @@
 """`elastic-step scale JOB --ps N` of a job on Kubernetes. The master's port admits only its
 workers, so, as `scale --workers`, the request is an annotation on the job's status ConfigMap
 ("N/REQUEST"), which the master takes in at its next publish; once the rows have moved it
-answers in the status it publishes there (`ps_scale`, naming the request). With the caller's own
+answers in the status it publishes there (`ps_scales`: the newest requests' answers, each naming
+its request). With the caller's own
 credentials and no more than `scale --workers` needs: configmaps list (to find and read the
 job's) and patch (to ask), as deploy/operator's Role grants."""
 
@@ -56,8 +57,8 @@ def _answer(api, namespace: str, found, job: str, request: str) -> dict:
         if current is None or current.metadata.name != found.metadata.name:
             raise ElasticStepError(f"job {job} ended before its master answered the scale --ps; "
                                    f"`elastic-step get --backend kubernetes {job} --mlflow-uri URI` shows how")
-        answer = published_document(current, namespace).get("ps_scale")
-        if isinstance(answer, dict) and answer.get("request") == request:
+        answer = _answer_to(published_document(current, namespace), request)
+        if answer is not None:
             taken = True
             if "moved" in answer or "refused" in answer:
                 return answer
@@ -65,6 +66,14 @@ def _answer(api, namespace: str, found, job: str, request: str) -> dict:
     where = "its rows are still moving" if taken else "its master has not taken the request"
     raise ElasticStepError(f"job {job} did not answer the scale --ps within {ANSWER_TIMEOUT_S:.0f}s ({where}); "
                            f"see `elastic-step get --backend kubernetes {job} -e`")
+
+
+def _answer_to(document: dict, request: str) -> dict | None:
+    """The published answer naming `request`, if the master has taken it."""
+    answers = document.get("ps_scales")
+    if not isinstance(answers, list):
+        return None
+    return next((a for a in answers if isinstance(a, dict) and a.get("request") == request), None)
 
 
 def _checked_move(moved, config_map: str) -> dict:

@@ -204,7 +204,7 @@ def master_pod_of(config_map) -> str | None:
 
 
 def published_document(config_map, namespace: str) -> dict:
-    """What the master published: {info, status, events, events_next, history[, stop_refused][, ps_scale]}."""
+    """What the master published: {info, status, events, events_next, history[, stop_refused][, ps_scales]}."""
     try:
         document = json.loads(config_map.data[STATUS_KEY])
         document["status"], document["info"]  # noqa: B018  (both must be there)
