@@ -21,7 +21,7 @@ from elastic_step.ps.client import PsClient
 from elastic_step.ps.ledger import LedgerRecord
 from elastic_step.ps.local import LocalShards
 from elastic_step.ps.moves import move, plan
-from elastic_step.ps.routing import RoutingTable, virtual_shard_of
+from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import ShardServer
 from elastic_step.ps.state import ShardState
 

@@ -180,7 +180,7 @@ def test_submit_refuses_in_one_line_before_creating_anything(tmp_path, cluster, 
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("elastic-step submit: error: "), done.stderr
-    expected = {"no-deploy": f"namespace other has no service account elastic-step-runner: apply deploy/",
+    expected = {"no-deploy": "namespace other has no service account elastic-step-runner: apply deploy/",
                 "no-role": "service account elastic-step-runner in namespace other may not create configmaps, ",
                 "missing-secret": f"--store-secret {STORE_SECRET}: no such Secret in namespace {namespace}",
                 "model-too-big": "over a ConfigMap's 1 MiB",

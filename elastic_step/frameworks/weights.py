@@ -20,7 +20,6 @@ version's source run), or MLflow 3's `models:/m-ID` (the logged model's source r
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 from elastic_step.errors import ElasticStepError

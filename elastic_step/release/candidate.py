@@ -12,7 +12,7 @@ import numpy as np
 from elastic_step.data.manifest import load_manifest, validate_shards
 from elastic_step.data.reader import ShardReader
 from elastic_step.errors import ConfigError, DataError
-from elastic_step.frameworks.model_def import ModelDefinition, batch_arrays, load_model_definition
+from elastic_step.frameworks.model_def import ModelDefinition, batch_arrays
 from elastic_step.tracking.run import TrackingError
 from elastic_step.tracking.uri import redact
 
