@@ -32,6 +32,15 @@ def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "elastic_step.cli", *args], capture_output=True, text=True, **kwargs)
 
 
+def synthetic_clicks(out, rows: int, seed: int, rows_per_shard: int) -> str:
+    """`prepare-data` of the synthetic Criteo-shaped click log into `out`, its strings made ids
+    (`--categorical auto`): the data of the parameter-server tests."""
+    done = cli("prepare-data", "--source", f"synthetic:criteo?rows={rows}&seed={seed}", "--out", str(out),
+               "--categorical", "auto", "--rows-per-shard", str(rows_per_shard))
+    assert done.returncode == 0, done.stderr
+    return str(out)
+
+
 class Job:
     """An `elastic-step train` process and what it leaves in its job dir."""
 

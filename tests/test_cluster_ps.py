@@ -41,7 +41,7 @@ import pytest
 from kubernetes import client as k8s
 
 from cluster import Cluster, venv_image
-from conftest import cli
+from conftest import synthetic_clicks
 from elastic_step.backends.kubernetes.manifests import JobNames, to_dict
 from elastic_step.backends.kubernetes.options import MasterPod, PodSettings
 from elastic_step.backends.kubernetes.ps_manifests import PS_PORT, ps_network_policy, ps_pod
@@ -382,11 +382,7 @@ def test_deploys_admission_policy_admits_a_masters_shard_pods_and_policy_and_no_
 # -- end to end ----------------------------------------------------------------------------------
 @pytest.fixture
 def clicks(tmp_path) -> str:
-    data = tmp_path / "ctr"
-    done = cli("prepare-data", "--source", "synthetic:criteo?rows=6000&seed=5", "--out", str(data),
-               "--categorical", "auto", "--rows-per-shard", str(ROWS_PER_SHARD))
-    assert done.returncode == 0, done.stderr
-    return str(data)
+    return synthetic_clicks(tmp_path / "ctr", rows=6000, seed=5, rows_per_shard=ROWS_PER_SHARD)
 
 
 COUNTERS = r"""

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
-from conftest import cli
+from conftest import cli, synthetic_clicks
 
 from elastic_step.ps.expected_updates import expected_updates, updates_on_the_shards
 from elastic_step.ps.torch_embedding import PsEmbedding, freeze_tables
@@ -247,11 +247,7 @@ ROWS_PER_SHARD, MINIBATCH, EPOCHS = 800, 128, 2
 
 @pytest.fixture(scope="module")
 def clicks(tmp_path_factory) -> str:
-    data = tmp_path_factory.mktemp("ctr") / "data"
-    done = cli("prepare-data", "--source", "synthetic:criteo?rows=6000&seed=5", "--out", str(data),
-               "--categorical", "auto", "--rows-per-shard", str(ROWS_PER_SHARD))
-    assert done.returncode == 0, done.stderr
-    return str(data)
+    return synthetic_clicks(tmp_path_factory.mktemp("ctr") / "data", rows=6000, seed=5, rows_per_shard=ROWS_PER_SHARD)
 
 
 DECLARED_DEEPFM = """

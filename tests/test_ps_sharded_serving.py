@@ -19,7 +19,7 @@ from functools import partial
 
 import numpy as np
 import pytest
-from conftest import cli
+from conftest import cli, synthetic_clicks
 
 DEEPFM_PS = "elastic_step.model_zoo.deepfm_ps_torch"
 SHARDS = 2
@@ -27,11 +27,7 @@ SHARDS = 2
 
 @pytest.fixture(scope="module")
 def clicks(tmp_path_factory) -> str:
-    data = tmp_path_factory.mktemp("ctr") / "data"
-    done = cli("prepare-data", "--source", "synthetic:criteo?rows=2000&seed=3", "--out", str(data),
-               "--categorical", "auto", "--rows-per-shard", "500")
-    assert done.returncode == 0, done.stderr
-    return str(data)
+    return synthetic_clicks(tmp_path_factory.mktemp("ctr") / "data", rows=2000, seed=3, rows_per_shard=500)
 
 
 def whole_table_trainer(job_dir: str, model_def, source=None):

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import cli
+from conftest import cli, synthetic_clicks
 
 from elastic_step.audit import audit_report
 from elastic_step.data import synthetic_ctr as ctr
@@ -21,11 +21,7 @@ DEEPFM_KERAS = "elastic_step.model_zoo.deepfm_keras"
 
 @pytest.fixture(scope="module")
 def clicks(tmp_path_factory) -> str:
-    data = tmp_path_factory.mktemp("ctr") / "data"
-    done = cli("prepare-data", "--source", "synthetic:criteo?rows=12000&seed=5", "--out", str(data),
-               "--categorical", "auto", "--rows-per-shard", "1000")
-    assert done.returncode == 0, done.stderr
-    return str(data)
+    return synthetic_clicks(tmp_path_factory.mktemp("ctr") / "data", rows=12000, seed=5, rows_per_shard=1000)
 
 
 def table(spec: ctr.CtrSpec, with_truth: bool = False) -> pa.Table:
