@@ -23,6 +23,7 @@ import types
 import numpy as np
 import pytest
 
+from elastic_step import defaults
 from elastic_step.cli.render import describe_event
 from elastic_step.errors import ConfigError
 from elastic_step.master.events import EventLog
@@ -58,7 +59,8 @@ def job(tmp_path):
     @contextlib.contextmanager
     def started(resuming: bool, cut: dict | None = None, shards: int = 1):
         config = types.SimpleNamespace(mode=TrainingMode.PS, model_def=str(tmp_path / "model.py"), job_dir=str(tmp_path / "job"),
-                                       ps_shards=shards, checkpoint_steps=2)
+                                       ps_shards=shards, checkpoint_steps=2, ps_table_limit_mb=defaults.PS_TABLE_LIMIT_MB,
+                                       backend="local", ps_memory=None, worker_memory=None)
         with contextlib.ExitStack() as running:  # as the master's: the shards get SIGTERM (a last snapshot) at its end
             routing, monitor = start_ps_shards(config, str(tmp_path / "token"), running, resuming, cut=cut, events=events)
             client = PsClient(TOKEN, lambda: RoutingTable.from_json(routing))
