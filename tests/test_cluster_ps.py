@@ -24,8 +24,10 @@ in a new pod from its cut, the workers' rows after the checkpoint back to the qu
 worker restarts. Once every row is trained, each embedding row's update counter on the shards (asked
 from the master pod's network) equals the count computed from the data alone (each minibatch
 updates each of its distinct ids once): nothing acknowledged was lost and nothing applied twice,
-across the kills and the deletion. The job then succeeds and leaves none of its pods or NetworkPolicies, nor
-does the killed master's.
+across the kills and the deletion. Its tables, past `--ps-table-limit-mb 0`, are not held whole:
+the master copies each shard pod's last snapshot over the shard protocol and evaluates the model
+on them. The job then succeeds and leaves none of its pods or NetworkPolicies, nor does the
+killed master's.
 """
 
 from __future__ import annotations
@@ -501,7 +503,7 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
                 "--model-def", DEEPFM_PS, "--mode", "ps", "--ps-shards", "2", "--job-dir", JOB_DIR, "--workers", "2",
                 "--epochs", str(EPOCHS), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
                 "--checkpoint-steps", "4", "--worker-cpu", "500m", "--worker-memory", "1Gi", "--max-relaunches", "0",
-                "--no-progress"]
+                "--ps-table-limit-mb", "0", "--no-progress"]
         ns, api = cluster.namespace, cluster.core()
         store_secret(api, ns)
         api.create_namespaced_pod(ns, with_shared_tracking(master_pod(cluster, "train-step-ps", args), tracking))
@@ -572,8 +574,12 @@ def test_a_ps_job_on_shard_pods_keeps_every_update_exactly_once_through_a_shard_
         (back,) = [e for e in events if e["event"] == "restored"]
         assert back["step"] > relaunched and "shard 1's pod was deleted" in back["message"], back
         assert f"checkpoint of step {back['step']}" in back["message"], back
+        # --ps-table-limit-mb 0: the master copied each shard pod's last snapshot over the shard
+        # protocol and evaluated the model looking its rows up in them (the run's pyfunc serves them).
+        with open(master.path(f"{JOB_DIR}/model/ps_shards/manifest.json")) as f:
+            assert len(json.load(f)["files"]) == 3, "one snapshot from each of the three shard pods"
         with open(master.path(f"{JOB_DIR}/result.json")) as f:
-            assert json.load(f)["test_metrics"]["auc"] > 0.6  # the tables the master froze from the shards' rows
+            assert json.load(f)["test_metrics"]["auc"] > 0.6  # the trained rows, from the shards' snapshots
 
         restarted = [e[4] for e in cluster.server.store.history if e[1] == "pods" and e[4]["metadata"]["name"] == shard_pods[0]]
         assert max(s.get("restartCount", 0) for p in restarted for s in p.get("status", {}).get("containerStatuses", [])) == 1
