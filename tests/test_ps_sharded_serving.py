@@ -59,6 +59,7 @@ np.save(os.path.join(sys.argv[3], "served.npy"), np.asarray(model.predict(np.loa
 
 def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_model(clicks, start_job, tmp_path):
     import mlflow
+    from mlflow.tracking import MlflowClient
 
     from elastic_step.data.manifest import load_manifest
     from elastic_step.evaluation import evaluate
@@ -116,6 +117,10 @@ def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_
         assert "exceed --ps-table-limit-mb" in f.read()
     with open(os.path.join(model_dir, "ps_shards", "manifest.json")) as f:
         assert json.load(f)["files"] == ["shard-0.bin", "shard-1.bin"]  # one file per shard, as on disk
+    # The snapshots are stored once, in the pyfunc (which the gate read above); beside the weights
+    # only their manifest.
+    logged = [a.path for a in MlflowClient(uri).list_artifacts(result["run_id"], "elastic_step_model/ps_shards")]
+    assert logged == ["elastic_step_model/ps_shards/manifest.json"], logged
 
 
 @pytest.mark.parametrize("limit", ["-1", "nan"])

@@ -11,8 +11,9 @@ but cannot run code in the pipeline's pods.
 A `--mode ps` run logs its trained embedding tables beside it (`elastic_step_model/ps_tables.npz`,
 numpy arrays read with `allow_pickle=False`): the gate and export give them to the network they
 build (ps/embedding.py's hold_tables). One whose tables exceeded `train --ps-table-limit-mb` logs
-its shards' final snapshots instead (`elastic_step_model/ps_shards/`, ps/shard_tables.py): the
-gate's network looks its rows up there (ps/embedding.py's read_rows_from).
+its shards' final snapshots instead, once, with its pyfunc model (`elastic_step_model/ps_shards/`
+holds only their manifest, ps/shard_tables.py): the gate's network looks its rows up there
+(ps/embedding.py's read_rows_from).
 
 A model URI names its run: `runs:/RUN/...`, `models:/NAME@ALIAS`, `models:/NAME/VERSION` (the
 version's source run), or MLflow 3's `models:/m-ID` (the logged model's source run).
@@ -110,9 +111,33 @@ def final_model_tables(model_uri: str, tracking_uri: str | None = None) -> dict:
             raise WeightsError(f"run {run_id} of model {model_uri!r}: {exc}") from None
 
 
+def _pyfunc_shards(client, run_id: str) -> str:
+    """Where the run's sharded pyfunc model keeps the shards' snapshots (its `shards` artifact, as
+    its MLmodel file names it): they are logged there only, beside the weights only their
+    manifest (tracking/recorder.py)."""
+    import mlflow
+    import yaml
+
+    logged = client.get_run(run_id).data.tags.get("elastic_step.model_uri", "")
+    if not logged.startswith("models:/m-"):
+        raise WeightsError(f"run {run_id} logged its shards' snapshots with a model, but names no logged model "
+                           f"(tag elastic_step.model_uri {logged!r}); give a run that `elastic-step train` finished")
+    location = client.get_logged_model(logged[len("models:/"):]).artifact_location.rstrip("/")
+    with tempfile.TemporaryDirectory() as tmp:
+        described = mlflow.artifacts.download_artifacts(artifact_uri=f"{location}/MLmodel", dst_path=tmp)
+        with open(described, encoding="utf-8") as f:
+            artifacts = (yaml.safe_load(f).get("flavors", {}).get("python_function", {}).get("artifacts") or {})
+    path = (artifacts.get("shards") or {}).get("path")
+    if not path:
+        raise WeightsError(f"the model of run {run_id} ({logged}) holds no shards' snapshots; give a run that "
+                           "`elastic-step train --mode ps` finished")
+    return f"{location}/{path}"
+
+
 def final_model_shards(model_uri: str, tracking_uri: str | None = None):
     """The shards' tables (ps/shard_tables.ShardTables) of a `--mode ps` run whose tables were too
-    big to hold whole (its `elastic_step_model/ps_shards/`); None for any other run."""
+    big to hold whole (its `elastic_step_model/ps_shards/` holds their manifest; the snapshots,
+    from its pyfunc model); None for any other run."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -125,7 +150,7 @@ def final_model_shards(model_uri: str, tracking_uri: str | None = None):
         return None
     # The snapshots are memory-mapped: the maps stay readable once the folder is removed (POSIX).
     with tempfile.TemporaryDirectory() as tmp:
-        local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=tmp,
+        local = mlflow.artifacts.download_artifacts(artifact_uri=_pyfunc_shards(client, run_id), dst_path=tmp,
                                                     tracking_uri=client.tracking_uri)
         try:
             return ShardTables.open(local)

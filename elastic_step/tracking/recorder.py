@@ -296,10 +296,28 @@ class TrainingRecorder:
                 else:
                     info = self.trainer.log_mlflow_model(features, infer_signature(features, outputs))
                 # The raw parameters too: export rebuilds the model from them and the model
-                # definition in any framework, without going through a flavour's loader.
-                mlflow.log_artifacts(os.path.join(job_dir, "model"), FINAL_MODEL_ARTIFACTS)
+                # definition in any framework, without going through a flavour's loader. The
+                # shards' snapshots only once: the pyfunc holds them, here only their manifest.
+                log_model_folder(os.path.join(job_dir, "model"), FINAL_MODEL_ARTIFACTS, skip=SHARD_FILES if sharded else ())
         self.client.set_tag(self.run_id, "elastic_step.model_uri", info.model_uri)
         return info.model_uri
+
+
+SHARD_FILES = ("ps_shards/shard-*.bin",)  # the sharded pyfunc's copies (ps/shard_tables.py), logged once
+
+
+def log_model_folder(folder: str, artifact_path: str, skip: tuple[str, ...] = ()) -> None:
+    """mlflow.log_artifacts of `folder`, leaving out the files whose path (relative to it) matches `skip`."""
+    import fnmatch
+
+    import mlflow
+
+    for root, _, files in os.walk(folder):
+        for name in files:
+            relative = os.path.relpath(os.path.join(root, name), folder)
+            if not any(fnmatch.fnmatch(relative, pattern) for pattern in skip):
+                where = os.path.dirname(relative)
+                mlflow.log_artifact(os.path.join(root, name), f"{artifact_path}/{where}" if where else artifact_path)
 
 
 def plot_training(job_dir: str) -> str | None:
