@@ -135,7 +135,7 @@ def in_process(root: str, batches: list[np.ndarray]) -> float:
 
 
 def kill_recovery(root: str, token_file: str, rows: int, kills: int) -> None:
-    spec = TableSpec("t", 16, rows=rows)  # declared: the one shard reserves it (state.reserved_rows)
+    spec = TableSpec("t", 16, rows=rows)  # declared: the one shard reserves it (sizing.reserved_rows)
     shards = LocalShards(os.path.join(root, "kill"), [spec], 1, token_file, snapshot_every=10**9)
     shards.start()
     shard, client = shards.shards[0], PsClient(TOKEN, shards.routes)

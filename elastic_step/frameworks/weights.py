@@ -111,6 +111,14 @@ def final_model_tables(model_uri: str, tracking_uri: str | None = None) -> dict:
             raise WeightsError(f"run {run_id} of model {model_uri!r}: {exc}") from None
 
 
+def serves_from_snapshots(client, run_id: str) -> bool:
+    """Whether a --mode ps run's tables exceeded --ps-table-limit-mb, so that its model serves
+    them from the shards' snapshots: beside its weights file it logged their manifest."""
+    from elastic_step.ps.shard_tables import SHARDS_FOLDER
+
+    return f"{FINAL_MODEL_ARTIFACTS}/{SHARDS_FOLDER}" in {a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)}
+
+
 def _pyfunc_shards(client, run_id: str) -> str:
     """Where the run's sharded pyfunc model keeps the shards' snapshots (its `shards` artifact, as
     its MLmodel file names it): they are logged there only, beside the weights only their
@@ -141,12 +149,11 @@ def final_model_shards(model_uri: str, tracking_uri: str | None = None):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from elastic_step.ps.shard_tables import SHARDS_FOLDER, ShardTables
+    from elastic_step.ps.shard_tables import ShardTables
 
     client = MlflowClient(tracking_uri)
     run_id = run_of_model_uri(model_uri, client)
-    path = f"{FINAL_MODEL_ARTIFACTS}/{SHARDS_FOLDER}"
-    if path not in {a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)}:
+    if not serves_from_snapshots(client, run_id):
         return None
     # The snapshots are memory-mapped: the maps stay readable once the folder is removed (POSIX).
     with tempfile.TemporaryDirectory() as tmp:

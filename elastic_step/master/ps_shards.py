@@ -265,14 +265,14 @@ def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec], config: TrainC
                 shard.process.wait()
     # The shards the routing names: after a move that did not finish, the added ones hold only
     # rows their old owners still hold (a resume finishes the move).
-    snapshots = [os.path.join(s.directory, SNAPSHOT_FILE) for s in shards.shards[: shards.routing.shards]]
+    named = shards.shards[: shards.routing.shards]
+    snapshots = [os.path.join(s.directory, SNAPSHOT_FILE) for s in named]
     folder = os.path.join(config.job_dir, "model", SHARDS_FOLDER)
     size = weight_bytes(snapshots, specs)
     if size > config.ps_table_limit_mb * MIB:
         serve_from_snapshots(folder, specs, shards.routing, snapshots, size)
         return
     shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt's (a resumed job's): this model holds its tables
-    named = shards.shards[: shards.routing.shards]
     freeze_tables({spec.name: snapshot_table(spec, [s.directory for s in named]) for spec in specs})
 
 

@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 PS_MOVE_TIMEOUT_S = 600.0  # `scale --ps`: moving a large table's rows takes a while; the master answers once done
 
+
 @dataclass(frozen=True)
 class LogRequest:
     """Which log, and which of its lines: the master's (`worker` None), or a worker's by id

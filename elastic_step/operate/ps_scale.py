@@ -2,9 +2,8 @@
 workers, so, as `scale --workers`, the request is an annotation on the job's status ConfigMap
 ("N/REQUEST"), which the master takes in at its next publish; once the rows have moved it
 answers in the status it publishes there (`ps_scales`: the newest requests' answers, each naming
-its request). With the caller's own
-credentials and no more than `scale --workers` needs: configmaps list (to find and read the
-job's) and patch (to ask), as deploy/operator's Role grants."""
+its request). With the caller's own credentials and no more than `scale --workers` needs:
+configmaps list (to find and read the job's) and patch (to ask), as deploy/operator's Role grants."""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ READY_FILE = "ready.json"
 PARENT_POLL_S = 1.0
 CONFIG_FILE = "config.json"
 MOVE_OPS = frozenset({"adopt", "export", "import", "release"})
+FILE_OPS = frozenset({"cut_file", "snapshot_file"})  # a file read in parts, from a byte offset
 
 
 class ShardHandler(socketserver.BaseRequestHandler):
@@ -103,6 +104,8 @@ class ShardServer(socketserver.ThreadingTCPServer):
             except cuts.CutMissing as exc:
                 return {"status": Status.NO_CUT, "detail": str(exc)}, ()
             return {"status": Status.OK, "replayed": replayed, "epoch": state.routing.epoch}, ()
+        if op in FILE_OPS and int(header["offset"]) < 0:
+            return {"status": Status.BAD_REQUEST, "detail": f"offset {header['offset']}: give a byte offset of 0 or more"}, ()
         if op == "cut_file":  # a sealed cut's bytes, for a master that keeps it where this folder is not (a pod's)
             try:
                 return _cut_file(state.directory, int(header["step"]), header["part"], int(header["offset"]))
@@ -156,37 +159,35 @@ class ShardServer(socketserver.ThreadingTCPServer):
 def _cut_file(directory: str, step: int, part: str, offset: int) -> tuple[dict, tuple]:
     """Up to cuts.FILE_CHUNK bytes of a sealed cut's `part` (one of cuts.PARTS) from `offset`, and
     the file's size. Only a cut whose .json holds its digest: nothing half-written is handed out."""
-    if offset < 0:
-        return {"status": Status.BAD_REQUEST, "detail": f"offset {offset}: give a byte offset of 0 or more"}, ()
     found = cuts.meta(directory, step)
     if part not in cuts.PARTS or found is None or found.get("digest") is None:
         raise cuts.CutMissing(f"no sealed cut of step {step} (part {part!r}) in this shard")
     try:
-        with open(cuts.path(directory, step, part), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(offset)
-            data = f.read(cuts.FILE_CHUNK)
+        stat, data = _file_part(cuts.path(directory, step, part), offset)
     except FileNotFoundError:
         if part == "ledger":  # a cut written whole has no ledger records
             return {"status": Status.OK, "size": 0, "offset": offset}, ()
         raise cuts.CutMissing(f"the cut of step {step} was dropped") from None
-    return {"status": Status.OK, "size": size, "offset": offset}, (np.frombuffer(data, np.uint8),)
+    return {"status": Status.OK, "size": stat.st_size, "offset": offset}, (np.frombuffer(data, np.uint8),)
 
 
 def _snapshot_file(directory: str, offset: int) -> tuple[dict, tuple]:
     """Up to cuts.FILE_CHUNK bytes of the folder's snapshot from `offset`, its size, and which
     file it is: a later snapshot replaces the file, and a reader must not mix two of them."""
-    if offset < 0:
-        return {"status": Status.BAD_REQUEST, "detail": f"offset {offset}: give a byte offset of 0 or more"}, ()
     try:
-        with open(os.path.join(directory, SNAPSHOT_FILE), "rb") as f:
-            found = os.fstat(f.fileno())
-            f.seek(offset)
-            data = f.read(cuts.FILE_CHUNK)
+        found, data = _file_part(os.path.join(directory, SNAPSHOT_FILE), offset)
     except FileNotFoundError:
         return {"status": Status.BAD_REQUEST, "detail": "no snapshot yet: ask for a `snapshot` first"}, ()
     return ({"status": Status.OK, "size": found.st_size, "file": f"{found.st_ino}.{found.st_mtime_ns}"},
             (np.frombuffer(data, np.uint8),))
+
+
+def _file_part(path: str, offset: int) -> tuple[os.stat_result, bytes]:
+    """Up to cuts.FILE_CHUNK bytes of a file from `offset`, with the stat of the file they came from."""
+    with open(path, "rb") as f:
+        found = os.fstat(f.fileno())
+        f.seek(offset)
+        return found, f.read(cuts.FILE_CHUNK)
 
 
 def _bind_host(host: str) -> str:

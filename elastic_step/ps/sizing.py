@@ -22,9 +22,15 @@ def bytes_per_row(spec: TableSpec) -> float:
     return 4 * spec.dim * (1 + SLOTS[spec.optimizer]) + 8 + 4 + 4 / (MAX_LOAD / 2)
 
 
+def reserved_rows(spec: TableSpec, fraction: float) -> int:
+    """The rows a shard reserves for a declared table when it owns `fraction` of its virtual
+    shards: that share of the declared rows, with room."""
+    return int(spec.rows * fraction * RESERVE_SLACK)
+
+
 def shard_share(spec: TableSpec, shards: int) -> int:
     """The rows one of `shards` shards reserves for a declared table (an even share, with room)."""
-    return int(spec.rows / shards * RESERVE_SLACK)
+    return reserved_rows(spec, 1 / shards)
 
 
 def shard_bytes(specs: list[TableSpec], shards: int) -> float:

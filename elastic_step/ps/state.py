@@ -48,7 +48,7 @@ from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.applied import AppliedGroups
 from elastic_step.ps.ledger import Ledger, LedgerRecord, _fsync_dir, replay
 from elastic_step.ps.routing import RoutingTable, virtual_shard_of
-from elastic_step.ps.sizing import RESERVE_SLACK
+from elastic_step.ps.sizing import reserved_rows
 from elastic_step.ps.table import EmbeddingTable
 
 log = logging.getLogger("elastic_step.ps")
@@ -57,12 +57,6 @@ SNAPSHOT_FILE = "snapshot.bin"
 LEDGER_FILE = "ledger.bin"
 ROUTING_FILE = "routing.json"
 FENCE_FILE = "fence.json"  # the newest rollback's fence: pushes of rounds up to it are refused
-
-
-def reserved_rows(spec: TableSpec, routing: RoutingTable, shard: int) -> int:
-    """The rows a shard reserves up front for a table of declared size: its virtual shards' share."""
-    owned = int((routing.owners == shard).sum())
-    return int(spec.rows * owned / len(routing.owners) * RESERVE_SLACK)
 
 
 def write_fence(directory: str, fence: int) -> None:
@@ -102,7 +96,8 @@ class ShardState:
     def __init__(self, directory: str, specs: list[TableSpec], shard: int, routing: RoutingTable, snapshot_every: int = 1000, sync: bool = True,
                  checkpoint_every: int = 0):
         self.directory = directory
-        self.tables = {spec.name: EmbeddingTable(spec, reserved_rows(spec, routing, shard)) for spec in specs}
+        owned = float((routing.owners == shard).mean())  # of the virtual shards: a declared table's share is reserved
+        self.tables = {spec.name: EmbeddingTable(spec, reserved_rows(spec, owned)) for spec in specs}
         self.shard = shard
         self.routing = routing
         self.virtual_shards = len(routing.owners)

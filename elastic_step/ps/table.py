@@ -133,6 +133,15 @@ class EmbeddingTable:
         while len(self._recent) > RECENT_PULLS or self._recent_ids > RECENT_IDS:
             self._recent_ids -= len(self._recent.popleft()[0])
 
+    def _forget_pulls(self) -> None:
+        self._recent.clear()
+        self._recent_ids = 0
+
+    def _reindex(self) -> None:
+        """An index of the held rows, sized for the block's capacity."""
+        self.index = IdIndex(len(self.ids))
+        self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
+
     def _pulled_slots(self, ids: np.ndarray) -> np.ndarray | None:
         """The slots of a recent pull of exactly these ids, in this order (None: none was)."""
         for pulled, slots in reversed(self._recent):
@@ -155,8 +164,7 @@ class EmbeddingTable:
         if rows.shape != (len(ids), self.width) or updates.shape != ids.shape:
             raise ValueError(f"table {self.spec.name}: a snapshot whose rows do not fit dim {self.spec.dim} and its optimizer")
         self.size = len(ids)
-        self._recent.clear()  # rows take new slots
-        self._recent_ids = 0
+        self._forget_pulls()  # rows take new slots
         if capacity == len(ids) and _own_array(rows, np.float32) and _own_array(ids, np.int64) and _own_array(updates, np.uint32):
             self.block, self.ids, self.updates = rows, ids, updates  # a snapshot's fresh arrays: no copy
         else:
@@ -167,8 +175,7 @@ class EmbeddingTable:
         if index is not None:  # a mapped snapshot's is read-only: the index writes its slots
             self.index = IdIndex.from_slots(index if index.flags.writeable else np.array(index), self.size)
         else:
-            self.index = IdIndex(capacity)
-            self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
+            self._reindex()
 
     def where(self, keep: np.ndarray) -> dict[str, np.ndarray]:
         """Copies of the held rows where `keep` (one flag per held row): what a move ships."""
@@ -188,10 +195,8 @@ class EmbeddingTable:
             end = start + len(part)
             self.block[start:end], self.ids[start:end], self.updates[start:end] = self.block[part], self.ids[part], self.updates[part]
         self.size = len(keep)
-        self._recent.clear()  # rows took new slots
-        self._recent_ids = 0
-        self.index = IdIndex(len(self.ids))
-        self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
+        self._forget_pulls()  # rows took new slots
+        self._reindex()
 
     def put(self, ids: np.ndarray, rows: np.ndarray, updates: np.ndarray) -> None:
         """Hold these rows as given (moved in), replacing any held for the same ids."""

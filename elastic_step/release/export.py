@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from elastic_step.frameworks.model_def import load_model_definition
 from elastic_step.frameworks.registry import build_trainer
+from elastic_step.frameworks.weights import serves_from_snapshots
 from elastic_step.ps.embedding import TABLES_FILE, hold_tables, read_tables, trainer_network
-from elastic_step.ps.shard_tables import SHARDS_FOLDER
 from elastic_step.release.candidate import load_candidate, split_head, split_manifest
 from elastic_step.errors import ConfigError
 from elastic_step.release.registry import registry_client
@@ -111,8 +111,7 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
 def _check_tables_held(client, candidate) -> None:
     """A --mode ps run whose tables exceeded --ps-table-limit-mb logged them as its shards'
     snapshots, which a TorchScript or SavedModel cannot hold: its pyfunc model is what serves it."""
-    logged = {a.path for a in client.list_artifacts(candidate.run_id, FINAL_MODEL_ARTIFACTS)}
-    if f"{FINAL_MODEL_ARTIFACTS}/{SHARDS_FOLDER}" in logged:
+    if serves_from_snapshots(client, candidate.run_id):
         raise ConfigError(f"run {candidate.run_id}: its embedding tables exceeded train --ps-table-limit-mb and are served "
                           f"from its shards' snapshots, which an exported model cannot hold; serve its MLflow pyfunc model "
                           f"{candidate.model_uri} instead (mlflow models serve -m {candidate.model_uri} --env-manager local)")

@@ -301,7 +301,7 @@ STATUS_KEY = "status.json"
 STOP_ANNOTATION = "elastic-step/stop-requested"
 SCALE_ANNOTATION = "elastic-step/workers-requested"  # `scale`: the number of workers the operator asks for
 # `scale --ps`: "SHARDS/REQUEST", the shards asked for and a name the master's answer carries
-# (`ps_scale` in the status), so the same count can be asked again and its answer told apart.
+# (in the status's `ps_scales`), so the same count can be asked again and its answer told apart.
 PS_SCALE_ANNOTATION = "elastic-step/ps-shards-requested"
 # The operator's requests, by the name the master takes them under.
 REQUEST_ANNOTATIONS = {"stop": STOP_ANNOTATION, "workers": SCALE_ANNOTATION, "ps_shards": PS_SCALE_ANNOTATION}
