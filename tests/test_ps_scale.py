@@ -277,6 +277,17 @@ def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path, capsys):
     monitor.fits = partial(check_table_sizes, config, declared)
     with pytest.raises(ValueError, match=r"need 1\.4 GiB on each of 1 shards, more than each shard pod's --ps-memory limit"):
         monitor.scale(1)
+    # Local shards share this machine: after a scale its memory is divided among the new count.
+    # Half of it in one declared table fits one shard, though not a quarter of the machine.
+    from elastic_step.errors import ConfigError
+    from elastic_step.ps.sizing import bytes_per_row, local_memory_bytes
+
+    local = SimpleNamespace(ps_shards=4, backend="local", ps_memory=None, worker_memory=None)
+    half = [TableSpec("half", 16, OptimizerKind.ADAGRAD, rows=int(local_memory_bytes() / 2 / 1.1 / bytes_per_row(spec)))
+            for spec in declared]
+    check_table_sizes(local, half, shards=1)
+    with pytest.raises(ConfigError, match="on each of 1 shards, more than this machine's memory divided among them"):
+        check_table_sizes(local, [TableSpec("most", 16, OptimizerKind.ADAGRAD, rows=half[0].rows * 2)], shards=1)
 
 
 def test_applied_groups_answer_as_a_set_per_virtual_shard_would_through_moves_and_snapshots():

@@ -83,7 +83,7 @@ def check_table_sizes(config: TrainConfig, specs: list[TableSpec], shards: int |
     if too_big is not None:
         raise ConfigError(f"--mode ps: table {too_big.name!r} declares {too_big.rows:,} rows, over {MAX_ROWS:,} a shard "
                           f"across {shards} shards; run more shards (--ps-shards)")
-    memory, where = _shard_memory(config)
+    memory, where = _shard_memory(config, shards)
     need = sizing.shard_bytes(specs, shards)
     if memory is not None and need > memory:
         declared = ", ".join(f"{s.name!r} {s.rows:,} rows x {sizing.bytes_per_row(s):.0f} B" for s in specs if s.rows)
@@ -92,10 +92,10 @@ def check_table_sizes(config: TrainConfig, specs: list[TableSpec], shards: int |
                           "more memory (--ps-memory)")
 
 
-def _shard_memory(config: TrainConfig) -> tuple[float | None, str]:
-    """(bytes one shard may use, where that figure comes from); None where nothing limits it."""
+def _shard_memory(config: TrainConfig, shards: int) -> tuple[float | None, str]:
+    """(bytes one of `shards` shards may use, where that figure comes from); None where nothing limits it."""
     if config.backend != "kubernetes":  # the shard processes share this machine (or the step's pod)
-        return sizing.local_memory_bytes() / config.ps_shards, "this machine's memory divided among them"
+        return sizing.local_memory_bytes() / shards, "this machine's memory divided among them"
     for option, value in (("--ps-memory", config.ps_memory), ("--worker-memory", config.worker_memory)):
         if value:
             request, limit = request_and_limit(option, value)
