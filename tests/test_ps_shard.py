@@ -159,3 +159,11 @@ def test_each_gradient_reaches_its_own_id_whatever_the_order_and_repeats_are_sum
         client.push(SPEC.name, 9, b, 0, ids, grads)
         expected.push(ids, grads)
     np.testing.assert_allclose(client.pull(SPEC.name, np.arange(300)), expected.pull(np.arange(300)), rtol=1e-6, atol=1e-7)
+
+
+def test_a_file_asked_for_from_a_negative_offset_is_a_bad_request_and_the_shard_serves_on(shards):
+    endpoint = shards.shards[0].endpoint
+    for header in ({"op": "snapshot_file", "offset": -1}, {"op": "cut_file", "step": 4, "part": "snapshot", "offset": -5}):
+        reply = raw(endpoint, {**header, "token": TOKEN})
+        assert reply["status"] == Status.BAD_REQUEST and "byte offset of 0 or more" in reply["detail"], reply
+    assert raw(endpoint, {"op": "stats", "token": TOKEN})["status"] == Status.OK
