@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -120,9 +121,10 @@ def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool, ids: int
 
 def in_process_rate(data, root: str, shards: int, ids: int) -> float:
     """The same step with the shards' state in this process (ShardState, fsync'd ledger): the
-    cost of the table's own code, without the processes and the network. The shards' parts of a
-    push are applied one after the other, their fsyncs too (a thread per shard, to overlap the
-    fsyncs as shard processes do, measured slower: the threads' numpy and Python wait on the GIL)."""
+    cost of the table's own code, without the processes and the network. Each shard's part of a
+    pull and a push is served in turn; the shards' fsyncs of a push run side by side, as shard
+    processes run them (a thread per shard for the rest too was measured slower: the threads'
+    numpy and Python wait on the GIL, which an fsync does not hold)."""
     torch.manual_seed(0)
     net = DeepFM(FIELDS, 2 * DENSE, rows=ids)  # the table's size, as the peer's nn.Embedding has it
     table = ps_tables(net)[0]
@@ -133,11 +135,16 @@ def in_process_rate(data, root: str, shards: int, ids: int) -> float:
         os.makedirs(folder)
         states.append(ShardState(folder, [table.spec], index, routing, snapshot_every=10**9))
         states[-1].recover()
+    syncing = ThreadPoolExecutor(max(1, shards - 1))
+
+    def each_shard(ids):
+        owner = routing.shard_of(ids)
+        return [(state, np.flatnonzero(owner == index)) for index, state in enumerate(states)]
 
     def pull(ids):
-        owner, rows = routing.shard_of(ids), np.empty((len(ids), table.spec.dim), np.float32)
-        for shard in np.unique(owner):
-            rows[owner == shard] = states[shard].pull(TABLE, ids[owner == shard])
+        rows = np.empty((len(ids), table.spec.dim), np.float32)
+        for state, at in each_shard(ids):
+            rows[at] = state.pull(TABLE, ids[at])
         return rows
 
     table.source = pull
@@ -148,13 +155,19 @@ def in_process_rate(data, root: str, shards: int, ids: int) -> float:
         table.forget()
         nn.functional.binary_cross_entropy_with_logits(net(x), y).backward()
         pushed_ids, grads = table.take_gradients()
-        owner, key = routing.shard_of(pushed_ids), next(seq)
-        for shard in np.unique(owner):
-            mine = owner == shard
-            states[shard].push(LedgerRecord(TABLE, 0, key, 0, pushed_ids[mine], grads[mine]))
+        key = next(seq)
+        marks = [(state, state.accept(LedgerRecord(TABLE, 0, key, 0, pushed_ids[at], grads[at]))[1])
+                 for state, at in each_shard(pushed_ids)]
+        others = [syncing.submit(state.ledger.sync_through, mark) for state, mark in marks[1:]]
+        marks[0][0].ledger.sync_through(marks[0][1])
+        for synced in others:
+            synced.result()
         dense.step()
 
-    return _timed(step, data)
+    try:
+        return _timed(step, data)
+    finally:
+        syncing.shutdown()
 
 
 def scale_figure(data, root: str, token_file: str, shards: int, ids: int) -> dict:

@@ -275,7 +275,7 @@ def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path, capsys):
     declared = [TableSpec("big", 16, OptimizerKind.ADAGRAD, rows=8_000_000)]
     check_table_sizes(config, declared)  # as the job started: 0.8 GiB a shard
     monitor.fits = partial(check_table_sizes, config, declared)
-    with pytest.raises(ValueError, match=r"need 1\.4 GiB on each of 1 shards, more than each shard pod's --ps-memory limit"):
+    with pytest.raises(ValueError, match=r"need 1\.3 GiB on each of 1 shards, more than each shard pod's --ps-memory limit"):
         monitor.scale(1)
     # Local shards share this machine: after a scale its memory is divided among the new count.
     # Half of it in one declared table fits one shard, though not a quarter of the machine.

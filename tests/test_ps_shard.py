@@ -167,3 +167,28 @@ def test_a_file_asked_for_from_a_negative_offset_is_a_bad_request_and_the_shard_
         reply = raw(endpoint, {**header, "token": TOKEN})
         assert reply["status"] == Status.BAD_REQUEST and "byte offset of 0 or more" in reply["detail"], reply
     assert raw(endpoint, {"op": "stats", "token": TOKEN})["status"] == Status.OK
+
+
+def test_a_push_past_a_declared_tables_rows_is_a_bad_request_kept_out_of_the_ledger(tmp_path, token_file):
+    """A declared table's shard refuses a push with an id outside [0, rows) before its ledger
+    holds it (a replay of it would fail the shard's recovery), and serves on: a pull of such an
+    id reads zeros, a push inside the range is applied, and a relaunch replays the ledger."""
+    declared = TableSpec("declared", 2, rows=1000)
+    started = LocalShards(str(tmp_path / "ps"), [declared], 1, token_file)
+    started.start()
+    try:
+        endpoint = started.shards[0].endpoint
+        push = {"op": "push", "token": TOKEN, "epoch": 1, "table": declared.name, "task": 0, "batch_seq": 0, "attempt": 0}
+        reply = raw(endpoint, {**push, "count": 2}, np.array([5, 1000]), np.ones((2, 2), np.float32))
+        assert reply["status"] == Status.BAD_REQUEST and "outside its declared rows" in reply["detail"], reply
+        client = PsClient(TOKEN, started.routes)
+        assert client.push(declared.name, 0, 0, 0, np.array([5]), np.ones((1, 2), np.float32)).applied == 1
+        before = client.pull(declared.name, np.array([5, 1000, -3]))
+        assert (before[1:] == 0).all() and (before[0] != 0).all()
+        started.shards[0].kill(signal.SIGKILL)
+        started.shards[0].start()
+        started.shards[0].wait_ready()
+        np.testing.assert_array_equal(client.pull(declared.name, np.array([5, 1000, -3])), before)
+        client.close()
+    finally:
+        started.stop()

@@ -122,7 +122,7 @@ def test_a_row_costs_at_most_1_35x_its_payload():
     rows = 300_000
     table = EmbeddingTable(TableSpec("t", 16, OptimizerKind.ADAGRAD, rows=rows), reserve=rows)
     for start in range(0, rows, 50_000):
-        table.pull(np.arange(start, start + 50_000) * 7919)
+        table.pull(np.arange(start, start + 50_000) * 7919 % rows)  # every id of [0, rows) once, spread
     payload = 2 * 16 * 4
     assert table.size == rows
     assert table.nbytes / rows <= 1.35 * payload
@@ -255,3 +255,36 @@ def test_applied_keys_answer_as_a_set_would_and_survive_a_snapshot():
     again = AppliedKeys.from_arrays(**keys.to_arrays())
     assert [p in again for p in probes] == [p in reference for p in probes]
     assert sum(len(s) for s in keys.above.values()) < len(reference) // 5  # the watermarks hold the rest
+
+
+def test_a_declared_table_is_indexed_directly_and_an_id_outside_it_gets_a_zero_row_and_no_row_made():
+    """ids in [0, rows) find their slot with one gather; an id outside (a feed that training
+    would have refused) reads as a served model reads it, zeros, without taking a slot."""
+    from elastic_step.ps.index import DirectIndex
+
+    table = EmbeddingTable(TableSpec("t", 3, OptimizerKind.SGD, rows=100), reserve=60)
+    assert isinstance(table.index, DirectIndex) and table.index.nbytes == 4 * 100
+    rows = table.pull(np.array([5, -1, 99, 100, 7]))
+    assert table.size == 3 and sorted(table.ids[:3].tolist()) == [5, 7, 99]
+    assert (rows[[1, 3]] == 0).all() and (rows[[0, 2, 4]] != 0).any(axis=1).all()
+    np.testing.assert_array_equal(table.pull(np.array([7, 5])), rows[[4, 0]])  # the same rows, found again
+    with pytest.raises(ValueError, match="outside the table's declared 100 rows"):
+        table.index.insert(np.array([100]), np.array([3]), table.ids)
+
+
+def test_a_snapshot_of_a_declared_table_saved_with_a_hash_index_loads_with_a_direct_one():
+    """Snapshots written before declared tables were indexed directly hold the hash index's
+    slots: loading rebuilds the direct index from the held ids, and every row is found."""
+    from elastic_step.ps.index import IdIndex
+
+    spec = TableSpec("t", 2, OptimizerKind.SGD, rows=1000)
+    old = EmbeddingTable(spec)
+    old.index = IdIndex(16)
+    ids = np.array([3, 999, 17])
+    old.pull(ids)
+    saved = {key: np.array(value) for key, value in old.arrays().items()}
+    assert len(saved["index"]) != 1000  # a hash index's slots
+    loaded = EmbeddingTable(spec, reserve=10)
+    loaded.load(saved["ids"], saved["rows"], saved["updates"], saved["index"])
+    np.testing.assert_array_equal(loaded.pull(ids), old.pull(ids))
+    assert loaded.size == 3

@@ -423,6 +423,7 @@ class ShardMonitor:
         self.rates: list[float | None] = [None for _ in self.addresses]  # updates/s between its last two answers
         self.polls = 0
         self.stopping = threading.Event()
+        self.polling = threading.Lock()
         self.scaling = threading.Lock()  # the shards' rows are being moved or cut: one at a time
         self.scale_asked = threading.Lock()  # a scale --ps is asked for: a second one is refused
         self.rolling_back = threading.Event()  # the shards go back to a checkpoint (ps_rollback.py): no checkpoint meanwhile
@@ -481,6 +482,7 @@ class ShardMonitor:
         # The moved rows took their applied pushes with them: no shard's count since its last poll is its updates.
         self.answered = [None] * shards
         self.rates = [None] * shards
+        self.poll()  # each shard's count now, so the next poll has its rate (a job may end soon after a scale)
         moved = report.to_json()
         # what get -e shows (one line): the rows moved and the longest a moved virtual shard was refused
         self._event(EventKind.PS_SCALE_FINISHED, ok=True, **sizes, rows_moved=report.rows_moved, rows_total=report.rows_total,
@@ -524,6 +526,10 @@ class ShardMonitor:
                 for i, (address, state, numbers, rate, relaunches) in enumerate(rows)]
 
     def poll(self) -> None:
+        with self.polling:  # this thread's and a scale --ps's (one client, one count of polls)
+            self._poll()
+
+    def _poll(self) -> None:
         self.polls += 1
         now = time.time()
         for i, address in enumerate(self.addresses):

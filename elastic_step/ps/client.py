@@ -1,6 +1,8 @@
 """PsClient: a worker's side of the shards: pull rows, push gradients merged per id.
 
-Ids are deduplicated before they travel; a push sums the gradients of repeated ids. A request
+Ids are deduplicated before they travel, in order of first appearance (so a push of the ids a
+pull fetched reaches each shard in the pull's order, and the shard reuses the pull's slots:
+table.py); a push sums the gradients of repeated ids. A request
 goes to every shard that owns some of the ids at once (sent to all, then answered by all), over
 one kept-open connection per shard.
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import pandas
 
 from elastic_step.ps import wire
 from elastic_step.ps.api import RETRY_AFTER_REFRESH, PsError, RoundFenced, ShardUnavailable, Status
@@ -58,11 +61,11 @@ class PsClient:
 
     def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids` (len(ids) x dim), in the order given."""
-        unique, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+        inverse, unique = _distinct(ids)
         gathered: np.ndarray | None = None
 
-        def request(shard_ids):
-            return {"op": "pull", "table": table, "count": len(shard_ids)}, (shard_ids,)
+        def request(positions):
+            return {"op": "pull", "table": table, "count": len(positions)}, (unique[positions],)
 
         for positions, (_, body) in self._each_shard(unique, request):
             rows = np.frombuffer(body, "<f4").reshape(len(positions), -1)
@@ -71,26 +74,23 @@ class PsClient:
             gathered[positions] = rows
         if gathered is None:
             return np.zeros((0, 0), np.float32)
-        return gathered[inverse.reshape(-1)]
+        return gathered if inverse is None else gathered[inverse]
 
     def push(self, table: str, task: int, batch_seq: int, attempt: int, ids: np.ndarray, grads: np.ndarray,
              step: int | None = None) -> PushReply:
         """Send one batch's gradients (summed per id) for the shards to apply once. `step`: the
         training step it belongs to, which tells a shard when a checkpoint's cut is due (cuts.py)."""
-        unique, first, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_index=True, return_inverse=True)
-        grads = np.asarray(grads, dtype=np.float32)
-        if len(unique) == len(ids):  # distinct already (one forward's ids): only put in id order
-            merged = grads[first]
-        else:  # the same id from several forwards: summed (np.add.at adds repeats, indexing would not)
-            merged = np.zeros((len(unique), grads.shape[1]), np.float32)
-            np.add.at(merged, inverse.reshape(-1), grads)
+        inverse, unique = _distinct(ids)
+        merged = np.asarray(grads, dtype=np.float32)
+        if inverse is not None:  # the same id from several forwards: summed (np.add.at adds repeats, indexing would not)
+            merged = np.zeros((len(unique), merged.shape[1]), np.float32)
+            np.add.at(merged, inverse, grads)
         reply = PushReply()
         key = {"op": "push", "table": table, "task": int(task), "batch_seq": int(batch_seq), "attempt": int(attempt),
                "step": None if step is None else int(step)}
 
-        def request(shard_ids):
-            positions = np.searchsorted(unique, shard_ids)
-            return {**key, "count": len(shard_ids)}, (shard_ids, merged[positions])
+        def request(positions):
+            return {**key, "count": len(positions)}, (unique[positions], merged[positions])
 
         for _, (header, _) in self._each_shard(unique, request, reply):
             if header["applied"]:
@@ -148,9 +148,11 @@ class PsClient:
         """Send each shard its part of ids[pending]: ([(endpoint, positions)] sent, [positions] not)."""
         shard_of = self.routing.shard_of(ids[pending])
         sent, failed = [], []
-        for shard in np.unique(shard_of):
+        for shard in range(self.routing.shards):
             positions = pending[shard_of == shard]
-            header, arrays = request(ids[positions])
+            if not len(positions):
+                continue
+            header, arrays = request(positions)
             endpoint = self.routing.endpoints[shard]
             try:
                 wire.send(self._connection(endpoint), {**header, "token": self.token, "epoch": self.routing.epoch}, *arrays)
@@ -266,3 +268,12 @@ class PushQueue:
     def _raise(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+def _distinct(ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """(each id's index among the distinct ids, or None when they are distinct already, as one
+    forward's are; the distinct ids in order of first appearance). A hash table's factorize,
+    about twice as fast as np.unique's sort on a batch's ids."""
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    inverse, unique = pandas.factorize(flat)
+    return (None if len(unique) == len(flat) else inverse), unique

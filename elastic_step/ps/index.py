@@ -8,6 +8,12 @@ operation is vectorised over a batch of ids: each loop round reads a window of c
 positions for every unresolved probe (4 at first, doubling up to 64), so a batch costs a few
 numpy passes, not a Python loop per id nor a round per position of the longest chain (linear
 probing's chains have a long tail, and every round costs a fixed numpy overhead).
+
+A declared table (TableSpec.rows, ids in [0, rows)) of at most DIRECT_MAX_ROWS rows gets a
+DirectIndex instead: one int32 slot per id of the whole table, found with a single gather. That
+is 4 bytes per declared id on every shard, whatever share the shard holds, so it is kept for
+tables small enough that this is at most 64 MiB a shard; in exchange a pull or push probes
+nothing (the hash index's probing was a tenth of a training step: benchmarks/bench_sparse.py).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ MAX_LOAD = 0.7
 FIRST_WINDOW = 4  # positions a probe reads in its first vectorised round (most ids end there)
 LAST_WINDOW = 64  # the widest window: a round costs its width in every probe still going on
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: multiply, keep the high bits
+DIRECT_MAX_ROWS = 1 << 24  # declared tables up to this many ids: a DirectIndex (64 MiB a shard at most)
 
 
 class IdIndex:
@@ -103,3 +110,63 @@ class IdIndex:
         self.bits = max(self.bits + 1, int(np.ceil(np.log2(needed / MAX_LOAD))))
         self.slots = np.full(1 << self.bits, EMPTY, dtype=np.int32)
         self._place(slot_ids[held], held)
+
+
+class DirectIndex:
+    """id -> slot for a declared table's ids, [0, rows): `slots[id]`, or EMPTY where not held."""
+
+    def __init__(self, rows: int):
+        self.slots = np.full(rows, EMPTY, dtype=np.int32)
+        self.count = 0
+
+    @classmethod
+    def from_slots(cls, slots: np.ndarray, count: int) -> DirectIndex:
+        """A saved index (a snapshot's: memory-mapped when a served model looks rows up in it)."""
+        if slots.dtype != np.int32 or slots.ndim != 1:
+            raise ValueError("a saved id index that does not fit its table")
+        index = cls(0)
+        index.slots, index.count = slots, count
+        return index
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots.nbytes
+
+    def find(self, ids: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
+        """The slot of each id, or -1 where it is not held (an id outside the table included)."""
+        inside = (ids >= 0) & (ids < len(self.slots))
+        if inside.all():
+            return self.slots[ids].astype(np.int64)
+        result = np.full(len(ids), EMPTY, dtype=np.int64)
+        result[inside] = self.slots[ids[inside]]
+        return result
+
+    def insert(self, ids: np.ndarray, new_slots: np.ndarray, slot_ids: np.ndarray) -> None:
+        """Index distinct ids of the table that it does not hold yet."""
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self.slots)):
+            raise ValueError(f"ids outside the table's declared {len(self.slots):,} rows")
+        self.slots[ids] = new_slots
+        self.count += len(ids)
+
+
+def uses_direct_index(rows: int) -> bool:
+    """Whether a table declared with `rows` ids (0: undeclared) is indexed directly."""
+    return 0 < rows <= DIRECT_MAX_ROWS
+
+
+def new_index(rows: int, capacity: int) -> IdIndex | DirectIndex:
+    """An empty index for a table declared with `rows` ids (0: undeclared) holding up to `capacity` rows."""
+    return DirectIndex(rows) if uses_direct_index(rows) else IdIndex(capacity)
+
+
+def saved_index(rows: int, slots: np.ndarray, ids: np.ndarray) -> IdIndex | DirectIndex:
+    """The index a snapshot saved beside `ids` (its held ids, in slot order), for a table declared
+    with `rows` (0: undeclared). A direct one saved before the table was indexed directly (a
+    hash index's slots) is rebuilt: one scatter."""
+    if not uses_direct_index(rows):
+        return IdIndex.from_slots(slots, len(ids))
+    if len(slots) == rows:
+        return DirectIndex.from_slots(slots, len(ids))
+    index = DirectIndex(rows)
+    index.insert(np.asarray(ids), np.arange(len(ids)), ids)
+    return index

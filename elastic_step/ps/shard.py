@@ -151,6 +151,8 @@ class ShardServer(socketserver.ThreadingTCPServer):
     def _push(self, header: dict, ids: np.ndarray, grads: np.ndarray | None) -> tuple[dict, tuple]:
         if grads is None or not np.isfinite(grads).all():
             raise ValueError("a push needs finite gradients, one row per id")
+        if self.state.tables[header["table"]].outside(ids) is not None:  # refused before the ledger holds it
+            raise ValueError(f"a push to table {header['table']!r} with ids outside its declared rows")
         record = LedgerRecord(header["table"], int(header["task"]), int(header["batch_seq"]), int(header["attempt"]), ids, grads)
         step = int(header["step"]) if header.get("step") is not None else None  # a checkpoint's cut may be due first
         return {"status": Status.OK, "applied": self.state.push(record, int(header["epoch"]), step)}, ()

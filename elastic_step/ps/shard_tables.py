@@ -21,7 +21,7 @@ import numpy as np
 from elastic_step.ps import snapshot
 from elastic_step.ps.api import TableSpec
 from elastic_step.ps.embedding import RowSource
-from elastic_step.ps.index import IdIndex
+from elastic_step.ps.index import saved_index
 from elastic_step.ps.routing import RoutingTable
 
 SHARDS_FOLDER = "ps_shards"  # beside the final model's weights file
@@ -77,7 +77,7 @@ class ShardTables:
         self.specs = {spec.name: spec for spec in specs}
         self.routing = routing
         # per shard, per table: (its ids, its rows with the optimizer slots, its id index)
-        self.shards = [{name: (t["ids"], t["rows"], IdIndex.from_slots(np.asarray(t["index"]), len(t["ids"])))
+        self.shards = [{name: (t["ids"], t["rows"], saved_index(self.specs[name].rows, np.asarray(t["index"]), t["ids"]))
                         for name, t in tables.items()} for tables in shards]
 
     @classmethod

@@ -2,7 +2,8 @@
 
 A held row costs its float32 line ([weights | optimizer slots], table.py), its id (8 bytes), its
 update counter (4) and its share of the id index (4 bytes a position, the index between 35% and
-70% full: at most ~11.4). A shard reserves its share of the declared rows with RESERVE_SLACK's
+70% full: at most ~11.4); a table indexed directly (index.py: declared, at most DIRECT_MAX_ROWS)
+costs instead 4 bytes per declared id on every shard. A shard reserves its share of the declared rows with RESERVE_SLACK's
 room (state.py), and its process costs SHARD_PROCESS_BYTES before any row.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 
 from elastic_step.ps.api import SLOTS, TableSpec
-from elastic_step.ps.index import MAX_LOAD, MAX_ROWS
+from elastic_step.ps.index import MAX_LOAD, MAX_ROWS, uses_direct_index
 
 RESERVE_SLACK = 1.1  # ids spread over the virtual shards by a hash, not exactly evenly: reserve with room
 SHARD_PROCESS_BYTES = 128 << 20  # Python, numpy and the sockets of one shard process, measured ~100 MB
@@ -19,7 +20,14 @@ _CGROUP_LIMIT = "/sys/fs/cgroup/memory.max"  # cgroup v2: the container's limit 
 
 
 def bytes_per_row(spec: TableSpec) -> float:
-    return 4 * spec.dim * (1 + SLOTS[spec.optimizer]) + 8 + 4 + 4 / (MAX_LOAD / 2)
+    """A held row's bytes, its share of a hash index included (a direct index: table_bytes)."""
+    index = 0 if uses_direct_index(spec.rows) else 4 / (MAX_LOAD / 2)
+    return 4 * spec.dim * (1 + SLOTS[spec.optimizer]) + 8 + 4 + index
+
+
+def table_bytes(spec: TableSpec, rows: int) -> float:
+    """What a shard holding `rows` of the table needs for it, its index included."""
+    return rows * bytes_per_row(spec) + (4 * spec.rows if uses_direct_index(spec.rows) else 0)
 
 
 def reserved_rows(spec: TableSpec, fraction: float) -> int:
@@ -35,7 +43,7 @@ def shard_share(spec: TableSpec, shards: int) -> int:
 
 def shard_bytes(specs: list[TableSpec], shards: int) -> float:
     """The memory one shard needs for its share of every declared table (undeclared ones: none)."""
-    return SHARD_PROCESS_BYTES + sum(shard_share(spec, shards) * bytes_per_row(spec) for spec in specs)
+    return SHARD_PROCESS_BYTES + sum(table_bytes(spec, shard_share(spec, shards)) for spec in specs if spec.rows)
 
 
 def local_memory_bytes() -> int:

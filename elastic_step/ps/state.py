@@ -179,6 +179,14 @@ class ShardState:
         """Apply a push once; False when its (table, task, batch_seq) was applied before.
         Refused when `epoch` (that of the request, if any) no longer fits its ids. `step`: the
         training step it belongs to (a checkpoint's cut may be due before it)."""
+        applied, mark = self.accept(record, epoch, step)
+        self.ledger.sync_through(mark)  # durable before it is acknowledged
+        return applied
+
+    def accept(self, record: LedgerRecord, epoch: int | None = None, step: int | None = None) -> tuple[bool, int]:
+        """`push` but for its fsync: (applied, the ledger mark that must be durable before the
+        push is acknowledged: ledger.sync_through). For a caller that makes several shards'
+        records durable at once, as shard processes do side by side (benchmarks/bench_sparse.py)."""
         with self.lock:
             if self.closed:
                 raise ShardClosed("the shard is stopping")
@@ -196,8 +204,7 @@ class ShardState:
                     self._snapshot()
             else:
                 mark = self.ledger.written
-        self.ledger.sync_through(mark)  # durable before it is acknowledged
-        return applied
+        return applied, mark
 
     def _apply(self, record: LedgerRecord) -> int:
         key, groups = (record.task, record.batch_seq), self.applied[record.table]

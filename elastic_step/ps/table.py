@@ -2,7 +2,7 @@
 
 Row `slot` of `block` is [weights | optimizer slots] (optimizers.py), `ids[slot]` its id and
 `updates[slot]` how many pushes changed it (the audit's per-row counter, and lazy Adam's step).
-IdIndex maps ids to slots. A row is created on its first pull or push with values drawn from
+The id index (index.py) maps ids to slots. A row is created on its first pull or push with values drawn from
 (table seed, id) alone, so every shard that ever owns the id creates the same row.
 
 Bytes per row at dim 16 + Adagrad: 128 of payload, 8 of id, 4 of counter and ~6-11 of index.
@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 
 from elastic_step.ps.api import SLOTS, TableSpec
-from elastic_step.ps.index import IdIndex
+from elastic_step.ps.index import new_index, saved_index
 from elastic_step.ps.optimizers import apply_rows, initial_slots
 
 GROWTH = 1.25  # a modest factor: the block's spare rows are part of the bytes per row
@@ -63,7 +63,7 @@ class EmbeddingTable:
         self.ids = np.empty(capacity, np.int64)
         self.updates = np.zeros(capacity, np.uint32)
         self.size = 0
-        self.index = IdIndex(capacity)
+        self.index = new_index(spec.rows, capacity)
         # (ids, slots) of recent pulls: a worker pushes the gradients of exactly the ids it pulled
         # for the step, so the push finds their slots here instead of probing the index again.
         # A row keeps its slot until load() (which clears this), so a remembered slot stays right.
@@ -103,11 +103,24 @@ class EmbeddingTable:
         self.block, self.ids, self.updates = block, ids, updates
 
     def pull(self, ids: np.ndarray) -> np.ndarray:
-        """The weights of each id (len(ids) x dim)."""
+        """The weights of each id (len(ids) x dim); zeros for an id outside a declared table's
+        range, which no row is made for (as a served model gives it: training refuses it)."""
+        outside = self.outside(ids)
+        if outside is not None:
+            rows = np.zeros((len(ids), self.spec.dim), np.float32)
+            rows[~outside] = self.pull(ids[~outside])
+            return rows
         slots = self.slots_of(ids)  # first: it may grow (replace) the block
         self._remember(ids, slots)
         # np.take gathers whole rows ~3x faster than fancy indexing; the result is a fresh array.
         return np.take(self.block, slots, axis=0)[:, : self.spec.dim]
+
+    def outside(self, ids: np.ndarray) -> np.ndarray | None:
+        """Which ids are outside a declared table's [0, rows), or None when none is."""
+        rows = self.spec.rows
+        if not rows or not len(ids) or (ids.min() >= 0 and ids.max() < rows):
+            return None
+        return (ids < 0) | (ids >= rows)
 
     def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Apply one update: `grads` (len(ids) x dim) merged per id (repeated ids are summed
@@ -139,7 +152,7 @@ class EmbeddingTable:
 
     def _reindex(self) -> None:
         """An index of the held rows, sized for the block's capacity."""
-        self.index = IdIndex(len(self.ids))
+        self.index = new_index(self.spec.rows, len(self.ids))
         self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
 
     def _pulled_slots(self, ids: np.ndarray) -> np.ndarray | None:
@@ -173,7 +186,7 @@ class EmbeddingTable:
             self.updates = np.zeros(capacity, np.uint32)
             self.block[: self.size], self.ids[: self.size], self.updates[: self.size] = rows, ids, updates
         if index is not None:  # a mapped snapshot's is read-only: the index writes its slots
-            self.index = IdIndex.from_slots(index if index.flags.writeable else np.array(index), self.size)
+            self.index = saved_index(self.spec.rows, index if index.flags.writeable else np.array(index), self.ids[: self.size])
         else:
             self._reindex()
 
