@@ -77,6 +77,27 @@ def test_best_rules_parse_with_sensible_directions_and_refuse_nonsense():
             parse_best_rule(bad)
 
 
+def test_a_checkpoint_made_final_only_by_the_last_reports_is_recorded_when_the_job_succeeds():
+    """Step reports go in batches: the steps that make an epoch's checkpoint final can reach the
+    master together with the last ones, just before the final model, with no tick between. That
+    checkpoint is still recorded (and so validated): a run whose only epoch-end checkpoint came
+    so late had no best checkpoint at all."""
+    from elastic_step.protocol import JobState
+
+    from test_stop import started, train
+
+    state, handed = started()
+    for step in range(1, 8):  # a checkpoint at step 5, and no tick between the reports (one batch)
+        train(state, step, checkpoint=step == 5)
+    train(state, 8)  # the last rows: every epoch is applied
+    assert state.dispatcher.finished and handed == []
+    assert state.upload_model("w0.1", 8, b"model")
+    state.tick()  # over: ticks hand nothing over any more
+    state.lock.writes.flush()
+    assert state.state == JobState.SUCCEEDED and handed == [5]
+    assert [e["step"] for e in state.events.of("checkpoint")] == [5]
+
+
 # -- a real job --------------------------------------------------------------------------------------
 @pytest.mark.e2e
 def test_a_job_keeps_its_best_validated_checkpoint_and_a_later_job_starts_from_it(digits, start_job, tmp_path):

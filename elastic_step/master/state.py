@@ -405,6 +405,11 @@ class MasterState:
             self._audit_written()
             self.final_model = data
             if self.state == JobState.RUNNING:
+                # Rank 0 sent its checkpoints before the model, but the steps that make the newest
+                # ones final may have been reported only now, and no tick hands over anything once
+                # the job is over: handed over here, or a late epoch's checkpoint (and with it its
+                # validation, and a --keep-best run's best checkpoint) would be dropped.
+                self._hand_over_checkpoints()
                 self.state = JobState.SUCCEEDED
                 self._event(EventKind.JOB_SUCCEEDED, worker=worker_id, step=step)
             return True
@@ -488,12 +493,7 @@ class MasterState:
                 self.on_exit(exit_)
             if self.over:
                 return
-            handed = self.checkpoints.hand_over(self.ledger.final_step) if self.checkpoints else []
-            for pair in handed:
-                # Written in order after the audit lines of the steps it covers (queued earlier);
-                # it counts (its event, a stop's end) once written, as a PS job's can be skipped.
-                self.rounds.checkpoints_in_writing += 1
-                self.lock.writes.put(f"write the checkpoint of step {pair.step}", lambda pair=pair: self._write_checkpoint(pair))
+            self._hand_over_checkpoints()
             now = time.time()
             if not self.rounds.checkpoints_in_writing:  # one being written decides the stop when written (_write_checkpoint)
                 self._maybe_stop([], now)
@@ -504,6 +504,15 @@ class MasterState:
             shortage = self.membership.shortage()
             if shortage is not None:
                 self.fail(shortage)
+
+    def _hand_over_checkpoints(self) -> None:
+        """Under the lock: queue the writes of the complete pairs of final steps."""
+        handed = self.checkpoints.hand_over(self.ledger.final_step) if self.checkpoints else []
+        for pair in handed:
+            # Written in order after the audit lines of the steps it covers (queued earlier);
+            # it counts (its event, a stop's end) once written, as a PS job's can be skipped.
+            self.rounds.checkpoints_in_writing += 1
+            self.lock.writes.put(f"write the checkpoint of step {pair.step}", lambda pair=pair: self._write_checkpoint(pair))
 
     def _write_checkpoint(self, pair) -> None:
         """Off the lock (a queued write): record the checkpoint, then count it. A PS job's record
