@@ -132,11 +132,15 @@ def test_export_of_such_a_run_is_refused_and_its_snapshots_are_logged_once(click
     source, job = sharded_run
     result = job.result()
     uri = f"sqlite:///{os.path.join(job.job_dir, 'mlflow.db')}"
-    refused = cli("export", "--run-id", result["run_id"], "--model-uri", result["model_uri"], "--data", clicks,
-                  "--registered-model", "ctr-sharded", "--mlflow-uri", uri, "--model-def", source)
+    export = ["export", "--run-id", result["run_id"], "--model-uri", result["model_uri"], "--data", clicks,
+              "--registered-model", "ctr-sharded", "--mlflow-uri", uri, "--model-def", source]
+    refused = cli(*export)
     assert refused.returncode == 2, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "--ps-table-limit-mb" in refused.stderr and f"serve its MLflow pyfunc model {result['model_uri']}" in refused.stderr
+    best = cli(*export, "--checkpoint", "best")  # a --mode ps run logs only its final tables
+    assert best.returncode == 2 and len(best.stderr.strip().splitlines()) == 1, best.stderr
+    assert "export its final model (--checkpoint final)" in best.stderr, best.stderr
     with open(os.path.join(job.job_dir, "logs", "master.log")) as f:
         assert "exceed --ps-table-limit-mb" in f.read()
     with open(os.path.join(job.job_dir, "model", "ps_shards", "manifest.json")) as f:
