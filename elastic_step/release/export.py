@@ -49,15 +49,17 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
         raise ConfigError(f"--checkpoint {checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
     client = registry_client(mlflow_uri)
     candidate = load_candidate(client, run_id, model_uri, model_def)
-    model_def = load_model_definition(candidate.model_def_source)
-    split_manifest(data, "test")  # first: the model may be sized by its specs (SparseFeatures.num_ids)
-    trainer = build_trainer(model_def)
-    best = None
+    # The run's records alone decide these refusals: before the model definition is imported
+    # (a framework's import costs seconds and may write its own lines to stderr).
     if checkpoint == "best" and candidate.params.get("mode") == "ps":
         raise ConfigError(f"--checkpoint best: run {run_id} trained its embedding tables on parameter-server shards, and "
                           "only its final tables are logged with the model; export its final model (--checkpoint final)")
     if candidate.params.get("mode") == "ps":
         _check_tables_held(client, candidate)
+    model_def = load_model_definition(candidate.model_def_source)
+    split_manifest(data, "test")  # first: the model may be sized by its specs (SparseFeatures.num_ids)
+    trainer = build_trainer(model_def)
+    best = None
     if checkpoint == "best":  # read first: its step is part of what was exported
         best = _best_checkpoint(client, run_id)
         source = f"best {checkpoint_name(best.step)}"
