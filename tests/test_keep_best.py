@@ -55,6 +55,29 @@ def test_a_resumed_run_keeps_comparing_against_its_earlier_best(tmp_path):
     assert not os.path.exists(checkpoint_artifact_dir(tracker, 20))
 
 
+def test_a_best_whose_tag_write_failed_once_is_recorded_by_the_uploaders_retry(tmp_path, monkeypatch):
+    """MLflow away for a moment while the best checkpoint's tag is written: the uploader retries
+    the validation call, and the retry still finds the checkpoint better than the best recorded."""
+    tracker = sqlite_tracker(tmp_path)
+    store = CheckpointStore(tracker, str(tmp_path / "checkpoints"), keep=1, keep_best=parse_best_rule("accuracy"))
+    save_and_validate(store, tracker, 10, {"accuracy": 0.5})
+    log_batch, calls = tracker.client.log_batch, []
+
+    def away_once(*args, **kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise ConnectionError("MLflow is away")
+        return log_batch(*args, **kwargs)
+
+    store.save(Checkpoint(20, 2, b"state of 20" * 20, {"current_epoch": 0, "epochs": {}}))
+    assert tracker.uploader.drain(60)
+    monkeypatch.setattr(tracker.client, "log_batch", away_once)
+    tracker.uploader.submit("validation of 20", lambda: store.validated(20, {"accuracy": 0.9}))
+    assert tracker.uploader.drain(60) and len(calls) == 2
+    assert tracker.client.get_run(tracker.run_id).data.tags[BEST_TAG] == "20 accuracy 0.9"
+    assert store.best == (20, 0.9)
+
+
 def test_without_keep_best_only_the_newest_stay_and_asking_for_the_best_says_what_to_do(tmp_path):
     from elastic_step.tracking.run import TrackingError
 

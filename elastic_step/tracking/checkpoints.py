@@ -180,10 +180,14 @@ class CheckpointStore:
             return False
         from mlflow.entities import RunTag
 
-        self.best = (step, value)
+        previous, self.best = self.best, (step, value)
         kept, dropped = self._retained(self.committed)
-        self.tracker.client.log_batch(self.tracker.run_id, tags=[
-            RunTag(ALL_TAG, ",".join(map(str, kept))), RunTag(BEST_TAG, f"{step} {rule.metric} {value!r}")])
+        try:
+            self.tracker.client.log_batch(self.tracker.run_id, tags=[
+                RunTag(ALL_TAG, ",".join(map(str, kept))), RunTag(BEST_TAG, f"{step} {rule.metric} {value!r}")])
+        except Exception:  # the uploader retries this call: then it must still be better than the best recorded
+            self.best = previous
+            raise
         self.committed = kept
         for old in dropped:
             self._delete(old)
