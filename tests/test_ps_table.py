@@ -2,6 +2,8 @@
 growth, per-row SGD / Adagrad / Adam updates equal to torch.optim's on the touched rows, and a
 row that costs at most 1.35x its payload."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -237,6 +239,25 @@ def test_the_ledger_replays_whole_records_and_cuts_a_torn_tail(tmp_path):
     assert [(r.task, r.batch_seq) for r in replayed] == [(1, 0), (1, 1), (1, 2)]
     np.testing.assert_array_equal(replayed[2].grads, records[2].grads)
     assert len(list(replay(path, lambda name: DIM))) == 3  # the torn record is gone from the file
+
+
+def test_a_ledger_record_the_disk_took_only_part_of_is_cut_and_the_next_one_replays(tmp_path, monkeypatch):
+    """A full disk takes part of a record and the push fails: the part is cut off at once, so a
+    record appended later (acknowledged) is not behind a torn one, where replay would stop."""
+    from elastic_step.ps import ledger as ledger_module
+
+    path = str(tmp_path / "ledger.bin")
+    ledger = Ledger(path)
+    first, lost, later = (LedgerRecord("t", 1, b, 0, np.array([b]), np.full((1, DIM), b, np.float32)) for b in range(3))
+    ledger.append(first)
+    real_writev = os.writev
+    monkeypatch.setattr(ledger_module.os, "writev", lambda fd, parts: real_writev(fd, [bytes(parts[0])]))  # the header only
+    with pytest.raises(OSError, match="written short .*disk full"):
+        ledger.append(lost)
+    monkeypatch.setattr(ledger_module.os, "writev", real_writev)
+    ledger.append(later)
+    ledger.close()
+    assert [r.batch_seq for r in replay(path, lambda name: DIM)] == [0, 2]
 
 
 def test_applied_keys_answer_as_a_set_would_and_survive_a_snapshot():
