@@ -58,10 +58,17 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def spread_ids(begin: int, end: int, declared: int = 0) -> np.ndarray:
+    """Ids begin..end-1 spread out (times a prime), as hashed ids are; inside [0, declared) for a
+    declared table (a permutation of it: the prime does not divide the counts used here)."""
+    ids = np.arange(begin, end, dtype=np.int64) * 7919
+    return ids % declared if declared else ids
+
+
 def fill(table: EmbeddingTable, rows: int) -> float:
     start = time.perf_counter()
     for begin in range(0, rows, 100_000):
-        table.pull(np.arange(begin, min(rows, begin + 100_000), dtype=np.int64) * 7919)
+        table.pull(spread_ids(begin, min(rows, begin + 100_000), table.spec.rows))
     return time.perf_counter() - start
 
 
@@ -183,7 +190,7 @@ def table_no_worker_holds(root: str, token_file: str, rows: int, shards: int, ba
     try:
         start = time.perf_counter()
         for begin in range(0, rows, batch):
-            client.pull("t", np.arange(begin, min(rows, begin + batch), dtype=np.int64) * 7919)
+            client.pull("t", spread_ids(begin, min(rows, begin + batch), rows))
         seconds = time.perf_counter() - start
         held = [client.call(s.endpoint, {"op": "stats"})[0] for s in local.shards]
         peaks = [peak_rss(s.process.pid) for s in local.shards]
