@@ -55,11 +55,11 @@ def first_step(job_dir: str) -> bool:
     return os.path.exists(path) and os.path.getsize(path) > 0
 
 
-def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed: int, timeout_s: float) -> dict:
+def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed: int, timeout_s: float, workers: str) -> dict:
     """One job to its end, with `kills` worker SIGKILLs every `period_s` s (0: clean)."""
     os.makedirs(job_dir)
     args = ["train", "--model-def", DEEPFM_PS, "--data", data, "--job-dir", job_dir, "--mode", "ps", "--ps-shards", "2",
-            "--workers", "2:3", "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
+            "--workers", workers, "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
             "--checkpoint-steps", "50", "--max-relaunches", "1000", "--seed", "1", "--no-progress"]
     rng, began, done_kills = random.Random(seed), time.monotonic(), 0
     with open(os.path.join(job_dir, "..", f"{os.path.basename(job_dir)}.log"), "wb") as out:
@@ -104,16 +104,19 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=3.0, help="seconds between kills")
     parser.add_argument("--clean-runs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    parser.add_argument("--workers", default="2:3", help="train --workers MIN:MAX; 1:1 trains in one order whatever the run "
+                        "(one worker's pushes), so that the clean runs agree and what the kills change shows alone")
     args = parser.parse_args()
     print(machine())
     with tempfile.TemporaryDirectory(prefix="bench-ctr-") as root:
         data = prepare(root, args.rows, args.rows_per_shard)
         expected = expected_updates(data, DEEPFM_PS, MINIBATCH, args.epochs)
-        runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout))
+        runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout, args.workers))
                 for i in range(args.clean_runs)]
-        runs.append(("killed", run(data, os.path.join(root, "killed"), args.epochs, args.kills, args.period, 7, args.timeout)))
+        runs.append(("killed", run(data, os.path.join(root, "killed"), args.epochs, args.kills, args.period, 7, args.timeout,
+                                   args.workers)))
     print(f"DeepFM on 2 parameter-server shards, {args.rows:,} rows x {args.epochs} epochs, minibatch {MINIBATCH}, "
-          f"workers 2:3; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
+          f"workers {args.workers}; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
     print(f"{'run':8} {'kills':>5} {'seconds':>8} {'test AUC':>9} {'log loss':>9} {'counter mismatches':>19}")
     for name, r in runs:
         print(f"{name:8} {r['kills']:5d} {r['seconds']:8.1f} {r['test']['auc']:9.4f} {r['test'].get('log_loss', float('nan')):9.4f} "

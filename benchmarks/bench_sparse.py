@@ -138,8 +138,10 @@ def in_process_rate(data, root: str, shards: int, ids: int) -> float:
     syncing = ThreadPoolExecutor(max(1, shards - 1))
 
     def each_shard(ids):
+        """Each shard that owns some of `ids`, with their positions (as the client asks only those)."""
         owner = routing.shard_of(ids)
-        return [(state, np.flatnonzero(owner == index)) for index, state in enumerate(states)]
+        parts = [(state, np.flatnonzero(owner == index)) for index, state in enumerate(states)]
+        return [(state, at) for state, at in parts if len(at)]
 
     def pull(ids):
         rows = np.empty((len(ids), table.spec.dim), np.float32)
@@ -159,7 +161,8 @@ def in_process_rate(data, root: str, shards: int, ids: int) -> float:
         marks = [(state, state.accept(LedgerRecord(TABLE, 0, key, 0, pushed_ids[at], grads[at]))[1])
                  for state, at in each_shard(pushed_ids)]
         others = [syncing.submit(state.ledger.sync_through, mark) for state, mark in marks[1:]]
-        marks[0][0].ledger.sync_through(marks[0][1])
+        for state, mark in marks[:1]:
+            state.ledger.sync_through(mark)
         for synced in others:
             synced.result()
         dense.step()

@@ -293,19 +293,36 @@ def test_a_declared_table_is_indexed_directly_and_an_id_outside_it_gets_a_zero_r
         table.index.insert(np.array([100]), np.array([3]), table.ids)
 
 
-def test_a_snapshot_of_a_declared_table_saved_with_a_hash_index_loads_with_a_direct_one():
-    """Snapshots written before declared tables were indexed directly hold the hash index's
-    slots: loading rebuilds the direct index from the held ids, and every row is found."""
+def test_a_declared_tables_direct_index_is_not_saved_and_a_hash_index_saved_before_is_not_trusted():
+    """A snapshot keeps no direct index (4 bytes per declared id on every shard): loading rebuilds
+    it from the held ids. A snapshot written while the table had a hash index (before it was
+    indexed directly) is loaded the same way, even where the hash index's length equals the
+    declared rows (a power of two), which would otherwise read as a direct index."""
     from elastic_step.ps.index import IdIndex
 
-    spec = TableSpec("t", 2, OptimizerKind.SGD, rows=1000)
-    old = EmbeddingTable(spec)
-    old.index = IdIndex(16)
-    ids = np.array([3, 999, 17])
-    old.pull(ids)
-    saved = {key: np.array(value) for key, value in old.arrays().items()}
-    assert len(saved["index"]) != 1000  # a hash index's slots
-    loaded = EmbeddingTable(spec, reserve=10)
-    loaded.load(saved["ids"], saved["rows"], saved["updates"], saved["index"])
-    np.testing.assert_array_equal(loaded.pull(ids), old.pull(ids))
-    assert loaded.size == 3
+    spec = TableSpec("t", 2, OptimizerKind.SGD, rows=1024)
+    ids = np.array([3, 1023, 17, 512])
+    fresh = EmbeddingTable(spec, reserve=563)
+    expected = fresh.pull(ids)
+    saved = {key: np.array(value) for key, value in fresh.arrays().items()}
+    assert len(saved["index"]) == 0
+
+    older = EmbeddingTable(spec, reserve=563)
+    older.index = IdIndex(563)  # what the table had before: 1024 slots, as many as its declared ids
+    older.pull(ids[::-1])
+    old_saved = {key: np.array(value) for key, value in older.arrays().items()}
+    assert len(old_saved["index"]) == spec.rows
+    for arrays in (saved, old_saved):
+        loaded = EmbeddingTable(spec, reserve=563)
+        loaded.load(arrays["ids"], arrays["rows"], arrays["updates"], arrays["index"])
+        np.testing.assert_array_equal(loaded.pull(ids), expected)
+        assert loaded.size == 4
+
+
+def test_a_ledger_record_with_no_ids_is_written_and_replayed(tmp_path):
+    path = str(tmp_path / "ledger.bin")
+    ledger = Ledger(path)
+    ledger.append(LedgerRecord("t", 1, 0, 0, np.array([], np.int64), np.zeros((0, DIM), np.float32)))
+    ledger.close()
+    replayed, = replay(path, lambda name: DIM)
+    assert len(replayed.ids) == 0 and replayed.grads.shape == (0, DIM)

@@ -476,18 +476,27 @@ class ShardMonitor:
         finally:
             client.close()
         supervisor.resized()
-        self.numbers = self.numbers + [{"rows": 0, "bytes": 0, "pushes": 0} for _ in range(shards)]  # then cut: a poll may run
-        self.follow()
-        self.numbers = self.numbers[:shards]
-        # The moved rows took their applied pushes with them: no shard's count since its last poll is its updates.
-        self.answered = [None] * shards
-        self.rates = [None] * shards
-        self.poll()  # each shard's count now, so the next poll has its rate (a job may end soon after a scale)
+        self._restart_numbers(shards)
         moved = report.to_json()
         # what get -e shows (one line): the rows moved and the longest a moved virtual shard was refused
         self._event(EventKind.PS_SCALE_FINISHED, ok=True, **sizes, rows_moved=report.rows_moved, rows_total=report.rows_total,
                     pause_max_s=moved["pause_max_s"], seconds=moved["seconds"], routing_epoch=report.epoch)
         return moved
+
+    def _restart_numbers(self, shards: int) -> None:
+        """After a scale: the new shards' addresses, and every shard's count taken now, so that the
+        next poll has its rate (a job may end soon after a scale). The moved rows took their
+        applied pushes with them, so no count from before the move is a base for a rate. Under
+        the polling lock: a poll under way would otherwise set a base from before the move."""
+        with self.polling:
+            self.follow()
+            self.numbers = (self.numbers + [{"rows": 0, "bytes": 0, "pushes": 0} for _ in range(shards)])[:shards]
+            self.answered = [None] * shards
+            self.rates = [None] * shards
+            try:
+                self._poll()
+            except Exception as exc:  # the move is done: numbers are not worth failing it for
+                log.warning("parameter servers: the shards' numbers after the scale were not read: %s", exc)
 
     def follow(self) -> None:
         """The shards' addresses as they are now (after a scale --ps, or a shard made anew by a rollback)."""

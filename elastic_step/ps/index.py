@@ -12,8 +12,9 @@ probing's chains have a long tail, and every round costs a fixed numpy overhead)
 A declared table (TableSpec.rows, ids in [0, rows)) of at most DIRECT_MAX_ROWS rows gets a
 DirectIndex instead: one int32 slot per id of the whole table, found with a single gather. That
 is 4 bytes per declared id on every shard, whatever share the shard holds, so it is kept for
-tables small enough that this is at most 64 MiB a shard; in exchange a pull or push probes
+tables small enough that this is at most 64 MiB per table on a shard; in exchange a pull or push probes
 nothing (the hash index's probing was a tenth of a training step: benchmarks/bench_sparse.py).
+A snapshot does not keep a direct index (it is rebuilt from the held ids with one scatter).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ MAX_LOAD = 0.7
 FIRST_WINDOW = 4  # positions a probe reads in its first vectorised round (most ids end there)
 LAST_WINDOW = 64  # the widest window: a round costs its width in every probe still going on
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: multiply, keep the high bits
-DIRECT_MAX_ROWS = 1 << 24  # declared tables up to this many ids: a DirectIndex (64 MiB a shard at most)
+DIRECT_MAX_ROWS = 1 << 24  # declared tables up to this many ids: a DirectIndex (at most 64 MiB per table on a shard)
 
 
 class IdIndex:
@@ -50,6 +51,11 @@ class IdIndex:
     @property
     def nbytes(self) -> int:
         return self.slots.nbytes
+
+    @property
+    def saved(self) -> np.ndarray:
+        """What a snapshot keeps of it: its slots (from_slots takes them back, no rebuild)."""
+        return self.slots
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         mixed = ids.astype(np.uint64) * _GOLDEN  # wraps modulo 2**64 by design
@@ -119,18 +125,19 @@ class DirectIndex:
         self.slots = np.full(rows, EMPTY, dtype=np.int32)
         self.count = 0
 
-    @classmethod
-    def from_slots(cls, slots: np.ndarray, count: int) -> DirectIndex:
-        """A saved index (a snapshot's: memory-mapped when a served model looks rows up in it)."""
-        if slots.dtype != np.int32 or slots.ndim != 1:
-            raise ValueError("a saved id index that does not fit its table")
-        index = cls(0)
-        index.slots, index.count = slots, count
-        return index
-
     @property
     def nbytes(self) -> int:
         return self.slots.nbytes
+
+    @property
+    def saved(self) -> np.ndarray:
+        """What a snapshot keeps of it: nothing. It is rebuilt from the held ids with one scatter,
+        and saving it would write 4 bytes per declared id on every shard at every snapshot."""
+        return np.empty(0, np.int32)
+
+    def clear(self) -> None:
+        self.slots.fill(EMPTY)
+        self.count = 0
 
     def find(self, ids: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
         """The slot of each id, or -1 where it is not held (an id outside the table included)."""
@@ -157,16 +164,3 @@ def uses_direct_index(rows: int) -> bool:
 def new_index(rows: int, capacity: int) -> IdIndex | DirectIndex:
     """An empty index for a table declared with `rows` ids (0: undeclared) holding up to `capacity` rows."""
     return DirectIndex(rows) if uses_direct_index(rows) else IdIndex(capacity)
-
-
-def saved_index(rows: int, slots: np.ndarray, ids: np.ndarray) -> IdIndex | DirectIndex:
-    """The index a snapshot saved beside `ids` (its held ids, in slot order), for a table declared
-    with `rows` (0: undeclared). A direct one saved before the table was indexed directly (a
-    hash index's slots) is rebuilt: one scatter."""
-    if not uses_direct_index(rows):
-        return IdIndex.from_slots(slots, len(ids))
-    if len(slots) == rows:
-        return DirectIndex.from_slots(slots, len(ids))
-    index = DirectIndex(rows)
-    index.insert(np.asarray(ids), np.arange(len(ids)), ids)
-    return index

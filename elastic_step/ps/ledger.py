@@ -49,8 +49,8 @@ def _parts(record: LedgerRecord) -> list:
     name = record.table.encode()
     payload = [
         _FIELDS.pack(record.task, record.batch_seq, record.attempt, len(record.ids), len(name)) + name,
-        memoryview(np.ascontiguousarray(record.ids, dtype="<i8")).cast("B"),
-        memoryview(np.ascontiguousarray(record.grads, dtype="<f4")).cast("B"),
+        np.ascontiguousarray(record.ids, dtype="<i8").reshape(-1).view(np.uint8),  # bytes, an empty array too
+        np.ascontiguousarray(record.grads, dtype="<f4").reshape(-1).view(np.uint8),
     ]
     crc = 0
     for part in payload:

@@ -6,7 +6,8 @@ disk (`shard-I.bin`, snapshot.py's format: no pickle) and `manifest.json`: the t
 the routing (which shard owns each virtual shard). The snapshots are memory-mapped, each shard's
 rows kept apart, so a lookup reads only the rows it asks for: it routes the ids as a client
 would (RoutingTable.shard_of), then finds each shard's part in that shard's own id index, saved
-in its snapshot; an id no shard holds (never trained on) gets a zero row, as a model given the
+in its snapshot (a table indexed directly, whose index no snapshot keeps: one index of the whole
+table, built from the shards' ids when the folder is opened); an id no shard holds (never trained on) gets a zero row, as a model given the
 whole table does (embedding.TableRows.frozen_rows).
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 from elastic_step.ps import snapshot
 from elastic_step.ps.api import TableSpec
 from elastic_step.ps.embedding import RowSource
-from elastic_step.ps.index import saved_index
+from elastic_step.ps.index import DirectIndex, IdIndex, uses_direct_index
 from elastic_step.ps.routing import RoutingTable
 
 SHARDS_FOLDER = "ps_shards"  # beside the final model's weights file
@@ -76,9 +77,21 @@ class ShardTables:
     def __init__(self, specs: list[TableSpec], routing: RoutingTable, shards: list[dict]):
         self.specs = {spec.name: spec for spec in specs}
         self.routing = routing
+        direct = {name: DirectIndex(spec.rows) for name, spec in self.specs.items() if uses_direct_index(spec.rows)}
         # per shard, per table: (its ids, its rows with the optimizer slots, its id index)
-        self.shards = [{name: (t["ids"], t["rows"], saved_index(self.specs[name].rows, np.asarray(t["index"]), t["ids"]))
-                        for name, t in tables.items()} for tables in shards]
+        self.shards = [{name: (t["ids"], t["rows"], self._index(shard, t, direct.get(name)))
+                        for name, t in tables.items()} for shard, tables in enumerate(shards)]
+
+    def _index(self, shard: int, table: dict, direct: DirectIndex | None) -> IdIndex | DirectIndex:
+        """A shard's saved hash index, memory-mapped; or, for a table indexed directly (whose index
+        no snapshot keeps), one index of the whole table shared by its shards, filled with each
+        shard's slots of the ids the routing gives it (4 bytes per declared id in all)."""
+        ids = table["ids"]
+        if direct is None:
+            return IdIndex.from_slots(np.asarray(table["index"]), len(ids))
+        owned = np.flatnonzero(self.routing.shard_of(np.asarray(ids)) == shard)
+        direct.insert(np.asarray(ids[owned]), owned, ids)
+        return direct
 
     @classmethod
     def open(cls, folder: str) -> ShardTables:

@@ -20,12 +20,12 @@ _CGROUP_LIMIT = "/sys/fs/cgroup/memory.max"  # cgroup v2: the container's limit 
 
 
 def bytes_per_row(spec: TableSpec) -> float:
-    """A held row's bytes, its share of a hash index included (a direct index: table_bytes)."""
+    """A held row's bytes, its share of a hash index included (a direct index: shard_table_bytes)."""
     index = 0 if uses_direct_index(spec.rows) else 4 / (MAX_LOAD / 2)
     return 4 * spec.dim * (1 + SLOTS[spec.optimizer]) + 8 + 4 + index
 
 
-def table_bytes(spec: TableSpec, rows: int) -> float:
+def shard_table_bytes(spec: TableSpec, rows: int) -> float:
     """What a shard holding `rows` of the table needs for it, its index included."""
     return rows * bytes_per_row(spec) + (4 * spec.rows if uses_direct_index(spec.rows) else 0)
 
@@ -43,7 +43,7 @@ def shard_share(spec: TableSpec, shards: int) -> int:
 
 def shard_bytes(specs: list[TableSpec], shards: int) -> float:
     """The memory one shard needs for its share of every declared table (undeclared ones: none)."""
-    return SHARD_PROCESS_BYTES + sum(table_bytes(spec, shard_share(spec, shards)) for spec in specs if spec.rows)
+    return SHARD_PROCESS_BYTES + sum(shard_table_bytes(spec, shard_share(spec, shards)) for spec in specs if spec.rows)
 
 
 def local_memory_bytes() -> int:

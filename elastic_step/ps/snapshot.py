@@ -6,8 +6,8 @@ unpickled. Not .npz: a zip member is read and written through Python's CRC-32 in
 which made a 2.5M-row snapshot take ~2 s each way; .npy arrays go straight to and from the file.
 
 Arrays per table: `<table>.ids` (int64), `<table>.rows` (float32, weights and optimizer slots),
-`<table>.updates` (uint32), `<table>.index` (int32: the id index, so that loading does not
-rebuild it), and the pushes this shard has applied (applied.py): `<table>.applied_below`
+`<table>.updates` (uint32), `<table>.index` (int32: a hash id index, so that loading does not
+rebuild it; empty for a table indexed directly, which is rebuilt with one scatter), and the pushes this shard has applied (applied.py): `<table>.applied_below`
 (k x 2 int64: task, watermark) and `<table>.applied_above` (k x 2 int64: task, batch_seq), and
 for each group of virtual shards moved in with keys of their own `<table>.applied_gI.mask`
 (bool, one per virtual shard), `.applied_gI.below` and `.applied_gI.above`.

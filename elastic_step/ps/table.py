@@ -5,7 +5,8 @@ Row `slot` of `block` is [weights | optimizer slots] (optimizers.py), `ids[slot]
 The id index (index.py) maps ids to slots. A row is created on its first pull or push with values drawn from
 (table seed, id) alone, so every shard that ever owns the id creates the same row.
 
-Bytes per row at dim 16 + Adagrad: 128 of payload, 8 of id, 4 of counter and ~6-11 of index.
+Bytes per row at dim 16 + Adagrad: 128 of payload, 8 of id, 4 of counter and ~6-11 of a hash
+index (a direct index instead: 4 per declared id, index.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import deque
 import numpy as np
 
 from elastic_step.ps.api import SLOTS, TableSpec
-from elastic_step.ps.index import new_index, saved_index
+from elastic_step.ps.index import DirectIndex, IdIndex, new_index
 from elastic_step.ps.optimizers import apply_rows, initial_slots
 
 GROWTH = 1.25  # a modest factor: the block's spare rows are part of the bytes per row
@@ -66,7 +67,7 @@ class EmbeddingTable:
         self.index = new_index(spec.rows, capacity)
         # (ids, slots) of recent pulls: a worker pushes the gradients of exactly the ids it pulled
         # for the step, so the push finds their slots here instead of probing the index again.
-        # A row keeps its slot until load() (which clears this), so a remembered slot stays right.
+        # A row keeps its slot until load() or drop() (which clear this), so a remembered slot stays right.
         self._recent: deque[tuple[np.ndarray, np.ndarray]] = deque()
         self._recent_ids = 0
 
@@ -151,8 +152,12 @@ class EmbeddingTable:
         self._recent_ids = 0
 
     def _reindex(self) -> None:
-        """An index of the held rows, sized for the block's capacity."""
-        self.index = new_index(self.spec.rows, len(self.ids))
+        """An index of the held rows, sized for the block's capacity (a direct one is cleared and
+        refilled: a second one beside it would cost 4 bytes per declared id more)."""
+        if isinstance(self.index, DirectIndex):
+            self.index.clear()
+        else:
+            self.index = new_index(self.spec.rows, len(self.ids))
         self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
 
     def _pulled_slots(self, ids: np.ndarray) -> np.ndarray | None:
@@ -169,7 +174,7 @@ class EmbeddingTable:
     def arrays(self) -> dict[str, np.ndarray]:
         """The held rows and the id index as arrays (views), for a snapshot."""
         n = self.size
-        return {"ids": self.ids[:n], "rows": self.block[:n], "updates": self.updates[:n], "index": self.index.slots}
+        return {"ids": self.ids[:n], "rows": self.block[:n], "updates": self.updates[:n], "index": self.index.saved}
 
     def load(self, ids: np.ndarray, rows: np.ndarray, updates: np.ndarray, index: np.ndarray | None = None) -> None:
         """Replace the table's rows by a snapshot's (rebuilding the index if it has none)."""
@@ -185,9 +190,9 @@ class EmbeddingTable:
             self.ids = np.empty(capacity, np.int64)
             self.updates = np.zeros(capacity, np.uint32)
             self.block[: self.size], self.ids[: self.size], self.updates[: self.size] = rows, ids, updates
-        if index is not None:  # a mapped snapshot's is read-only: the index writes its slots
-            self.index = saved_index(self.spec.rows, index if index.flags.writeable else np.array(index), self.ids[: self.size])
-        else:
+        if index is not None and len(index) and isinstance(self.index, IdIndex):  # a mapped snapshot's is read-only: the index writes its slots
+            self.index = IdIndex.from_slots(index if index.flags.writeable else np.array(index), self.size)
+        else:  # a direct index is not saved (nor is one in a snapshot from before the table had it used)
             self._reindex()
 
     def where(self, keep: np.ndarray) -> dict[str, np.ndarray]:
