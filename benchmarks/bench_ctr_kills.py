@@ -24,6 +24,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,11 +56,11 @@ def first_step(job_dir: str) -> bool:
     return os.path.exists(path) and os.path.getsize(path) > 0
 
 
-def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed: int, timeout_s: float, workers: str) -> dict:
+def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed: int, timeout_s: float) -> dict:
     """One job to its end, with `kills` worker SIGKILLs every `period_s` s (0: clean)."""
     os.makedirs(job_dir)
     args = ["train", "--model-def", DEEPFM_PS, "--data", data, "--job-dir", job_dir, "--mode", "ps", "--ps-shards", "2",
-            "--workers", workers, "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
+            "--workers", "2:3", "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
             "--checkpoint-steps", "50", "--max-relaunches", "1000", "--seed", "1", "--no-progress"]
     rng, began, done_kills = random.Random(seed), time.monotonic(), 0
     with open(os.path.join(job_dir, "..", f"{os.path.basename(job_dir)}.log"), "wb") as out:
@@ -83,8 +84,10 @@ def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed:
         for pid in live_pids_with_env(f"ELASTIC_STEP_TOKEN_FILE={os.path.join(job_dir, 'token')}".encode()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    if proc.returncode != 0:
-        raise SystemExit(f"the job exited {proc.returncode}; see {job_dir}.log")
+    if proc.returncode != 0:  # its folder goes with the temporary root: say what it said
+        with open(os.path.join(job_dir, "..", f"{os.path.basename(job_dir)}.log"), encoding="utf-8", errors="replace") as f:
+            tail = f.readlines()[-15:]
+        raise SystemExit(f"the job exited {proc.returncode}; the end of its output:\n{''.join(tail)}")
     with open(os.path.join(job_dir, "result.json")) as f:
         result = json.load(f)
     return {"kills": done_kills, "seconds": time.monotonic() - began, "test": result["test_metrics"],
@@ -103,27 +106,35 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20, help="worker SIGKILLs in the disturbed run")
     parser.add_argument("--period", type=float, default=3.0, help="seconds between kills")
     parser.add_argument("--clean-runs", type=int, default=2)
+    parser.add_argument("--killed-runs", type=int, default=1, help="disturbed runs (several: the difference of the means "
+                        "with its standard error, since clean runs differ among themselves)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
-    parser.add_argument("--workers", default="2:3", help="train --workers MIN:MAX; 1:1 trains in one order whatever the run "
-                        "(one worker's pushes), so that the clean runs agree and what the kills change shows alone")
     args = parser.parse_args()
     print(machine())
     with tempfile.TemporaryDirectory(prefix="bench-ctr-") as root:
         data = prepare(root, args.rows, args.rows_per_shard)
         expected = expected_updates(data, DEEPFM_PS, MINIBATCH, args.epochs)
-        runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout, args.workers))
+        runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout))
                 for i in range(args.clean_runs)]
-        runs.append(("killed", run(data, os.path.join(root, "killed"), args.epochs, args.kills, args.period, 7, args.timeout,
-                                   args.workers)))
+        runs += [("killed", run(data, os.path.join(root, f"killed-{i}"), args.epochs, args.kills, args.period, 7 + i, args.timeout))
+                 for i in range(args.killed_runs)]
     print(f"DeepFM on 2 parameter-server shards, {args.rows:,} rows x {args.epochs} epochs, minibatch {MINIBATCH}, "
-          f"workers {args.workers}; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
+          f"workers 2:3; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
     print(f"{'run':8} {'kills':>5} {'seconds':>8} {'test AUC':>9} {'log loss':>9} {'counter mismatches':>19}")
     for name, r in runs:
         print(f"{name:8} {r['kills']:5d} {r['seconds']:8.1f} {r['test']['auc']:9.4f} {r['test'].get('log_loss', float('nan')):9.4f} "
               f"{mismatches(r['counters'], expected):19d}")
-    clean = [r["test"]["auc"] for name, r in runs if name == "clean"]
-    killed = runs[-1][1]["test"]["auc"]
-    print(f"clean AUC spread {max(clean) - min(clean):.4f}; killed - clean mean {killed - sum(clean) / len(clean):+.4f} "
+    summary(*([r["test"]["auc"] for name, r in runs if name == kind] for kind in ("clean", "killed")))
+
+
+def summary(clean: list[float], killed: list[float]) -> None:
+    """The killed runs' mean AUC against the clean runs', with the standard error of that
+    difference from the runs' own spread (which worker trains which task, and so the order of
+    the updates, differs from run to run, killed or not)."""
+    difference = statistics.fmean(killed) - statistics.fmean(clean)
+    variance = sum(statistics.variance(group) / len(group) for group in (clean, killed) if len(group) > 1)
+    error = f" +/- {variance ** 0.5:.4f} (standard error)" if variance else ""
+    print(f"clean AUC spread {max(clean) - min(clean):.4f}; killed mean - clean mean {difference:+.4f}{error} "
           "(target |difference| <= 0.003); counter mismatches target 0")
 
 
