@@ -326,3 +326,12 @@ def test_a_ledger_record_with_no_ids_is_written_and_replayed(tmp_path):
     ledger.close()
     replayed, = replay(path, lambda name: DIM)
     assert len(replayed.ids) == 0 and replayed.grads.shape == (0, DIM)
+
+
+def test_a_snapshot_holding_ids_past_the_declared_rows_is_refused_in_one_line_naming_the_table():
+    """Rows a shard cannot index (a job resumed with a smaller rows=) are named, not an IndexError."""
+    grown = EmbeddingTable(TableSpec("t", 2, OptimizerKind.SGD))
+    grown.pull(np.array([3, 12]))
+    saved = grown.arrays()
+    with pytest.raises(ValueError, match="table 't' holds ids outside its declared 10 rows .* declare the rows="):
+        EmbeddingTable(TableSpec("t", 2, OptimizerKind.SGD, rows=10)).load(saved["ids"], saved["rows"], saved["updates"])

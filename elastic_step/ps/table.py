@@ -154,11 +154,15 @@ class EmbeddingTable:
     def _reindex(self) -> None:
         """An index of the held rows, sized for the block's capacity (a direct one is cleared and
         refilled: a second one beside it would cost 4 bytes per declared id more)."""
+        held = self.ids[: self.size]
         if isinstance(self.index, DirectIndex):
+            if self.outside(held) is not None:  # rows held under other settings: a shard cannot serve them
+                raise ValueError(f"table {self.spec.name!r} holds ids outside its declared {self.spec.rows:,} rows (a "
+                                 "snapshot of a job that declared it larger, or none): declare the rows= it was trained with")
             self.index.clear()
         else:
             self.index = new_index(self.spec.rows, len(self.ids))
-        self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
+        self.index.insert(held, np.arange(self.size), self.ids)
 
     def _pulled_slots(self, ids: np.ndarray) -> np.ndarray | None:
         """The slots of a recent pull of exactly these ids, in this order (None: none was)."""
