@@ -141,19 +141,27 @@ class DirectIndex:
 
     def find(self, ids: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
         """The slot of each id, or -1 where it is not held (an id outside the table included)."""
-        inside = (ids >= 0) & (ids < len(self.slots))
-        if inside.all():
+        outside = outside_rows(ids, len(self.slots))
+        if outside is None:
             return self.slots[ids].astype(np.int64)
         result = np.full(len(ids), EMPTY, dtype=np.int64)
-        result[inside] = self.slots[ids[inside]]
+        result[~outside] = self.slots[ids[~outside]]
         return result
 
     def insert(self, ids: np.ndarray, new_slots: np.ndarray, slot_ids: np.ndarray) -> None:
         """Index distinct ids of the table that it does not hold yet."""
-        if len(ids) and (ids.min() < 0 or ids.max() >= len(self.slots)):
+        if outside_rows(ids, len(self.slots)) is not None:
             raise ValueError(f"ids outside the table's declared {len(self.slots):,} rows")
         self.slots[ids] = new_slots
         self.count += len(ids)
+
+
+def outside_rows(ids: np.ndarray, rows: int) -> np.ndarray | None:
+    """Which ids fall outside [0, rows), or None when none does (two reductions: no mask is made
+    for the usual batch, all inside)."""
+    if not len(ids) or (ids.min() >= 0 and ids.max() < rows):
+        return None
+    return (ids < 0) | (ids >= rows)
 
 
 def uses_direct_index(rows: int) -> bool:

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 
 from elastic_step.ps.api import SLOTS, TableSpec
-from elastic_step.ps.index import DirectIndex, IdIndex, new_index
+from elastic_step.ps.index import DirectIndex, IdIndex, new_index, outside_rows
 from elastic_step.ps.optimizers import apply_rows, initial_slots
 
 GROWTH = 1.25  # a modest factor: the block's spare rows are part of the bytes per row
@@ -118,10 +118,7 @@ class EmbeddingTable:
 
     def outside(self, ids: np.ndarray) -> np.ndarray | None:
         """Which ids are outside a declared table's [0, rows), or None when none is."""
-        rows = self.spec.rows
-        if not rows or not len(ids) or (ids.min() >= 0 and ids.max() < rows):
-            return None
-        return (ids < 0) | (ids >= rows)
+        return outside_rows(ids, self.spec.rows) if self.spec.rows else None
 
     def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Apply one update: `grads` (len(ids) x dim) merged per id (repeated ids are summed
@@ -154,15 +151,15 @@ class EmbeddingTable:
     def _reindex(self) -> None:
         """An index of the held rows, sized for the block's capacity (a direct one is cleared and
         refilled: a second one beside it would cost 4 bytes per declared id more)."""
-        held = self.ids[: self.size]
         if isinstance(self.index, DirectIndex):
-            if self.outside(held) is not None:  # rows held under other settings: a shard cannot serve them
-                raise ValueError(f"table {self.spec.name!r} holds ids outside its declared {self.spec.rows:,} rows (a "
-                                 "snapshot of a job that declared it larger, or none): declare the rows= it was trained with")
             self.index.clear()
         else:
             self.index = new_index(self.spec.rows, len(self.ids))
-        self.index.insert(held, np.arange(self.size), self.ids)
+        try:
+            self.index.insert(self.ids[: self.size], np.arange(self.size), self.ids)
+        except ValueError:  # only a direct index refuses ids: rows held under other settings, which it cannot serve
+            raise ValueError(f"table {self.spec.name!r} holds ids outside its declared {self.spec.rows:,} rows (a "
+                             "snapshot of a job that declared it larger, or none): declare the rows= it was trained with") from None
 
     def _pulled_slots(self, ids: np.ndarray) -> np.ndarray | None:
         """The slots of a recent pull of exactly these ids, in this order (None: none was)."""
