@@ -41,11 +41,11 @@ DEEPFM_PS = "elastic_step.model_zoo.deepfm_ps_torch"
 MINIBATCH = 128
 
 
-def prepare(root: str, rows: int, rows_per_shard: int) -> str:
+def prepare(root: str, rows: int, rows_per_shard: int, split: str) -> str:
     data = os.path.join(root, "data")
     done = subprocess.run([sys.executable, "-m", "elastic_step.cli", "prepare-data", "--source",
                            f"synthetic:criteo?rows={rows}&seed=5", "--out", data, "--categorical", "auto",
-                           "--rows-per-shard", str(rows_per_shard), "--no-progress"], capture_output=True, text=True)
+                           "--rows-per-shard", str(rows_per_shard), "--split", split, "--no-progress"], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"prepare-data failed: {done.stderr.strip()}")
     return data
@@ -102,6 +102,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=240_000, help="rows of synthetic Criteo-shaped data")
     parser.add_argument("--rows-per-shard", type=int, default=4_000)
+    parser.add_argument("--split", default="0.8,0.1,0.1", help="TRAIN,VAL,TEST fractions of --rows (a larger test split "
+                        "measures each run's AUC more closely: the runs' models differ on few rows)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kills", type=int, default=20, help="worker SIGKILLs in the disturbed run")
     parser.add_argument("--period", type=float, default=3.0, help="seconds between kills")
@@ -112,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine())
     with tempfile.TemporaryDirectory(prefix="bench-ctr-") as root:
-        data = prepare(root, args.rows, args.rows_per_shard)
+        data = prepare(root, args.rows, args.rows_per_shard, args.split)
         expected = expected_updates(data, DEEPFM_PS, MINIBATCH, args.epochs)
         runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout))
                 for i in range(args.clean_runs)]

@@ -27,6 +27,7 @@ step the training process saw during the move, and that the step count's pushes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -34,6 +35,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -45,6 +47,7 @@ from common import machine  # noqa: E402
 
 from elastic_step.allocator import keep_step_memory  # noqa: E402
 from elastic_step.model_zoo.deepfm_ps_torch import TABLE, TABLE_LR, DeepFM  # noqa: E402
+from elastic_step.ps.arrays import put_rows  # noqa: E402
 from elastic_step.ps.client import PsClient  # noqa: E402
 from elastic_step.ps.ledger import LedgerRecord  # noqa: E402
 from elastic_step.ps.local import LocalShards  # noqa: E402
@@ -53,6 +56,7 @@ from elastic_step.ps.state import ShardState  # noqa: E402
 from elastic_step.ps.torch_embedding import ps_tables  # noqa: E402
 
 FIELDS, DENSE = 26, 13
+BLOCK = 20  # steps a variant runs in one turn (interleaved)
 TOKEN = "bench-token"
 
 
@@ -74,7 +78,8 @@ def dense_optimizer(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam([p for name, p in net.named_parameters() if not name.startswith("table.")], lr=2e-3)
 
 
-def peer_rate(data, ids: int) -> float:
+@contextlib.contextmanager
+def peer_step(ids: int):
     """Single-process PyTorch: the whole table in this process, sparse gradients, Adagrad."""
     torch.manual_seed(0)
     net = DeepFM(FIELDS, 2 * DENSE)
@@ -89,10 +94,11 @@ def peer_rate(data, ids: int) -> float:
         dense.step()
         sparse.step()
 
-    return _timed(step, data)
+    yield step
 
 
-def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool, ids: int) -> float:
+@contextlib.contextmanager
+def ps_step(root: str, token_file: str, shards: int, fsync: bool, ids: int):
     """The table on `shards` local shard processes: pull, compute, push merged per id, Adam."""
     torch.manual_seed(0)
     net = DeepFM(FIELDS, 2 * DENSE, rows=ids)  # the table's size, as the peer's nn.Embedding has it
@@ -114,12 +120,14 @@ def ps_rate(data, root: str, token_file: str, shards: int, fsync: bool, ids: int
             client.push(TABLE, 0, next(seq), 0, pushed_ids, grads)
             dense.step()
 
-        return _timed(step, data)
+        yield step
+        client.close()
     finally:
         started.stop()
 
 
-def in_process_rate(data, root: str, shards: int, ids: int) -> float:
+@contextlib.contextmanager
+def in_process_step(root: str, shards: int, ids: int):
     """The same step with the shards' state in this process (ShardState, fsync'd ledger): the
     cost of the table's own code, without the processes and the network. Each shard's part of a
     pull and a push is served in turn; the shards' fsyncs of a push run side by side, as shard
@@ -146,7 +154,7 @@ def in_process_rate(data, root: str, shards: int, ids: int) -> float:
     def pull(ids):
         rows = np.empty((len(ids), table.spec.dim), np.float32)
         for state, at in each_shard(ids):
-            rows[at] = state.pull(TABLE, ids[at])
+            put_rows(rows, at, state.pull(TABLE, ids[at]))  # as the client does
         return rows
 
     table.source = pull
@@ -168,7 +176,7 @@ def in_process_rate(data, root: str, shards: int, ids: int) -> float:
         dense.step()
 
     try:
-        return _timed(step, data)
+        yield step
     finally:
         syncing.shutdown()
 
@@ -218,13 +226,24 @@ def scale_figure(data, root: str, token_file: str, shards: int, ids: int) -> dic
         started.stop()
 
 
-def _timed(step, data, warm_up: int = 5) -> float:
-    for x, y in data[:warm_up]:
-        step(x, y)
-    start = time.perf_counter()
-    for x, y in data[warm_up:]:
-        step(x, y)
-    return sum(len(y) for _, y in data[warm_up:]) / (time.perf_counter() - start)
+def interleaved(steps: dict[str, Callable], data, block: int = BLOCK, warm_up: int = 5) -> dict[str, float]:
+    """Each variant's rows/s over the same batches, run in turns of `block` steps (each variant
+    trains its own model on every batch, in order; the first to go rotates every turn): this
+    machine's speed drifts by a third within minutes, and turns of a fraction of a second put
+    every variant through the same minutes, where runs one after the other did not."""
+    for step in steps.values():
+        for x, y in data[:warm_up]:
+            step(x, y)
+    spent = dict.fromkeys(steps, 0.0)
+    names = list(steps)
+    for turn, start in enumerate(range(warm_up, len(data), block)):
+        for name in names[turn % len(names):] + names[: turn % len(names)]:
+            began = time.perf_counter()
+            for x, y in data[start : start + block]:
+                steps[name](x, y)
+            spent[name] += time.perf_counter() - began
+    rows = sum(len(y) for _, y in data[warm_up:])
+    return {name: rows / seconds for name, seconds in spent.items()}
 
 
 def main() -> None:
@@ -234,7 +253,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512, help="rows per step")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for both)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of every variant, alternating (medians printed)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every variant, each run interleaving them (medians printed)")
     parser.add_argument("--scale", action="store_true", help="also resize the shards to --shards + 1 midway (scale --ps)")
     parser.add_argument("--scale-only", action="store_true", help="only the resize figure")
     args = parser.parse_args()
@@ -256,13 +275,16 @@ def main() -> None:
         if args.scale_only:
             return
         runs: dict[str, list[float]] = {"ours": [], "unsynced": [], "in_process": [], "peer": []}
-        for repeat in range(args.repeats):  # each repeat runs every variant, so a slow minute hits all of them
+        for repeat in range(args.repeats):
             folder = os.path.join(root, f"repeat-{repeat}")
             os.makedirs(folder)
-            runs["ours"].append(ps_rate(data, folder, token_file, args.shards, fsync=True, ids=args.ids))
-            runs["unsynced"].append(ps_rate(data, folder, token_file, args.shards, fsync=False, ids=args.ids))
-            runs["in_process"].append(in_process_rate(data, folder, args.shards, args.ids))
-            runs["peer"].append(peer_rate(data, args.ids))
+            with contextlib.ExitStack() as variants:
+                steps = {"ours": variants.enter_context(ps_step(folder, token_file, args.shards, True, args.ids)),
+                         "unsynced": variants.enter_context(ps_step(folder, token_file, args.shards, False, args.ids)),
+                         "in_process": variants.enter_context(in_process_step(folder, args.shards, args.ids)),
+                         "peer": variants.enter_context(peer_step(args.ids))}
+                for name, rate in interleaved(steps, data).items():
+                    runs[name].append(rate)
     print_rates(runs, args.shards)
 
 

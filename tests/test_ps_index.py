@@ -1,10 +1,14 @@
 """The id index's probes: long chains (many ids sharing one home, wrapping past the table's end)
 are found through the widening windows, a batch whose ids claim the same free position places
-them all, and an index laid out one id at a time (as earlier versions saved it) still serves."""
+them all, and an index laid out one id at a time (as earlier versions saved it) still serves. A
+direct index tells a batch's new ids apart without a sort, leaving its held slots as they were."""
 
 import numpy as np
 
-from elastic_step.ps.index import EMPTY, IdIndex
+import pytest
+
+from elastic_step.ps.arrays import put_rows
+from elastic_step.ps.index import EMPTY, DirectIndex, IdIndex
 
 
 def ids_homed_at(index: IdIndex, home: int, count: int, seed: int = 0) -> np.ndarray:
@@ -55,3 +59,36 @@ def test_an_index_laid_out_one_id_at_a_time_still_finds_and_takes_new_ids():
     index.insert(more, np.arange(len(ids), len(ids) + len(more)), slot_ids)
     everything = np.concatenate([ids, more])
     np.testing.assert_array_equal(index.find(everything, slot_ids), np.arange(len(everything)))
+
+
+def test_a_direct_index_finds_the_distinct_new_ids_of_a_batch_with_repeats_and_keeps_its_slots():
+    index = DirectIndex(1000)
+    held = np.array([3, 500, 999])
+    index.insert(held, np.arange(3), held)
+    before = index.slots.copy()
+    rng = np.random.default_rng(4)
+    batch = rng.choice(np.setdiff1d(np.arange(1000), held), 300)  # repeats likely
+    distinct, inverse = index.distinct(batch)
+    assert sorted(distinct.tolist()) == sorted(set(batch.tolist()))  # each new id once
+    assert np.array_equal(distinct[inverse], batch)  # every position names its id
+    assert np.array_equal(index.slots, before)  # the marks are gone, the held slots untouched
+
+
+def test_a_direct_index_refuses_ids_outside_its_table_before_marking_any_slot():
+    index = DirectIndex(10)
+    index.insert(np.array([9]), np.array([0]), np.array([9]))
+    with pytest.raises(ValueError, match="outside the table's declared 10 rows"):
+        index.distinct(np.array([2, -1]))  # -1 would have marked id 9's slot
+    assert index.slots[9] == 0 and (index.slots[:9] == EMPTY).all()
+
+
+def test_rows_put_at_scattered_positions_land_whole_as_indexing_puts_them():
+    rng = np.random.default_rng(5)
+    block = rng.random((50, 7), dtype=np.float32)
+    expected = block.copy()
+    positions, rows = rng.permutation(50)[:20], rng.random((20, 7), dtype=np.float32)
+    expected[positions] = rows
+    put_rows(block, positions, rows)
+    assert np.array_equal(block, expected)
+    put_rows(block, positions[:0], rows[:0])  # an empty part changes nothing
+    assert np.array_equal(block, expected)

@@ -32,6 +32,7 @@ import pandas
 
 from elastic_step.ps import wire
 from elastic_step.ps.api import RETRY_AFTER_REFRESH, PsError, RoundFenced, ShardUnavailable, Status
+from elastic_step.ps.arrays import put_rows
 from elastic_step.ps.routing import RoutingTable
 
 # A connection to a live shard opens in milliseconds, or is refused at once while it relaunches.
@@ -71,7 +72,7 @@ class PsClient:
             rows = np.frombuffer(body, "<f4").reshape(len(positions), -1)
             if gathered is None:
                 gathered = np.empty((len(unique), rows.shape[1]), np.float32)
-            gathered[positions] = rows
+            put_rows(gathered, positions, rows)
         if gathered is None:
             return np.zeros((0, 0), np.float32)
         return gathered if inverse is None else gathered[inverse]

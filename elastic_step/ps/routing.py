@@ -20,11 +20,18 @@ _MIX = np.uint64(0xFF51AFD7ED558CCD)  # murmur3's finaliser constant: not the in
 
 
 def virtual_shard_of(ids: np.ndarray, virtual_shards: int) -> np.ndarray:
-    """Each id's virtual shard (a hash, so that dense id ranges spread evenly)."""
+    """Each id's virtual shard (a hash, so that dense id ranges spread evenly). In place on one
+    copy of the ids, and a mask for a power-of-two count (the same as the remainder, without
+    a division): every pull and push routes its ids."""
     z = ids.astype(np.uint64)
-    z = (z ^ (z >> np.uint64(33))) * _MIX
     z ^= z >> np.uint64(33)
-    return (z % np.uint64(virtual_shards)).astype(np.int64)
+    z *= _MIX
+    z ^= z >> np.uint64(33)
+    if virtual_shards & (virtual_shards - 1) == 0:
+        z &= np.uint64(virtual_shards - 1)
+    else:
+        z %= np.uint64(virtual_shards)
+    return z.astype(np.int64)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from collections import deque
 import numpy as np
 
 from elastic_step.ps.api import SLOTS, TableSpec
+from elastic_step.ps.arrays import put_rows
 from elastic_step.ps.index import DirectIndex, IdIndex, new_index, outside_rows
 from elastic_step.ps.optimizers import apply_rows, initial_slots
 
@@ -27,24 +28,34 @@ RECENT_IDS = 1 << 20  # and at most this many ids among them (16 MiB a table), w
 _SEED_MIX = 0xD1B54A32D192ED03
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    z = x + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer of each key, in place (`z`, uint64, is overwritten and returned)."""
+    z += np.uint64(0x9E3779B97F4A7C15)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
 
 
 def initial_weights(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
-    """Each id's starting row: uniform in [-init_scale, init_scale], a function of (seed, id)."""
-    keys = ids.astype(np.uint64)[:, None] * np.uint64(spec.dim) + np.arange(spec.dim, dtype=np.uint64)
-    keys += np.uint64((spec.seed * _SEED_MIX) % (1 << 64))  # a seed's own stream of keys
-    unit = (_splitmix64(keys) >> np.uint64(40)).astype(np.float32) / np.float32(1 << 24)
-    return ((unit * 2 - 1) * np.float32(spec.init_scale)).astype(np.float32)
+    """Each id's starting row: uniform in [-init_scale, init_scale], a function of (seed, id).
+    (In place where it can: a pull of new ids makes their rows on every step.)"""
+    offsets = np.arange(spec.dim, dtype=np.uint64) + np.uint64((spec.seed * _SEED_MIX) % (1 << 64))  # a seed's own stream
+    keys = ids.astype(np.uint64)[:, None] * np.uint64(spec.dim) + offsets
+    unit = (_splitmix64(keys) >> np.uint64(40)).astype(np.float32)
+    unit /= np.float32(1 << 24)
+    unit *= 2
+    unit -= 1
+    unit *= np.float32(spec.init_scale)
+    return unit
 
 
-def _repeats(values: np.ndarray) -> bool:
-    """Whether any value occurs twice: a sort (no argsort), as a push's ids are distinct but for rare cases."""
-    ordered = np.sort(values)
+def _repeats(slots: np.ndarray) -> bool:
+    """Whether any slot occurs twice: a sort (no argsort), as a push's ids are distinct but for
+    rare cases; of int32 (a shard's slots are: index.MAX_ROWS), which sorts twice as fast."""
+    ordered = np.sort(slots.astype(np.int32, copy=False))
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
@@ -80,7 +91,7 @@ class EmbeddingTable:
         slots = self.index.find(ids, self.ids)
         missing = np.flatnonzero(slots < 0)
         if len(missing):
-            new_ids, inverse = np.unique(ids[missing], return_inverse=True)
+            new_ids, inverse = self.index.distinct(ids[missing])
             first = self.size
             self._create(new_ids)
             slots[missing] = first + inverse  # _create gives new_ids the slots first, first + 1, ...: no second probe
@@ -135,7 +146,7 @@ class EmbeddingTable:
         rows = np.take(self.block, slots, axis=0)
         steps = np.take(self.updates, slots) + np.uint32(1)
         apply_rows(self.spec, rows, grads, steps)
-        self.block[slots] = rows
+        put_rows(self.block, slots, rows)
         self.updates[slots] = steps
 
     def _remember(self, ids: np.ndarray, slots: np.ndarray) -> None:
