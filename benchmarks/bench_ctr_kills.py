@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import elastic_step, live_pids_with_env, machine, training_worker_pids, wait_until  # noqa: E402
 
+from elastic_step.data.manifest import load_manifest  # noqa: E402
 from elastic_step.ps.expected_updates import expected_updates, updates_on_the_shards  # noqa: E402
 
 DEEPFM_PS = "elastic_step.model_zoo.deepfm_ps_torch"
@@ -115,12 +116,14 @@ def main() -> None:
     print(machine())
     with tempfile.TemporaryDirectory(prefix="bench-ctr-") as root:
         data = prepare(root, args.rows, args.rows_per_shard, args.split)
+        manifest = load_manifest(data)
         expected = expected_updates(data, DEEPFM_PS, MINIBATCH, args.epochs)
         runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout))
                 for i in range(args.clean_runs)]
         runs += [("killed", run(data, os.path.join(root, f"killed-{i}"), args.epochs, args.kills, args.period, 7 + i, args.timeout))
                  for i in range(args.killed_runs)]
-    print(f"DeepFM on 2 parameter-server shards, {args.rows:,} rows x {args.epochs} epochs, minibatch {MINIBATCH}, "
+    print(f"DeepFM on 2 parameter-server shards, {manifest.rows('train'):,} training rows x {args.epochs} epochs, "
+          f"{manifest.rows('test'):,} test rows, minibatch {MINIBATCH}, "
           f"workers 2:3; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
     print(f"{'run':8} {'kills':>5} {'seconds':>8} {'test AUC':>9} {'log loss':>9} {'counter mismatches':>19}")
     for name, r in runs:

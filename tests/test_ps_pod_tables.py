@@ -159,3 +159,48 @@ def test_a_snapshot_comes_from_a_pod_in_parts_whole_and_one_replaced_mid_copy_is
         server.shutdown()
         server.server_close()
         state.close()
+
+
+@pytest.mark.parametrize("limit_mb", [1024, 0], ids=["whole", "snapshots"])
+def test_a_scale_whose_release_failed_is_finished_before_the_tables_are_read(tmp_path, monkeypatch, limit_mb):
+    """2 -> 3 shards: the rows arrived and the shards train under the new routing, but one
+    release was lost and the master gave up, its routing the old one: the old owners still hold
+    stale copies of what they gave away. The job's end finishes the move first, so the model
+    holds every row as trained last."""
+    from elastic_step.ps import local, moves
+
+    monkeypatch.setattr(embedding, "_FROZEN", {})
+    monkeypatch.setattr(embedding, "_TABLE_SOURCES", {})
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    spec, ids = SPECS[0], np.arange(300, dtype=np.int64)
+    shards = LocalShards(str(tmp_path / "ps"), [spec], 2, str(token_file), snapshot_every=100_000)
+    shards.start()
+    client = PsClient(TOKEN, shards.routes, timeout_s=30.0)
+    lost = []
+
+    def losing_a_release(call, old, new, deadline_s=120.0):
+        def asking(shard, header, *arrays):
+            if header["op"] == "release" and not lost:
+                lost.append(shard)
+                raise moves.PsError(f"shard {shard} did not answer release")
+            return call(shard, header, *arrays)
+        return moves.move(asking, old, new, deadline_s)
+
+    try:
+        client.push(spec.name, 1, 0, 0, ids, np.ones((len(ids), spec.dim), np.float32))
+        with monkeypatch.context() as patched:
+            patched.setattr(local, "move", losing_a_release)
+            with pytest.raises(moves.PsError):
+                shards.resize(3, client.call)
+        client.push(spec.name, 1, 1, 0, ids, np.ones((len(ids), spec.dim), np.float32))  # under the new routing
+        trained = client.pull(spec.name, ids).copy()
+        addresses = [s.endpoint.split(":") for s in shards.shards]
+        pods = PodShards([PodShard(i, host, int(port)) for i, (host, port) in enumerate(addresses)], shards.routing)
+        assert pods.routing.epoch == 1 and len(pods.shards) == 3  # what the master knows after the failed move
+        freeze(client, [spec], pods, str(tmp_path / "job"), limit_mb=limit_mb)
+        assert pods.routing.epoch == 2
+        np.testing.assert_array_equal(looked_up(spec, ids), trained)
+    finally:
+        client.close()
+        shards.stop()

@@ -172,3 +172,36 @@ def test_a_cut_the_shards_launcher_cannot_keep_is_no_checkpoint():
     monitor = types.SimpleNamespace(supervisor=types.SimpleNamespace(keep_cut=keep_cut))
     recording = keeping_cuts(monitor, lambda *checkpoint: None)
     assert recording(4, 0, b"", {PS_CUT: {"step": 4}}) is False  # so PsCheckpoints counts no checkpoint
+
+
+def test_a_scale_whose_release_failed_is_finished_at_the_jobs_end_so_the_model_holds_the_trained_rows(job, monkeypatch):
+    """The move's rows arrived and training went on under the new routing, but one shard never
+    heard the release and the master gave up: the old owner still holds stale copies of what it
+    gave away. The job's end finishes the move first, so the final model (what is evaluated and
+    logged) takes every row from the shard that trained it last, and the routing it names."""
+    from elastic_step.ps import local, moves
+
+    ids = np.arange(200, dtype=np.int64)
+    asked_release = []
+
+    def failing_release(call, old, new, deadline_s=120.0):
+        def refusing(shard, header, *arrays):
+            if header["op"] == "release" and not asked_release:
+                asked_release.append(shard)
+                raise moves.PsError(f"shard {shard} refused release: test")
+            return call(shard, header, *arrays)
+        return moves.move(refusing, old, new, deadline_s)
+
+    with job(resuming=False) as (client, monitor):
+        client.push("resume_t", 1, 0, 0, ids, np.ones((len(ids), 2), np.float32))
+        monkeypatch.setattr(local, "move", failing_release)
+        with pytest.raises(ValueError, match="the move to 2 shards did not finish"):
+            monitor.scale(2)
+        monkeypatch.undo()
+        client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))  # re-routed by the shards' refusals
+        trained = client.pull("resume_t", ids).copy()
+    from elastic_step.ps.embedding import frozen_table
+
+    frozen_ids, frozen_rows = frozen_table("resume_t")
+    assert np.array_equal(frozen_ids, ids)  # every row once
+    np.testing.assert_allclose(frozen_rows, trained)  # as trained last, not the old owner's copies of before the move

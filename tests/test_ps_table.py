@@ -335,3 +335,21 @@ def test_a_snapshot_holding_ids_past_the_declared_rows_is_refused_in_one_line_na
     saved = grown.arrays()
     with pytest.raises(ValueError, match="table 't' holds ids outside its declared 10 rows .* declare the rows="):
         EmbeddingTable(TableSpec("t", 2, OptimizerKind.SGD, rows=10)).load(saved["ids"], saved["rows"], saved["updates"])
+
+
+@pytest.mark.parametrize("changed, refusal", [
+    (TableSpec("t", 2, OptimizerKind.SGD, rows=10), r"holds pushes to table 't' with ids outside its declared 10 rows: declare the rows="),
+    (TableSpec("u", 2, OptimizerKind.SGD, rows=100), r"holds pushes to table 't', which this job does not declare \(it declares 'u'\)"),
+])
+def test_a_ledger_this_jobs_tables_cannot_take_is_refused_in_one_line_naming_the_table(tmp_path, changed, refusal):
+    """A job resumed with another model definition (a smaller rows=, a renamed table) finds its
+    shard's unsnapshotted pushes named, not an index or key error half-way through the replay."""
+    from elastic_step.ps.routing import RoutingTable
+    from elastic_step.ps.state import ShardState
+
+    trained = ShardState(str(tmp_path), [TableSpec("t", 2, OptimizerKind.SGD, rows=100)], 0, RoutingTable.initial(1), sync=False)
+    trained.recover()
+    trained.push(LedgerRecord("t", 0, 0, 0, np.array([5, 50]), np.ones((2, 2), np.float32)))
+    trained.close()
+    with pytest.raises(ValueError, match=refusal):
+        ShardState(str(tmp_path), [changed], 0, RoutingTable.initial(1), sync=False).recover()

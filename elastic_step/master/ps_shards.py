@@ -59,6 +59,7 @@ from elastic_step.ps.state import SNAPSHOT_FILE
 log = logging.getLogger("elastic_step.master")
 
 STOP_TIMEOUT_S = 60.0  # a shard's last snapshot on SIGTERM
+FINISH_AT_STOP_S = 30.0  # a request of a move finished at the job's end: the shards are up, or it is left to a resume
 MIB = 1 << 20
 
 
@@ -227,19 +228,20 @@ def _last_move(saved: list[dict]) -> tuple[RoutingTable | None, RoutingTable | N
     return newest, RoutingTable.from_json(previous) if incomplete and previous else None
 
 
-def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTable | None, token: str) -> None:
+def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTable | None, token: str,
+                 deadline_s: float = 120.0) -> None:
     """After a scale --ps, at a resume: a move the last master did not see through is done
     again (each of its steps is idempotent), and the shards beyond it stopped; else every shard
     forgets any row it gave away (a release the master stopped mid-way may not have reached it)."""
-    client = PsClient(token, lambda: None, timeout_s=120.0)
+    client = PsClient(token, lambda: None, timeout_s=deadline_s)
     try:
         call = lambda i, *request: client.call(shards.shards[i].endpoint, *request)  # noqa: E731
         if previous is not None:
             log.warning("parameter servers: finishing the move to routing epoch %d that the last master left", newest.epoch)
-            move(call, previous, newest)
+            move(call, previous, newest, deadline_s=deadline_s)
         else:
             for index in range(len(shards.shards)):
-                ask(call, index, {"op": "release"})
+                ask(call, index, {"op": "release"}, deadline_s=deadline_s)
     finally:
         client.close()
     shards.routing = newest
@@ -248,10 +250,30 @@ def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTab
     shards.shards = shards.shards[: newest.shards]
 
 
+def _finish_a_failed_scale(shards: LocalShards) -> None:
+    """A scale --ps that did not finish (its master said so) may have left rows on their way,
+    or, past its imports, stale copies on the old owners that its release did not drop, while
+    training went on under the new routing: the move is finished now, so that the final model
+    takes every row from the shard that trained it last. One that cannot be finished now (a
+    shard gone) is said in one line; the model then holds the rows of the routing the master knew."""
+    newest, previous = _last_move(saved_routings(shards.root))
+    if newest is None or (newest.epoch == shards.routing.epoch and previous is None):
+        return  # no scale, or every one finished
+    try:
+        if any(s.process is None or s.process.poll() is not None for s in shards.shards):
+            raise PsError("a shard is not running")
+        _finish_move(shards, newest, previous, wire.read_token(shards.token_file), deadline_s=FINISH_AT_STOP_S)
+    except (PsError, OSError, ValueError) as exc:
+        log.error("parameter servers: the move to routing epoch %d did not finish (%s): the final model holds the rows "
+                  "of routing epoch %d, some of them older than the trained ones; resume the job (train --resume) to "
+                  "finish the move", newest.epoch, exc, shards.routing.epoch)
+
+
 def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec], config: TrainConfig) -> None:
     """SIGTERM every shard (a last snapshot each), then give this process's models the trained
     tables from the snapshots: whole (embedding.freeze_tables) when they fit --ps-table-limit-mb,
     else looked up in the snapshots themselves (`serve_from_snapshots`)."""
+    _finish_a_failed_scale(shards)
     for shard in shards.shards:
         if shard.process is not None and shard.process.poll() is None:
             shard.process.send_signal(signal.SIGTERM)
@@ -263,8 +285,7 @@ def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec], config: TrainC
                 log.warning("shard %d did not stop in %.0f s: killed, its last snapshot may be older", shard.shard, STOP_TIMEOUT_S)
                 shard.process.kill()
                 shard.process.wait()
-    # The shards the routing names: after a move that did not finish, the added ones hold only
-    # rows their old owners still hold (a resume finishes the move).
+    # The shards the routing names (a move that could not be finished above: those it started from).
     named = shards.shards[: shards.routing.shards]
     snapshots = [os.path.join(s.directory, SNAPSHOT_FILE) for s in named]
     folder = os.path.join(config.job_dir, "model", SHARDS_FOLDER)

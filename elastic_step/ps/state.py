@@ -140,9 +140,7 @@ class ShardState:
             self.tables[name].load(**parts)
             self.applied[name] = applied[name]
         loaded = time.perf_counter()
-        replayed = 0
-        for record in replay(self._path(LEDGER_FILE), lambda name: self.tables[name].spec.dim):
-            replayed += self._apply(record)
+        replayed = self._replay()
         self.since_snapshot = replayed
         self.cut_step = max(cuts.steps(self.directory), default=0)
         if tables or replayed:  # pushes applied before this process: of which steps is not kept
@@ -151,6 +149,26 @@ class ShardState:
         self.ledger = Ledger(self._path(LEDGER_FILE), sync=self.sync)
         self.ledger_origin = -os.path.getsize(self._path(LEDGER_FILE))
         self.fence = read_fence(self.directory)
+        return replayed
+
+    def _replay(self) -> int:
+        """Apply the ledger's tail; the pushes applied. A record these tables cannot take (a job
+        resumed with another model definition: a table it no longer has, or a smaller rows=) is
+        refused in one line naming it, not with an index error."""
+        path, replayed = self._path(LEDGER_FILE), 0
+
+        def dim_of(name: str) -> int:
+            if name not in self.tables:
+                raise ValueError(f"{path} holds pushes to table {name!r}, which this job does not declare (it declares "
+                                 f"{', '.join(map(repr, self.tables))}): resume with the model definition that trained it")
+            return self.tables[name].spec.dim
+
+        for record in replay(path, dim_of):
+            table = self.tables[record.table]
+            if table.outside(record.ids) is not None:
+                raise ValueError(f"{path} holds pushes to table {record.table!r} with ids outside its declared "
+                                 f"{table.spec.rows:,} rows: declare the rows= it was trained with")
+            replayed += self._apply(record)
         return replayed
 
     def check(self, epoch: int, ids: np.ndarray | None = None) -> Status:

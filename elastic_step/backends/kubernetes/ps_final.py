@@ -25,10 +25,13 @@ from elastic_step.master.ps_shards import MIB, serve_from_snapshots
 from elastic_step.ps.api import PsError, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import freeze_tables
+from elastic_step.ps.moves import move
+from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard_tables import SHARDS_FOLDER, table_bytes
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
+FINISH_S = 30.0  # a request of a move finished at the job's end: the pods still serve, or it is left to a resume
 STAGING = "ps-final"  # under JOB_DIR: the snapshots copied from the pods, before they are laid out
 
 
@@ -36,6 +39,7 @@ def freeze(client: PsClient, specs: list[TableSpec], shards: PodShards, job_dir:
     """This process's models get the shards' trained tables: whole up to `limit_mb`, else looked
     up in the shards' snapshots, copied under `job_dir`."""
     folder = os.path.join(job_dir, "model", SHARDS_FOLDER)
+    finish_a_failed_scale(client, shards)
     size = held_bytes(client, specs, shards)
     if size > limit_mb * MIB:
         staging = os.path.join(job_dir, STAGING)
@@ -48,6 +52,28 @@ def freeze(client: PsClient, specs: list[TableSpec], shards: PodShards, job_dir:
         return
     shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt's (a resumed job's): this model holds its tables
     freeze_tables(whole_tables(client, specs, shards))
+
+
+def finish_a_failed_scale(client: PsClient, shards: PodShards) -> None:
+    """A scale --ps that did not finish (the master said so) but whose routing the shards took
+    (training went on under it, perhaps past stale copies the release did not drop): the move is
+    done again now (each step is idempotent: ps/moves.py), and the tables are read under its
+    routing, as the local backend's end does (master/ps_shards.py). One that cannot be finished
+    is said in one line; the tables are then read under the routing the master knew."""
+    try:
+        taken = [RoutingTable.from_json(asked(client, shard, {"op": "routing"})["routing"]) for shard in shards.shards]
+        newest = max(taken, key=lambda routing: routing.epoch)
+        if newest.epoch <= shards.routing.epoch:
+            return
+        log.warning("parameter servers: finishing the move to routing epoch %d before the tables are read", newest.epoch)
+        newest = RoutingTable(newest.epoch, newest.owners, [s.endpoint for s in shards.shards[: newest.shards]])
+        move(lambda i, *request: client.call(shards.shards[i].endpoint, *request), shards.routing, newest,
+             deadline_s=FINISH_S)
+        shards.routing = newest
+    except (OSError, ValueError, PsError) as exc:
+        log.error("parameter servers: a move of the shards did not finish (%s): the tables are read under routing "
+                  "epoch %d, some rows older than trained; resume the job (train --resume) to finish the move",
+                  exc, shards.routing.epoch)
 
 
 def held_bytes(client: PsClient, specs: list[TableSpec], shards: PodShards) -> int:
