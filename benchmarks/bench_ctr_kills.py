@@ -57,11 +57,11 @@ def first_step(job_dir: str) -> bool:
     return os.path.exists(path) and os.path.getsize(path) > 0
 
 
-def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed: int, timeout_s: float) -> dict:
+def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed: int, timeout_s: float, workers: str) -> dict:
     """One job to its end, with `kills` worker SIGKILLs every `period_s` s (0: clean)."""
     os.makedirs(job_dir)
     args = ["train", "--model-def", DEEPFM_PS, "--data", data, "--job-dir", job_dir, "--mode", "ps", "--ps-shards", "2",
-            "--workers", "2:3", "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
+            "--workers", workers, "--epochs", str(epochs), "--minibatch-size", str(MINIBATCH), "--minibatches-per-task", "2",
             "--checkpoint-steps", "50", "--max-relaunches", "1000", "--seed", "1", "--no-progress"]
     rng, began, done_kills = random.Random(seed), time.monotonic(), 0
     with open(os.path.join(job_dir, "..", f"{os.path.basename(job_dir)}.log"), "wb") as out:
@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kills", type=int, default=20, help="worker SIGKILLs in the disturbed run")
     parser.add_argument("--period", type=float, default=3.0, help="seconds between kills")
+    parser.add_argument("--workers", default="2:3", help="MIN:MAX workers (MIN = MAX: a killed worker's replacement is "
+                        "waited for, so that every step has as many workers as a clean run's, and as many rows)")
     parser.add_argument("--clean-runs", type=int, default=2)
     parser.add_argument("--killed-runs", type=int, default=1, help="disturbed runs (several: the difference of the means "
                         "with its standard error, since clean runs differ among themselves)")
@@ -118,13 +120,14 @@ def main() -> None:
         data = prepare(root, args.rows, args.rows_per_shard, args.split)
         manifest = load_manifest(data)
         expected = expected_updates(data, DEEPFM_PS, MINIBATCH, args.epochs)
-        runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout))
+        runs = [("clean", run(data, os.path.join(root, f"clean-{i}"), args.epochs, 0, args.period, i, args.timeout, args.workers))
                 for i in range(args.clean_runs)]
-        runs += [("killed", run(data, os.path.join(root, f"killed-{i}"), args.epochs, args.kills, args.period, 7 + i, args.timeout))
+        runs += [("killed", run(data, os.path.join(root, f"killed-{i}"), args.epochs, args.kills, args.period, 7 + i, args.timeout,
+                             args.workers))
                  for i in range(args.killed_runs)]
     print(f"DeepFM on 2 parameter-server shards, {manifest.rows('train'):,} training rows x {args.epochs} epochs, "
           f"{manifest.rows('test'):,} test rows, minibatch {MINIBATCH}, "
-          f"workers 2:3; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
+          f"workers {args.workers}; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
     print(f"{'run':8} {'kills':>5} {'seconds':>8} {'test AUC':>9} {'log loss':>9} {'counter mismatches':>19}")
     for name, r in runs:
         print(f"{name:8} {r['kills']:5d} {r['seconds']:8.1f} {r['test']['auc']:9.4f} {r['test'].get('log_loss', float('nan')):9.4f} "

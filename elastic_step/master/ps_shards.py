@@ -260,8 +260,9 @@ def _finish_a_failed_scale(shards: LocalShards) -> None:
     if newest is None or (newest.epoch == shards.routing.epoch and previous is None):
         return  # no scale, or every one finished
     try:
-        if any(s.process is None or s.process.poll() is not None for s in shards.shards):
-            raise PsError("a shard is not running")
+        needed = max(newest.shards, previous.shards if previous else 0)
+        if len(shards.shards) < needed or any(s.process is None or s.process.poll() is not None for s in shards.shards):
+            raise PsError(f"it needs {needed} running shards")
         _finish_move(shards, newest, previous, wire.read_token(shards.token_file), deadline_s=FINISH_AT_STOP_S)
     except (PsError, OSError, ValueError) as exc:
         log.error("parameter servers: the move to routing epoch %d did not finish (%s): the final model holds the rows "

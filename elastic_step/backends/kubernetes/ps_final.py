@@ -60,11 +60,18 @@ def finish_a_failed_scale(client: PsClient, shards: PodShards) -> None:
     done again now (each step is idempotent: ps/moves.py), and the tables are read under its
     routing, as the local backend's end does (master/ps_shards.py). One that cannot be finished
     is said in one line; the tables are then read under the routing the master knew."""
+    taken = []
+    for shard in shards.shards:
+        try:
+            taken.append(RoutingTable.from_json(asked(client, shard, {"op": "routing"})["routing"]))
+        except (OSError, ValueError, PsError):
+            continue  # one that does not answer is said where its rows are read
+    newest = max(taken, key=lambda routing: routing.epoch, default=shards.routing)
+    if newest.epoch <= shards.routing.epoch:
+        return
     try:
-        taken = [RoutingTable.from_json(asked(client, shard, {"op": "routing"})["routing"]) for shard in shards.shards]
-        newest = max(taken, key=lambda routing: routing.epoch)
-        if newest.epoch <= shards.routing.epoch:
-            return
+        if len(shards.shards) < newest.shards:
+            raise PsError(f"it needs {newest.shards} shards and {len(shards.shards)} are known")
         log.warning("parameter servers: finishing the move to routing epoch %d before the tables are read", newest.epoch)
         newest = RoutingTable(newest.epoch, newest.owners, [s.endpoint for s in shards.shards[: newest.shards]])
         move(lambda i, *request: client.call(shards.shards[i].endpoint, *request), shards.routing, newest,
