@@ -13,7 +13,15 @@ seed and settings. For every run:
   the count computed from the data alone (ps.expected_updates): each minibatch updates each of
   its distinct ids once (target: zero mismatches, killed or not).
 
-    cd benchmarks && ../.venv/bin/python bench_ctr_kills.py --rows 240000 --epochs 2 --kills 20
+How to compare the AUCs: one epoch over many rows, not several over few (a second pass over the
+rows lets the rare ids' rows overfit, by an amount that the order of the updates decides: clean
+runs then differ by 0.01); a large test split; and `--workers N:N`, so that a killed worker's
+replacement is waited for and every step holds as many workers' minibatches as a clean run's
+(with 2:3 a killed run trains some steps on two workers, so it takes more, smaller dense steps
+than a clean run, which on one epoch raised its AUC by ~0.004: elasticity, not the kills).
+
+    cd benchmarks && ../.venv/bin/python bench_ctr_kills.py --rows 1600000 --split 0.6,0.04,0.36 --epochs 1 \
+        --workers 3:3 --kills 20 --clean-runs 3 --killed-runs 3
 """
 
 from __future__ import annotations

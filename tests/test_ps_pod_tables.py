@@ -16,12 +16,13 @@ import pytest
 from elastic_step.backends.kubernetes.ps_final import STAGING, freeze
 from elastic_step.backends.kubernetes.ps_pod_shards import PodShard, PodShards
 from elastic_step.backends.kubernetes.ps_pods import PsPods
-from elastic_step.ps import embedding
-from elastic_step.ps.api import TableSpec
+from elastic_step.ps import embedding, local
+from elastic_step.ps.api import PsError, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import TableRows
 from elastic_step.ps.local import LocalShards
 from elastic_step.ps.shard_tables import MANIFEST_FILE, SHARDS_FOLDER, ShardTables
+from lost_release import move_losing_a_release
 
 TOKEN = "pod-tables-token"
 SPECS = [TableSpec("pod_clicks", 4), TableSpec("pod_users", 3, lr=0.1)]
@@ -167,8 +168,6 @@ def test_a_scale_whose_release_failed_is_finished_before_the_tables_are_read(tmp
     release was lost and the master gave up, its routing the old one: the old owners still hold
     stale copies of what they gave away. The job's end finishes the move first, so the model
     holds every row as trained last."""
-    from elastic_step.ps import local, moves
-
     monkeypatch.setattr(embedding, "_FROZEN", {})
     monkeypatch.setattr(embedding, "_TABLE_SOURCES", {})
     token_file = tmp_path / "token"
@@ -177,21 +176,11 @@ def test_a_scale_whose_release_failed_is_finished_before_the_tables_are_read(tmp
     shards = LocalShards(str(tmp_path / "ps"), [spec], 2, str(token_file), snapshot_every=100_000)
     shards.start()
     client = PsClient(TOKEN, shards.routes, timeout_s=30.0)
-    lost = []
-
-    def losing_a_release(call, old, new, deadline_s=120.0):
-        def asking(shard, header, *arrays):
-            if header["op"] == "release" and not lost:
-                lost.append(shard)
-                raise moves.PsError(f"shard {shard} did not answer release")
-            return call(shard, header, *arrays)
-        return moves.move(asking, old, new, deadline_s)
-
     try:
         client.push(spec.name, 1, 0, 0, ids, np.ones((len(ids), spec.dim), np.float32))
         with monkeypatch.context() as patched:
-            patched.setattr(local, "move", losing_a_release)
-            with pytest.raises(moves.PsError):
+            patched.setattr(local, "move", move_losing_a_release())
+            with pytest.raises(PsError):
                 shards.resize(3, client.call)
         client.push(spec.name, 1, 1, 0, ids, np.ones((len(ids), spec.dim), np.float32))  # under the new routing
         trained = client.pull(spec.name, ids).copy()

@@ -30,8 +30,11 @@ from elastic_step.master.events import EventLog
 from elastic_step.master.ps_checkpoints import PS_CUT, PsCheckpoints
 from elastic_step.master.ps_shards import start_ps_shards
 from elastic_step.protocol import JobState, TrainingMode
+from elastic_step.ps import local
 from elastic_step.ps.client import PsClient
+from elastic_step.ps.embedding import frozen_table
 from elastic_step.ps.routing import RoutingTable
+from lost_release import move_losing_a_release
 
 TOKEN = "ps-resume-token"
 MODEL = '''
@@ -179,29 +182,15 @@ def test_a_scale_whose_release_failed_is_finished_at_the_jobs_end_so_the_model_h
     heard the release and the master gave up: the old owner still holds stale copies of what it
     gave away. The job's end finishes the move first, so the final model (what is evaluated and
     logged) takes every row from the shard that trained it last, and the routing it names."""
-    from elastic_step.ps import local, moves
-
     ids = np.arange(200, dtype=np.int64)
-    asked_release = []
-
-    def failing_release(call, old, new, deadline_s=120.0):
-        def refusing(shard, header, *arrays):
-            if header["op"] == "release" and not asked_release:
-                asked_release.append(shard)
-                raise moves.PsError(f"shard {shard} refused release: test")
-            return call(shard, header, *arrays)
-        return moves.move(refusing, old, new, deadline_s)
-
     with job(resuming=False) as (client, monitor):
         client.push("resume_t", 1, 0, 0, ids, np.ones((len(ids), 2), np.float32))
-        monkeypatch.setattr(local, "move", failing_release)
+        monkeypatch.setattr(local, "move", move_losing_a_release())
         with pytest.raises(ValueError, match="the move to 2 shards did not finish"):
             monitor.scale(2)
         monkeypatch.undo()
         client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))  # re-routed by the shards' refusals
         trained = client.pull("resume_t", ids).copy()
-    from elastic_step.ps.embedding import frozen_table
-
     frozen_ids, frozen_rows = frozen_table("resume_t")
     assert np.array_equal(frozen_ids, ids)  # every row once
     np.testing.assert_allclose(frozen_rows, trained)  # as trained last, not the old owner's copies of before the move
