@@ -127,9 +127,9 @@ def ps_step(root: str, token_file: str, shards: int, fsync: bool, ids: int):
 
 
 @contextlib.contextmanager
-def in_process_step(root: str, shards: int, ids: int):
-    """The same step with the shards' state in this process (ShardState, fsync'd ledger): the
-    cost of the table's own code, without the processes and the network. Each shard's part of a
+def in_process_step(root: str, shards: int, ids: int, fsync: bool = True):
+    """The same step with the shards' state in this process (ShardState, its ledger fsync'd or
+    not): the cost of the table's own code, without the processes and the network. Each shard's part of a
     pull and a push is served in turn; the shards' fsyncs of a push run side by side, as shard
     processes run them (a thread per shard for the rest too was measured slower: the threads'
     numpy and Python wait on the GIL, which an fsync does not hold)."""
@@ -139,9 +139,9 @@ def in_process_step(root: str, shards: int, ids: int):
     routing = RoutingTable.initial(shards)
     states = []
     for index in range(shards):
-        folder = os.path.join(root, f"inproc-{index}")
+        folder = os.path.join(root, f"inproc-{fsync}-{index}")
         os.makedirs(folder)
-        states.append(ShardState(folder, [table.spec], index, routing, snapshot_every=10**9))
+        states.append(ShardState(folder, [table.spec], index, routing, snapshot_every=10**9, sync=fsync))
         states[-1].recover()
     syncing = ThreadPoolExecutor(max(1, shards - 1))
 
@@ -274,7 +274,7 @@ def main() -> None:
             print_scale(scale_figure(data, root, token_file, args.shards, args.ids), args.shards)
         if args.scale_only:
             return
-        runs: dict[str, list[float]] = {"ours": [], "unsynced": [], "in_process": [], "peer": []}
+        runs: dict[str, list[float]] = {"ours": [], "unsynced": [], "in_process": [], "in_process_unsynced": [], "peer": []}
         for repeat in range(args.repeats):
             folder = os.path.join(root, f"repeat-{repeat}")
             os.makedirs(folder)
@@ -282,6 +282,7 @@ def main() -> None:
                 steps = {"ours": variants.enter_context(ps_step(folder, token_file, args.shards, True, args.ids)),
                          "unsynced": variants.enter_context(ps_step(folder, token_file, args.shards, False, args.ids)),
                          "in_process": variants.enter_context(in_process_step(folder, args.shards, args.ids)),
+                         "in_process_unsynced": variants.enter_context(in_process_step(folder, args.shards, args.ids, False)),
                          "peer": variants.enter_context(peer_step(args.ids))}
                 for name, rate in interleaved(steps, data).items():
                     runs[name].append(rate)
@@ -300,7 +301,7 @@ def print_rates(runs: dict[str, list[float]], shards: int) -> None:
     print(f"  peer, single-process PyTorch (nn.Embedding sparse + Adagrad): {line('peer')}")
     print(f"  elastic-step, {shards} local shards, fsync'd ledger: {line('ours')}: {ratio('ours')} the peer")
     print(f"  elastic-step, the {shards} shards' state in-process (fsync'd ledger): {line('in_process')}: "
-          f"{ratio('in_process')} the peer")
+          f"{ratio('in_process')} the peer; without fsync {ratio('in_process_unsynced')} the peer")
     print(f"  elastic-step without fsync: {line('unsynced')}; with fsync {ratio('ours', 'unsynced')} of that")
 
 
