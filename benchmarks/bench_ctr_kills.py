@@ -17,8 +17,9 @@ How to compare the AUCs: one epoch over many rows, not several over few (a secon
 rows lets the rare ids' rows overfit, by an amount that the order of the updates decides: clean
 runs then differ by 0.01); a large test split; and `--workers N:N`, so that a killed worker's
 replacement is waited for and every step holds as many workers' minibatches as a clean run's
-(with 2:3 a killed run trains some steps on two workers, so it takes more, smaller dense steps
-than a clean run, which on one epoch raised its AUC by ~0.004: elasticity, not the kills).
+(with 2:3 a killed run trains some steps on two workers: more, smaller dense steps than a clean
+run's, the likely reason why such a run's AUC was 0.004 above the clean runs' on one epoch; the
+steps column says how many each run took).
 
     cd benchmarks && ../.venv/bin/python bench_ctr_kills.py --rows 1600000 --split 0.6,0.04,0.36 --epochs 1 \
         --workers 3:3 --kills 20 --clean-runs 3 --killed-runs 3
@@ -99,7 +100,7 @@ def run(data: str, job_dir: str, epochs: int, kills: int, period_s: float, seed:
         raise SystemExit(f"the job exited {proc.returncode}; the end of its output:\n{''.join(tail)}")
     with open(os.path.join(job_dir, "result.json")) as f:
         result = json.load(f)
-    return {"kills": done_kills, "seconds": time.monotonic() - began, "test": result["test_metrics"],
+    return {"kills": done_kills, "seconds": time.monotonic() - began, "test": result["test_metrics"], "steps": result.get("steps"),
             "counters": updates_on_the_shards(job_dir, "deepfm_ids"), "relaunches": result.get("relaunches")}
 
 
@@ -136,9 +137,9 @@ def main() -> None:
     print(f"DeepFM on 2 parameter-server shards, {manifest.rows('train'):,} training rows x {args.epochs} epochs, "
           f"{manifest.rows('test'):,} test rows, minibatch {MINIBATCH}, "
           f"workers {args.workers}; {sum(expected.values()):,} row updates expected over {len(expected):,} ids")
-    print(f"{'run':8} {'kills':>5} {'seconds':>8} {'test AUC':>9} {'log loss':>9} {'counter mismatches':>19}")
+    print(f"{'run':8} {'kills':>5} {'seconds':>8} {'steps':>6} {'test AUC':>9} {'log loss':>9} {'counter mismatches':>19}")
     for name, r in runs:
-        print(f"{name:8} {r['kills']:5d} {r['seconds']:8.1f} {r['test']['auc']:9.4f} {r['test'].get('log_loss', float('nan')):9.4f} "
+        print(f"{name:8} {r['kills']:5d} {r['seconds']:8.1f} {r['steps'] or 0:6d} {r['test']['auc']:9.4f} {r['test'].get('log_loss', float('nan')):9.4f} "
               f"{mismatches(r['counters'], expected):19d}")
     summary(*([r["test"]["auc"] for name, r in runs if name == kind] for kind in ("clean", "killed")))
 
