@@ -106,6 +106,7 @@ def ps_step(root: str, token_file: str, shards: int, fsync: bool, ids: int):
     started = LocalShards(os.path.join(root, f"shards-{fsync}"), [table.spec], shards, token_file,
                           snapshot_every=10**9, fsync=fsync)
     started.start()
+    client = None
     try:
         client = PsClient(TOKEN, started.routes)
         table.source = partial(client.pull, TABLE)
@@ -121,8 +122,9 @@ def ps_step(root: str, token_file: str, shards: int, fsync: bool, ids: int):
             dense.step()
 
         yield step
-        client.close()
     finally:
+        if client is not None:
+            client.close()
         started.stop()
 
 

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import threading
+
 from elastic_step.ps import moves
 
 
-def move_losing_a_release():
-    """A stand-in for moves.move that runs the real move but for the first release request,
-    which fails as a shard that does not answer it would; the shards it was not sent to, and the
-    rest of the move, go as they would."""
-    lost: list[int] = []
+def move_losing_a_release(shard: int = 0):
+    """A stand-in for moves.move that runs the real move but for `shard`'s first release request
+    (shard 0 gives rows away in any growth), which fails as a shard that does not answer it
+    would: it keeps the stale copies of what it gave away. The other shards' releases, sent
+    beside it from their own threads, and the rest of the move go as they would."""
+    lost, guard = [], threading.Lock()
 
     def losing(call, old, new, deadline_s=120.0):
-        def asking(shard, header, *arrays):
-            if header["op"] == "release" and not lost:
-                lost.append(shard)
-                raise moves.PsError(f"shard {shard} did not answer release")
-            return call(shard, header, *arrays)
+        def asking(index, header, *arrays):
+            with guard:
+                lose = header["op"] == "release" and index == shard and not lost
+                if lose:
+                    lost.append(index)
+            if lose:
+                raise moves.PsError(f"shard {index} did not answer release")
+            return call(index, header, *arrays)
         return moves.move(asking, old, new, deadline_s)
 
     return losing

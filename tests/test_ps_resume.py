@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 import types
 
 import numpy as np
@@ -30,7 +32,7 @@ from elastic_step.master.events import EventLog
 from elastic_step.master.ps_checkpoints import PS_CUT, PsCheckpoints
 from elastic_step.master.ps_shards import start_ps_shards
 from elastic_step.protocol import JobState, TrainingMode
-from elastic_step.ps import local
+from elastic_step.ps import local, moves
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import frozen_table
 from elastic_step.ps.routing import RoutingTable
@@ -189,8 +191,51 @@ def test_a_scale_whose_release_failed_is_finished_at_the_jobs_end_so_the_model_h
         with pytest.raises(ValueError, match="the move to 2 shards did not finish"):
             monitor.scale(2)
         monkeypatch.undo()
+        with pytest.raises(ValueError, match="did not finish .*: stop the job and resume it .* then scale"):
+            monitor.scale(2)  # a second move would start from the routing the shards have left
         client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))  # re-routed by the shards' refusals
         trained = client.pull("resume_t", ids).copy()
     frozen_ids, frozen_rows = frozen_table("resume_t")
     assert np.array_equal(frozen_ids, ids)  # every row once
     np.testing.assert_allclose(frozen_rows, trained)  # as trained last, not the old owner's copies of before the move
+
+
+def test_scales_that_finished_leave_nothing_to_finish_at_the_jobs_end(job, caplog):
+    """3 -> 2 -> 1 shards: the removed shards' folders keep the routing they had when they left,
+    which is no unfinished move: the job's end says nothing of one and the model is whole."""
+    ids = np.arange(200, dtype=np.int64)
+    with caplog.at_level(logging.WARNING, logger="elastic_step.master"):
+        with job(resuming=False, shards=3) as (client, monitor):
+            client.push("resume_t", 1, 0, 0, ids, np.ones((len(ids), 2), np.float32))
+            monitor.scale(2)
+            monitor.scale(1)
+            client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))
+            trained = client.pull("resume_t", ids).copy()
+    assert "move" not in caplog.text
+    frozen_ids, frozen_rows = frozen_table("resume_t")
+    assert np.array_equal(frozen_ids, ids)
+    np.testing.assert_allclose(frozen_rows, trained)
+
+
+def test_the_jobs_end_waits_for_a_scale_under_way_before_it_stops_the_shards(job, monkeypatch):
+    """A scale --ps asked for just before the job ends is let finish: the shards are stopped
+    and their tables read after it, not beside it."""
+    ids = np.arange(200, dtype=np.int64)
+
+    def slow_move(*args, **kwargs):
+        time.sleep(1.0)  # the job's end comes meanwhile
+        return moves.move(*args, **kwargs)
+
+    monkeypatch.setattr(local, "move", slow_move)
+    results = []
+    with job(resuming=False) as (client, monitor):
+        client.push("resume_t", 1, 0, 0, ids, np.ones((len(ids), 2), np.float32))
+        trained = client.pull("resume_t", ids).copy()
+        scaling = threading.Thread(target=lambda: results.append(monitor.scale(2)))
+        scaling.start()
+        time.sleep(0.2)
+    scaling.join()
+    assert results and results[0]["moved"] == 64  # it finished, before the shards were stopped
+    frozen_ids, frozen_rows = frozen_table("resume_t")
+    assert np.array_equal(frozen_ids, ids)
+    np.testing.assert_allclose(frozen_rows, trained)

@@ -244,10 +244,14 @@ def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path, capsys):
     monitor = ShardMonitor.__new__(ShardMonitor)
     monitor.supervisor, monitor.stopping = supervisor, threading.Event()
     monitor.scaling, monitor.scale_asked = threading.Lock(), threading.Lock()
-    monitor.fits = None
+    monitor.fits, monitor.unfinished = None, None
     for count, words in [(2, "already runs 2"), (129, "between 1 and 128"), (3, "shard 1 is relaunching")]:
         with pytest.raises(ValueError, match=words):
             monitor.scale(count)
+    monitor.unfinished = "the move to 3 shards did not finish (shard 2 did not answer)"  # as a failed scale leaves it
+    with pytest.raises(ValueError, match=r"did not finish \(shard 2 did not answer\): stop the job and resume it"):
+        monitor.scale(1)
+    monitor.unfinished = None
     with monitor.scale_asked, pytest.raises(ValueError, match="another scale --ps of this job is under way"):
         monitor.scale(3)
 

@@ -340,9 +340,10 @@ def test_a_snapshot_holding_ids_past_the_declared_rows_is_refused_in_one_line_na
 @pytest.mark.parametrize("changed, refusal", [
     (TableSpec("t", 2, OptimizerKind.SGD, rows=10), r"holds pushes to table 't' with ids outside its declared 10 rows: declare the rows="),
     (TableSpec("u", 2, OptimizerKind.SGD, rows=100), r"holds pushes to table 't', which this job does not declare \(it declares 'u'\)"),
+    (TableSpec("t", 3, OptimizerKind.SGD, rows=100), r"holds pushes to table 't' of dim 2, not the declared 3: declare the dim"),
 ])
 def test_a_ledger_this_jobs_tables_cannot_take_is_refused_in_one_line_naming_the_table(tmp_path, changed, refusal):
-    """A job resumed with another model definition (a smaller rows=, a renamed table) finds its
+    """A job resumed with another model definition (a smaller rows=, a renamed table, another dim) finds its
     shard's unsnapshotted pushes named, not an index or key error half-way through the replay."""
     from elastic_step.ps.routing import RoutingTable
     from elastic_step.ps.state import ShardState

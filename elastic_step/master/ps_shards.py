@@ -237,7 +237,7 @@ def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTab
     try:
         call = lambda i, *request: client.call(shards.shards[i].endpoint, *request)  # noqa: E731
         if previous is not None:
-            log.warning("parameter servers: finishing the move to routing epoch %d that the last master left", newest.epoch)
+            log.warning("parameter servers: finishing the move to routing epoch %d that was left mid-way", newest.epoch)
             move(call, previous, newest, deadline_s=deadline_s)
         else:
             for index in range(len(shards.shards)):
@@ -256,18 +256,22 @@ def _finish_a_failed_scale(shards: LocalShards) -> None:
     training went on under the new routing: the move is finished now, so that the final model
     takes every row from the shard that trained it last. One that cannot be finished now (a
     shard gone) is said in one line; the model then holds the rows of the routing the master knew."""
-    newest, previous = _last_move(saved_routings(shards.root))
-    if newest is None or (newest.epoch == shards.routing.epoch and previous is None):
-        return  # no scale, or every one finished
-    try:
+    newest = None
+    try:  # whatever goes wrong here, the shards are stopped and the tables read below
+        newest, previous = _last_move(saved_routings(shards.root))
+        # The master's routing reaches a move's epoch only once the move finished (resize, or a
+        # resume's _finish_move): a removed shard's folder, left at an older epoch, is no sign.
+        if newest is None or newest.epoch <= shards.routing.epoch:
+            return
         needed = max(newest.shards, previous.shards if previous else 0)
         if len(shards.shards) < needed or any(s.process is None or s.process.poll() is not None for s in shards.shards):
             raise PsError(f"it needs {needed} running shards")
+        log.warning("parameter servers: finishing the move to routing epoch %d before the tables are read", newest.epoch)
         _finish_move(shards, newest, previous, wire.read_token(shards.token_file), deadline_s=FINISH_AT_STOP_S)
-    except (PsError, OSError, ValueError) as exc:
-        log.error("parameter servers: the move to routing epoch %d did not finish (%s): the final model holds the rows "
+    except Exception as exc:  # said in one line, and the job's end goes on
+        log.error("parameter servers: the move to routing epoch %s did not finish (%s): the final model holds the rows "
                   "of routing epoch %d, some of them older than the trained ones; resume the job (train --resume) to "
-                  "finish the move", newest.epoch, exc, shards.routing.epoch)
+                  "finish the move", newest.epoch if newest else "?", exc, shards.routing.epoch)
 
 
 def _stop_and_freeze(shards: LocalShards, specs: list[TableSpec], config: TrainConfig) -> None:
@@ -430,6 +434,7 @@ class ShardMonitor:
 
     STATS_S = 2.0
     CUT_WAIT_S = 120.0  # a scale --ps waits this long for a checkpoint's cut or a rollback to let go of the shards
+    SCALE_WAIT_AT_STOP_S = 300.0  # the job's end waits this long for a scale --ps under way (each request of a move: 120 s at most)
 
     def __init__(self, supervisor: ShardSupervisor, token: str, metric: Metric | None = None, events: EventLog | None = None,
                  clock: Callable[[], float] = time.monotonic, fits: Callable[[int], None] | None = None):
@@ -448,6 +453,7 @@ class ShardMonitor:
         self.polling = threading.Lock()
         self.scaling = threading.Lock()  # the shards' rows are being moved or cut: one at a time
         self.scale_asked = threading.Lock()  # a scale --ps is asked for: a second one is refused
+        self.unfinished: str | None = None  # why the last scale --ps did not finish: none more until a resume
         self.rolling_back = threading.Event()  # the shards go back to a checkpoint (ps_rollback.py): no checkpoint meanwhile
         self.thread = threading.Thread(target=self._watch, name="ps-monitor", daemon=True)
 
@@ -458,6 +464,13 @@ class ShardMonitor:
 
     def stop(self) -> None:
         self.stopping.set()
+        # A scale --ps under way is let finish (a new one is refused from now on): the job's end
+        # then stops the shards, or finishes a move that failed, with no move beside it.
+        if self.scale_asked.acquire(timeout=self.SCALE_WAIT_AT_STOP_S):
+            self.scale_asked.release()
+        else:
+            log.error("parameter servers: a scale --ps still runs after %.0f s; the shards are stopped under it",
+                      self.SCALE_WAIT_AT_STOP_S)
         self.thread.join()
         self.poll()  # the shards' last numbers, before they are stopped
         self.client.close()
@@ -492,6 +505,7 @@ class ShardMonitor:
             report = supervisor.shards.resize(shards, client.call)
         except PsError as exc:
             log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
+            self.unfinished = f"the move to {shards} shards did not finish ({exc})"
             self._event(EventKind.PS_SCALE_FINISHED, f"did not finish: {exc}", ok=False, **sizes)
             raise ValueError(f"the move to {shards} shards did not finish ({exc}); the shards are left mid-move: stop "
                              "the job and resume it (train --resume), which finishes the move") from exc
@@ -529,6 +543,9 @@ class ShardMonitor:
         supervisor = self.supervisor
         if self.stopping.is_set() or supervisor.stopping.is_set():
             raise ValueError("the job is ending; there is nothing to scale")
+        if self.unfinished is not None:  # a second move would start from a routing the shards have left
+            raise ValueError(f"{self.unfinished}: stop the job and resume it (train --resume), which finishes that move, "
+                             "then scale")
         if shards == before:
             raise ValueError(f"the job already runs {shards} parameter-server shards")
         if not 1 <= shards <= len(supervisor.shards.routing.owners):

@@ -12,9 +12,10 @@ import numpy as np
 
 def put_rows(target: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
     """target[positions] = rows for a C-contiguous 2-D `target` (positions distinct, or the last
-    write wins as with indexing)."""
+    write wins as with indexing); any other shapes go to indexing itself, which checks them."""
     rows = np.ascontiguousarray(rows, dtype=target.dtype)
-    if not target.flags.c_contiguous or rows.shape[1:] != target.shape[1:] or target.ndim != 2:
+    if (not target.flags.c_contiguous or target.ndim != 2 or rows.shape[1:] != target.shape[1:]
+            or len(rows) != len(positions)):  # np.put would repeat or cut the rows to fit
         target[positions] = rows
         return
     item = np.dtype((np.void, target.shape[1] * target.itemsize))

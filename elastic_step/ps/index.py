@@ -154,10 +154,11 @@ class DirectIndex:
         return result
 
     def distinct(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the distinct ids among `ids`, ids of the table it does not hold, each id's index among
-        them) without a sort: each position writes a mark into its id's slot, and the positions
-        whose mark stayed are one per id (a pull's ids are distinct already, and a sort of them
-        cost more than the rest of the index's work). The slots are left empty again."""
+        """(the distinct ids among `ids`, and each id's index among them) without a sort: each
+        position writes a mark into its id's slot, and the positions whose mark stayed are one per
+        id (a pull's ids are distinct already, and a sort of them cost more than the rest of the
+        index's work). For ids it does not hold (the table's new rows): their slots are left
+        empty again, so a held id given here would lose its slot."""
         if outside_rows(ids, len(self.slots)) is not None:  # a negative one would mark another id's slot
             raise ValueError(f"ids outside the table's declared {len(self.slots):,} rows")
         positions = np.arange(len(ids))

@@ -63,8 +63,11 @@ def _decode(payload: bytes, dim_of: Callable[[str], int]) -> LedgerRecord:
     offset = _FIELDS.size + name_len
     table = payload[_FIELDS.size : offset].decode()
     ids = np.frombuffer(payload, dtype="<i8", count=count, offset=offset)
-    grads = np.frombuffer(payload, dtype="<f4", offset=offset + 8 * count).reshape(count, dim_of(table))
-    return LedgerRecord(table, task, batch_seq, attempt, ids, grads)
+    grads, dim = np.frombuffer(payload, dtype="<f4", offset=offset + 8 * count), dim_of(table)
+    if len(grads) != count * dim:  # a whole record (its CRC held) of another dim: the table was declared so then
+        raise ValueError(f"pushes to table {table!r} of dim {len(grads) // max(count, 1)}, not the declared {dim}: "
+                         "declare the dim it was trained with")
+    return LedgerRecord(table, task, batch_seq, attempt, ids, grads.reshape(count, dim))
 
 
 def _fsync_dir(path: str) -> None:

@@ -159,16 +159,19 @@ class ShardState:
 
         def dim_of(name: str) -> int:
             if name not in self.tables:
-                raise ValueError(f"{path} holds pushes to table {name!r}, which this job does not declare (it declares "
+                raise ValueError(f"pushes to table {name!r}, which this job does not declare (it declares "
                                  f"{', '.join(map(repr, self.tables))}): resume with the model definition that trained it")
             return self.tables[name].spec.dim
 
-        for record in replay(path, dim_of):
-            table = self.tables[record.table]
-            if table.outside(record.ids) is not None:
-                raise ValueError(f"{path} holds pushes to table {record.table!r} with ids outside its declared "
-                                 f"{table.spec.rows:,} rows: declare the rows= it was trained with")
-            replayed += self._apply(record)
+        try:
+            for record in replay(path, dim_of):
+                table = self.tables[record.table]
+                if table.outside(record.ids) is not None:
+                    raise ValueError(f"pushes to table {record.table!r} with ids outside its declared {table.spec.rows:,} "
+                                     "rows: declare the rows= it was trained with")
+                replayed += self._apply(record)
+        except ValueError as exc:
+            raise ValueError(f"{path} holds {exc}") from None
         return replayed
 
     def check(self, epoch: int, ids: np.ndarray | None = None) -> Status:
