@@ -17,9 +17,8 @@ How to compare the AUCs: one epoch over many rows, not several over few (a secon
 rows lets the rare ids' rows overfit, by an amount that the order of the updates decides: clean
 runs then differ by 0.01); a large test split; and `--workers N:N`, so that a killed worker's
 replacement is waited for and every step holds as many workers' minibatches as a clean run's
-(with 2:3 a killed run trains some steps on two workers: more, smaller dense steps than a clean
-run's, the likely reason why such a run's AUC was 0.004 above the clean runs' on one epoch; the
-steps column says how many each run took).
+(with 2:3 a killed run trains some steps on two workers: 4 % more, smaller dense steps than a
+clean run's, and on one epoch an AUC 0.004 higher; the steps column says how many each run took).
 
     cd benchmarks && ../.venv/bin/python bench_ctr_kills.py --rows 1600000 --split 0.6,0.04,0.36 --epochs 1 \
         --workers 3:3 --kills 20 --clean-runs 3 --killed-runs 3
