@@ -51,7 +51,7 @@ from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import bind_tables, freeze_tables, ps_tables
 from elastic_step.ps.index import MAX_ROWS
 from elastic_step.ps.local import LocalShards, saved_routings
-from elastic_step.ps.moves import ask, move
+from elastic_step.ps.moves import move, release
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard_tables import SHARDS_FOLDER, ShardTables, weight_bytes, write_folder
 from elastic_step.ps.state import SNAPSHOT_FILE
@@ -240,8 +240,7 @@ def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTab
             log.warning("parameter servers: finishing the move to routing epoch %d that was left mid-way", newest.epoch)
             move(call, previous, newest, deadline_s=deadline_s)
         else:
-            for index in range(len(shards.shards)):
-                ask(call, index, {"op": "release"}, deadline_s=deadline_s)
+            release(call, range(len(shards.shards)), deadline_s)
     finally:
         client.close()
     shards.routing = newest

@@ -105,6 +105,12 @@ def _on_each(shards: range, request: Callable[[int], object]) -> None:
             done.result()
 
 
+def release(call: Call, shards: range, deadline_s: float = 120.0) -> None:
+    """Step 3: every shard forgets the rows it gave away, and snapshots (a release asked again
+    drops nothing more: a move finished later asks it once more of every shard)."""
+    _on_each(shards, lambda shard: ask(call, shard, {"op": "release"}, deadline_s=deadline_s))
+
+
 def move(call: Call, old: RoutingTable, new: RoutingTable, deadline_s: float = 120.0) -> MoveReport:
     """Move the virtual shards whose owner differs from `old` to `new` (steps 1-3 above)."""
     started = time.monotonic()
@@ -125,6 +131,6 @@ def move(call: Call, old: RoutingTable, new: RoutingTable, deadline_s: float = 1
                                *arrays, deadline_s=deadline_s)
             report.rows_moved += int(installed["rows"])
             report.pauses_s += [time.monotonic() - adopted] * len(part)
-    _on_each(everyone, lambda shard: ask(call, shard, {"op": "release"}, deadline_s=deadline_s))
+    release(call, everyone, deadline_s)
     report.seconds = time.monotonic() - started
     return report

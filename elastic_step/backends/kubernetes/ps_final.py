@@ -25,7 +25,7 @@ from elastic_step.master.ps_shards import MIB, serve_from_snapshots
 from elastic_step.ps.api import PsError, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import freeze_tables
-from elastic_step.ps.moves import ask, move
+from elastic_step.ps.moves import move, release
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard_tables import SHARDS_FOLDER, table_bytes
 
@@ -77,8 +77,7 @@ def finish_a_failed_scale(client: PsClient, shards: PodShards) -> None:
         call = lambda i, *request: client.call(shards.shards[i].endpoint, *request)  # noqa: E731
         held = [asked(client, shard, {"op": "stats"}) for shard in shards.shards]
         if all(h["epoch"] == newest.epoch and not h["pending"] for h in held):  # only a release was lost: no rows to send again
-            for index in range(len(shards.shards)):
-                ask(call, index, {"op": "release"}, deadline_s=FINISH_S)
+            release(call, range(len(shards.shards)), FINISH_S)
         else:
             move(call, shards.routing, newest, deadline_s=FINISH_S)
         shards.routing = newest
