@@ -33,7 +33,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable
 
@@ -132,7 +131,8 @@ def ps_step(root: str, token_file: str, shards: int, fsync: bool, ids: int):
 def in_process_step(root: str, shards: int, ids: int, fsync: bool = True):
     """The same step with the shards' state in this process (ShardState, its ledger fsync'd or
     not): the cost of the table's own code, without the processes and the network. Each shard's part of a
-    pull and a push is served in turn; the shards' fsyncs of a push run side by side, as shard
+    pull and a push is served in turn; each shard's fsync of a push runs on its ledger's thread
+    from the moment its record is written, so the shards' fsyncs run side by side, as shard
     processes run them (a thread per shard for the rest too was measured slower: the threads'
     numpy and Python wait on the GIL, which an fsync does not hold)."""
     torch.manual_seed(0)
@@ -145,7 +145,6 @@ def in_process_step(root: str, shards: int, ids: int, fsync: bool = True):
         os.makedirs(folder)
         states.append(ShardState(folder, [table.spec], index, routing, snapshot_every=10**9, sync=fsync))
         states[-1].recover()
-    syncing = ThreadPoolExecutor(max(1, shards - 1))
 
     def each_shard(ids):
         """Each shard that owns some of `ids`, with their positions (as the client asks only those)."""
@@ -170,17 +169,15 @@ def in_process_step(root: str, shards: int, ids: int, fsync: bool = True):
         key = next(seq)
         marks = [(state, state.accept(LedgerRecord(TABLE, 0, key, 0, pushed_ids[at], grads[at]))[1])
                  for state, at in each_shard(pushed_ids)]
-        others = [syncing.submit(state.ledger.sync_through, mark) for state, mark in marks[1:]]
-        for state, mark in marks[:1]:
+        for state, mark in marks:
             state.ledger.sync_through(mark)
-        for synced in others:
-            synced.result()
         dense.step()
 
     try:
         yield step
     finally:
-        syncing.shutdown()
+        for state in states:
+            state.close()
 
 
 def scale_figure(data, root: str, token_file: str, shards: int, ids: int) -> dict:

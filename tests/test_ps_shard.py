@@ -1,15 +1,21 @@
 """A shard process's contract beyond exactly-once: requests under a stale routing epoch or for
 ids it does not own are refused and the client re-routes and retries; the job token is checked;
 a wildcard bind address or an empty token file is bad input; SIGTERM leaves a snapshot with
-nothing to replay; a push queue delivers every push once, in order."""
+nothing to replay; a push queue delivers every push once, in order; a push is acknowledged only
+after its ledger fsync, which runs while the push is applied, and a failed fsync stops the shard
+before it acknowledges anything more."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,10 +23,11 @@ import pytest
 from elastic_step.ps import wire
 from elastic_step.ps.api import PsError, Status, TableSpec
 from elastic_step.ps.client import PsClient, PushQueue
-from elastic_step.ps.local import LocalShards, write_config
+from elastic_step.ps.ledger import LedgerFailed, LedgerRecord
+from elastic_step.ps.local import LocalShards, ShardProcess, write_config
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import READY_FILE
-from elastic_step.ps.state import LEDGER_FILE, SNAPSHOT_FILE
+from elastic_step.ps.state import LEDGER_FILE, SNAPSHOT_FILE, ShardState
 from elastic_step.ps.table import EmbeddingTable
 
 TOKEN = "ps-shard-token"
@@ -192,3 +199,128 @@ def test_a_push_past_a_declared_tables_rows_is_a_bad_request_kept_out_of_the_led
         client.close()
     finally:
         started.stop()
+
+
+def _on_the_ledger(fd: int) -> bool:
+    return os.readlink(f"/proc/self/fd/{fd}").endswith(LEDGER_FILE)
+
+
+def _record(batch_seq: int, ids) -> LedgerRecord:
+    ids = np.asarray(ids)
+    return LedgerRecord(SPEC.name, 1, batch_seq, 0, ids, np.ones((len(ids), SPEC.dim), np.float32))
+
+
+def test_a_push_is_acknowledged_after_its_fsync_which_runs_while_the_push_is_applied(tmp_path, monkeypatch):
+    """The fsync is a wait on the disk: it starts once the record is written and the shard applies
+    the push meanwhile (the step's time is the longer of the two, not their sum); the push is
+    answered only when both are done."""
+    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1))
+    state.recover()
+    fsync_began, disk_done, real_fsync = threading.Event(), threading.Event(), os.fsync
+
+    def slow_fsync(fd):
+        if _on_the_ledger(fd):
+            fsync_began.set()
+            disk_done.wait(10)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    table, seen = state.tables[SPEC.name], {}
+    apply = table.push
+
+    def observed_apply(ids, grads):
+        seen["fsync running during the apply"] = fsync_began.wait(3)
+        return apply(ids, grads)
+
+    table.push = observed_apply
+    answered = threading.Event()
+    pushing = threading.Thread(target=lambda: state.push(_record(0, range(10))) and answered.set())
+    pushing.start()
+    assert fsync_began.wait(10)
+    assert not answered.wait(0.3)  # applied, written, not yet on disk: no answer
+    disk_done.set()
+    pushing.join(10)
+    assert answered.is_set() and seen == {"fsync running during the apply": True}
+    state.close()
+
+
+def test_after_a_failed_ledger_fsync_the_shard_state_acknowledges_nothing_more(tmp_path, monkeypatch):
+    """Linux reports a write-back error once and may drop the pages: a later fsync that succeeds
+    says nothing of them, so neither a new push nor a re-sent one is acknowledged again."""
+    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1))
+    state.recover()
+    assert state.push(_record(0, range(10)))
+    real_fsync, failing = os.fsync, {"on": True}
+
+    def fsync(fd):
+        if failing["on"] and _on_the_ledger(fd):
+            failing["on"] = False  # once: the next fsync would succeed
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(LedgerFailed, match="fsync failed .*Input/output error"):
+        state.push(_record(1, range(10, 20)))
+    for record in (_record(1, range(10, 20)), _record(2, range(20, 30))):  # the re-sent one, a new one
+        with pytest.raises(LedgerFailed, match="records before it may not be on disk"):
+            state.push(record)
+    state.close()
+
+
+FAILING_LEDGER_FSYNC = """
+import errno, os, sys
+real_fsync, flag = os.fsync, os.environ["FAIL_LEDGER_FSYNC"]
+def fsync(fd):
+    if os.path.exists(flag) and os.readlink(f"/proc/self/fd/{fd}").endswith("ledger.bin"):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return real_fsync(fd)
+os.fsync = fsync
+from elastic_step.ps.shard import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_shard_whose_ledger_fsync_fails_stops_unanswered_and_its_relaunch_applies_each_push_once(tmp_path, token_file):
+    """The shard process, its disk failing an fsync (EIO): the push gets no answer, the shard exits 1
+    with one line a person can act on, and the relaunch from the same folder recovers what the
+    disk holds; the client sends the push again and every row is updated exactly once."""
+    directory, flag = str(tmp_path / "shard"), tmp_path / "fail-now"
+    write_config(directory, [SPEC], RoutingTable.initial(1))
+    shard = subprocess.Popen([sys.executable, "-c", FAILING_LEDGER_FSYNC, "--dir", directory, "--shard", "0",
+                              "--token-file", token_file], env={**os.environ, "FAIL_LEDGER_FSYNC": str(flag)},
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        ready = os.path.join(directory, READY_FILE)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready) and time.monotonic() < deadline and shard.poll() is None:
+            time.sleep(0.02)
+        with open(ready, encoding="utf-8") as f:
+            info = json.load(f)
+        endpoint = f"{info['host']}:{info['port']}"
+        push = {"op": "push", "token": TOKEN, "epoch": 1, "table": SPEC.name, "task": 1, "attempt": 0, "count": 10}
+        ones = np.ones((10, SPEC.dim), np.float32)
+        assert raw(endpoint, {**push, "batch_seq": 0}, np.arange(10), ones) == {"status": Status.OK, "applied": True}
+        flag.touch()
+        with pytest.raises((ConnectionError, wire.FrameError, OSError)):
+            raw(endpoint, {**push, "batch_seq": 1}, np.arange(10, 20), ones)
+        assert shard.wait(timeout=30) == 1
+        stderr = shard.stderr.read().strip().splitlines()
+        assert len(stderr) == 1 and "fsync failed ([Errno 5] Input/output error)" in stderr[0], stderr
+        assert "relaunched shard recovers from the disk" in stderr[0]
+    finally:
+        if shard.poll() is None:
+            shard.kill()
+        shard.wait()
+    relaunched = ShardProcess(directory, 0, token_file)
+    relaunched.start()
+    try:
+        relaunched.wait_ready()
+        endpoint = relaunched.endpoint
+        assert raw(endpoint, {**push, "batch_seq": 1}, np.arange(10, 20), ones)["status"] == Status.OK
+        client = PsClient(TOKEN, lambda: RoutingTable.initial(1))
+        header, body = client.call(endpoint, {"op": "counters", "table": SPEC.name})
+        client.close()
+        ids, updates = np.frombuffer(body, "<i8", header["count"]), np.frombuffer(body, "<u4", offset=8 * header["count"])
+        assert sorted(ids.tolist()) == list(range(20)) and (updates == 1).all(), (ids, updates)
+    finally:
+        relaunched.kill(signal.SIGKILL)

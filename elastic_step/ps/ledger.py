@@ -7,8 +7,10 @@ One record per accepted push (little-endian):
              table name (UTF-8) | count x i64 ids | count x dim x f32 gradients (merged per id)
 
 A shard appends a record and fsyncs it before it answers the push, so an acknowledged update is
-on disk. The fsync runs outside the shard's lock and covers every record written before it (a
-group commit): pushes from several workers share one fsync, and pulls go on meanwhile. A SIGKILL can tear only the record being written, which nobody was told about:
+on disk. The fsync covers every record written before it (a group commit): pushes from several
+workers share one fsync, and pulls go on meanwhile. It starts as soon as the record is written, on
+a thread of its own (`start_sync`), so that the disk's wait overlaps the shard applying the push
+in memory; the push is acknowledged once both are done (`sync_through`). A SIGKILL can tear only the record being written, which nobody was told about:
 `replay` stops at the first record that is short or fails its CRC and cuts the file there.
 `rotate` starts an empty ledger after a snapshot has been made durable (shard.py).
 """
@@ -19,6 +21,7 @@ import os
 import struct
 import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -70,6 +73,13 @@ def _decode(payload: bytes, dim_of: Callable[[str], int]) -> LedgerRecord:
     return LedgerRecord(table, task, batch_seq, attempt, ids, grads.reshape(count, dim))
 
 
+class LedgerFailed(OSError):
+    """An fsync of the ledger failed. Linux reports a write-back error once and may drop the
+    pages it could not write, so a later fsync that succeeds vouches for nothing written before:
+    no push may be acknowledged by this process again. The shard stops, and its relaunch
+    recovers from what the disk holds (the unacknowledged pushes are sent again)."""
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
@@ -86,7 +96,10 @@ class Ledger:
         _fsync_dir(path)
         # Bytes ever appended / made durable, across rotations: a waiter's mark stays meaningful.
         self.written = self.durable = 0
+        self.failed: OSError | None = None  # the fsync that failed: sticky (LedgerFailed)
         self.sync_lock = threading.Lock()
+        # One thread: an fsync covers every record before it, so two at once would gain nothing.
+        self._syncing = ThreadPoolExecutor(1, thread_name_prefix="ledger-fsync") if sync else None
 
     def append(self, record: LedgerRecord) -> int:
         """Write a record (the caller holds the shard's lock); the mark to sync_through."""
@@ -101,15 +114,34 @@ class Ledger:
         self.written += size
         return self.written
 
+    def start_sync(self, mark: int) -> None:
+        """Begin making every byte up to `mark` durable, on the ledger's own thread: the fsync is
+        a wait on the disk, and the caller applies the push meanwhile. `sync_through(mark)` still
+        decides: it returns once that fsync (or its own, if this one failed) has covered `mark`."""
+        if self._syncing is not None:
+            self._syncing.submit(self._sync_quietly, mark)
+
+    def _sync_quietly(self, mark: int) -> None:
+        try:
+            self.sync_through(mark)
+        except OSError:
+            pass  # kept in self.failed: sync_through on the push's own thread raises it
+
     def sync_through(self, mark: int) -> None:
         """Return once every byte up to `mark` is on disk (one fsync serves every waiter)."""
         if not self.sync:
             return
         with self.sync_lock:
+            if self.failed is not None:
+                raise LedgerFailed(f"{self.path}: an fsync failed ({self.failed}); records before it may not be on disk")
             if self.durable >= mark or self.file.closed:  # closed by a rollback (state.py): what it held is void
                 return
             target = self.written  # everything written by now, at least `mark`
-            os.fsync(self.file.fileno())
+            try:
+                os.fsync(self.file.fileno())
+            except OSError as exc:
+                self.failed = exc
+                raise LedgerFailed(f"{self.path}: fsync failed ({exc}); records before it may not be on disk") from exc
             self.durable = target
 
     def rotate(self) -> None:
@@ -126,6 +158,8 @@ class Ledger:
 
     def close(self) -> None:
         self.file.close()
+        if self._syncing is not None:
+            self._syncing.shutdown(wait=False)  # a started fsync finds the file closed and returns
 
 
 def replay(path: str, dim_of: Callable[[str], int]) -> Iterator[LedgerRecord]:

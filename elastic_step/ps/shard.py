@@ -32,9 +32,10 @@ import time
 import numpy as np
 
 from elastic_step.allocator import keep_step_memory
+from elastic_step.exit_codes import ExitCode
 from elastic_step.ps import cuts, wire
 from elastic_step.ps.api import Status, TableSpec
-from elastic_step.ps.ledger import LedgerRecord
+from elastic_step.ps.ledger import LedgerFailed, LedgerRecord
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.state import SNAPSHOT_FILE, Refused, ShardClosed, ShardState
 
@@ -63,6 +64,10 @@ class ShardHandler(socketserver.BaseRequestHandler):
                 reply, arrays = self.server.answer(header, body)
             except ShardClosed:
                 return
+            except LedgerFailed as exc:  # nothing this process holds can be acknowledged any more
+                print(f"elastic_step.ps.shard: {exc}; stopping so that the relaunched shard recovers from the disk "
+                      "(check the volume: `dmesg` shows its I/O errors)", file=sys.stderr, flush=True)
+                os._exit(ExitCode.FAILED)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed request, not a crash
                 reply, arrays = {"status": Status.BAD_REQUEST, "detail": str(exc)[:200]}, ()
             wire.send(self.request, reply, *arrays)

@@ -3,8 +3,9 @@
 - A push is keyed by (table, task, batch_seq). A key already applied is acknowledged and not
   applied again, whatever its attempt: a re-sent push, or a re-issued task's batch that an
   earlier attempt already pushed, changes nothing.
-- An accepted push is appended to the ledger and applied under the lock, then fsync'd outside
-  it (ledger.py's group commit), then acknowledged. A re-sent push is acknowledged only once
+- An accepted push is appended to the ledger and applied under the lock, its fsync running
+  meanwhile on the ledger's thread (ledger.py's group commit), and acknowledged once the fsync
+  is done too. A re-sent push is acknowledged only once
   everything written before it is durable too, so its first copy's record is on disk. A pull
   may see an update whose fsync is still running; a crash then loses it, but its push was not
   acknowledged, so the worker sends it again.
@@ -207,7 +208,8 @@ class ShardState:
     def accept(self, record: LedgerRecord, epoch: int | None = None, step: int | None = None) -> tuple[bool, int]:
         """`push` but for its fsync: (applied, the ledger mark that must be durable before the
         push is acknowledged: ledger.sync_through). For a caller that makes several shards'
-        records durable at once, as shard processes do side by side (benchmarks/bench_sparse.py)."""
+        records durable at once, as shard processes do side by side (benchmarks/bench_sparse.py).
+        The fsync starts before the push is applied, so that it overlaps the apply."""
         with self.lock:
             if self.closed:
                 raise ShardClosed("the shard is stopping")
@@ -219,6 +221,7 @@ class ShardState:
                 self._begin(step)
             if applied:
                 mark = self.ledger.append(record)
+                self.ledger.start_sync(mark)
                 applied = self._apply(record) > 0  # False when only groups without its rows lacked the key
                 self.since_snapshot += 1
                 if self.since_snapshot >= self.snapshot_every and step is None:
