@@ -7,6 +7,7 @@ only once the shard a killed master left there is gone."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -134,3 +135,34 @@ def test_a_resume_waits_for_a_killed_masters_last_shard_before_putting_its_cut_b
     assert orphan.poll() is not None  # waited for it
     assert shard(tmp_path / "ps" / "shard-0").tables["emb"].digest() == at_checkpoint
     assert sorted(p.name for p in (tmp_path / "ps").iterdir()) == ["shard-0"]
+
+
+def test_a_restore_a_crash_cut_short_is_finished_when_the_shard_starts(tmp_path, monkeypatch):
+    """A crash after the cut's snapshot is copied in, before its ledger is: the folder then holds
+    the cut's snapshot under the later ledger, which a start would replay over it. The restore's
+    intent file makes the next start finish the restore first."""
+    held = shard(tmp_path / "s", every=10)
+    held.snapshot_every = 2
+    for step in (1, 2, 3):
+        push(held, step)
+    cut = held.cut(3)  # from the snapshot (after step 2) and the ledger's record of step 3
+    assert cut["step"] == 3 and os.path.exists(cuts.path(str(tmp_path / "s"), 3, "ledger"))
+    at_cut = held.tables["emb"].digest()
+    push(held, 4), push(held, 5), push(held, 6)  # a later snapshot, and a ledger the cut does not hold
+    held.close()
+    copies, real_copy = [], cuts._copy_durably
+
+    def crash_after_the_snapshot(source, target):
+        if copies:
+            raise SystemExit("killed")  # the process dies here: nothing after this line runs
+        copies.append(target)
+        real_copy(source, target)
+
+    monkeypatch.setattr(cuts, "_copy_durably", crash_after_the_snapshot)
+    with pytest.raises(SystemExit):
+        cuts.restore(str(tmp_path / "s"), 3, cut["digest"], SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
+    monkeypatch.setattr(cuts, "_copy_durably", real_copy)
+    assert os.path.exists(tmp_path / "s" / cuts.RESTORING_FILE)
+    again = shard(tmp_path / "s", every=10)
+    assert again.tables["emb"].digest() == at_cut
+    assert not os.path.exists(tmp_path / "s" / cuts.RESTORING_FILE)

@@ -27,7 +27,7 @@ from elastic_step.ps.ledger import LedgerFailed, LedgerRecord
 from elastic_step.ps.local import LocalShards, ShardProcess, write_config
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import READY_FILE
-from elastic_step.ps.state import LEDGER_FILE, SNAPSHOT_FILE, ShardState
+from elastic_step.ps.state import LEDGER_FAILED_FILE, LEDGER_FILE, SNAPSHOT_FILE, ShardState
 from elastic_step.ps.table import EmbeddingTable
 
 TOKEN = "ps-shard-token"
@@ -267,6 +267,41 @@ def test_after_a_failed_ledger_fsync_the_shard_state_acknowledges_nothing_more(t
     state.close()
 
 
+def test_a_push_accepted_before_the_shard_closes_is_on_disk_before_it_is_answered(tmp_path, monkeypatch):
+    """SIGTERM: the shard snapshots, then closes; a push accepted in between waits on a closed
+    file's fsync and returns at once, so close() makes the ledger durable first."""
+    from elastic_step.ps.ledger import Ledger
+
+    monkeypatch.setattr(Ledger, "start_sync", lambda self, mark: None)  # no fsync but close()'s
+    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1))
+    state.recover()
+    applied, mark = state.accept(_record(0, range(10)))
+    assert applied and state.ledger.durable < mark
+    state.close()
+    assert state.ledger.durable >= mark
+    state.ledger.sync_through(mark)  # what the push's thread then does: returns, as it is durable
+
+
+def test_a_failed_fsync_starting_an_empty_ledger_after_a_snapshot_refuses_every_later_push_as_a_failed_ledger(tmp_path, monkeypatch):
+    """The rotation closes the ledger before it makes the new one: if that fails, no file is
+    open, and a push must stop the shard (LedgerFailed), not fail the job as a bad request."""
+    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1), snapshot_every=2)
+    state.recover()
+    assert state.push(_record(0, range(10)))
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(LEDGER_FILE + ".new"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(LedgerFailed, match="starting an empty ledger failed"):
+        state.push(_record(1, range(10, 20)))  # the second push: a snapshot, then the rotation
+    with pytest.raises(LedgerFailed, match="records before it may not be on disk"):
+        state.push(_record(2, range(20, 30)))
+
+
 FAILING_LEDGER_FSYNC = """
 import errno, os, sys
 real_fsync, flag = os.fsync, os.environ["FAIL_LEDGER_FSYNC"]
@@ -304,9 +339,10 @@ def test_a_shard_whose_ledger_fsync_fails_stops_unanswered_and_its_relaunch_appl
         with pytest.raises((ConnectionError, wire.FrameError, OSError)):
             raw(endpoint, {**push, "batch_seq": 1}, np.arange(10, 20), ones)
         assert shard.wait(timeout=30) == 1
-        stderr = shard.stderr.read().strip().splitlines()
-        assert len(stderr) == 1 and "fsync failed ([Errno 5] Input/output error)" in stderr[0], stderr
-        assert "relaunched shard recovers from the disk" in stderr[0]
+        stderr = shard.stderr.read()
+        said = [line for line in stderr.splitlines() if "fsync failed ([Errno 5] Input/output error)" in line]
+        assert len(said) == 1 and "relaunched shard recovers" in said[0] and "Traceback" not in stderr, stderr
+        assert os.path.exists(os.path.join(directory, LEDGER_FAILED_FILE))  # for the relaunch
     finally:
         if shard.poll() is None:
             shard.kill()
@@ -315,6 +351,10 @@ def test_a_shard_whose_ledger_fsync_fails_stops_unanswered_and_its_relaunch_appl
     relaunched.start()
     try:
         relaunched.wait_ready()
+        # What it replayed may have come from the kernel's cache, not the disk: it wrote a snapshot.
+        assert not os.path.exists(os.path.join(directory, LEDGER_FAILED_FILE))
+        assert os.path.exists(os.path.join(directory, SNAPSHOT_FILE))
+        assert os.path.getsize(os.path.join(directory, LEDGER_FILE)) == 0
         endpoint = relaunched.endpoint
         assert raw(endpoint, {**push, "batch_seq": 1}, np.arange(10, 20), ones)["status"] == Status.OK
         client = PsClient(TOKEN, lambda: RoutingTable.initial(1))

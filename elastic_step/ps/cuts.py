@@ -27,7 +27,9 @@ line and goes on to the next.
 
 Files: `cuts/S.bin` (snapshot.py's format), `cuts/S.ledger` (records replayed over it; absent for
 a cut written whole) and `cuts/S.json` (step, routing epoch and routing, the SHA-256 of .bin and
-.ledger), the .json written last.
+.ledger), the .json written last. A restore writes `restoring.json` first and removes it last: a
+shard that starts and finds it redoes the restore, as a crash between the snapshot's and the
+ledger's copies would otherwise leave the cut's snapshot under the later ledger.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ import json
 import os
 import shutil
 
+from elastic_step.durable import fsync_path, write_json_atomic
 from elastic_step.ps.ledger import _fsync_dir
 
 CUTS_DIR = "cuts"
+RESTORING_FILE = "restoring.json"  # a restore under way: {"step", "digest"}
 HASH_CHUNK = 1 << 22
 PARTS = ("bin", "ledger")  # a cut's snapshot, then its ledger records: the files its digest covers, in order
 FILE_CHUNK = 32 << 20  # a cut's file crosses the network in frames of at most this (a frame's body is bounded)
@@ -152,18 +156,36 @@ def restore(directory: str, step: int, digest: str, snapshot_file: str, ledger_f
     a later step goes. CutMissing when the cut is not there or is not the one the checkpoint
     names (its digest)."""
     found = verified(directory, step, digest)
-    partial = os.path.join(directory, snapshot_file + ".partial")
-    shutil.copyfile(path(directory, step), partial)
-    os.replace(partial, os.path.join(directory, snapshot_file))
+    intent = os.path.join(directory, RESTORING_FILE)
+    write_json_atomic(intent, {"step": step, "digest": digest})
+    _copy_durably(path(directory, step), os.path.join(directory, snapshot_file))
     if os.path.exists(path(directory, step, "ledger")):  # replayed over the snapshot when the shard starts
-        shutil.copyfile(path(directory, step, "ledger"), os.path.join(directory, ledger_file + ".partial"))
-        os.replace(os.path.join(directory, ledger_file + ".partial"), os.path.join(directory, ledger_file))
+        _copy_durably(path(directory, step, "ledger"), os.path.join(directory, ledger_file))
     else:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(directory, ledger_file))
-    with open(os.path.join(directory, routing_file), "w", encoding="utf-8") as f:
-        json.dump({**found["routing"], "pending": [], "previous": None}, f)
+    write_json_atomic(os.path.join(directory, routing_file), {**found["routing"], "pending": [], "previous": None})
     for later in steps(directory):
         if later > step:
             _remove(directory, later)
-    _fsync_dir(os.path.join(directory, snapshot_file))
+    os.remove(intent)
+    _fsync_dir(intent)
+
+
+def finish_restore(directory: str, snapshot_file: str, ledger_file: str, routing_file: str) -> int | None:
+    """Redo the restore a crash interrupted (its restoring.json is still there): the step it
+    restores, or None when none was under way."""
+    try:
+        with open(os.path.join(directory, RESTORING_FILE), encoding="utf-8") as f:
+            pending = json.load(f)
+    except FileNotFoundError:
+        return None
+    restore(directory, int(pending["step"]), str(pending["digest"]), snapshot_file, ledger_file, routing_file)
+    return int(pending["step"])
+
+
+def _copy_durably(source: str, target: str) -> None:
+    partial = target + ".partial"
+    shutil.copyfile(source, partial)
+    fsync_path(partial)
+    os.replace(partial, target)

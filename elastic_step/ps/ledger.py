@@ -76,8 +76,10 @@ def _decode(payload: bytes, dim_of: Callable[[str], int]) -> LedgerRecord:
 class LedgerFailed(OSError):
     """An fsync of the ledger failed. Linux reports a write-back error once and may drop the
     pages it could not write, so a later fsync that succeeds vouches for nothing written before:
-    no push may be acknowledged by this process again. The shard stops, and its relaunch
-    recovers from what the disk holds (the unacknowledged pushes are sent again)."""
+    no push may be acknowledged by this process again. The shard stops. Its relaunch replays the
+    ledger, which the kernel may serve from pages it never wrote, and so writes a snapshot of
+    what it replayed before it serves (state.py, LEDGER_FAILED_FILE); the unacknowledged pushes
+    are sent again."""
 
 
 def _fsync_dir(path: str) -> None:
@@ -105,6 +107,8 @@ class Ledger:
 
     def append(self, record: LedgerRecord) -> int:
         """Write a record (the caller holds the shard's lock); the mark to sync_through."""
+        if self.failed is not None:  # a rotation that failed may have left no file open
+            raise LedgerFailed(f"{self.path}: an fsync failed ({self.failed}); records before it may not be on disk")
         parts, fd = _parts(record), self.file.fileno()
         size, end = sum(len(part) for part in parts), os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -132,8 +136,8 @@ class Ledger:
         while (mark := marks.get()) is not None:
             try:
                 self.sync_through(mark)
-            except OSError:
-                pass  # kept in self.failed: sync_through on the push's own thread raises it
+            except Exception:  # an fsync's is kept in self.failed; sync_through on the push's own thread raises either
+                pass
 
     def sync_through(self, mark: int) -> None:
         """Return once every byte up to `mark` is on disk (one fsync serves every waiter)."""
@@ -142,7 +146,8 @@ class Ledger:
         with self.sync_lock:
             if self.failed is not None:
                 raise LedgerFailed(f"{self.path}: an fsync failed ({self.failed}); records before it may not be on disk")
-            if self.durable >= mark or self.file.closed:  # closed by a rollback (state.py): what it held is void
+            if self.durable >= mark or self.file.closed:  # closed by a rollback (state.py): what it held is void;
+                # by ShardState.close: synced first
                 return
             target = self.written  # everything written by now, at least `mark`
             try:
@@ -157,17 +162,23 @@ class Ledger:
         with self.sync_lock:
             self.file.close()
             fresh = self.path + ".new"
-            with open(fresh, "wb") as f:
-                os.fsync(f.fileno())
-            os.replace(fresh, self.path)
-            _fsync_dir(self.path)
-            self.file = open(self.path, "ab", buffering=0)
+            try:
+                with open(fresh, "wb") as f:
+                    os.fsync(f.fileno())
+                os.replace(fresh, self.path)
+                _fsync_dir(self.path)
+                self.file = open(self.path, "ab", buffering=0)
+            except OSError as exc:  # the ledger is closed: no push can be taken until a relaunch
+                self.failed = exc
+                raise LedgerFailed(f"{self.path}: starting an empty ledger failed ({exc})") from exc
             self.durable = self.written
 
     def close(self) -> None:
-        self.file.close()
+        """Close the file: a sync_through after it returns at once (the caller synced what it must)."""
+        with self.sync_lock:  # a started fsync finishes first: none runs on a closed (reused) descriptor
+            self.file.close()
         if self._to_sync is not None:
-            self._to_sync.put(None)  # not joined: close() may run under sync_lock, which a started fsync waits for
+            self._to_sync.put(None)  # the fsync thread ends
 
 
 def replay(path: str, dim_of: Callable[[str], int]) -> Iterator[LedgerRecord]:

@@ -65,7 +65,8 @@ class ShardHandler(socketserver.BaseRequestHandler):
             except ShardClosed:
                 return
             except LedgerFailed as exc:  # nothing this process holds can be acknowledged any more
-                print(f"elastic_step.ps.shard: {exc}; stopping so that the relaunched shard recovers from the disk "
+                self.server.state.note_failed_ledger()
+                print(f"elastic_step.ps.shard: {exc}; stopping; the relaunched shard recovers and writes a snapshot "
                       "(check the volume: `dmesg` shows its I/O errors)", file=sys.stderr, flush=True)
                 os._exit(ExitCode.FAILED)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed request, not a crash

@@ -44,6 +44,7 @@ import time
 
 import numpy as np
 
+from elastic_step.durable import write_atomic
 from elastic_step.ps import cuts, snapshot
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.applied import AppliedGroups
@@ -58,6 +59,10 @@ SNAPSHOT_FILE = "snapshot.bin"
 LEDGER_FILE = "ledger.bin"
 ROUTING_FILE = "routing.json"
 FENCE_FILE = "fence.json"  # the newest rollback's fence: pushes of rounds up to it are refused
+# Left by a shard stopping on a failed ledger fsync. Linux may keep the pages it could not write
+# in its cache, marked clean, and the relaunch (same kernel) replays them from there: it then
+# writes a snapshot, so that what it serves is on disk.
+LEDGER_FAILED_FILE = "ledger_failed"
 
 
 def write_fence(directory: str, fence: int) -> None:
@@ -125,6 +130,9 @@ class ShardState:
 
     def recover(self) -> int:
         """Load the snapshot, replay the ledger's tail; the number of pushes replayed."""
+        redone = cuts.finish_restore(self.directory, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
+        if redone is not None:
+            log.warning("shard %d: finished the restore of its cut of step %d that a crash interrupted", self.shard, redone)
         saved = self._path(ROUTING_FILE)
         if os.path.exists(saved):
             with open(saved, encoding="utf-8") as f:
@@ -150,7 +158,19 @@ class ShardState:
         self.ledger = Ledger(self._path(LEDGER_FILE), sync=self.sync)
         self.ledger_origin = -os.path.getsize(self._path(LEDGER_FILE))
         self.fence = read_fence(self.directory)
+        if os.path.exists(self._path(LEDGER_FAILED_FILE)):
+            log.warning("shard %d: the last process stopped on a failed ledger fsync; writing a snapshot of what it "
+                        "replayed so that it is on disk", self.shard)
+            self._snapshot()
+            os.remove(self._path(LEDGER_FAILED_FILE))
+            _fsync_dir(self._path(LEDGER_FAILED_FILE))
         return replayed
+
+    def note_failed_ledger(self) -> None:
+        """Before the process stops on a failed ledger fsync: tell its relaunch (LEDGER_FAILED_FILE).
+        Best effort, as the disk may refuse this too."""
+        with contextlib.suppress(OSError):
+            write_atomic(self._path(LEDGER_FAILED_FILE), "the ledger's fsync failed; the relaunch writes a snapshot\n")
 
     def _replay(self) -> int:
         """Apply the ledger's tail; the pushes applied. A record these tables cannot take (a job
@@ -343,8 +363,7 @@ class ShardState:
             write_fence(self.directory, fence)
             self.fence = fence
             routing = self.routing
-            with self.ledger.sync_lock:  # a push applied before waits on no fsync of a closed file
-                self.ledger.close()
+            self.ledger.close()  # what it held is void: a push applied before waits on no fsync of it
             cuts.restore(self.directory, step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
             self.tables = {name: EmbeddingTable(table.spec, table.reserved) for name, table in self.tables.items()}
             self.applied = {name: AppliedGroups(self.virtual_shards) for name in self.tables}
@@ -460,9 +479,14 @@ class ShardState:
             }
 
     def close(self) -> None:
-        """Under the lock, so that no push is between its checks and its ledger write."""
+        """Under the lock, so that no push is between its checks and its ledger write. What the
+        ledger holds is synced first: a push accepted after the last snapshot (SIGTERM's) waits
+        for its fsync, and would find the file closed."""
         with self.lock:
             self.closed = True
             if self.ledger is not None:
-                with self.ledger.sync_lock:
+                try:
+                    if self.ledger.failed is None:  # else every waiter raises LedgerFailed itself
+                        self.ledger.sync_through(self.ledger.written)
+                finally:
                     self.ledger.close()
