@@ -8,10 +8,11 @@ One record per accepted push (little-endian):
 
 A shard appends a record and fsyncs it before it answers the push, so an acknowledged update is
 on disk. The fsync covers every record written before it (a group commit): pushes from several
-workers share one fsync, and pulls go on meanwhile. It starts as soon as the record is written, on
-a thread of its own (`start_sync`), so that the disk's wait overlaps the shard applying the push
-in memory; the push is acknowledged once both are done (`sync_through`). A SIGKILL can tear only the record being written, which nobody was told about:
-`replay` stops at the first record that is short or fails its CRC and cuts the file there.
+workers share one fsync, and pulls go on meanwhile. It starts as soon as the record is written,
+on a thread of its own (`start_sync`), so that the disk's wait overlaps the shard applying the
+push in memory; the push is acknowledged once both are done (`sync_through`). A SIGKILL can
+tear only the record being written, which nobody was told about: `replay` stops at the first
+record that is short or fails its CRC and cuts the file there.
 `rotate` starts an empty ledger after a snapshot has been made durable (shard.py).
 """
 
@@ -146,8 +147,8 @@ class Ledger:
         with self.sync_lock:
             if self.failed is not None:
                 raise LedgerFailed(f"{self.path}: an fsync failed ({self.failed}); records before it may not be on disk")
-            if self.durable >= mark or self.file.closed:  # closed by a rollback (state.py): what it held is void;
-                # by ShardState.close: synced first
+            # Closed by a rollback (state.py): what it held is void; by ShardState.close: synced first.
+            if self.durable >= mark or self.file.closed:
                 return
             target = self.written  # everything written by now, at least `mark`
             try:
