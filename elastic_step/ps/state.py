@@ -6,9 +6,9 @@
 - An accepted push is appended to the ledger and applied under the lock, its fsync running
   meanwhile on the ledger's thread (ledger.py's group commit), and acknowledged once the fsync
   is done too. A re-sent push is acknowledged only once everything written before it is
-  durable too, so its first copy's record is on disk. A pull
-  may see an update whose fsync is still running; a crash then loses it, but its push was not
-  acknowledged, so the worker sends it again.
+  durable too, so its first copy's record is on disk. A pull may see an update whose fsync is
+  still running; a crash then loses it, but its push was not acknowledged, so the worker sends
+  it again.
 - Every `snapshot_every` accepted pushes the whole state is written as a snapshot and the ledger
   starts empty. Recovery loads the snapshot and replays the ledger; the applied keys make that
   replay idempotent, so a crash between the snapshot's rename and the ledger's rotation, which
