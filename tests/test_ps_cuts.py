@@ -166,3 +166,26 @@ def test_a_restore_a_crash_cut_short_is_finished_when_the_shard_starts(tmp_path,
     again = shard(tmp_path / "s", every=10)
     assert again.tables["emb"].digest() == at_cut
     assert not os.path.exists(tmp_path / "s" / cuts.RESTORING_FILE)
+
+
+def test_files_a_crash_left_of_an_unsealed_cut_are_neither_kept_by_a_restore_nor_taken_into_a_new_cut(tmp_path):
+    """A crash while a later cut was removed (its .json first) or written leaves its .bin or
+    .ledger without a .json: a restore removes them with the sealed ones, and a cut written at
+    that step later holds only its own files."""
+    held = shard(tmp_path / "s")
+    push(held, 1), push(held, 2)
+    cut = held.cut(2)
+    at_cut = held.tables["emb"].digest()
+    folder = tmp_path / "s" / cuts.CUTS_DIR
+    (folder / "4.ledger").write_bytes(b"records of the timeline that went back")
+    (folder / "6.bin").write_bytes(b"a snapshot of it")
+    held.close()
+    cuts.restore(str(tmp_path / "s"), 2, cut["digest"], SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
+    assert sorted(os.listdir(folder)) == ["2.bin", "2.json", "2.ledger"]
+
+    (folder / "4.ledger").write_bytes(b"left by a crash")
+    again = shard(tmp_path / "s")  # a relaunch: steps' places in the ledger unknown, the cut of 4 written whole
+    assert again.tables["emb"].digest() == at_cut
+    push(again, 5)
+    assert not os.path.exists(folder / "4.ledger")
+    assert restored(tmp_path / "s", 4, again.cut(4)["digest"], tmp_path / "r").tables["emb"].digest() == at_cut

@@ -118,3 +118,34 @@ def test_a_stopping_shard_drops_requests_instead_of_answering_them_as_bad(tmp_pa
         client.close()
         server.shutdown()
         server.server_close()
+
+
+def test_a_rollback_the_disk_cuts_short_stops_the_shard_and_its_relaunch_finishes_it(tmp_path, monkeypatch):
+    """The ledger is closed and the folder half restored when a copy fails (a full disk): no push
+    may be taken (LedgerFailed stops the shard process), and the relaunch finishes the restore."""
+    import errno
+
+    from elastic_step.ps.ledger import LedgerFailed
+
+    held = shard(tmp_path / "s")
+    push(held, 1, round_id=1), push(held, 2, round_id=1)
+    at_checkpoint = held.tables[SPEC.name].digest()
+    push(held, 3, round_id=1)
+    cut = held.cut(2)
+    copies, real_copy = [], cuts._copy_durably
+
+    def full_after_the_snapshot(source, target):
+        if copies:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        copies.append(target)
+        real_copy(source, target)
+
+    monkeypatch.setattr(cuts, "_copy_durably", full_after_the_snapshot)
+    with pytest.raises(LedgerFailed, match="putting back the cut of step 2 failed .*No space left"):
+        held.rollback(2, cut["digest"], fence=1)
+    monkeypatch.setattr(cuts, "_copy_durably", real_copy)
+    with pytest.raises(LedgerFailed):
+        push(held, 4, round_id=2)
+    again = shard(tmp_path / "s")
+    assert again.tables[SPEC.name].digest() == at_checkpoint and again.fence == 1
+    again.close()

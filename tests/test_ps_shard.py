@@ -364,3 +364,19 @@ def test_a_shard_whose_ledger_fsync_fails_stops_unanswered_and_its_relaunch_appl
         assert sorted(ids.tolist()) == list(range(20)) and (updates == 1).all(), (ids, updates)
     finally:
         relaunched.kill(signal.SIGKILL)
+
+
+def test_the_note_for_the_relaunch_is_left_when_the_disk_refuses_every_fsync(tmp_path, monkeypatch):
+    """The relaunch this note is for runs on the same node, and sees the file in the kernel's
+    cache whether or not it reached the disk: a failing fsync must not take the note away."""
+    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1))
+    state.recover()
+
+    def failing(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", failing)
+    state.note_failed_ledger()
+    assert os.path.exists(tmp_path / LEDGER_FAILED_FILE)
+    monkeypatch.undo()
+    state.close()

@@ -139,6 +139,20 @@ def _remove(directory: str, step: int) -> None:
             os.remove(path(directory, step, ext))
 
 
+def discard(directory: str, cut_steps) -> None:
+    """Remove whatever files these steps' cuts left, sealed or not: a crash while one was written
+    or removed leaves its .bin or .ledger without a .json, which a new cut of that step must not
+    take (seal links a .bin that is there, and a digest covers a .ledger that is)."""
+    for step in cut_steps:
+        _remove(directory, step)
+
+
+def _held_after(directory: str, step: int) -> list[int]:
+    """Every step after `step` with any file in cuts/, sealed or not."""
+    names = os.listdir(folder(directory)) if os.path.isdir(folder(directory)) else []
+    return sorted({int(head) for head in (n.split(".", 1)[0] for n in names) if head.isdigit() and int(head) > step})
+
+
 def verified(directory: str, step: int, digest: str) -> dict:
     """The folder's cut of `step` (its meta), when it is the one a checkpoint recorded as `digest`;
     CutMissing (one line) when it is not there or not that one."""
@@ -165,9 +179,8 @@ def restore(directory: str, step: int, digest: str, snapshot_file: str, ledger_f
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(directory, ledger_file))
     write_json_atomic(os.path.join(directory, routing_file), {**found["routing"], "pending": [], "previous": None})
-    for later in steps(directory):
-        if later > step:
-            _remove(directory, later)
+    discard(directory, _held_after(directory, step))
+    _fsync_dir(path(directory, step))  # the later cuts' removal, before the intent's
     os.remove(intent)
     _fsync_dir(intent)
 

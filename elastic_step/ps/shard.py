@@ -65,13 +65,19 @@ class ShardHandler(socketserver.BaseRequestHandler):
             except ShardClosed:
                 return
             except LedgerFailed as exc:  # nothing this process holds can be acknowledged any more
-                self.server.state.note_failed_ledger()
-                print(f"elastic_step.ps.shard: {exc}; stopping; the relaunched shard recovers and writes a snapshot "
-                      "(check the volume: `dmesg` shows its I/O errors)", file=sys.stderr, flush=True)
-                os._exit(ExitCode.FAILED)
+                stop_on_failed_ledger(self.server.state, exc)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed request, not a crash
                 reply, arrays = {"status": Status.BAD_REQUEST, "detail": str(exc)[:200]}, ()
             wire.send(self.request, reply, *arrays)
+
+
+def stop_on_failed_ledger(state: ShardState, exc: LedgerFailed) -> None:
+    """Leave the relaunch its note (state.py, LEDGER_FAILED_FILE) and stop at once: no other
+    request may be answered, nor a snapshot written over what the disk may not hold."""
+    state.note_failed_ledger()
+    print(f"elastic_step.ps.shard: {exc}; stopping; the relaunched shard recovers and writes a snapshot "
+          "(check the volume: `dmesg` shows its I/O errors)", file=sys.stderr, flush=True)
+    os._exit(ExitCode.FAILED)
 
 
 class ShardServer(socketserver.ThreadingTCPServer):
@@ -252,8 +258,11 @@ def serve(args: argparse.Namespace) -> None:
     _write_ready(args.dir, {"host": host, "port": port, "pid": os.getpid(), "epoch": state.routing.epoch, "replayed": replayed, **state.recovery_s})
     server.serve_forever(poll_interval=0.2)
     server.server_close()
-    state.snapshot()  # SIGTERM is a preemption: leave a snapshot with nothing left to replay
-    state.close()
+    try:
+        state.snapshot()  # SIGTERM is a preemption: leave a snapshot with nothing left to replay
+        state.close()  # what a push wrote after the snapshot is synced before its waiter answers
+    except LedgerFailed as exc:
+        stop_on_failed_ledger(state, exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         serve(args)
+    except LedgerFailed as exc:  # at the start: the snapshot after a failed fsync's relaunch
+        print(f"elastic_step.ps.shard: {exc}; check the volume (`dmesg` shows its I/O errors)", file=sys.stderr)
+        return ExitCode.FAILED
+    except cuts.CutMissing as exc:  # at the start: finishing a restore a crash cut short
+        print(f"elastic_step.ps.shard: cannot finish putting back a checkpoint's cut: {exc}; resume the job from "
+              "another checkpoint", file=sys.stderr)
+        return ExitCode.FAILED
     except (OSError, ValueError, KeyError) as exc:
         print(f"elastic_step.ps.shard: {exc}; check --dir, --host and --token-file", file=sys.stderr)
         return 2

@@ -44,11 +44,10 @@ import time
 
 import numpy as np
 
-from elastic_step.durable import write_atomic
 from elastic_step.ps import cuts, snapshot
 from elastic_step.ps.api import Status, TableSpec
 from elastic_step.ps.applied import AppliedGroups
-from elastic_step.ps.ledger import Ledger, LedgerRecord, _fsync_dir, replay
+from elastic_step.ps.ledger import Ledger, LedgerFailed, LedgerRecord, _fsync_dir, replay
 from elastic_step.ps.routing import RoutingTable, virtual_shard_of
 from elastic_step.ps.sizing import reserved_rows
 from elastic_step.ps.table import EmbeddingTable
@@ -170,7 +169,13 @@ class ShardState:
         """Before the process stops on a failed ledger fsync: tell its relaunch (LEDGER_FAILED_FILE).
         Best effort, as the disk may refuse this too."""
         with contextlib.suppress(OSError):
-            write_atomic(self._path(LEDGER_FAILED_FILE), "the ledger's fsync failed; the relaunch writes a snapshot\n")
+            # Not write_atomic: it deletes a file it could not fsync, and a relaunch on this node
+            # sees the file in the kernel's cache, synced or not (that is the case it is for).
+            with open(self._path(LEDGER_FAILED_FILE), "w", encoding="utf-8") as f:
+                f.write("the ledger's fsync failed; the relaunch writes a snapshot\n")
+                f.flush()
+                with contextlib.suppress(OSError):
+                    os.fsync(f.fileno())
 
     def _replay(self) -> int:
         """Apply the ledger's tail; the pushes applied. A record these tables cannot take (a job
@@ -305,6 +310,7 @@ class ShardState:
 
     def _write_cut(self, step: int, also: list[int] = ()) -> dict:
         os.makedirs(cuts.folder(self.directory), exist_ok=True)
+        cuts.discard(self.directory, [step, *also])
         for groups in self.applied.values():
             groups.compact(self.owned)
         snapshot.save(cuts.path(self.directory, step), {n: t.arrays() for n, t in self.tables.items()}, self.applied)
@@ -340,8 +346,7 @@ class ShardState:
         the ledger's first `length` bytes; the steps in `also` get the same files."""
         os.makedirs(cuts.folder(self.directory), exist_ok=True)
         target = cuts.path(self.directory, step)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(target)
+        cuts.discard(self.directory, [step, *also])
         if os.path.exists(self._path(SNAPSHOT_FILE)):
             os.link(self._path(SNAPSHOT_FILE), target)
         else:  # none yet: the tables were empty
@@ -364,7 +369,12 @@ class ShardState:
             self.fence = fence
             routing = self.routing
             self.ledger.close()  # what it held is void: a push applied before waits on no fsync of it
-            cuts.restore(self.directory, step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
+            try:
+                cuts.restore(self.directory, step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
+            except OSError as exc:  # the ledger is closed and the folder half restored: the shard must stop
+                self.ledger.failed = exc
+                raise LedgerFailed(f"{self.directory}: putting back the cut of step {step} failed ({exc}); "
+                                   "the relaunched shard finishes it") from exc
             self.tables = {name: EmbeddingTable(table.spec, table.reserved) for name, table in self.tables.items()}
             self.applied = {name: AppliedGroups(self.virtual_shards) for name in self.tables}
             self.pending, self.previous, self.steps_begun = set(), None, []
