@@ -40,6 +40,20 @@ def push(held: ShardState, step: int, seq: int | None = None) -> bool:
     return held.push(LedgerRecord("emb", 1, step if seq is None else seq, 0, IDS, np.full((3, 2), 0.1 * step, np.float32)), step=step)
 
 
+def failing_after_the_first_copy(monkeypatch, error: BaseException) -> None:
+    """cuts.restore's second copy (the cut's ledger, after its snapshot) raises `error`: a crash
+    (SystemExit) or a disk that refuses it (OSError)."""
+    copies, real_copy = [], cuts._copy_durably
+
+    def copy(source, target):
+        if copies:
+            raise error
+        copies.append(target)
+        real_copy(source, target)
+
+    monkeypatch.setattr(cuts, "_copy_durably", copy)
+
+
 def restored(source, step: int, digest: str, into):
     shutil.copytree(source, into)
     cuts.restore(str(into), step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
@@ -150,18 +164,10 @@ def test_a_restore_a_crash_cut_short_is_finished_when_the_shard_starts(tmp_path,
     at_cut = held.tables["emb"].digest()
     push(held, 4), push(held, 5), push(held, 6)  # a later snapshot, and a ledger the cut does not hold
     held.close()
-    copies, real_copy = [], cuts._copy_durably
-
-    def crash_after_the_snapshot(source, target):
-        if copies:
-            raise SystemExit("killed")  # the process dies here: nothing after this line runs
-        copies.append(target)
-        real_copy(source, target)
-
-    monkeypatch.setattr(cuts, "_copy_durably", crash_after_the_snapshot)
+    failing_after_the_first_copy(monkeypatch, SystemExit("killed"))  # the process dies there
     with pytest.raises(SystemExit):
         cuts.restore(str(tmp_path / "s"), 3, cut["digest"], SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
-    monkeypatch.setattr(cuts, "_copy_durably", real_copy)
+    monkeypatch.undo()
     assert os.path.exists(tmp_path / "s" / cuts.RESTORING_FILE)
     again = shard(tmp_path / "s", every=10)
     assert again.tables["emb"].digest() == at_cut

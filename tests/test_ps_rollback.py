@@ -19,7 +19,7 @@ from elastic_step.ps.ledger import LedgerRecord
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import ShardServer
 from elastic_step.ps.state import Refused
-from test_ps_cuts import IDS, SPEC, shard
+from test_ps_cuts import IDS, SPEC, failing_after_the_first_copy, shard
 
 TOKEN = "rollback-token"
 
@@ -132,18 +132,10 @@ def test_a_rollback_the_disk_cuts_short_stops_the_shard_and_its_relaunch_finishe
     at_checkpoint = held.tables[SPEC.name].digest()
     push(held, 3, round_id=1)
     cut = held.cut(2)
-    copies, real_copy = [], cuts._copy_durably
-
-    def full_after_the_snapshot(source, target):
-        if copies:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        copies.append(target)
-        real_copy(source, target)
-
-    monkeypatch.setattr(cuts, "_copy_durably", full_after_the_snapshot)
+    failing_after_the_first_copy(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(LedgerFailed, match="putting back the cut of step 2 failed .*No space left"):
         held.rollback(2, cut["digest"], fence=1)
-    monkeypatch.setattr(cuts, "_copy_durably", real_copy)
+    monkeypatch.undo()
     with pytest.raises(LedgerFailed):
         push(held, 4, round_id=2)
     again = shard(tmp_path / "s")

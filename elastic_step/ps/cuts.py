@@ -128,15 +128,8 @@ def seal(directory: str, step: int, routing: dict, also: list[int] = (), hashed:
 def retain(directory: str, keep: list[int]) -> None:
     """Forget the cuts a resume can no longer ask for: older than the newest step in `keep` (the
     run's committed checkpoints) and not in it. Newer ones may be of checkpoints still uploading."""
-    for old in steps(directory):
-        if keep and old < max(keep) and old not in keep:
-            _remove(directory, old)
-
-
-def _remove(directory: str, step: int) -> None:
-    for ext in ("json", "bin", "ledger"):  # the .json first: a cut without it is no cut
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path(directory, step, ext))
+    if keep:
+        discard(directory, [old for old in steps(directory) if old < max(keep) and old not in keep])
 
 
 def discard(directory: str, cut_steps) -> None:
@@ -144,7 +137,9 @@ def discard(directory: str, cut_steps) -> None:
     or removed leaves its .bin or .ledger without a .json, which a new cut of that step must not
     take (seal links a .bin that is there, and a digest covers a .ledger that is)."""
     for step in cut_steps:
-        _remove(directory, step)
+        for ext in ("json", "bin", "ledger"):  # the .json first: a cut without it is no cut
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path(directory, step, ext))
 
 
 def _held_after(directory: str, step: int) -> list[int]:

@@ -109,7 +109,7 @@ class Ledger:
     def append(self, record: LedgerRecord) -> int:
         """Write a record (the caller holds the shard's lock); the mark to sync_through."""
         if self.failed is not None:  # a rotation that failed may have left no file open
-            raise LedgerFailed(f"{self.path}: an fsync failed ({self.failed}); records before it may not be on disk")
+            raise self._refusal()
         parts, fd = _parts(record), self.file.fileno()
         size, end = sum(len(part) for part in parts), os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -146,7 +146,7 @@ class Ledger:
             return
         with self.sync_lock:
             if self.failed is not None:
-                raise LedgerFailed(f"{self.path}: an fsync failed ({self.failed}); records before it may not be on disk")
+                raise self._refusal()
             # Closed by a rollback (state.py): what it held is void; by ShardState.close: synced first.
             if self.durable >= mark or self.file.closed:
                 return
@@ -157,6 +157,9 @@ class Ledger:
                 self.failed = exc
                 raise LedgerFailed(f"{self.path}: fsync failed ({exc}); records before it may not be on disk") from exc
             self.durable = target
+
+    def _refusal(self) -> LedgerFailed:
+        return LedgerFailed(f"{self.path}: an fsync failed ({self.failed}); records before it may not be on disk")
 
     def rotate(self) -> None:
         """Start an empty ledger (its records are all in the snapshot just made durable)."""
