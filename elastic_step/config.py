@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from elastic_step import defaults
 from elastic_step.errors import ConfigError
-from elastic_step.frameworks.device import DeviceChoice, Precision, parse_choice, parse_precision, place, visible_gpus
+from elastic_step.frameworks.device import DeviceChoice, parse_choice, parse_precision, place, visible_gpus
 from elastic_step.protocol import LrScaling, TrainingMode
 
 
@@ -38,7 +38,7 @@ class TrainConfig:
     global_batch_size: int = defaults.GLOBAL_BATCH_SIZE  # rows per optimizer step whatever the group; 0: off
     lr_scaling: str = defaults.LR_SCALING  # none|linear|sqrt: the learning rate follows the step's rows
     device: str = defaults.DEVICE  # auto|cpu|cuda: where each worker computes
-    precision: str = defaults.PRECISION  # fp32|bf16: what the forward pass computes in
+    precision: str = defaults.PRECISION  # fp32|bf16|fp16: what the forward pass computes in
     mode: str = defaults.MODE  # allreduce|ps: where the model's embedding tables live (protocol.TrainingMode)
     ps_shards: int = defaults.PS_SHARDS  # mode ps: parameter-server shard processes holding the tables
     ps_table_limit_mb: float = defaults.PS_TABLE_LIMIT_MB  # mode ps: beyond it, served from the shards' snapshots
@@ -98,8 +98,6 @@ class TrainConfig:
             raise ConfigError(f"--global-batch-size must be >= 0 (0: each worker applies --minibatch-size rows per step), "
                               f"got {self.global_batch_size}")
         self.device, self.precision = parse_choice(self.device), parse_precision(self.precision)
-        if self.precision == Precision.FP16:  # refused here, before anything starts, as at each worker
-            place(self.device, self.precision, gpus=1)
         if self.device == DeviceChoice.CUDA and self.backend == "local":  # its workers see this machine's GPUs
             place(self.device, self.precision, gpus=visible_gpus())
         if self.lr_scaling not in {s.value for s in LrScaling}:

@@ -229,7 +229,7 @@ class Precision(StrEnum):
 
     FP32 = "fp32"  # full precision: the reference, and the default
     BF16 = "bf16"  # autocast to bfloat16: float32's range, no loss scale needed
-    FP16 = "fp16"  # refused: a loss-scaled step that overflows is skipped, its rows lost (frameworks/device.py)
+    FP16 = "fp16"  # autocast to float16, with a loss scale that never skips a step (frameworks/loss_scale.py)
 
 
 class Request(BaseModel):

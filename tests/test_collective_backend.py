@@ -2,13 +2,15 @@
 Kubernetes backend on GPU worker pods), gloo when unset. The worker builds its Collective without
 naming a backend, so these tests do the same."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from elastic_step.errors import ConfigError
-from elastic_step.worker.collective import BACKEND_ENV, Collective, backend_from_env
+from elastic_step.worker.collective import BACKEND_ENV, Collective, CollectiveAbandoned, await_or_abort, backend_from_env
 
 
 @pytest.fixture
@@ -119,3 +121,88 @@ def test_buffers_are_summed_by_direct_exchange_or_in_parts_identically_on_every_
         assert result["direct"].tobytes() == in_rank_order.tobytes()
         # In parts (large buffers), each part summed in rank order by its rank: the same bits too.
         assert result["parts"].tobytes() == parts_in_rank_order.tobytes()
+
+
+# Rank 1 joins the round and then hangs (as a SIGSTOPped peer does: nothing closes its sockets).
+# On gloo, rank 0's state broadcast ends at the collective timeout (gloo's own error), and a new
+# round starts in the same process.
+_HUNG_PEER_SCRIPT = """
+import json, sys, time
+import numpy as np
+from elastic_step.worker.collective import Collective
+port, rank, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+c = Collective("127.0.0.1", port, timeout_s=3, link_key=b"k")
+c.join("round-1/", rank=rank, world_size=2)
+if rank == 1:
+    time.sleep(60)  # joined, never answers
+started = time.monotonic()
+try:
+    c.broadcast_bytes(b"state" * 1000, src=0)
+    result = {"error": None}
+except RuntimeError as exc:
+    result = {"error": str(exc)}
+result["seconds"] = time.monotonic() - started
+c.leave()
+c.join("round-2/", rank=0, world_size=1)  # the survivor's next round, in the same process
+buffer = np.array([1.0, 2.0], dtype=np.float32)
+c.allreduce_sum(buffer)
+result["next_round"] = [buffer.tolist(), c.broadcast_bytes(b"x", src=0).decode()]
+c.leave()
+json.dump(result, open(out, "w"))
+"""
+
+
+def test_a_hung_gloo_peer_fails_the_survivors_collective_at_the_timeout_and_the_next_round_starts(store, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rank0.json"
+    ranks = [subprocess.Popen([sys.executable, "-c", _HUNG_PEER_SCRIPT, str(store.port), str(rank), str(out)])
+             for rank in range(2)]
+    try:
+        assert ranks[0].wait(timeout=60) == 0
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    result = json.loads(out.read_text())
+    assert result["error"] and 2.9 <= result["seconds"] < 6.0, result
+    assert result["next_round"] == [[1.0, 2.0], "x"]
+
+
+class Work:
+    """An operation of a group as torch hands it back: pending until `done_after` polls."""
+
+    def __init__(self, done_after: float = float("inf"), error: Exception | None = None):
+        self.polls, self.done_after, self.error, self.waited = 0, done_after, error, False
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.polls > self.done_after
+
+    def wait(self) -> None:
+        self.waited = True
+        if self.error:
+            raise self.error
+
+
+def test_an_nccl_wait_aborts_the_group_when_the_master_moves_on_or_at_the_timeout_and_only_then():
+    # NCCL's own abort needs a GPU (benchmarks/gpu_check.sh runs it); here, the wait around it.
+    aborted = []
+    work = Work()
+    started = time.monotonic()
+    with pytest.raises(CollectiveAbandoned, match=r"^rank 0 abandoned: the master moved on to a newer round$"):
+        await_or_abort(work, lambda: time.monotonic() > started + 0.2, 30, lambda: aborted.append("moved on"), "rank 0")
+    assert aborted == ["moved on"] and not work.waited and time.monotonic() - started < 1.0
+    with pytest.raises(CollectiveAbandoned, match=r"abandoned: no answer within 0.3 s$"):
+        await_or_abort(Work(), lambda: False, 0.3, lambda: aborted.append("timeout"), "rank 0")
+    assert aborted == ["moved on", "timeout"]
+    finished = Work(done_after=5)
+    await_or_abort(finished, lambda: False, 30, lambda: aborted.append("wrong"), "rank 0")
+    assert finished.waited and aborted == ["moved on", "timeout"]
+    failed = Work(done_after=0, error=RuntimeError("NCCL error: remote process exited"))
+    with pytest.raises(RuntimeError, match="remote process exited"):  # the operation's own failure, as it is
+        await_or_abort(failed, lambda: False, 30, lambda: aborted.append("wrong"), "rank 0")
+    assert aborted == ["moved on", "timeout"]

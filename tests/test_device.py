@@ -4,6 +4,7 @@ the PyTorch adapter's device path (gradients staged on the device and copied to 
 buffer once) checked against the zero-copy CPU path on this machine's CPU. No GPU here: what
 only a GPU can run (pinned copies, NCCL) is checked by benchmarks/gpu_check.sh on one."""
 
+import glob
 import types
 
 import numpy as np
@@ -11,10 +12,11 @@ import pytest
 import torch
 
 from elastic_step.errors import ConfigError
-from elastic_step.frameworks.device import (DeviceChoice, Precision, parse_choice, parse_precision, place,
-                                            placement_here)
+from elastic_step.frameworks.device import (DeviceChoice, Precision, cpu_has_fp16_autocast, parse_choice, parse_precision,
+                                            place, placement_here)
 from elastic_step.frameworks.model_def import ModelDefinition
 from elastic_step.frameworks.torch_trainer import TorchTrainer
+from elastic_step.worker.allreduce_step import resident_device
 
 
 @pytest.mark.parametrize("choice, gpus, slot, expected", [
@@ -46,12 +48,26 @@ def test_this_machine_has_no_gpu_so_auto_is_the_cpu_and_cuda_is_refused():
         placement_here(DeviceChoice.CUDA, Precision.FP32)
 
 
-def test_precisions_the_ledger_cannot_keep_exact_or_the_device_cannot_run_are_refused():
-    with pytest.raises(ConfigError, match="fp16 is not offered.*bf16"):
-        place(DeviceChoice.AUTO, Precision.FP16, 1)
+def test_precisions_the_device_cannot_run_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^--precision fp16 but this worker computes on the CPU, where this torch has no "
+                                          r"float16 autocast: use bf16 or fp32, or a GPU$"):
+        place(DeviceChoice.AUTO, Precision.FP16, 0, fp16_on_cpu=False)
     with pytest.raises(ConfigError, match="no bfloat16 support"):
         place(DeviceChoice.AUTO, Precision.BF16, 1, bf16_on_gpu=False)
     assert place(DeviceChoice.AUTO, Precision.BF16, 0).device == "cpu"  # bf16 autocast runs on CPUs
+    assert place(DeviceChoice.AUTO, Precision.FP16, 1, fp16_on_cpu=False).device == "cuda:0"  # every GPU has float16
+    assert cpu_has_fp16_autocast()  # torch 2.13's CPU autocast has it
+    assert placement_here(DeviceChoice.CPU, Precision.FP16).precision == Precision.FP16
+
+
+def test_a_keras_model_asked_for_another_precision_than_float32_is_refused_not_ignored():
+    from elastic_step.frameworks.device import Placement
+    from elastic_step.frameworks.registry import _check_keras_placement
+
+    _check_keras_placement(Placement("cpu", Precision.FP32, "test"))
+    for precision in (Precision.BF16, Precision.FP16):
+        with pytest.raises(ConfigError, match=rf"^--precision {precision.value}: Keras models train in float32 here"):
+            _check_keras_placement(Placement("cpu", precision, "test"))
 
 
 def test_bad_flag_values_name_the_flag_and_the_choices():
@@ -70,34 +86,75 @@ def small_model_def() -> ModelDefinition:
     return ModelDefinition(source="small_model", module=module)
 
 
-def run_steps(trainer: TorchTrainer, steps: int = 4) -> list[np.ndarray]:
+def run_steps(trainer: TorchTrainer, steps: int = 4, buffer=None, staged: bool = False, skip: int = 0) -> list[np.ndarray]:
+    """`buffer`: the worker's step buffer (gradients, then a tail the trainer must not touch); a
+    numpy one by default. `staged`: the path of a buffer on another device than the trainer's.
+    `skip`: the first steps' batches are drawn and not trained (a skipped step)."""
     rng = np.random.default_rng(3)
-    buffer = np.zeros(trainer.num_gradient_values + 3, dtype=np.float32)  # the worker's buffer has a tail
+    if buffer is None:
+        buffer = np.zeros(trainer.num_gradient_values + 3, dtype=np.float32)
     grads = buffer[: trainer.num_gradient_values]
     for _ in range(steps):
         features, labels = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
+        if skip:
+            skip -= 1
+            continue
         buffer[:] = 5.0  # stale values must not leak in
-        trainer.compute_gradients(features, labels, grads)
+        if staged:
+            trainer._compute_staged(features, labels, torch.as_tensor(grads))
+        else:
+            trainer.compute_gradients(features, labels, grads)
         assert (buffer[-3:] == 5.0).all()  # the tail is not touched
-        trainer.apply_gradients(grads, len(labels))
+        if staged:
+            trainer._apply_staged(torch.as_tensor(grads), len(labels))
+        else:
+            trainer.apply_gradients(grads, len(labels))
     return [p.detach().cpu().numpy().copy() for p in trainer.net.parameters()]
 
 
+def trainers(model_def, n: int) -> list[TorchTrainer]:
+    made = []
+    for _ in range(n):
+        torch.manual_seed(0)
+        made.append(TorchTrainer(model_def, model_def.model()))
+    return made
+
+
 def test_the_staged_device_path_trains_exactly_as_the_zero_copy_cpu_path():
-    # The path a GPU worker takes (gradients gathered on the device, one copy to the host step
-    # buffer, one copy back), run on the CPU: the same bits as the zero-copy path.
+    # The path of a GPU trainer whose step buffer is in host memory (gloo sums it): gradients
+    # gathered on the trainer's device, one copy to the buffer, one copy back. Run on the CPU,
+    # where the copies stay in host memory: the same bits as the zero-copy path.
     model_def = small_model_def()
-    torch.manual_seed(0)
-    zero_copy = TorchTrainer(model_def, model_def.model())
-    torch.manual_seed(0)
-    staged = TorchTrainer(model_def, model_def.model())
-    staged._staged = True  # as on a GPU; the placement's device is still the CPU here
-    for ours, theirs in zip(run_steps(staged), run_steps(zero_copy)):
+    staged, zero_copy = trainers(model_def, 2)
+    for ours, theirs in zip(run_steps(staged, staged=True), run_steps(zero_copy)):
         np.testing.assert_array_equal(ours, theirs)
     restored = TorchTrainer(model_def, model_def.model())
     restored.load_state_bytes(staged.state_bytes())  # a checkpoint of the staged trainer loads anywhere
     for ours, theirs in zip(restored.net.parameters(), staged.net.parameters()):
         assert torch.equal(ours, theirs)
+
+
+def test_a_step_buffer_on_the_trainers_device_is_used_in_place_and_trains_as_a_host_buffer():
+    # The path of a GPU trainer whose step NCCL sums on its GPU: the buffer is a tensor on the
+    # trainer's device; gradients accumulate in it and the optimizer reads it, with no copy.
+    model_def = small_model_def()
+    resident, host = trainers(model_def, 2)
+    assert resident.gradient_device == torch.device("cpu")
+    buffer = torch.zeros(resident.num_gradient_values + 3)
+    for ours, theirs in zip(run_steps(resident, buffer=buffer), run_steps(host)):
+        np.testing.assert_array_equal(ours, theirs)
+    start, end = buffer.data_ptr(), buffer.data_ptr() + 4 * resident.num_gradient_values
+    assert all(start <= p.grad.data_ptr() < end for p in resident.params)  # the optimizer read the buffer itself
+
+
+def test_the_step_buffer_lives_where_the_collective_sums_and_the_trainer_computes():
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda:1")
+    assert resident_device(cpu, cpu) == cpu  # gloo and a CPU trainer: one buffer, summed as numpy
+    assert resident_device(gpu0, torch.device("cuda:0")) == gpu0  # NCCL on the trainer's GPU: in place
+    assert resident_device(cpu, gpu0) is None  # gloo and a GPU trainer: host buffer, one copy each way
+    assert resident_device(gpu0, cpu) is None  # NCCL and a CPU trainer: the host buffer visits the GPU
+    assert resident_device(gpu0, gpu1) is None
+    assert resident_device(gpu0, None) is None  # Keras: numpy only
 
 
 def test_bf16_autocast_trains_float32_parameters_close_to_fp32():
@@ -162,13 +219,45 @@ def test_train_on_kubernetes_refuses_gpus_for_the_cpu_only_image_in_one_line(tmp
     assert "--worker-gpus 1 but the workers' image" in line and "CPU-only build" in line, line
 
 
-def test_fp16_is_refused_before_anything_starts(tmp_path, digits):
-    from conftest import cli
+def sgd_model_def() -> ModelDefinition:
+    model_def = small_model_def()
+    model_def.module.optimizer = lambda net: torch.optim.SGD(net.parameters(), lr=0.1)  # a step moves by lr x gradient
+    return model_def
 
-    done = cli("train", "--model-def", "elastic_step.model_zoo.digits_torch", "--data", digits, "--job-dir",
-               str(tmp_path / "job"), "--precision", "fp16", "--no-progress", timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "elastic-step train: error: --precision fp16 is not offered: a loss-scaled step that overflows is skipped, "
-        "losing rows the ledger counts as applied; use bf16 (float32's range, no loss scale) or fp32"]
-    assert not (tmp_path / "job").exists()  # nothing written
+
+def test_fp16_computes_an_overflowed_pass_again_at_a_smaller_loss_scale_and_skips_no_step():
+    from elastic_step.frameworks.device import Placement
+    from elastic_step.frameworks.loss_scale import INITIAL
+
+    model_def = sgd_model_def()
+    full, skipping = trainers(model_def, 2)
+    torch.manual_seed(0)
+    half = TorchTrainer(model_def, model_def.model(), Placement("cpu", Precision.FP16, "test"))
+    ours = run_steps(half, steps=4)
+    # The summed loss of 8 rows at 2**16: a logit's gradient of about 1 per row is past
+    # float16's 65504, so the first pass overflows and is computed again at 2**15.
+    assert half.loss_scale.overflows >= 1 and half.loss_scale.value < INITIAL
+    reference = run_steps(full, steps=4)
+    for theirs, mine in zip(reference, ours):
+        assert mine.dtype == np.float32 and not np.array_equal(mine, theirs)  # float16 really ran
+        np.testing.assert_allclose(mine, theirs, atol=2e-4)
+    # What GradScaler would have done (the overflowed first step skipped) is far from it.
+    without_first = run_steps(skipping, steps=4, skip=1)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(without_first, ours)) > 10 * 2e-4
+
+
+def test_a_local_job_trains_in_fp16_with_an_exact_audit_through_a_workers_death(digits, start_job):
+    from elastic_step.audit import audit_report
+
+    from conftest import SLOW_MODEL
+
+    job = start_job("--model-def", SLOW_MODEL, "--data", digits, "--workers", "2", "--epochs", "2", "--minibatch-size", "16",
+                    "--minibatches-per-task", "2", "--heartbeat-timeout", "4", "--precision", "fp16")
+    status = job.wait_for(lambda s: s["world_size"] == 2 and 0.1 < s["rows_done"] / s["rows_total"] < 0.5)
+    job.kill_worker(status, rank=1)
+    assert job.finish() == 0, job.output()
+    report = audit_report(job.audit, digits, 2)
+    assert report["exact"], report
+    logs = "".join(open(path).read() for path in glob.glob(f"{job.job_dir}/logs/*"))
+    assert "computing on cpu in fp16" in logs
+    assert "float16 gradients overflowed at loss scale 65536: the same rows again at 32768" in logs

@@ -1,10 +1,12 @@
 """The allreduce step's buffer: what each rank writes into its part, summed over ranks as the
 collective sums it, tells every rank the step's totals, flags and every rank's row ranges
-exactly; every training mode a job spec can name has a step class on the worker; and rank 0
+exactly, whether it lives in host memory (numpy) or on a trainer's device (a tensor, with its
+counts, flags and ranges mirrored on the host); every training mode a job spec can name has a step class on the worker; and rank 0
 hands its applied steps to the reporter in batches, in order."""
 
 import numpy as np
 import pytest
+import torch
 
 from elastic_step.protocol import RangeRecord, TrainingMode
 from elastic_step.worker.rows import Piece
@@ -13,10 +15,13 @@ from elastic_step.worker.step_buffer import MAX_PIECES, StepBuffer
 from elastic_step.worker.step_registry import STEP_CLASSES
 
 N_GRAD = 5
+# Host memory, and a tensor on a device (the CPU here; a GPU's memory under NCCL).
+PLACES = [None, torch.device("cpu")]
 
 
-def rank_buffer(rank: int, world: int, pieces: list[tuple[int, int, int]], regroup=False, done=False, more=False) -> StepBuffer:
-    buffer = StepBuffer(N_GRAD, world, rank)
+def rank_buffer(rank: int, world: int, pieces: list[tuple[int, int, int]], regroup=False, done=False, more=False,
+                device=None) -> StepBuffer:
+    buffer = StepBuffer(N_GRAD, world, rank, device)
     buffer.clear_meta()
     buffer.gradients[:] = rank + 1
     for i, (task, offset, count) in enumerate(pieces):
@@ -26,18 +31,36 @@ def rank_buffer(rank: int, world: int, pieces: list[tuple[int, int, int]], regro
     return buffer
 
 
+class SummedAlready:
+    """A collective whose sum is known: it writes `total` into the buffer it is given."""
+
+    def __init__(self, total: np.ndarray):
+        self.total = total
+
+    def allreduce_sum(self, buffer) -> None:
+        buffer[:] = torch.from_numpy(self.total) if isinstance(buffer, torch.Tensor) else self.total
+
+
+def whole(buffer: StepBuffer) -> np.ndarray:
+    """What the collective sums of a rank's buffer: its gradients, then its counts, flags and ranges."""
+    if buffer.resident is None:
+        return buffer.data.copy()
+    return np.concatenate([buffer.gradients.numpy(), buffer.meta])
+
+
 def summed(buffers: list[StepBuffer]) -> None:
     """What the collective does: every rank ends with the sum of every rank's buffer."""
-    total = np.sum([b.data for b in buffers], axis=0)
+    total = np.sum([whole(b) for b in buffers], axis=0)
     for b in buffers:
-        b.data[:] = total
+        b.sum_over(SummedAlready(total))
 
 
-def test_every_rank_reads_the_totals_flags_and_every_ranks_ranges_after_the_sum():
+@pytest.mark.parametrize("device", PLACES, ids=["host", "device"])
+def test_every_rank_reads_the_totals_flags_and_every_ranks_ranges_after_the_sum(device):
     big = 2**40 + 12345  # ids and offsets beyond float32's exact integers travel exactly
     parts = {0: [(7, 0, 16)], 1: [(big, big - 1, 3), (9, 0, 13)], 2: []}
-    buffers = [rank_buffer(0, 3, parts[0], more=True), rank_buffer(1, 3, parts[1], regroup=True),
-               rank_buffer(2, 3, parts[2])]
+    buffers = [rank_buffer(0, 3, parts[0], more=True, device=device), rank_buffer(1, 3, parts[1], regroup=True, device=device),
+               rank_buffer(2, 3, parts[2], device=device)]
     buffers[2].zero_gradients()
     summed(buffers)
     for b in buffers:
@@ -50,9 +73,10 @@ def test_every_rank_reads_the_totals_flags_and_every_ranks_ranges_after_the_sum(
         assert list(b.gradients) == [3.0] * N_GRAD
 
 
-def test_a_rank_reports_up_to_max_pieces_ranges_and_a_cleared_buffer_says_nothing():
+@pytest.mark.parametrize("device", PLACES, ids=["host", "device"])
+def test_a_rank_reports_up_to_max_pieces_ranges_and_a_cleared_buffer_says_nothing(device):
     pieces = [(task, 0, 1) for task in range(MAX_PIECES)]
-    buffer = rank_buffer(1, 2, pieces, done=True)
+    buffer = rank_buffer(1, 2, pieces, done=True, device=device)
     assert len(buffer.ranges_of(1)) == MAX_PIECES and buffer.done and buffer.samples == MAX_PIECES
     summary = buffer.summary()
     buffer.clear_meta()
@@ -61,14 +85,29 @@ def test_a_rank_reports_up_to_max_pieces_ranges_and_a_cleared_buffer_says_nothin
     assert summary.any()  # the summary was a copy
 
 
-def test_the_summable_part_carries_gradients_samples_and_loss_across_micro_rounds():
-    buffer = rank_buffer(0, 1, [(1, 0, 4)])
-    first = buffer.summable.copy()
+@pytest.mark.parametrize("device", PLACES, ids=["host", "device"])
+def test_held_sums_carry_gradients_samples_and_loss_across_micro_rounds(device):
+    buffer = rank_buffer(0, 1, [(1, 0, 4)], device=device)
+    first = buffer.held_sums()
     buffer.clear_meta()
+    buffer.gradients[:] = 10.0
     buffer.add_loss(1.0)
     buffer.add_piece(0, Piece(1, 4, 2, None, None))
-    buffer.summable += first
+    buffer.add_sums(first)
     assert buffer.samples == 6 and buffer.loss_sum == 3.0
+    assert list(buffer.gradients) == [11.0] * N_GRAD  # held, not a view the next micro-round overwrote
+    assert buffer.ranges_of(0) == [RangeRecord(task_id=1, offset=4, count=2)]  # ranges are per micro-round
+
+
+def test_a_device_buffer_sums_in_place_and_mirrors_only_its_counts_flags_and_ranges_on_the_host():
+    buffer = rank_buffer(0, 2, [(3, 0, 8)], device=torch.device("cpu"))
+    grads_at = buffer.gradients.data_ptr()
+    assert isinstance(buffer.gradients, torch.Tensor) and buffer.gradients.data_ptr() == buffer.resident.data_ptr()
+    assert buffer.meta.size == buffer.resident.numel() - N_GRAD  # no host copy of the gradients
+    peer = rank_buffer(1, 2, [(4, 0, 2)], device=torch.device("cpu"))
+    summed([buffer, peer])
+    assert buffer.gradients.data_ptr() == grads_at and list(buffer.gradients) == [3.0] * N_GRAD
+    assert buffer.samples == 10 and buffer.ranges_of(1) == [RangeRecord(task_id=4, offset=0, count=2)]
 
 
 @pytest.mark.parametrize("mode", list(TrainingMode))

@@ -3,6 +3,7 @@ applies the averaged sum: the result must equal what plain PyTorch does on the s
 on the zero-copy path (float32 parameters: .grad are views of the buffer) and on the copy path
 (any other dtype)."""
 
+import io
 import types
 
 import numpy as np
@@ -88,3 +89,43 @@ def test_lr_scaling_starts_from_the_model_definitions_rate_even_after_a_scaled_s
     other.load_state_bytes(scaled.state_bytes())  # a broadcast from a rank of a smaller round
     other.scale_learning_rate(1.0)
     assert [g["lr"] for g in other.optimizer.param_groups] == [0.1]
+
+
+def test_a_checkpoints_snapshot_holds_the_state_of_its_step_while_training_goes_on():
+    # A checkpoint's state is copied at its step and serialised later on the sender's thread:
+    # the steps trained meanwhile must not reach it, and it must load as state_bytes() does.
+    model_def = small_model_def(torch.float32)
+    model_def.module.optimizer = lambda net: torch.optim.Adam(net.parameters(), lr=0.01)  # state beside each parameter
+    torch.manual_seed(0)
+    trainer = TorchTrainer(model_def, model_def.model())
+    rng = np.random.default_rng(2)
+    grads = np.zeros(trainer.num_gradient_values, dtype=np.float32)
+
+    def step():
+        features, labels = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
+        trainer.compute_gradients(features, labels, grads)
+        trainer.apply_gradients(grads, 8)
+
+    step()
+    at_the_step = trainer.state_bytes()
+    snapshot = trainer.state_snapshot()
+    for _ in range(3):
+        step()
+    saved = torch.load(io.BytesIO(snapshot.to_bytes()), weights_only=True)
+    expected = torch.load(io.BytesIO(at_the_step), weights_only=True)
+    assert saved["model"].keys() == expected["model"].keys()
+    for key, value in expected["model"].items():
+        assert torch.equal(saved["model"][key], value)
+        assert saved["model"][key].untyped_storage().nbytes() == value.numel() * value.element_size()  # its own storage
+    assert saved["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    for index, state in expected["optimizer"]["state"].items():
+        assert state.keys() == saved["optimizer"]["state"][index].keys()
+        for name, value in state.items():
+            assert torch.equal(saved["optimizer"]["state"][index][name], value), name
+    assert torch.equal(saved["rng"], expected["rng"])
+    later = TorchTrainer(model_def, model_def.model())
+    later.load_state_bytes(snapshot.to_bytes())
+    restored = TorchTrainer(model_def, model_def.model())
+    restored.load_state_bytes(at_the_step)
+    for ours, theirs in zip(later.net.parameters(), restored.net.parameters()):
+        assert torch.equal(ours, theirs)

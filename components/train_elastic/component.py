@@ -108,8 +108,9 @@ def train_elastic(
             cluster's default: KFP has no setting for a task pod's priority class.
         device: Where each worker computes: `auto` (its GPU where it sees one, else the CPU), `cpu`,
             or `cuda` (refused at the worker's pre-flight where no GPU is visible).
-        precision: The forward pass in `fp32` or `bf16` autocast (fp16 is refused: its loss scale
-            skips overflowed steps, losing rows). Recorded in MLflow.
+        precision: The forward pass in `fp32`, or under `bf16` or `fp16` autocast (fp16's loss
+            scale computes an overflowed pass again rather than skip its rows; PyTorch models
+            only). Recorded in MLflow.
         worker_cpu: CPU of each worker pod, REQUEST or REQUEST:LIMIT (e.g. `2`, `500m:2`; "": none).
         worker_memory: Memory of each worker pod, REQUEST or REQUEST:LIMIT (e.g. `4Gi`; "": none).
         worker_gpus: `nvidia.com/gpu` of each worker pod (the cluster needs NVIDIA's device plugin).

@@ -40,8 +40,9 @@ def register(sub) -> None:
                         "workers one each by slot) and the CPU otherwise; cuda refuses to start without one "
                         "(default %(default)s)")
     p.add_argument("--precision", choices=[p.value for p in Precision], default=defaults.PRECISION,
-                   help="the forward pass in fp32 or bf16 autocast (parameters and summed gradients stay float32; "
-                        "fp16 is not offered: its loss scale skips overflowed steps, losing rows) (default %(default)s)")
+                   help="the forward pass in fp32, or under bf16 or fp16 autocast (parameters and summed gradients stay "
+                        "float32; fp16's loss scale computes an overflowed pass again rather than skip its rows; PyTorch "
+                        "models only) (default %(default)s)")
     p.add_argument("--mode", choices=[m.value for m in TrainingMode], default=defaults.MODE,
                    help="allreduce: every worker holds the whole model; ps: the model's embedding tables (PsEmbedding) "
                         "live on --ps-shards parameter-server processes, dense weights by allreduce (default %(default)s)")

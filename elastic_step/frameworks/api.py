@@ -10,6 +10,18 @@ import abc
 import numpy as np
 
 
+class StateSnapshot:
+    """A trainer's state at one step, held in host memory apart from the live state, and
+    serialised when to_bytes() is called (a checkpoint's sender thread, off the step's path)."""
+
+    def __init__(self, data: bytes):
+        self._data = data
+
+    def to_bytes(self) -> bytes:
+        """As state_bytes() returned at the step the snapshot was taken."""
+        return self._data
+
+
 class Trainer(abc.ABC):
     """One rank's model and optimizer."""
 
@@ -20,13 +32,22 @@ class Trainer(abc.ABC):
     def num_gradient_values(self) -> int:
         """Length of the flat gradient buffer."""
 
-    @abc.abstractmethod
-    def compute_gradients(self, features: np.ndarray, labels: np.ndarray, out: np.ndarray) -> float:
-        """Write the sum of per-sample gradients into `out`; return the summed loss."""
+    @property
+    def gradient_device(self):
+        """The torch device whose memory this trainer computes gradients into and applies them
+        from without a copy (a step buffer there crosses no bus), or None: host memory (numpy)
+        only, which every trainer takes."""
+        return None
 
     @abc.abstractmethod
-    def apply_gradients(self, summed: np.ndarray, total_samples: int) -> None:
-        """Apply the allreduced gradient sum divided by the global sample count."""
+    def compute_gradients(self, features: np.ndarray, labels: np.ndarray, out) -> float:
+        """Write the sum of per-sample gradients into `out` (a numpy array, or a float32 tensor on
+        gradient_device); return the summed loss."""
+
+    @abc.abstractmethod
+    def apply_gradients(self, summed, total_samples: int) -> None:
+        """Apply the allreduced gradient sum divided by the global sample count (`summed`: as
+        compute_gradients' `out`; it may be divided in place)."""
 
     @abc.abstractmethod
     def scale_learning_rate(self, factor: float) -> None:
@@ -42,6 +63,11 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def state_bytes(self) -> bytes:
         """Model parameters and optimizer state, serialised (for broadcast and checkpoints)."""
+
+    def state_snapshot(self) -> StateSnapshot:
+        """The state at this step for a checkpoint, to be serialised off the step's path; a
+        trainer whose state serialises cheaply hands over state_bytes() itself."""
+        return StateSnapshot(self.state_bytes())
 
     @abc.abstractmethod
     def load_state_bytes(self, data: bytes) -> None:

@@ -13,10 +13,10 @@ The rule, the same for every worker and every backend:
   asked of an image known to be a CPU-only build); else at each worker's pre-flight.
 
 Precision: `bf16` runs the forward pass under autocast to bfloat16 (CPUs, and GPUs from Ampere
-on); parameters, optimizer state and the summed gradients stay float32. `fp16` is refused: float16
-needs a loss scale, and a scaled step whose gradients overflow is skipped (torch's GradScaler
-does exactly that), which would drop its rows' gradients after the ledger counted them applied:
-the exactly-once invariant forbids it. bfloat16 has float32's range and needs no scale.
+on); `fp16` under autocast to float16 (every GPU, and CPUs whose torch has float16 autocast),
+with a loss scale that never skips a step (loss_scale.py: torch's GradScaler skips a step whose
+gradients overflow, which would drop rows the ledger counted applied). Parameters, optimizer
+state and the summed gradients stay float32. Keras models compute in float32 only.
 
 Nothing here imports CUDA code paths unless asked: `visible_gpus()` asks torch only."""
 
@@ -69,7 +69,7 @@ def visible_gpus() -> int:
 
 
 def place(choice: DeviceChoice, precision: Precision, gpus: int, slot: int = 0,
-          bf16_on_gpu: bool = True) -> Placement:
+          bf16_on_gpu: bool = True, fp16_on_cpu: bool = True) -> Placement:
     """The placement rule (module docstring). `gpus`: what visible_gpus() says; `slot`: the
     worker's slot number (its local index among the machine's workers)."""
     if choice == DeviceChoice.CUDA and gpus == 0:
@@ -78,9 +78,9 @@ def place(choice: DeviceChoice, precision: Precision, gpus: int, slot: int = 0,
         raise ConfigError(f"--device cuda but this worker sees no GPU ({why}): request nvidia.com/gpu for the "
                           "worker pods with an image built with CUDA, or use --device auto or cpu")
     use_gpu = gpus > 0 and choice != DeviceChoice.CPU
-    if precision == Precision.FP16:
-        raise ConfigError("--precision fp16 is not offered: a loss-scaled step that overflows is skipped, losing rows the "
-                          "ledger counts as applied; use bf16 (float32's range, no loss scale) or fp32")
+    if precision == Precision.FP16 and not use_gpu and not fp16_on_cpu:
+        raise ConfigError("--precision fp16 but this worker computes on the CPU, where this torch has no float16 autocast: "
+                          "use bf16 or fp32, or a GPU")
     if precision == Precision.BF16 and use_gpu and not bf16_on_gpu:
         raise ConfigError("--precision bf16 but this GPU has no bfloat16 support (older than Ampere): use fp16 or fp32")
     if not use_gpu:
@@ -136,4 +136,16 @@ def placement_here(choice: DeviceChoice, precision: Precision, slot: int = 0) ->
         import torch
 
         bf16 = torch.cuda.is_bf16_supported()
-    return place(choice, precision, gpus, slot, bf16_on_gpu=bf16)
+    fp16_cpu = precision != Precision.FP16 or cpu_has_fp16_autocast()
+    return place(choice, precision, gpus, slot, bf16_on_gpu=bf16, fp16_on_cpu=fp16_cpu)
+
+
+def cpu_has_fp16_autocast() -> bool:
+    """Whether this torch computes a layer under float16 autocast on the CPU (2.4 and later do)."""
+    import torch
+
+    try:
+        with torch.autocast(device_type="cpu", dtype=torch.float16):
+            return torch.nn.functional.linear(torch.ones(1, 2), torch.ones(1, 2)).dtype == torch.float16
+    except (RuntimeError, AssertionError):
+        return False

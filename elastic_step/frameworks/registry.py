@@ -9,7 +9,7 @@ import sys
 
 from elastic_step.errors import ConfigError, ModelDefinitionError
 from elastic_step.frameworks.api import Trainer
-from elastic_step.frameworks.device import DeviceChoice, Placement
+from elastic_step.frameworks.device import DeviceChoice, Placement, Precision
 from elastic_step.frameworks.model_def import ModelDefinition, load_model_definition
 
 
@@ -63,7 +63,11 @@ def trainer_for(source: str, seed: int = 0) -> Trainer:
 def _check_keras_placement(placement: Placement | None) -> None:
     """TensorFlow places a Keras model's ops itself, on a GPU when its build has CUDA and sees
     one. Where the placement wanted a GPU that this TensorFlow cannot use (the tensorflow-cpu
-    image), --device cuda is refused and auto says in one line that it trains on the CPU."""
+    image), --device cuda is refused and auto says in one line that it trains on the CPU. A
+    Keras model computes in float32: another precision is refused, not ignored."""
+    if placement is not None and placement.precision != Precision.FP32:
+        raise ConfigError(f"--precision {placement.precision.value}: Keras models train in float32 here (only PyTorch "
+                          "models run under autocast); use --precision fp32")
     if placement is None or not placement.on_gpu:
         return
     import tensorflow as tf

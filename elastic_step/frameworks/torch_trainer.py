@@ -1,23 +1,31 @@
 """PyTorch adapter: the reference framework.
 
-On the CPU in float32, the parameters' `.grad` are views of the worker's flat step buffer, so a
-step copies nothing. On a GPU (or under bf16 autocast) the model, its optimizer state and each
-batch live on the placement's device; the step's gradients reach the host step buffer in one
-device-to-host copy of their concatenation, and the summed buffer returns in one host-to-device
-copy (frameworks/device.py decides the placement)."""
+The model, its optimizer state and each batch live on the placement's device (frameworks/device.py
+decides it). Where the worker's flat step buffer lives on that same device (host memory for a
+CPU trainer; GPU memory when NCCL sums the step on the trainer's GPU), the parameters' `.grad`
+are views of it, so a step copies nothing: autograd accumulates into the buffer, the collective
+sums it in place, and the optimizer reads the sum there. Where the buffer lives elsewhere (a GPU
+trainer whose step gloo sums in host memory), the step's gradients reach it in one copy of their
+concatenation, and the sum returns in one copy."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
+import math
 
 import numpy as np
 import torch
 
 from elastic_step.errors import ModelDefinitionError
-from elastic_step.frameworks.api import Trainer
+from elastic_step.frameworks.api import StateSnapshot, Trainer
 from elastic_step.frameworks.device import Placement, Precision
+from elastic_step.frameworks.loss_scale import LossScale
 from elastic_step.frameworks.model_def import ModelDefinition
+
+
+log = logging.getLogger("elastic_step.frameworks")
 
 
 class TorchTrainer(Trainer):
@@ -35,30 +43,57 @@ class TorchTrainer(Trainer):
         self._all_float32 = all(p.dtype == torch.float32 for p in self.params)
         self._views: list[torch.Tensor] = []
         self._views_key: tuple | None = None
-        # Off the CPU, gradients are staged: gathered on the device, copied to the buffer once.
-        self._staged = self.device.type != "cpu"
+        # float16's loss scale, this rank's own (frameworks/loss_scale.py); None in fp32 and bf16.
+        self.loss_scale = LossScale() if self.placement.precision == Precision.FP16 else None
 
     @property
     def num_gradient_values(self) -> int:
         return sum(self._sizes)
 
+    @property
+    def gradient_device(self) -> torch.device:
+        """This trainer's own device, CPU or GPU: a step buffer there is used in place."""
+        return self.device
+
     def compute_gradients(self, features, labels, out) -> float:
         if not self.net.training:  # train() walks every module: once, not every step
             self.net.train()
-        if self._staged:
-            return self._compute_staged(features, labels, out)
-        views = self._gradient_views(out)
+        flat = _flat(out)
+        if self.loss_scale is None:
+            return self._compute(features, labels, flat, 1.0)
+        return self._compute_scaled(features, labels, flat)
+
+    def _compute_scaled(self, features, labels, flat: torch.Tensor) -> float:
+        """float16: the rows' gradients at this rank's loss scale, computed again at half of it
+        while they overflow (never skipped: loss_scale.py), then divided by it in place."""
+        scale = self.loss_scale
+        while True:
+            loss = self._compute(features, labels, flat, scale.value)
+            if not math.isfinite(loss):
+                return loss  # the forward pass itself overflowed: no factor helps; the step's check fails the job
+            if bool(torch.isfinite(flat).all()):
+                flat.div_(scale.value)  # a power of two: exact
+                scale.passed()
+                return loss
+            if not scale.overflowed():
+                return math.inf  # gradients out of range even unscaled: fails the job as a diverged loss does
+            log.info("float16 gradients overflowed at loss scale %g: the same rows again at %g", 2 * scale.value, scale.value)
+
+    def _compute(self, features, labels, flat: torch.Tensor, scale: float) -> float:
+        """The rows' summed gradients times `scale` into `flat`; returns their summed loss."""
+        if flat.device != self.device:
+            return self._compute_staged(features, labels, flat, scale)
+        views = self._gradient_views(flat)
         if views is not None:
             # Autograd accumulates into a defined .grad in place: the step buffer itself.
-            torch.from_numpy(out).zero_()
+            flat.zero_()
             for p, view in zip(self.params, views):
                 p.grad = view
         else:
             for p in self.params:
                 p.grad = None
-        summed = self._summed_loss(torch.from_numpy(features), torch.from_numpy(labels))
-        summed.backward()
-        flat = torch.from_numpy(out)
+        summed = self._summed_loss(self._to_device(features), self._to_device(labels))
+        (summed * scale if scale != 1.0 else summed).backward()
         offset = 0
         for p, size in zip(self.params, self._sizes):
             target = flat[offset:offset + size]
@@ -84,35 +119,36 @@ class TorchTrainer(Trainer):
     def _autocast(self):
         if self.placement.precision == Precision.BF16:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        if self.placement.precision == Precision.FP16:
+            return torch.autocast(device_type=self.device.type, dtype=torch.float16)
         return contextlib.nullcontext()
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
+    def _to_device(self, array) -> torch.Tensor:
+        tensor = _flat(array) if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+        if tensor.device == self.device:
+            return tensor
         if self.device.type == "cuda":  # pinned memory lets the copy overlap the host's work
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor.to(self.device)
 
-    def _compute_staged(self, features, labels, out) -> float:
+    def _compute_staged(self, features, labels, flat: torch.Tensor, scale: float = 1.0) -> float:
+        """The step's gradients (times `scale`) gathered on this trainer's device, then copied
+        into `flat`, a buffer on another device, at once."""
         for p in self.params:
             p.grad = None
         summed = self._summed_loss(self._to_device(features), self._to_device(labels))
-        summed.backward()
+        (summed * scale if scale != 1.0 else summed).backward()
         parts = [p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(size, device=self.device)
                  for p, size in zip(self.params, self._sizes)]
-        torch.from_numpy(out).copy_(torch.cat(parts))  # the one device-to-host copy of the step
+        flat.copy_(torch.cat(parts))  # the one copy of the step's gradients
         return float(summed.detach())
 
     def apply_gradients(self, summed, total_samples) -> None:
-        if self._staged:
-            flat = self._to_device(summed).div_(total_samples)  # the one host-to-device copy
-            offset = 0
-            for p, size in zip(self.params, self._sizes):
-                p.grad = flat[offset:offset + size].view(p.shape).to(p.dtype)
-                offset += size
-            self.optimizer.step()
+        flat = _flat(summed)
+        if flat.device != self.device:
+            self._apply_staged(flat, total_samples)
             return
-        flat = torch.from_numpy(summed)
-        views = self._gradient_views(summed)
+        views = self._gradient_views(flat)
         if views is not None:
             # Divide in place and let the optimizer read the buffer's views: no copies per step.
             flat.div_(total_samples)
@@ -125,6 +161,15 @@ class TorchTrainer(Trainer):
                 offset += size
         self.optimizer.step()
 
+    def _apply_staged(self, flat: torch.Tensor, total_samples: int) -> None:
+        """The summed gradients of a buffer on another device, copied here at once and applied."""
+        flat = self._to_device(flat).div_(total_samples)  # the one copy back
+        offset = 0
+        for p, size in zip(self.params, self._sizes):
+            p.grad = flat[offset:offset + size].view(p.shape).to(p.dtype)
+            offset += size
+        self.optimizer.step()
+
     def scale_learning_rate(self, factor) -> None:
         if any(not isinstance(lr, (int, float)) for lr in self._base_lrs):
             raise ModelDefinitionError(f"--lr-scaling needs a number as each parameter group's lr; optimizer() of "
@@ -132,14 +177,13 @@ class TorchTrainer(Trainer):
         for group, base in zip(self.optimizer.param_groups, self._base_lrs):
             group["lr"] = base * factor
 
-    def _gradient_views(self, buffer: np.ndarray) -> list[torch.Tensor] | None:
+    def _gradient_views(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
         """Views of the flat step buffer shaped like each parameter (built once per buffer),
         or None when a parameter is not float32 (its gradient is then copied and cast)."""
         if not self._all_float32:
             return None
-        key = (buffer.__array_interface__["data"][0], buffer.size)
+        key = (flat.data_ptr(), flat.numel(), flat.device)
         if key != self._views_key:
-            flat = torch.from_numpy(buffer)
             views, offset = [], 0
             for p, size in zip(self.params, self._sizes):
                 views.append(flat[offset:offset + size].view(p.shape))
@@ -152,6 +196,13 @@ class TorchTrainer(Trainer):
         torch.save({"model": _on_cpu(self.net.state_dict()), "optimizer": _on_cpu(self.optimizer.state_dict()),
                     "rng": torch.get_rng_state()}, buffer)
         return buffer.getvalue()
+
+    def state_snapshot(self) -> StateSnapshot:
+        """The state as state_bytes() would save it, copied at this step into host memory: the
+        tensors of each device and dtype in one flat copy (on a GPU, one device-to-host copy of
+        the parameters and optimizer state), serialised later by to_bytes()."""
+        return _HostCopy({"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
+                          "rng": torch.get_rng_state()})
 
     def load_state_bytes(self, data: bytes) -> None:
         # Saved from CPU copies: loadable by the CPU-only master and by any device's worker.
@@ -194,7 +245,7 @@ class TorchTrainer(Trainer):
         self.net.eval()
         with torch.no_grad(), self._autocast():
             outputs = self.net(self._to_device(features))
-        return (outputs.float() if outputs.dtype == torch.bfloat16 else outputs).cpu().numpy()
+        return (outputs.float() if outputs.dtype in (torch.bfloat16, torch.float16) else outputs).cpu().numpy()
 
     def loss_value(self, outputs, labels) -> float:
         with torch.no_grad():
@@ -235,6 +286,62 @@ class TorchTrainer(Trainer):
             serialization_format="pickle",  # MLflow saves a ScriptModule with torch.jit.save
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}"],
         )
+
+
+class _HostCopy(StateSnapshot):
+    """A state dict's tensors copied to host memory at once, apart from the live ones: grouped by
+    device and dtype, each group concatenated where it lives and copied to the host in one piece.
+    to_bytes() rebuilds the state dict from those copies and saves it as state_bytes() does."""
+
+    def __init__(self, state):
+        tensors: list[torch.Tensor] = []
+        self._skeleton = _hollowed(state, tensors)
+        self._shapes = [t.shape for t in tensors]
+        groups: dict[tuple, list[int]] = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        self._groups = [(members, torch.cat([tensors[i].detach().reshape(-1) for i in members]).cpu())
+                        for members in groups.values()]
+
+    def to_bytes(self) -> bytes:
+        copies: list[torch.Tensor | None] = [None] * len(self._shapes)
+        for members, flat in self._groups:
+            for i, part in zip(members, torch.split(flat, [self._shapes[i].numel() for i in members])):
+                copies[i] = part.view(self._shapes[i]).clone()  # each its own storage, as state_bytes() saves
+        buffer = io.BytesIO()
+        torch.save(_filled(self._skeleton, copies), buffer)
+        return buffer.getvalue()
+
+
+class _Slot(int):
+    """Where the i-th tensor of a hollowed state dict goes back."""
+
+
+def _hollowed(tree, tensors: list):
+    """`tree` with fresh containers and each tensor replaced by its _Slot (appended to `tensors`)."""
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return _Slot(len(tensors) - 1)
+    if isinstance(tree, dict):
+        return {key: _hollowed(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_hollowed(value, tensors) for value in tree)
+    return tree
+
+
+def _filled(tree, tensors: list):
+    if isinstance(tree, _Slot):
+        return tensors[tree]
+    if isinstance(tree, dict):
+        return {key: _filled(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_filled(value, tensors) for value in tree)
+    return tree
+
+
+def _flat(buffer) -> torch.Tensor:
+    """A step buffer as a tensor: a numpy buffer's memory seen by torch, a tensor as it is."""
+    return buffer if isinstance(buffer, torch.Tensor) else torch.from_numpy(buffer)
 
 
 def _on_cpu(state):

@@ -27,6 +27,13 @@ from elastic_step.worker.timing import Phase, StepTimes
 log = logging.getLogger("elastic_step.worker")
 
 
+def resident_device(collective_device, trainer_device):
+    """AllreduceStep.buffer_device: the trainer's device when the collective sums there, else None."""
+    if trainer_device is None or collective_device != trainer_device:
+        return None
+    return trainer_device
+
+
 def next_lineage(lineage: int, step: int, step_summary: np.ndarray) -> int:
     """The lineage after applying `step`, whose micro-rounds' summaries are `step_summary`."""
     digest = hashlib.blake2b(lineage.to_bytes(8, "little") + step.to_bytes(8, "little", signed=True), digest_size=8)
@@ -57,10 +64,18 @@ class _Gathered:
 class AllreduceStep(TrainingStep):
     def __init__(self, host: StepHost):
         super().__init__(host)
-        self._scratch: np.ndarray | None = None  # a second gradient buffer, for ranks that accumulate
+        self._scratch = None  # a second gradient buffer, for ranks that accumulate (beside the buffer's)
+
+    def buffer_device(self):
+        """Where the step buffer lives: on the trainer's own device when the collective sums
+        there (host memory on the CPU; the GPU's memory when NCCL sums on the trainer's GPU), so
+        that the trainer computes into it and applies from it in place; None: a numpy buffer in
+        host memory, copied to and from the trainer (a Keras trainer; a GPU trainer whose step
+        gloo sums in host memory)."""
+        return resident_device(self.host.collective.device, self.host.trainer.gradient_device)
 
     def train_round(self, rv: RendezvousReply) -> RoundOutcome:
-        buffer = StepBuffer(self.host.trainer.num_gradient_values, rv.world_size, rv.rank)
+        buffer = StepBuffer(self.host.trainer.num_gradient_values, rv.world_size, rv.rank, self.buffer_device())
         r = _Round(rv, buffer, TaskRows(self.host.task_taker(rv.round_id)))
         try:
             while True:
@@ -99,7 +114,7 @@ class AllreduceStep(TrainingStep):
         """The step's micro-rounds, until it holds G rows (fixed global batch) or one is enough."""
         rank, world, fixed = r.rv.rank, r.rv.world_size, self.host.spec.global_batch_size
         need = shares(fixed, [True] * world)[rank] if fixed else self.host.spec.minibatch_size
-        accumulated: np.ndarray | None = None
+        accumulated: tuple | None = None
         reported = False  # rank 0 sent every applied step before this step's last ask
         gathered = _Gathered([], [[] for _ in range(world)])
         while True:
@@ -128,9 +143,9 @@ class AllreduceStep(TrainingStep):
                 need = short if rank == 0 else 0
             else:
                 return gathered
-            accumulated = buffer.summable.copy()
+            accumulated = buffer.held_sums()
 
-    def _micro_round(self, r: _Round, need: int, accumulated: np.ndarray | None) -> None:
+    def _micro_round(self, r: _Round, need: int, accumulated: tuple | None) -> None:
         """Take up to `need` rows, compute their gradients, and sum the buffer over every rank
         (adding what the step's earlier micro-rounds summed)."""
         buffer, times = r.buffer, r.times
@@ -149,10 +164,10 @@ class AllreduceStep(TrainingStep):
             buffer.zero_gradients()
         buffer.set_flags(regroup=regroup, done=r.master_done,
                          may_have_more=not r.rows.ran_out and not r.master_done and not regroup)
-        self.host.collective.allreduce_sum(buffer.data)
+        buffer.sum_over(self.host.collective)
         times.mark(Phase.ALLREDUCE)
         if accumulated is not None:
-            buffer.summable += accumulated
+            buffer.add_sums(accumulated)
 
     def _gradients(self, pieces: list[Piece], buffer: StepBuffer) -> None:
         """This rank's summed gradients, loss and row ranges in its part of the buffer. Pieces
@@ -167,8 +182,8 @@ class AllreduceStep(TrainingStep):
                     buffer.add_loss(trainer.compute_gradients(features, labels, grads))
                     first = False
                 else:
-                    if self._scratch is None or self._scratch.size != grads.size:
-                        self._scratch = np.zeros(grads.size, dtype=np.float32)
+                    if self._scratch is None or type(self._scratch) is not type(grads) or len(self._scratch) != len(grads):
+                        self._scratch = buffer.zeros_like_gradients()
                     buffer.add_loss(trainer.compute_gradients(features, labels, self._scratch))
                     grads += self._scratch
             buffer.add_piece(p, piece)

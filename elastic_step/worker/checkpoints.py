@@ -1,13 +1,15 @@
 """Rank 0's checkpoints: when one is due, and handing it to the master without stopping training.
 
 The master pairs the state with its ledger of the same step; the state is copied to memory at
-the step and sent from a background thread, so training does not wait for the upload."""
+the step (Trainer.state_snapshot: from a GPU, one device-to-host copy) and serialised and sent
+from a background thread, so training waits for neither."""
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from elastic_step.frameworks.api import StateSnapshot
 from elastic_step.protocol import Route
 from elastic_step.worker.background import StepReporter
 from elastic_step.worker.client import MasterClient, Rejected
@@ -35,10 +37,10 @@ class Checkpoints:
             return True
         return False
 
-    def send(self, round_id: int, step: int, state: bytes) -> None:
+    def send(self, round_id: int, step: int, state: StateSnapshot) -> None:
         def send():
             try:
-                self.client.call("PUT", Route.CHECKPOINT, content=state,
+                self.client.call("PUT", Route.CHECKPOINT, content=state.to_bytes(),
                                  params={"worker_id": self.worker_id, "round_id": round_id, "step": step})
             except Rejected as exc:
                 log.warning("checkpoint of step %d refused: %s", step, exc)

@@ -17,7 +17,19 @@ calls, whose machinery cost more CPU than the bytes. A large buffer, where bandw
 than hops, is summed over the same links in parts: each rank sums one part (a reduce-scatter),
 then sends it to every other (an all-gather). That moves the bytes gloo's ring does, in two hops
 instead of 2(N-1), and, each part summed in rank order, gives the same bits as the direct
-exchange. NCCL keeps its own ring allreduce."""
+exchange. NCCL keeps its own ring allreduce.
+
+On NCCL every operation of the group is started asynchronously and awaited here
+(`await_or_abort`), looking the while at whether the master has moved on to a newer round (a
+member died) and at the collective timeout; either ends the wait by aborting the group, and the
+worker regroups. gloo fails on a dead peer's closed socket within a fraction of a second by
+itself, but NCCL within one machine (shared memory, NVLink) never notices a dead peer: its kernel
+spins until something aborts the communicator. So the wait must not block inside torch, and the
+abort must be ours: the NCCL watchdog's own error handling is switched off
+(TORCH_NCCL_ASYNC_ERROR_HANDLING=0, as torch asks of callers of _abort_process_group), because its
+default tears the whole process down, the restart an elastic worker exists to avoid. gloo's
+operations are waited on as they are: its abort waits for the operation it would end (measured:
+as long as the hung peer stays), so a hung gloo peer is given up on at the collective timeout."""
 
 from __future__ import annotations
 
@@ -47,11 +59,25 @@ DIRECT_EXCHANGE_MAX_BYTES = 16 << 20
 # within moments of each other, so only a member that died just after the meeting is waited
 # for, this long, not the collective timeout (the group's operations get that, after the start).
 GROUP_START_TIMEOUT_S = 10.0
+# How often a member waiting on a started operation looks for its end, a newer round and the
+# timeout: from the first value, doubling up to the second (a GPU step's collective takes
+# milliseconds; a long state broadcast is looked at every few milliseconds).
+AWAIT_POLL_S = (0.00005, 0.005)
+# torch's NCCL watchdog: 0 leaves errors and timeouts to the caller (here: _await), where the
+# default (3) ends the process on the first dead peer. Its heartbeat monitor would end it too,
+# minutes after any error a survivor has long since regrouped from; and no debug dump is written.
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_ENABLE_MONITORING": "0",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 # How often a member at the meeting looks for the others (and for a newer round): from the first
 # value, doubling up to the second, so a meeting of members that are all there costs a millisecond.
 MEET_POLL_S = (0.001, 0.02)
 
 log = logging.getLogger("elastic_step.worker")
+
+
+class CollectiveAbandoned(RuntimeError):
+    """An operation of the group was aborted: the master moved on to a newer round, or it outlasted
+    the collective timeout. A RuntimeError, as a failed collective is: the worker regroups."""
 
 
 class MeetingAbandoned(RuntimeError):
@@ -107,16 +133,22 @@ def meet(store, rank: int, world_size: int, give_up: Callable[[], bool], timeout
 
 
 class Collective:
-    def __init__(self, store_host: str, store_port: int, timeout_s: float, link_key: bytes, backend: str | None = None):
-        """`link_key`: the job's shared secret, which a peer link's dialer proves it holds."""
+    def __init__(self, store_host: str, store_port: int, timeout_s: float, link_key: bytes, backend: str | None = None,
+                 gpu: str | None = None):
+        """`link_key`: the job's shared secret, which a peer link's dialer proves it holds. `gpu`:
+        the device this worker computes on, when a GPU ("cuda:N"): NCCL's communicator is bound to
+        it, so a step buffer living there is summed in place."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.backend = backend or backend_from_env()
-        # NCCL reduces only tensors on the GPU: the step buffer visits this device and comes back.
+        # NCCL reduces only tensors on the GPU: a host buffer visits this device and comes back.
         self.device = torch.device("cpu")
         if self.backend == "nccl":
             if not torch.cuda.is_available():
                 raise ConfigError(f"{BACKEND_ENV}=nccl but this worker sees no GPU: request GPUs for the worker pods, or use gloo")
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device(gpu) if gpu else torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            os.environ.update(NCCL_ERROR_HANDLING)  # read when the group is made (module docstring)
+        self._give_up: Callable[[], bool] = lambda: False  # the round's: the master moved on
         self._store_address = (store_host, store_port)
         self.store = self._connect()
         self.rank, self.world_size = 0, 1
@@ -138,8 +170,11 @@ class Collective:
         store = dist.PrefixStore(prefix, self.store)
         meet(store, rank, world_size, give_up, self.timeout.total_seconds())
         start_timeout = datetime.timedelta(seconds=min(GROUP_START_TIMEOUT_S, self.timeout.total_seconds()))
+        # NCCL's communicator is made now, on this worker's GPU, within the start timeout (not at
+        # the first collective, where a member that died meanwhile would hold the others).
+        bound = {"device_id": self.device} if self.backend == "nccl" else {}
         try:
-            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=start_timeout)
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=start_timeout, **bound)
         except RuntimeError:
             # A timed-out wait may still be answered later on this connection, where it would
             # read as the answer to another request: the next round gets a fresh connection.
@@ -147,6 +182,7 @@ class Collective:
             raise
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # the group's operations: the collective timeout
         self.rank, self.world_size = rank, world_size
+        self._give_up = give_up
         self._received = {}
         if self.backend == "gloo" and world_size > 1:
             # Within the group's start timeout: every member is past gloo's start, so only a
@@ -164,9 +200,16 @@ class Collective:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def allreduce_sum(self, buffer: np.ndarray) -> None:
-        """Sum `buffer` over all ranks, in place. A dead peer fails it within a fraction of a
-        second, a hung one at the group timeout (RuntimeError either way)."""
+    def allreduce_sum(self, buffer: np.ndarray | torch.Tensor) -> None:
+        """Sum `buffer` over all ranks, in place: a numpy array, or a float32 tensor (one on this
+        collective's GPU is summed there by NCCL, with no copy). A dead peer fails it within a
+        fraction of a second on gloo, a newer round or the group timeout on any backend
+        (RuntimeError either way)."""
+        if isinstance(buffer, torch.Tensor):
+            if buffer.device == self.device and self.device.type != "cpu":
+                self._await(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True))
+                return
+            buffer = buffer.numpy()  # a host tensor: numpy shares its memory
         if self._links is not None:
             if (self.world_size - 1) * buffer.nbytes <= DIRECT_EXCHANGE_MAX_BYTES:
                 self._exchange_sum(buffer)
@@ -174,9 +217,17 @@ class Collective:
                 self._sum_in_parts(buffer)
             return
         tensor = torch.from_numpy(buffer).to(self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        self._await(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
         if tensor.device.type != "cpu":
             buffer[:] = tensor.cpu().numpy()
+
+    def _await(self, work) -> None:
+        """Wait for a started operation of the group (module docstring)."""
+        if self.backend == "nccl":
+            await_or_abort(work, self._give_up, self.timeout.total_seconds(), dist.distributed_c10d._abort_process_group,
+                           f"nccl collective of rank {self.rank} of {self.world_size}")
+        else:
+            work.wait()
 
     def _others(self) -> list[int]:
         return [q for q in range(self.world_size) if q != self.rank]
@@ -224,26 +275,43 @@ class Collective:
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         for peer in destinations:
-            dist.send(size, peer)
-            dist.send(payload, peer)
+            self._await(dist.isend(size, peer))
+            self._await(dist.isend(payload, peer))
 
     def recv_bytes(self, source: int) -> bytes:
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.recv(size, source)
+        self._await(dist.irecv(size, source))
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.recv(payload, source)
+        self._await(dist.irecv(payload, source))
         return payload.cpu().numpy().tobytes()
 
     def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src)
+        self._await(dist.broadcast(size, src, async_op=True))
         payload = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
             if data is not None
             else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         )
-        dist.broadcast(payload, src)
+        self._await(dist.broadcast(payload, src, async_op=True))
         return payload.cpu().numpy().tobytes()
+
+
+def await_or_abort(work, give_up: Callable[[], bool], timeout_s: float, abort: Callable[[], None], what: str) -> None:
+    """Wait for a started operation `work` to end; when `give_up()` turns true or `timeout_s`
+    passes first, call `abort()` (which ends every pending operation of the group) and raise
+    CollectiveAbandoned naming `what` and why. The operation's own failure raises from wait()."""
+    deadline = time.monotonic() + timeout_s
+    pause = AWAIT_POLL_S[0]
+    while not work.is_completed():
+        moved_on = give_up()
+        if moved_on or time.monotonic() > deadline:
+            abort()
+            why = "the master moved on to a newer round" if moved_on else f"no answer within {timeout_s:g} s"
+            raise CollectiveAbandoned(f"{what} abandoned: {why}")
+        time.sleep(pause)
+        pause = min(2 * pause, AWAIT_POLL_S[1])
+    work.wait()
 
 
 def _sum_in_rank_order(mine: np.ndarray, others: dict[int, np.ndarray], rank: int, world: int) -> None:

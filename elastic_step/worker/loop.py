@@ -78,14 +78,15 @@ class Worker:
         except PreflightFailed:
             self.heartbeat.halt()
             raise
-        self.trainer = self._trainer_on_its_device(worker_id)
+        self.placement, self.trainer = self._trainer_on_its_device(worker_id)
         if spec.lr_scaling != LrScaling.NONE:
             try:  # a rate that cannot be scaled fails the job now, not at the first step
                 self.trainer.scale_learning_rate(1.0)
             except ModelDefinitionError as exc:
                 self.heartbeat.halt()
                 raise PreflightFailed(str(exc)) from None
-        self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s, link_key=client.token.encode())
+        self.collective = Collective(spec.store_host, spec.store_port, spec.collective_timeout_s, link_key=client.token.encode(),
+                                     gpu=self.placement.device if self.placement.on_gpu else None)
         self.reporter = StepReporter(client, worker_id)
         self.handover = StepHandOver(self.reporter.push)  # rank 0's records, to the reporter in batches
         self.tasks = TaskFeed(client, worker_id, self.reader, self.model_def, spec)
@@ -105,7 +106,7 @@ class Worker:
             self.heartbeat.halt()
             raise PreflightFailed(str(exc)) from None
         log.info("computing on %s in %s (%s)", placement.device, placement.precision.value, placement.reason)
-        return trainer
+        return placement, trainer
 
     def _warm_up(self) -> None:
         """Trace the training step on a couple of rows before the first rendezvous: the master
@@ -165,7 +166,7 @@ class Worker:
                          self.spec.lr_scaling.factor(full_step, self.spec.full_batch), self.spec.lr_scaling, full_step,
                          self.spec.full_batch)
             return self.steps.train_round(rv)
-        except RuntimeError as exc:  # gloo: a peer died or hung
+        except RuntimeError as exc:  # a peer died or hung, or the master moved on (CollectiveAbandoned)
             log.warning("round %d collective failed: %s", rv.round_id, exc)
             try:
                 self.client.call("POST", Route.COLLECTIVE_FAILED, CollectiveFailedRequest(worker_id=self.worker_id, round_id=rv.round_id, error=str(exc)))
@@ -201,8 +202,8 @@ class Worker:
                             time=time.time(), checkpoint=rv.rank == 0 and self.checkpoints.due(step))
         self.progress.unacked[step] = record
         if rv.rank == 0:
-            if record.checkpoint:  # copied now, sent in the background
-                self.checkpoints.send(rv.round_id, step, self.trainer.state_bytes())
+            if record.checkpoint:  # copied now, serialised and sent in the background
+                self.checkpoints.send(rv.round_id, step, self.trainer.state_snapshot())
             self.handover.add(rv.round_id, record, now=record.checkpoint)
 
     def fail_job(self, reason: str) -> None:

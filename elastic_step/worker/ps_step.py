@@ -100,6 +100,10 @@ class PsStep(AllreduceStep):
         self.round_id = 0
         self.duplicates = 0  # pushes the shards had applied already (re-issued rows)
 
+    def buffer_device(self):
+        """Host memory: the sparse tables' gradients are pushed from the host beside the dense ones."""
+        return None
+
     def train_round(self, rv: RendezvousReply) -> RoundOutcome:
         self.round_id = rv.round_id
         try:

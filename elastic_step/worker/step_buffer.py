@@ -9,11 +9,20 @@ that applies them. A rank's part is a "may have more rows" flag, then up to MAX_
 (task, offset, count) triples, each integer as two exact float halves.
 
 All the index arithmetic of the layout lives here; the step code speaks in the views' names.
+
+A PyTorch trainer's buffer is a tensor on the trainer's own device (`device`; AllreduceStep picks
+it): host memory on the CPU, where gloo's peer links sum the same memory as numpy; GPU memory
+when NCCL sums the step on the trainer's GPU. The trainer writes its gradients straight into it,
+the collective sums it in place and the optimizer reads the sum there, so on a GPU no gradient
+crosses to the host. The part after the gradients, a few hundred bytes of counts, flags and ranges
+that the step's code reads and writes on the host, is mirrored in host memory (`meta`): copied in
+before each collective and out after it. Other trainers (Keras) get a numpy buffer.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from elastic_step.protocol import RangeRecord
 from elastic_step.worker.collective import decode_int, encode_int
@@ -27,20 +36,56 @@ PER_RANK = 1 + _PIECE * MAX_PIECES  # "may have more rows", then its pieces
 
 class StepBuffer:
     """One step buffer for `n_gradients` gradient values and a round of `world` ranks, as seen
-    by `rank`. The views share the buffer's memory: writing through them writes the buffer."""
+    by `rank`. The views share the buffer's memory: writing through them writes the buffer.
 
-    def __init__(self, n_gradients: int, world: int, rank: int):
+    `device`: None keeps the buffer in host memory (numpy; the gradients are a numpy view);
+    a torch device keeps it there (a tensor; the gradients are a tensor view of it), with the
+    part after the gradients mirrored in host memory (module docstring)."""
+
+    def __init__(self, n_gradients: int, world: int, rank: int, device: torch.device | None = None):
         n = n_gradients
         self.world, self.rank = world, rank
-        self.data = np.zeros(n + HEADER + PER_RANK * world, dtype=np.float32)  # what the collective sums
-        self.gradients = self.data[:n]
-        # Gradients, samples and loss: what a step's micro-rounds add up.
-        self.summable = self.data[:n + 2]
-        # Everything but the gradients: cleared each micro-round, and the step's summary (counts,
-        # flags and ranges, which every rank sees alike) that its lineage digests.
-        self.meta = self.data[n:]
-        self._samples, self._loss, self._regroup, self._done = n, n + 1, n + 2, n + 3
-        self._ranks = n + HEADER  # rank r's part starts at _ranks + PER_RANK * r
+        size = n + HEADER + PER_RANK * world
+        self.resident: torch.Tensor | None = None  # the whole buffer in device memory, when it lives there
+        if device is None:
+            self.data = np.zeros(size, dtype=np.float32)  # what the collective sums
+            self.gradients = self.data[:n]
+            # Everything but the gradients: cleared each micro-round, and the step's summary
+            # (counts, flags and ranges, which every rank sees alike) that its lineage digests.
+            self.meta = self.data[n:]
+        else:
+            self.resident = torch.zeros(size, dtype=torch.float32, device=device)
+            self.gradients = self.resident[:n]
+            self.meta = np.zeros(size - n, dtype=np.float32)
+        self._samples, self._loss, self._regroup, self._done = 0, 1, 2, 3  # in `meta`
+        self._ranks = HEADER  # rank r's part starts at _ranks + PER_RANK * r
+
+    def sum_over(self, collective) -> None:
+        """Sum the whole buffer over every rank of `collective`'s round, in place."""
+        if self.resident is None:
+            collective.allreduce_sum(self.data)
+            return
+        tail = self.resident[self.gradients.numel():]
+        tail.copy_(torch.from_numpy(self.meta))
+        collective.allreduce_sum(self.resident)
+        self.meta[:] = tail.cpu().numpy()
+
+    def held_sums(self) -> tuple:
+        """A copy of what a step's micro-rounds add up (gradients, samples, loss), for add_sums."""
+        grads = self.gradients.clone() if self.resident is not None else self.gradients.copy()
+        return grads, self.meta[:2].copy()
+
+    def add_sums(self, held: tuple) -> None:
+        """Add an earlier micro-round's held_sums() to this one's."""
+        grads, counts = held
+        self.gradients += grads
+        self.meta[:2] += counts
+
+    def zeros_like_gradients(self):
+        """A second gradient buffer where this one's gradients live (host or device)."""
+        if self.resident is not None:
+            return torch.zeros_like(self.gradients)
+        return np.zeros(self.gradients.size, dtype=np.float32)
 
     # -- before the collective: this rank's part -------------------------------------------------
     def clear_meta(self) -> None:
@@ -52,47 +97,47 @@ class StepBuffer:
         self.gradients[:] = 0.0
 
     def add_loss(self, loss: float) -> None:
-        self.data[self._loss] += loss
+        self.meta[self._loss] += loss
 
     def add_piece(self, index: int, piece: Piece) -> None:
         """This rank's `index`-th piece of the micro-round: its rows count, and its range."""
-        self.data[self._samples] += piece.count
+        self.meta[self._samples] += piece.count
         slot = self._ranks + PER_RANK * self.rank + 1 + _PIECE * index
         for i, value in enumerate((piece.task_id, piece.offset, piece.count)):
-            self.data[slot + 2 * i], self.data[slot + 2 * i + 1] = encode_int(value)
+            self.meta[slot + 2 * i], self.meta[slot + 2 * i + 1] = encode_int(value)
 
     def set_flags(self, regroup: bool, done: bool, may_have_more: bool) -> None:
         if may_have_more:
-            self.data[self._ranks + PER_RANK * self.rank] = 1.0
-        self.data[self._regroup] = 1.0 if regroup else 0.0
-        self.data[self._done] = 1.0 if done else 0.0
+            self.meta[self._ranks + PER_RANK * self.rank] = 1.0
+        self.meta[self._regroup] = 1.0 if regroup else 0.0
+        self.meta[self._done] = 1.0 if done else 0.0
 
     # -- after the collective: every rank's word ---------------------------------------------------
     @property
     def samples(self) -> int:
-        return int(round(self.data[self._samples]))
+        return int(round(self.meta[self._samples]))
 
     @property
     def loss_sum(self) -> float:
-        return float(self.data[self._loss])
+        return float(self.meta[self._loss])
 
     @property
     def regroup(self) -> bool:
         """Some rank heard of a new round (or a stop, or its round ended): every rank stops here."""
-        return bool(self.data[self._regroup] > 0)
+        return bool(self.meta[self._regroup] > 0)
 
     @property
     def done(self) -> bool:
         """The master told some rank that every epoch is applied."""
-        return bool(self.data[self._done] > 0)
+        return bool(self.meta[self._done] > 0)
 
     def may_have_more(self, rank: int) -> bool:
-        return bool(self.data[self._ranks + PER_RANK * rank] > 0)
+        return bool(self.meta[self._ranks + PER_RANK * rank] > 0)
 
     def ranges_of(self, rank: int) -> list[RangeRecord]:
         """The ranges `rank` consumed in this micro-round, in order (its pieces fill its slots
         from the first; a count of 0 ends them)."""
-        data, first = self.data, self._ranks + PER_RANK * rank + 1
+        data, first = self.meta, self._ranks + PER_RANK * rank + 1
         ranges = []
         for base in range(first, first + _PIECE * MAX_PIECES, _PIECE):
             count = decode_int(data[base + 4], data[base + 5])
