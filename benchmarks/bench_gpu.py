@@ -25,12 +25,17 @@ import time
 from common import MODEL, elastic_step, job_status, machine, prepared_digits, read_steps, steady_rate, torchrun, wait_until
 
 
+def collective_backend(device: str) -> str:
+    """NCCL where each of the 2 workers has a GPU of its own (as GPU pods have; the Kubernetes
+    backend sets it there); gloo where they share one, since NCCL refuses two ranks on one GPU
+    (our step buffer then lives in host memory, one copy each way; the peer's DDP uses gloo too)."""
+    import torch
+
+    return "nccl" if device == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
+
+
 def worker_env(device: str) -> dict[str, str]:
-    """NCCL sums the step buffer on GPUs (the Kubernetes backend sets the same on GPU pods)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if device == "cuda":
-        env["ELASTIC_STEP_COLLECTIVE_BACKEND"] = "nccl"
-    return env
+    return dict(os.environ, OMP_NUM_THREADS="1", ELASTIC_STEP_COLLECTIVE_BACKEND=collective_backend(device))
 
 
 def train(data: str, job_dir: str, device: str, epochs: int, batch: int) -> subprocess.Popen:
@@ -77,7 +82,7 @@ def steady_rates(data: str, root: str, device: str, epochs: int, batch: int) -> 
     log = os.path.join(root, "ddp.jsonl")
     peer = torchrun("--standalone", "--nproc-per-node", "2", os.path.join(os.path.dirname(__file__), "ddp_peer.py"),
                     "--model-def", MODEL, "--data", data, "--epochs", str(epochs), "--minibatch-size", str(batch),
-                    "--device", device, "--step-log", log, env=worker_env(device),
+                    "--device", device, "--backend", collective_backend(device), "--step-log", log, env=worker_env(device),
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert peer.wait() == 0, "torchrun peer failed"
     return ours, steady_rate(read_steps(log))
@@ -90,7 +95,8 @@ def main() -> None:
     parser.add_argument("--minibatch-size", type=int, default=64)
     parser.add_argument("--copies", type=int, default=20, help="digits rows repeated (with noise) this many times")
     args = parser.parse_args()
-    print(f"gpu check: digits x{args.copies}, 2 workers, --device {args.device}, minibatch {args.minibatch_size}; {machine()}")
+    print(f"gpu check: digits x{args.copies}, 2 workers, --device {args.device}, {collective_backend(args.device)} between "
+          f"them, minibatch {args.minibatch_size}; {machine()}")
     with tempfile.TemporaryDirectory() as root:
         data = prepared_digits(root, args.copies)
         disturbed = disturbed_run(data, root, args.device, args.epochs, args.minibatch_size)

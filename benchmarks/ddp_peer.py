@@ -61,12 +61,16 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--pid-dir")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: each rank on the GPU of its LOCAL_RANK, NCCL, the epoch's batches on the GPU")
+                        help="cuda: each rank on the GPU of its LOCAL_RANK (modulo the GPUs there are), the epoch's batches "
+                             "on the GPU")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                        help="nccl needs a GPU per rank: NCCL refuses two ranks on one GPU")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     if args.pid_dir:
         with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as f:
             f.write(str(os.getpid()))

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU device check: one short script for a machine with a CUDA GPU (see benchmarks/bench_gpu.py
-# for what it measures and asserts). It needs a Python with a CUDA build of torch and the project's
+# The GPU device check: one short script for a machine with a CUDA GPU (see benchmarks/nccl_check.py
+# and benchmarks/bench_gpu.py for what they measure and assert). It needs a Python with a CUDA build of torch and the project's
 # other requirements; where that Python lacks some and cannot reach an index, carry them as wheels in
 # .whl/ (pip download --only-binary=:all: for that Python's version and platform) and they are
-# installed beside it first. Exit 0 only when the disturbed run's audit is exact.
+# installed beside it first. Exit 0 only when every NCCL check passes and the disturbed run's audit is exact.
 #   benchmarks/gpu_check.sh [--copies N] [--epochs N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,4 +25,5 @@ print(f"gpu check: torch {torch.__version__}, {torch.cuda.device_count()} GPU(s)
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 date -u +"gpu check: %Y-%m-%d %H:%M UTC"
+"$PY" benchmarks/nccl_check.py
 "$PY" benchmarks/bench_gpu.py --device cuda "$@"

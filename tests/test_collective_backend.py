@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_step.errors import ConfigError
-from elastic_step.worker.collective import BACKEND_ENV, Collective, CollectiveAbandoned, await_or_abort, backend_from_env
+from elastic_step.worker.collective import (BACKEND_ENV, Collective, CollectiveAbandoned, CommunicatorLost, await_or_abort,
+                                          backend_from_env)
 
 
 @pytest.fixture
@@ -206,3 +207,22 @@ def test_an_nccl_wait_aborts_the_group_when_the_master_moves_on_or_at_the_timeou
     with pytest.raises(RuntimeError, match="remote process exited"):  # the operation's own failure, as it is
         await_or_abort(failed, lambda: False, 30, lambda: aborted.append("wrong"), "rank 0")
     assert aborted == ["moved on", "timeout"]
+
+
+def test_a_group_that_cannot_start_after_this_process_aborted_one_makes_the_worker_leave(store, monkeypatch):
+    # Before any abort, a failed start is a peer's death at the start: the worker regroups
+    # (RuntimeError). After one, NCCL's state in the process is suspect: it leaves to be relaunched.
+    collective = Collective("127.0.0.1", store.port, timeout_s=20, link_key=b"k")
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    monkeypatch.setattr(dist, "init_process_group", refused)
+    with pytest.raises(RuntimeError, match="unhandled system error") as first:
+        collective.join("round-1/", rank=0, world_size=1)
+    assert not isinstance(first.value, CommunicatorLost)
+    collective.aborted = True  # as _abort leaves it
+    with pytest.raises(CommunicatorLost, match=r"^no gloo group could be started after this process aborted one "
+                                               r"\(NCCL error: unhandled system error\); leaving to be relaunched"):
+        collective.join("round-2/", rank=0, world_size=1)
+    assert not issubclass(CommunicatorLost, RuntimeError)  # the worker's regroup does not swallow it

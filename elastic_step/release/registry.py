@@ -33,18 +33,6 @@ def version_by_alias(client, name: str, alias: str):
         raise
 
 
-def _model_exists(client, name: str) -> bool:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.get_registered_model(name)
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return False
-        raise
-    return True
-
-
 def get_version(client, name: str, version: str):
     from mlflow.exceptions import MlflowException
 
@@ -60,6 +48,8 @@ def get_version(client, name: str, version: str):
 
 
 def _model_exists(client, name: str) -> bool:
+    """Whether `name` is a registered model this client may read: MLflow's basic auth answers 403,
+    not 404, for a model not made yet, so any refusal counts as not there."""
     from mlflow.exceptions import MlflowException
 
     try:

@@ -34,6 +34,16 @@ def resident_device(collective_device, trainer_device):
     return trainer_device
 
 
+def summed_by(backend: str, device) -> str:
+    """What sums a step buffer, and why that, for the worker's log."""
+    if backend == "nccl":
+        if device is not None:
+            return "NCCL's own allreduce, in place (its ring is the GPU's fastest path; the peer links sum host memory)"
+        return "NCCL through its GPU, one copy each way (this trainer does not compute on that GPU)"
+    return ("the round's peer links: a direct exchange, or in parts past 16 MiB (one or two hops where gloo's ring takes "
+            "2(N-1))")
+
+
 def next_lineage(lineage: int, step: int, step_summary: np.ndarray) -> int:
     """The lineage after applying `step`, whose micro-rounds' summaries are `step_summary`."""
     digest = hashlib.blake2b(lineage.to_bytes(8, "little") + step.to_bytes(8, "little", signed=True), digest_size=8)
@@ -65,6 +75,7 @@ class AllreduceStep(TrainingStep):
     def __init__(self, host: StepHost):
         super().__init__(host)
         self._scratch = None  # a second gradient buffer, for ranks that accumulate (beside the buffer's)
+        self._told_where = False  # the worker's log says once where its step lives and what sums it
 
     def buffer_device(self):
         """Where the step buffer lives: on the trainer's own device when the collective sums
@@ -75,7 +86,12 @@ class AllreduceStep(TrainingStep):
         return resident_device(self.host.collective.device, self.host.trainer.gradient_device)
 
     def train_round(self, rv: RendezvousReply) -> RoundOutcome:
-        buffer = StepBuffer(self.host.trainer.num_gradient_values, rv.world_size, rv.rank, self.buffer_device())
+        device = self.buffer_device()
+        if not self._told_where:
+            self._told_where = True
+            log.info("step buffer in %s, summed by %s", f"{device} memory" if device else "host memory (numpy)",
+                     summed_by(self.host.collective.backend, device))
+        buffer = StepBuffer(self.host.trainer.num_gradient_values, rv.world_size, rv.rank, device)
         r = _Round(rv, buffer, TaskRows(self.host.task_taker(rv.round_id)))
         try:
             while True:

@@ -80,6 +80,13 @@ class CollectiveAbandoned(RuntimeError):
     the collective timeout. A RuntimeError, as a failed collective is: the worker regroups."""
 
 
+class CommunicatorLost(Exception):
+    """A group could not be started in a process that aborted one before: NCCL's state in this
+    process may not have survived the abort, so the worker leaves (exit 1) and is relaunched as a
+    fresh process rather than failing every round it is offered. Not a RuntimeError: the worker's
+    regroup does not catch it."""
+
+
 class MeetingAbandoned(RuntimeError):
     """The round's members did not all meet: one is missing and the master moved on (or the
     meeting outlasted its timeout). A RuntimeError, as a failed collective is: the worker
@@ -149,6 +156,7 @@ class Collective:
             torch.cuda.set_device(self.device)
             os.environ.update(NCCL_ERROR_HANDLING)  # read when the group is made (module docstring)
         self._give_up: Callable[[], bool] = lambda: False  # the round's: the master moved on
+        self.aborted = False  # this process aborted a group (CommunicatorLost)
         self._store_address = (store_host, store_port)
         self.store = self._connect()
         self.rank, self.world_size = 0, 1
@@ -175,10 +183,13 @@ class Collective:
         bound = {"device_id": self.device} if self.backend == "nccl" else {}
         try:
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=start_timeout, **bound)
-        except RuntimeError:
+        except RuntimeError as exc:
             # A timed-out wait may still be answered later on this connection, where it would
             # read as the answer to another request: the next round gets a fresh connection.
             self.store = self._connect()
+            if self.aborted:
+                raise CommunicatorLost(f"no {self.backend} group could be started after this process aborted one "
+                                       f"({exc}); leaving to be relaunched as a fresh process") from exc
             raise
         dist.distributed_c10d._set_pg_timeout(self.timeout)  # the group's operations: the collective timeout
         self.rank, self.world_size = rank, world_size
@@ -224,10 +235,14 @@ class Collective:
     def _await(self, work) -> None:
         """Wait for a started operation of the group (module docstring)."""
         if self.backend == "nccl":
-            await_or_abort(work, self._give_up, self.timeout.total_seconds(), dist.distributed_c10d._abort_process_group,
+            await_or_abort(work, self._give_up, self.timeout.total_seconds(), self._abort,
                            f"nccl collective of rank {self.rank} of {self.world_size}")
         else:
             work.wait()
+
+    def _abort(self) -> None:
+        self.aborted = True
+        dist.distributed_c10d._abort_process_group()  # every pending operation of the group ends with an error
 
     def _others(self) -> list[int]:
         return [q for q in range(self.world_size) if q != self.rank]

@@ -36,7 +36,7 @@ from elastic_step.protocol import (
 from elastic_step.worker.background import Heartbeat, StepReporter
 from elastic_step.worker.checkpoints import Checkpoints
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
-from elastic_step.worker.collective import Collective
+from elastic_step.worker.collective import Collective, CommunicatorLost
 from elastic_step.worker.handover import StepHandOver
 from elastic_step.worker.preflight import PreflightFailed, check_worker
 from elastic_step.worker.rows import merged
@@ -126,7 +126,11 @@ class Worker:
                 reply = self._rendezvous(left_round)
                 if reply.status != Rendezvous.READY:
                     return 0
-                outcome = self._run_round(reply)
+                try:
+                    outcome = self._run_round(reply)
+                except CommunicatorLost as exc:
+                    log.error("round %d: %s", reply.round_id, exc)
+                    return 1
                 left_round = reply.round_id
                 if outcome == RoundOutcome.FAILED:
                     return 1

@@ -1,0 +1,134 @@
+"""The GPU paths one GPU can check, in one process (benchmarks/gpu_check.sh runs it first; a
+2-worker job on NCCL needs two GPUs, since NCCL refuses two ranks on one):
+
+1. a worker's step on NCCL: the step buffer in the GPU's memory, the trainer's gradients
+   accumulated in it (no copy), NCCL summing it in place, the optimizer reading the sum there;
+2. the regroup's abort: a group aborted as a survivor aborts it (the master moved on), then a new
+   group on a new prefix of the same store in the same process, which sums again;
+3. a checkpoint's snapshot taken from device tensors (one device-to-host copy per dtype),
+   serialised later and loaded on the CPU;
+4. fp16 on the GPU: autocast to float16, an overflowed pass computed again at a smaller loss
+   scale, parameters kept float32.
+
+Prints one line per check and exits 1 at the first that fails. No GPU: exits 2 at once."""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def check(what: str, ok: bool, detail: str = "") -> None:
+    print(f"  {'ok  ' if ok else 'FAIL'} {what}{': ' + detail if detail else ''}", flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+def digits_like_trainer(device: str, precision):
+    from elastic_step.frameworks.device import Placement
+    from elastic_step.frameworks.model_def import load_model_definition
+    from elastic_step.frameworks.torch_trainer import TorchTrainer
+
+    model_def = load_model_definition("elastic_step.model_zoo.digits_torch")
+    torch.manual_seed(0)
+    return TorchTrainer(model_def, model_def.model(), Placement(device, precision, "nccl check"))
+
+
+def batch(rows: int = 64):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((rows, 64)).astype(np.float32), rng.integers(0, 10, rows)
+
+
+def step_on_nccl(collective, trainer) -> None:
+    from elastic_step.worker.allreduce_step import resident_device
+    from elastic_step.worker.step_buffer import StepBuffer
+
+    device = resident_device(collective.device, trainer.gradient_device)
+    check("the step buffer lives on the trainer's GPU", device is not None and device.type == "cuda", str(device))
+    buffer = StepBuffer(trainer.num_gradient_values, 1, 0, device)
+    features, labels = batch()
+    buffer.clear_meta()
+    buffer.add_loss(trainer.compute_gradients(features, labels, buffer.gradients))
+    start = buffer.gradients.data_ptr()
+    end = start + 4 * trainer.num_gradient_values
+    check("gradients accumulate in the buffer itself", all(start <= p.grad.data_ptr() < end for p in trainer.params))
+    before = buffer.gradients.clone()
+    buffer.sum_over(collective)
+    torch.cuda.synchronize()
+    check("NCCL sums it in place (one rank: the sum is the buffer)", torch.equal(before, buffer.gradients))
+    weights = [p.detach().clone() for p in trainer.params]
+    trainer.apply_gradients(buffer.gradients, len(labels))
+    moved = all(not torch.equal(w, p) for w, p in zip(weights, trainer.params))
+    check("the optimizer applied the sum from the buffer", moved)
+
+
+def abort_and_regroup(collective) -> None:
+    started = time.monotonic()
+    dist.distributed_c10d._abort_process_group()
+    collective.leave()
+    collective.join("nccl-check-2/", rank=0, world_size=1)
+    tensor = torch.ones(1024, device=collective.device)
+    collective.allreduce_sum(tensor)
+    torch.cuda.synchronize()
+    check("abort, then a new group in the same process sums again", bool((tensor == 1).all()),
+          f"{time.monotonic() - started:.3f} s")
+
+
+def snapshot_from_the_gpu(trainer) -> None:
+    from elastic_step.frameworks.device import Precision
+
+    snapshot = trainer.state_snapshot()
+    expected = trainer.state_bytes()
+    features, labels = batch()
+    grads = np.zeros(trainer.num_gradient_values, dtype=np.float32)
+    trainer.compute_gradients(features, labels, grads)  # training goes on after the snapshot
+    trainer.apply_gradients(grads, len(labels))
+    on_cpu = digits_like_trainer("cpu", Precision.FP32)
+    on_cpu.load_state_bytes(snapshot.to_bytes())
+    reference = torch.load(io.BytesIO(expected), weights_only=True)["model"]
+    same = all(torch.equal(p.detach(), reference[name]) for name, p in on_cpu.net.state_dict().items())
+    check("a checkpoint's snapshot from the GPU loads on the CPU as of its step", same)
+
+
+def fp16_on_the_gpu() -> None:
+    from elastic_step.frameworks.device import Precision
+
+    trainer = digits_like_trainer("cuda:0", Precision.FP16)
+    grads = torch.zeros(trainer.num_gradient_values, device="cuda:0")
+    for _ in range(3):
+        features, labels = batch()
+        trainer.compute_gradients(features, labels, grads)
+        trainer.apply_gradients(grads, len(labels))
+    scale = trainer.loss_scale
+    ok = scale.overflows >= 1 and all(p.dtype == torch.float32 for p in trainer.params) and bool(torch.isfinite(grads).all())
+    check("fp16: overflowed passes computed again, float32 parameters", ok,
+          f"{scale.overflows} pass(es) again, loss scale now {scale.value:g}")
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("nccl check: torch sees no GPU", file=sys.stderr)
+        sys.exit(2)
+    from elastic_step.frameworks.device import Precision
+    from elastic_step.worker.collective import Collective
+
+    print(f"nccl check: torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+          f"{torch.cuda.get_device_name(0)}", flush=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    collective = Collective("127.0.0.1", store.port, timeout_s=60, link_key=b"check", backend="nccl", gpu="cuda:0")
+    collective.join("nccl-check-1/", rank=0, world_size=1)
+    trainer = digits_like_trainer("cuda:0", Precision.FP32)
+    step_on_nccl(collective, trainer)
+    abort_and_regroup(collective)
+    collective.leave()
+    snapshot_from_the_gpu(trainer)
+    fp16_on_the_gpu()
+
+
+if __name__ == "__main__":
+    main()
