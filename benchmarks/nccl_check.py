@@ -3,8 +3,9 @@
 
 1. a worker's step on NCCL: the step buffer in the GPU's memory, the trainer's gradients
    accumulated in it (no copy), NCCL summing it in place, the optimizer reading the sum there;
-2. the regroup's abort: a group aborted as a survivor aborts it (the master moved on), then a new
-   group on a new prefix of the same store in the same process, which sums again;
+2. the regroup's abort: a group aborted as a survivor aborts it, then a new group on a new prefix of
+   the same store in the same process, which sums again (one GPU: the group aborted is idle; an
+   abort that ends a hung peer's operation needs two);
 3. a checkpoint's snapshot taken from device tensors (one device-to-host copy per dtype),
    serialised later and loaded on the CPU;
 4. fp16 on the GPU: autocast to float16, an overflowed pass computed again at a smaller loss
@@ -46,6 +47,7 @@ def batch(rows: int = 64):
 
 def step_on_nccl(collective, trainer) -> None:
     from elastic_step.worker.allreduce_step import resident_device
+    from elastic_step.worker.rows import Piece
     from elastic_step.worker.step_buffer import StepBuffer
 
     device = resident_device(collective.device, trainer.gradient_device)
@@ -54,13 +56,17 @@ def step_on_nccl(collective, trainer) -> None:
     features, labels = batch()
     buffer.clear_meta()
     buffer.add_loss(trainer.compute_gradients(features, labels, buffer.gradients))
+    buffer.add_piece(0, Piece(7, 0, len(labels), None, None))
     start = buffer.gradients.data_ptr()
     end = start + 4 * trainer.num_gradient_values
     check("gradients accumulate in the buffer itself", all(start <= p.grad.data_ptr() < end for p in trainer.params))
     before = buffer.gradients.clone()
     buffer.sum_over(collective)
     torch.cuda.synchronize()
-    check("NCCL sums it in place (one rank: the sum is the buffer)", torch.equal(before, buffer.gradients))
+    check("NCCL's allreduce ran on the buffer in place (one rank: the sum is the buffer itself)",
+          torch.equal(before, buffer.gradients) and buffer.gradients.data_ptr() == start)
+    check("the counts and ranges came back through the host mirror",
+          buffer.samples == len(labels) and [(r.task_id, r.count) for r in buffer.ranges_of(0)] == [(7, len(labels))])
     weights = [p.detach().clone() for p in trainer.params]
     trainer.apply_gradients(buffer.gradients, len(labels))
     moved = all(not torch.equal(w, p) for w, p in zip(weights, trainer.params))
@@ -69,13 +75,13 @@ def step_on_nccl(collective, trainer) -> None:
 
 def abort_and_regroup(collective) -> None:
     started = time.monotonic()
-    dist.distributed_c10d._abort_process_group()
+    collective._abort()  # as await_or_abort calls it
     collective.leave()
     collective.join("nccl-check-2/", rank=0, world_size=1)
     tensor = torch.ones(1024, device=collective.device)
     collective.allreduce_sum(tensor)
     torch.cuda.synchronize()
-    check("abort, then a new group in the same process sums again", bool((tensor == 1).all()),
+    check("abort, then a new group in the same process sums again (no CommunicatorLost)", bool((tensor == 1).all()),
           f"{time.monotonic() - started:.3f} s")
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from elastic_step import defaults
 from elastic_step.errors import ConfigError
-from elastic_step.frameworks.device import DeviceChoice, parse_choice, parse_precision, place, visible_gpus
+from elastic_step.frameworks.device import DeviceChoice, Precision, parse_choice, parse_precision, place, visible_gpus
 from elastic_step.protocol import LrScaling, TrainingMode
 
 
@@ -141,6 +141,9 @@ class TrainConfig:
                               f"got {self.ps_table_limit_mb}")
         if self.global_batch_size:  # a push is keyed by its minibatch's rows: every minibatch is one task's
             raise ConfigError("--mode ps trains --minibatch-size rows per push; drop --global-batch-size")
+        if self.precision == Precision.FP16:  # the loss scale covers the dense gradients, not the tables' pushes
+            raise ConfigError("--mode ps with --precision fp16 is not offered: the embedding tables' pushes would carry "
+                              "the loss scale; use --precision bf16 (no loss scale) or fp32")
 
     @property
     def rows_per_task(self) -> int:

@@ -246,6 +246,18 @@ def test_fp16_computes_an_overflowed_pass_again_at_a_smaller_loss_scale_and_skip
     assert max(float(np.abs(a - b).max()) for a, b in zip(without_first, ours)) > 10 * 2e-4
 
 
+def test_fp16_in_ps_mode_is_refused_before_anything_starts(tmp_path, digits):
+    from conftest import cli
+
+    done = cli("train", "--model-def", "elastic_step.model_zoo.digits_torch", "--data", digits, "--job-dir",
+               str(tmp_path / "job"), "--mode", "ps", "--precision", "fp16", "--no-progress", timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "elastic-step train: error: --mode ps with --precision fp16 is not offered: the embedding tables' pushes would "
+        "carry the loss scale; use --precision bf16 (no loss scale) or fp32"]
+    assert not (tmp_path / "job").exists()  # nothing written
+
+
 def test_a_local_job_trains_in_fp16_with_an_exact_audit_through_a_workers_death(digits, start_job):
     from elastic_step.audit import audit_report
 

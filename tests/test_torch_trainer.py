@@ -129,3 +129,23 @@ def test_a_checkpoints_snapshot_holds_the_state_of_its_step_while_training_goes_
     restored.load_state_bytes(at_the_step)
     for ours, theirs in zip(later.net.parameters(), restored.net.parameters()):
         assert torch.equal(ours, theirs)
+
+
+def test_a_checkpoint_that_cannot_be_serialised_on_the_senders_thread_is_logged_not_lost_in_silence(caplog):
+    from elastic_step.frameworks.api import StateSnapshot
+    from elastic_step.worker.checkpoints import Checkpoints
+
+    class Broken(StateSnapshot):
+        def to_bytes(self) -> bytes:
+            raise MemoryError("no room for the checkpoint")
+
+    class Master:
+        def call(self, *args, **kwargs):
+            raise AssertionError("nothing to send")
+
+    checkpoints = Checkpoints(client=Master(), worker_id="w0.1", every=1, reporter=None)
+    with caplog.at_level("ERROR", logger="elastic_step.worker"):
+        checkpoints.send(round_id=1, step=7, state=Broken(b""))
+        checkpoints.drain()
+    [record] = [r for r in caplog.records if "checkpoint of step 7 not sent" in r.getMessage()]
+    assert "no room for the checkpoint" in record.exc_text

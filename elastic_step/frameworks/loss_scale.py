@@ -7,7 +7,11 @@ gradients overflowed. Here a skipped step would lose its rows after the master c
 applied, so the rank instead computes the same rows again at half the factor. Each rank scales
 its own forward passes and divides its gradients by its own factor before the step is summed (a
 power of two: the division is exact), so the sum is in plain float32 and no rank needs another's
-factor: a rank that joins, or is relaunched, starts from the first one."""
+factor: a rank that joins, or is relaunched, starts from the first one.
+
+A pass computed again runs the model's forward pass again: a BatchNorm layer's running statistics
+take that batch twice and dropout draws anew. The rows and the gradients applied are those of the
+final pass; only these buffers of the model differ from a run whose pass did not overflow."""
 
 from __future__ import annotations
 

@@ -76,7 +76,9 @@ class TorchTrainer(Trainer):
                 scale.passed()
                 return loss
             if not scale.overflowed():
-                return math.inf  # gradients out of range even unscaled: fails the job as a diverged loss does
+                log.error("float16 gradients overflow even at loss scale %g: the model diverges (or its activations "
+                          "exceed float16's range); the job fails as on an infinite loss: try bf16 or fp32", scale.value)
+                return math.inf
             log.info("float16 gradients overflowed at loss scale %g: the same rows again at %g", 2 * scale.value, scale.value)
 
     def _compute(self, features, labels, flat: torch.Tensor, scale: float) -> float:
@@ -290,7 +292,8 @@ class TorchTrainer(Trainer):
 
 class _HostCopy(StateSnapshot):
     """A state dict's tensors copied to host memory at once, apart from the live ones: grouped by
-    device and dtype, each group concatenated where it lives and copied to the host in one piece.
+    device and dtype, each group into one flat host buffer (pinned for a GPU's tensors, which are
+    copied asynchronously and waited for once; no second copy is made in the GPU's memory).
     to_bytes() rebuilds the state dict from those copies and saves it as state_bytes() does."""
 
     def __init__(self, state):
@@ -300,8 +303,10 @@ class _HostCopy(StateSnapshot):
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
             groups.setdefault((t.device, t.dtype), []).append(i)
-        self._groups = [(members, torch.cat([tensors[i].detach().reshape(-1) for i in members]).cpu())
-                        for members in groups.values()]
+        self._groups = [(members, _copied_to_host([tensors[i] for i in members], device, dtype))
+                        for (device, dtype), members in groups.items()]
+        if any(device.type == "cuda" for device, _ in groups):
+            torch.cuda.synchronize()  # the asynchronous copies have landed before training changes the tensors
 
     def to_bytes(self) -> bytes:
         copies: list[torch.Tensor | None] = [None] * len(self._shapes)
@@ -311,6 +316,17 @@ class _HostCopy(StateSnapshot):
         buffer = io.BytesIO()
         torch.save(_filled(self._skeleton, copies), buffer)
         return buffer.getvalue()
+
+
+def _copied_to_host(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One flat host buffer holding `tensors` (all of `device` and `dtype`) one after another."""
+    on_gpu = device.type == "cuda"
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=on_gpu)
+    offset = 0
+    for t in tensors:
+        flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1), non_blocking=on_gpu)
+        offset += t.numel()
+    return flat
 
 
 class _Slot(int):

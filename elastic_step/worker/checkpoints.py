@@ -44,6 +44,8 @@ class Checkpoints:
                                  params={"worker_id": self.worker_id, "round_id": round_id, "step": step})
             except Rejected as exc:
                 log.warning("checkpoint of step %d refused: %s", step, exc)
+            except Exception:  # on this thread, nobody else would hear of it
+                log.exception("checkpoint of step %d not sent: it could not be serialised or sent", step)
 
         self._sender.submit(send)
 

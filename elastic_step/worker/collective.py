@@ -59,10 +59,17 @@ DIRECT_EXCHANGE_MAX_BYTES = 16 << 20
 # within moments of each other, so only a member that died just after the meeting is waited
 # for, this long, not the collective timeout (the group's operations get that, after the start).
 GROUP_START_TIMEOUT_S = 10.0
-# How often a member waiting on a started operation looks for its end, a newer round and the
-# timeout: from the first value, doubling up to the second (a GPU step's collective takes
-# milliseconds; a long state broadcast is looked at every few milliseconds).
-AWAIT_POLL_S = (0.00005, 0.005)
+# How long the master's newer round must stand before a member waiting on a started NCCL operation
+# aborts it: a newer round is also proposed for a joiner or a scale-in, where every member is alive
+# and the operation ends as soon as the slowest member's step reaches it; the regroup then goes by
+# the step's flag, with no abort. Only a wait that outlasts this is a dead or hung peer's.
+GIVE_UP_GRACE_S = 2.0
+NCCL_WATCHDOG_SLACK = datetime.timedelta(seconds=60)
+# How often a member waiting on a started NCCL operation looks for its end, a newer round and the
+# timeout: from the first value, doubling up to the second. A GPU step's collective takes about a
+# millisecond, so a wait overshoots its end by at most half a millisecond; a look costs a CUDA
+# event query and a clock read.
+AWAIT_POLL_S = (0.00005, 0.0005)
 # torch's NCCL watchdog: 0 leaves errors and timeouts to the caller (here: _await), where the
 # default (3) ends the process on the first dead peer. Its heartbeat monitor would end it too,
 # minutes after any error a survivor has long since regrouped from; and no debug dump is written.
@@ -191,7 +198,9 @@ class Collective:
                 raise CommunicatorLost(f"no {self.backend} group could be started after this process aborted one "
                                        f"({exc}); leaving to be relaunched as a fresh process") from exc
             raise
-        dist.distributed_c10d._set_pg_timeout(self.timeout)  # the group's operations: the collective timeout
+        # The group's operations: the collective timeout. NCCL's own watchdog gets more, so that
+        # await_or_abort's deadline, which aborts the group, always comes first.
+        dist.distributed_c10d._set_pg_timeout(self.timeout if self.backend == "gloo" else 2 * self.timeout + NCCL_WATCHDOG_SLACK)
         self.rank, self.world_size = rank, world_size
         self._give_up = give_up
         self._received = {}
@@ -312,20 +321,32 @@ class Collective:
         return payload.cpu().numpy().tobytes()
 
 
-def await_or_abort(work, give_up: Callable[[], bool], timeout_s: float, abort: Callable[[], None], what: str) -> None:
-    """Wait for a started operation `work` to end; when `give_up()` turns true or `timeout_s`
-    passes first, call `abort()` (which ends every pending operation of the group) and raise
-    CollectiveAbandoned naming `what` and why. The operation's own failure raises from wait()."""
-    deadline = time.monotonic() + timeout_s
+def await_or_abort(work, give_up: Callable[[], bool], timeout_s: float, abort: Callable[[], None], what: str,
+                   grace_s: float = GIVE_UP_GRACE_S) -> None:
+    """Wait for a started operation `work` to end; when `give_up()` has been true for `grace_s`
+    or `timeout_s` passes first, call `abort()` (which ends every pending operation of the group)
+    and raise CollectiveAbandoned naming `what` and why. An operation that ended with an error
+    aborts and raises the same way: with torch's NCCL error handling off, wait() does not raise it,
+    and the buffer holds no sum."""
+    now = time.monotonic()
+    deadline, moved_on_at = now + timeout_s, None
     pause = AWAIT_POLL_S[0]
     while not work.is_completed():
-        moved_on = give_up()
-        if moved_on or time.monotonic() > deadline:
+        now = time.monotonic()
+        if moved_on_at is None and give_up():
+            moved_on_at = now
+        moved_on = moved_on_at is not None and now - moved_on_at >= grace_s
+        if moved_on or now > deadline:
             abort()
-            why = "the master moved on to a newer round" if moved_on else f"no answer within {timeout_s:g} s"
+            why = (f"the master moved on to a newer round {grace_s:g} s ago" if moved_on
+                   else f"no answer within {timeout_s:g} s")
             raise CollectiveAbandoned(f"{what} abandoned: {why}")
         time.sleep(pause)
         pause = min(2 * pause, AWAIT_POLL_S[1])
+    failure = work.exception()
+    if failure is not None:
+        abort()
+        raise CollectiveAbandoned(f"{what} failed: {failure}")
     work.wait()
 
 

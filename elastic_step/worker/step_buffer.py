@@ -56,7 +56,11 @@ class StepBuffer:
         else:
             self.resident = torch.zeros(size, dtype=torch.float32, device=device)
             self.gradients = self.resident[:n]
-            self.meta = np.zeros(size - n, dtype=np.float32)
+            # In host memory the tensor's own tail is the mirror (numpy shares its memory); a
+            # device's tail is mirrored by a copy each way around the collective.
+            on_cpu = self.resident.device.type == "cpu"
+            # Pinned: the copy in before each collective does not wait for the step's backward pass.
+            self.meta = self.resident[n:].numpy() if on_cpu else torch.zeros(size - n, pin_memory=True).numpy()
         self._samples, self._loss, self._regroup, self._done = 0, 1, 2, 3  # in `meta`
         self._ranks = HEADER  # rank r's part starts at _ranks + PER_RANK * r
 
@@ -65,8 +69,11 @@ class StepBuffer:
         if self.resident is None:
             collective.allreduce_sum(self.data)
             return
+        if self.resident.device.type == "cpu":
+            collective.allreduce_sum(self.resident)
+            return
         tail = self.resident[self.gradients.numel():]
-        tail.copy_(torch.from_numpy(self.meta))
+        tail.copy_(torch.from_numpy(self.meta), non_blocking=True)
         collective.allreduce_sum(self.resident)
         self.meta[:] = tail.cpu().numpy()
 
