@@ -34,8 +34,12 @@ def resident_device(collective_device, trainer_device):
     return trainer_device
 
 
-def summed_by(backend: str, device) -> str:
-    """What sums a step buffer, and why that, for the worker's log."""
+def where_the_step_lives(backend: str, device) -> str:
+    """Where a step buffer lives and what sums it, and why that, for the worker's log."""
+    return f"step buffer in {f'{device} memory' if device else 'host memory (numpy)'}, summed by {_summed_by(backend, device)}"
+
+
+def _summed_by(backend: str, device) -> str:
     if backend == "nccl":
         if device is not None:
             return "NCCL's own allreduce, in place (its ring is the GPU's fastest path; the peer links sum host memory)"
@@ -75,7 +79,6 @@ class AllreduceStep(TrainingStep):
     def __init__(self, host: StepHost):
         super().__init__(host)
         self._scratch = None  # a second gradient buffer, for ranks that accumulate (beside the buffer's)
-        self._told_where = False  # the worker's log says once where its step lives and what sums it
 
     def buffer_device(self):
         """Where the step buffer lives: on the trainer's own device when the collective sums
@@ -86,12 +89,7 @@ class AllreduceStep(TrainingStep):
         return resident_device(self.host.collective.device, self.host.trainer.gradient_device)
 
     def train_round(self, rv: RendezvousReply) -> RoundOutcome:
-        device = self.buffer_device()
-        if not self._told_where:
-            self._told_where = True
-            log.info("step buffer in %s, summed by %s", f"{device} memory" if device else "host memory (numpy)",
-                     summed_by(self.host.collective.backend, device))
-        buffer = StepBuffer(self.host.trainer.num_gradient_values, rv.world_size, rv.rank, device)
+        buffer = StepBuffer(self.host.trainer.num_gradient_values, rv.world_size, rv.rank, self.buffer_device())
         r = _Round(rv, buffer, TaskRows(self.host.task_taker(rv.round_id)))
         try:
             while True:

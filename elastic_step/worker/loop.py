@@ -36,6 +36,7 @@ from elastic_step.protocol import (
 from elastic_step.worker.background import Heartbeat, StepReporter
 from elastic_step.worker.checkpoints import Checkpoints
 from elastic_step.worker.client import MasterClient, Rejected, worker_identity
+from elastic_step.worker.allreduce_step import where_the_step_lives
 from elastic_step.worker.collective import Collective, CommunicatorLost
 from elastic_step.worker.handover import StepHandOver
 from elastic_step.worker.preflight import PreflightFailed, check_worker
@@ -93,6 +94,7 @@ class Worker:
         self.checkpoints = Checkpoints(client, worker_id, spec.checkpoint_steps, self.reporter)
         self.progress = Progress()
         self.steps = training_step(spec.mode, self)
+        log.info("%s", where_the_step_lives(self.collective.backend, self.steps.buffer_device()))
         self._warm_up()  # after the step is built: a PS step gives the model's tables their shards first
         self._hold_s = hold_before_meeting(worker_id)
 

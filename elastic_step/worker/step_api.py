@@ -81,6 +81,10 @@ class TrainingStep(abc.ABC):
     def __init__(self, host: StepHost):
         self.host = host
 
+    def buffer_device(self):
+        """The torch device the step buffer lives on, or None: host memory (numpy)."""
+        return None
+
     @abc.abstractmethod
     def train_round(self, rv: RendezvousReply) -> RoundOutcome:
         """Train steps from rv.start_step until the round ends for this worker. A collective
