@@ -11,10 +11,13 @@
 4. fp16 on the GPU: autocast to float16, an overflowed pass computed again at a smaller loss
    scale, parameters kept float32.
 
-Prints one line per check and exits 1 at the first that fails. No GPU: exits 2 at once."""
+Prints one line per check and exits 1 at the first that fails. No GPU: exits 2 at once. With
+--device cpu it runs the same checks on the CPU with gloo, which is how the script itself is
+checked on a machine without a GPU (tests/test_device.py); they then say nothing about GPUs."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import sys
 import time
@@ -51,7 +54,7 @@ def step_on_nccl(collective, trainer) -> None:
     from elastic_step.worker.step_buffer import StepBuffer
 
     device = resident_device(collective.device, trainer.gradient_device)
-    check("the step buffer lives on the trainer's GPU", device is not None and device.type == "cuda", str(device))
+    check("the step buffer lives on the trainer's device", device is not None and device == trainer.device, str(device))
     buffer = StepBuffer(trainer.num_gradient_values, 1, 0, device)
     features, labels = batch()
     buffer.clear_meta()
@@ -62,8 +65,8 @@ def step_on_nccl(collective, trainer) -> None:
     check("gradients accumulate in the buffer itself", all(start <= p.grad.data_ptr() < end for p in trainer.params))
     before = buffer.gradients.clone()
     buffer.sum_over(collective)
-    torch.cuda.synchronize()
-    check("NCCL's allreduce ran on the buffer in place (one rank: the sum is the buffer itself)",
+    synchronize(collective.device)
+    check(f"{collective.backend}'s allreduce ran on the buffer in place (one rank: the sum is the buffer itself)",
           torch.equal(before, buffer.gradients) and buffer.gradients.data_ptr() == start)
     check("the counts and ranges came back through the host mirror",
           buffer.samples == len(labels) and [(r.task_id, r.count) for r in buffer.ranges_of(0)] == [(7, len(labels))])
@@ -80,7 +83,7 @@ def abort_and_regroup(collective) -> None:
     collective.join("nccl-check-2/", rank=0, world_size=1)
     tensor = torch.ones(1024, device=collective.device)
     collective.allreduce_sum(tensor)
-    torch.cuda.synchronize()
+    synchronize(collective.device)
     check("abort, then a new group in the same process sums again (no CommunicatorLost)", bool((tensor == 1).all()),
           f"{time.monotonic() - started:.3f} s")
 
@@ -98,14 +101,14 @@ def snapshot_from_the_gpu(trainer) -> None:
     on_cpu.load_state_bytes(snapshot.to_bytes())
     reference = torch.load(io.BytesIO(expected), weights_only=True)["model"]
     same = all(torch.equal(p.detach(), reference[name]) for name, p in on_cpu.net.state_dict().items())
-    check("a checkpoint's snapshot from the GPU loads on the CPU as of its step", same)
+    check(f"a checkpoint's snapshot from {trainer.device} loads on the CPU as of its step", same)
 
 
-def fp16_on_the_gpu() -> None:
+def fp16(device: str) -> None:
     from elastic_step.frameworks.device import Precision
 
-    trainer = digits_like_trainer("cuda:0", Precision.FP16)
-    grads = torch.zeros(trainer.num_gradient_values, device="cuda:0")
+    trainer = digits_like_trainer(device, Precision.FP16)
+    grads = torch.zeros(trainer.num_gradient_values, device=device)
     for _ in range(3):
         features, labels = batch()
         trainer.compute_gradients(features, labels, grads)
@@ -116,24 +119,35 @@ def fp16_on_the_gpu() -> None:
           f"{scale.overflows} pass(es) again, loss scale now {scale.value:g}")
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> None:
-    if not torch.cuda.is_available():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("nccl check: torch sees no GPU", file=sys.stderr)
         sys.exit(2)
     from elastic_step.frameworks.device import Precision
     from elastic_step.worker.collective import Collective
 
-    print(f"nccl check: torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
-          f"{torch.cuda.get_device_name(0)}", flush=True)
+    device, backend = ("cuda:0", "nccl") if args.device == "cuda" else ("cpu", "gloo")
+    seen = (f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {torch.cuda.get_device_name(0)}"
+            if args.device == "cuda" else "the CPU with gloo (checks the script, says nothing about GPUs)")
+    print(f"nccl check: torch {torch.__version__}, {seen}", flush=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    collective = Collective("127.0.0.1", store.port, timeout_s=60, link_key=b"check", backend="nccl", gpu="cuda:0")
+    collective = Collective("127.0.0.1", store.port, timeout_s=60, link_key=b"check", backend=backend,
+                            gpu=device if backend == "nccl" else None)
     collective.join("nccl-check-1/", rank=0, world_size=1)
-    trainer = digits_like_trainer("cuda:0", Precision.FP32)
+    trainer = digits_like_trainer(device, Precision.FP32)
     step_on_nccl(collective, trainer)
     abort_and_regroup(collective)
     collective.leave()
     snapshot_from_the_gpu(trainer)
-    fp16_on_the_gpu()
+    fp16(device)
 
 
 if __name__ == "__main__":

@@ -273,3 +273,18 @@ def test_a_local_job_trains_in_fp16_with_an_exact_audit_through_a_workers_death(
     logs = "".join(open(path).read() for path in glob.glob(f"{job.job_dir}/logs/*"))
     assert "computing on cpu in fp16" in logs
     assert "float16 gradients overflowed at loss scale 65536: the same rows again at 32768" in logs
+
+
+def test_the_gpu_checks_script_runs_its_checks_on_the_cpu_so_it_is_ready_when_a_gpu_is():
+    # benchmarks/nccl_check.py runs only where a GPU is lent; --device cpu runs the same code
+    # with gloo, so that a change to the worker's APIs cannot leave it broken unnoticed.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "nccl_check.py"), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = done.stdout.strip().splitlines()[1:]
+    assert len(checks) == 8 and all(line.startswith("  ok   ") for line in checks), done.stdout
