@@ -380,3 +380,26 @@ def test_the_note_for_the_relaunch_is_left_when_the_disk_refuses_every_fsync(tmp
     assert os.path.exists(tmp_path / LEDGER_FAILED_FILE)
     monkeypatch.undo()
     state.close()
+
+
+@pytest.mark.parametrize("error, code, says", [
+    (OSError(errno.EIO, os.strerror(errno.EIO)), 1, "the volume of --dir {dir} failed: [Errno 5] Input/output error; "
+                                                    "check it (`dmesg` shows its I/O errors, `df` a full disk)"),
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 1, "the volume of --dir {dir} failed: [Errno 28] No space left on "
+                                                          "device; check it"),
+    (FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "config.json"), 2, "check --dir, --host and --token-file"),
+])
+def test_a_shard_that_cannot_start_says_whether_its_volume_failed_or_its_flags_are_wrong(tmp_path, token_file, monkeypatch,
+                                                                                        capsys, error, code, says):
+    # A failing volume (an EIO loading the snapshot, a full disk) is worth a relaunch (exit 1); a
+    # wrong flag fails the same way every time (exit 2).
+    from elastic_step.ps import shard as shard_module
+
+    def failing(args):
+        raise error
+
+    monkeypatch.setattr(shard_module, "serve", failing)
+    directory = str(tmp_path / "shard")
+    assert shard_module.main(["--dir", directory, "--shard", "0", "--token-file", token_file]) == code
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("elastic_step.ps.shard: ") and says.format(dir=directory) in line, line

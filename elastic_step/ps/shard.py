@@ -19,6 +19,7 @@ one from any shard it reaches.
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import json
 import os
@@ -265,6 +266,11 @@ def serve(args: argparse.Namespace) -> None:
         stop_on_failed_ledger(state, exc)
 
 
+# What a failing volume answers (not a wrong flag): the shard fails, and its relaunch may find the
+# volume well again, where a bad --dir or --token-file would fail the same way every time.
+VOLUME_ERRORS = frozenset({errno.EIO, errno.ENOSPC, errno.EROFS, errno.EDQUOT})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elastic_step.ps.shard", description="serve one parameter-server shard")
     parser.add_argument("--dir", required=True, help="the shard's folder: config.json, snapshot, ledger")
@@ -283,9 +289,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastic_step.ps.shard: cannot finish putting back a checkpoint's cut: {exc}; resume the job from "
               "another checkpoint", file=sys.stderr)
         return ExitCode.FAILED
-    except (OSError, ValueError, KeyError) as exc:
+    except OSError as exc:
+        if exc.errno in VOLUME_ERRORS:
+            print(f"elastic_step.ps.shard: the volume of --dir {args.dir} failed: {exc}; check it (`dmesg` shows its I/O "
+                  "errors, `df` a full disk)", file=sys.stderr)
+            return ExitCode.FAILED
         print(f"elastic_step.ps.shard: {exc}; check --dir, --host and --token-file", file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
+    except (ValueError, KeyError) as exc:
+        print(f"elastic_step.ps.shard: {exc}; check --dir, --host and --token-file", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     return 0
 
 
