@@ -22,6 +22,7 @@ version's source run), or MLflow 3's `models:/m-ID` (the logged model's source r
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 
 from elastic_step.errors import ElasticStepError
 
@@ -69,14 +70,37 @@ def _logged_model_run(client, model_id: str, model_uri: str) -> str:
     return run_id
 
 
-def final_model_bytes(model_uri: str, tracking_uri: str | None = None) -> bytes:
+@dataclass(frozen=True)
+class TrainedRun:
+    """The training run a model URI comes from, resolved once: what reads several of its files
+    (the evaluation gate: weights, then tables or shards) asks MLflow once for the run and once
+    for the final model's listing."""
+
+    model_uri: str
+    client: object
+    run_id: str
+    final_files: frozenset  # the paths logged under FINAL_MODEL_ARTIFACTS
+
+    @classmethod
+    def of(cls, model_uri: str, tracking_uri: str | None = None) -> TrainedRun:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri)
+        run_id = run_of_model_uri(model_uri, client)
+        return cls(model_uri, client, run_id, frozenset(a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)))
+
+
+def final_model_bytes(model_uri: str, tracking_uri: str | None = None, run: TrainedRun | None = None) -> bytes:
     """The weights file of the run a model URI comes from (raw bytes; the framework parses them
-    without pickle)."""
+    without pickle). `run`: that run, already resolved."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
-    run_id = run_of_model_uri(model_uri, client)
+    if run is not None:
+        client, run_id = run.client, run.run_id
+    else:
+        client = MlflowClient(tracking_uri)
+        run_id = run_of_model_uri(model_uri, client)
     with tempfile.TemporaryDirectory() as tmp:
         try:  # the file alone: not a --mode ps model's tables beside it
             path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=f"{FINAL_MODEL_ARTIFACTS}/{WEIGHTS_FILE}",
@@ -88,19 +112,18 @@ def final_model_bytes(model_uri: str, tracking_uri: str | None = None) -> bytes:
                                f"({type(exc).__name__}); use a model that `elastic-step train` finished") from None
 
 
-def final_model_tables(model_uri: str, tracking_uri: str | None = None) -> dict:
+def final_model_tables(model_uri: str, tracking_uri: str | None = None, run: TrainedRun | None = None) -> dict:
     """The trained embedding tables of a `--mode ps` run a model URI comes from (its
     `elastic_step_model/ps_tables.npz`, read with allow_pickle=False), by table name; {} for a
-    run whose model has none."""
+    run whose model has none. `run`: that run, already resolved."""
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     from elastic_step.ps.embedding import TABLES_FILE, read_tables
 
-    client = MlflowClient(tracking_uri)
-    run_id = run_of_model_uri(model_uri, client)
+    run = run or TrainedRun.of(model_uri, tracking_uri)
+    client, run_id = run.client, run.run_id
     path = f"{FINAL_MODEL_ARTIFACTS}/{TABLES_FILE}"
-    if path not in {a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)}:
+    if path not in run.final_files:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=tmp,
@@ -114,9 +137,13 @@ def final_model_tables(model_uri: str, tracking_uri: str | None = None) -> dict:
 def serves_from_snapshots(client, run_id: str) -> bool:
     """Whether a --mode ps run's tables exceeded --ps-table-limit-mb, so that its model serves
     them from the shards' snapshots: beside its weights file it logged their manifest."""
+    return _holds_shards({a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)})
+
+
+def _holds_shards(final_files) -> bool:
     from elastic_step.ps.shard_tables import SHARDS_FOLDER
 
-    return f"{FINAL_MODEL_ARTIFACTS}/{SHARDS_FOLDER}" in {a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)}
+    return f"{FINAL_MODEL_ARTIFACTS}/{SHARDS_FOLDER}" in final_files
 
 
 def _pyfunc_shards(client, run_id: str) -> str:
@@ -142,18 +169,17 @@ def _pyfunc_shards(client, run_id: str) -> str:
     return f"{location}/{path}"
 
 
-def final_model_shards(model_uri: str, tracking_uri: str | None = None):
+def final_model_shards(model_uri: str, tracking_uri: str | None = None, run: TrainedRun | None = None):
     """The shards' tables (ps/shard_tables.ShardTables) of a `--mode ps` run whose tables were too
     big to hold whole (its `elastic_step_model/ps_shards/` holds their manifest; the snapshots,
-    from its pyfunc model); None for any other run."""
+    from its pyfunc model); None for any other run. `run`: that run, already resolved."""
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     from elastic_step.ps.shard_tables import ShardTables
 
-    client = MlflowClient(tracking_uri)
-    run_id = run_of_model_uri(model_uri, client)
-    if not serves_from_snapshots(client, run_id):
+    run = run or TrainedRun.of(model_uri, tracking_uri)
+    client, run_id = run.client, run.run_id
+    if not _holds_shards(run.final_files):
         return None
     # The snapshots are memory-mapped: the maps stay readable once the folder is removed (POSIX).
     with tempfile.TemporaryDirectory() as tmp:

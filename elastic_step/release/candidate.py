@@ -91,18 +91,19 @@ def load_weights(model_uri: str, model_def: ModelDefinition, tracking_uri: str |
     (its weights file, parsed without pickle: frameworks/weights.py). No MLflow model is loaded
     through its flavour, so nothing a writer to MLflow put there is unpickled or imported."""
     from elastic_step.frameworks.registry import build_trainer
-    from elastic_step.frameworks.weights import final_model_bytes, final_model_shards, final_model_tables
+    from elastic_step.frameworks.weights import TrainedRun, final_model_bytes, final_model_shards, final_model_tables
     from elastic_step.ps.embedding import hold_tables, read_rows_from, trainer_network
 
     trainer = build_trainer(model_def)
-    data = final_model_bytes(model_uri, tracking_uri)
+    run = TrainedRun.of(model_uri, tracking_uri)  # once, for the weights, the tables and the shards
+    data = final_model_bytes(model_uri, run=run)
     try:
         trainer.load_model_bytes(data)
     except Exception as exc:
         raise TrackingError(f"the weights of model {model_uri!r} do not fit the network of {model_def.source!r}: "
                             f"{type(exc).__name__}: {str(exc)[:300]}; give the model definition it was trained with") from None
-    hold_tables(trainer_network(trainer), final_model_tables(model_uri, tracking_uri))  # a --mode ps model's, this model's only
-    shards = final_model_shards(model_uri, tracking_uri)  # ... or its tables served from the shards' snapshots
+    hold_tables(trainer_network(trainer), final_model_tables(model_uri, run=run))  # a --mode ps model's, this model's only
+    shards = final_model_shards(model_uri, run=run)  # ... or its tables served from the shards' snapshots
     if shards is not None:
         read_rows_from(trainer_network(trainer), shards.sources())
     return trainer
