@@ -51,6 +51,15 @@ def recovered_after(job_dir: str, moment: float) -> float | None:
     return next((e["step_time"] for e in events if e["event"] == "recovered" and e["step_time"] > moment), None)
 
 
+def steady_at_two(job: subprocess.Popen, job_dir: str) -> dict | None:
+    """The job's status once 2 workers train at a steady rate with most of the job to come."""
+    if job.poll() is not None:
+        raise RuntimeError(f"the job ended (exit {job.returncode}) before 2 workers had trained 20 % of its rows: raise "
+                           f"--epochs or --copies (its logs: {job_dir}/logs)")
+    s = job_status(job_dir)
+    return s if s and s["world_size"] == 2 and s["samples_per_s"] > 0 and 0.2 <= s["rows_done"] / s["rows_total"] <= 0.6 else None
+
+
 def disturbed_run(data: str, root: str, device: str, epochs: int, batch: int) -> dict:
     """One worker SIGKILLed once the group trains at full size; recovery, audit and NVML."""
     from elastic_step.audit import audit_report
@@ -58,10 +67,8 @@ def disturbed_run(data: str, root: str, device: str, epochs: int, batch: int) ->
     job_dir = os.path.join(root, "disturbed")
     job = train(data, job_dir, device, epochs, batch)
     try:
-        seen = wait_until(lambda: (s := job_status(job_dir)) and s["world_size"] == 2 and s["samples_per_s"] > 0 and s,
-                          180, "the job did not reach 2 workers")
-        time.sleep(1.0)  # steady state
-        seen = job_status(job_dir) or seen
+        seen = wait_until(lambda: steady_at_two(job, job_dir), 180,
+                          "2 workers training between 20 % and 60 % of the job's rows (raise --epochs or --copies)")
         victim = next(w for w in seen["workers"] if w["rank"] == 1)
         killed_at = time.time()
         os.kill(victim["pid"], signal.SIGKILL)

@@ -288,3 +288,20 @@ def test_the_gpu_checks_script_runs_its_checks_on_the_cpu_so_it_is_ready_when_a_
     assert done.returncode == 0, done.stdout + done.stderr
     checks = done.stdout.strip().splitlines()[1:]
     assert len(checks) == 8 and all(line.startswith("  ok   ") for line in checks), done.stdout
+
+
+def test_the_gpu_device_checks_training_run_works_end_to_end_on_the_cpu():
+    # benchmarks/bench_gpu.py (gpu_check.sh's second part) with --device cpu: the same jobs, kill,
+    # audit, peer and status figures, on gloo; it once broke unnoticed when status's output changed.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_gpu.py"), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600, cwd=os.path.join(root, "benchmarks"),
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "gloo between them" in done.stdout
+    assert "one worker SIGKILLed: exit 0" in done.stdout and "audit exact" in done.stdout, done.stdout
+    assert "torchrun+DDP" in done.stdout and "ratio" in done.stdout, done.stdout
