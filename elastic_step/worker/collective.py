@@ -223,8 +223,8 @@ class Collective:
     def allreduce_sum(self, buffer: np.ndarray | torch.Tensor) -> None:
         """Sum `buffer` over all ranks, in place: a numpy array, or a float32 tensor (one on this
         collective's GPU is summed there by NCCL, with no copy). A dead peer fails it within a
-        fraction of a second on gloo, a newer round or the group timeout on any backend
-        (RuntimeError either way)."""
+        fraction of a second on gloo; on NCCL, a newer round that has stood GIVE_UP_GRACE_S ends
+        it; a hung peer, the collective timeout (RuntimeError in every case)."""
         if isinstance(buffer, torch.Tensor):
             if buffer.device == self.device and self.device.type != "cpu":
                 self._await(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True))
