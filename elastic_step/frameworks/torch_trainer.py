@@ -201,8 +201,8 @@ class TorchTrainer(Trainer):
 
     def state_snapshot(self) -> StateSnapshot:
         """The state as state_bytes() would save it, copied at this step into host memory: the
-        tensors of each device and dtype in one flat copy (on a GPU, one device-to-host copy of
-        the parameters and optimizer state), serialised later by to_bytes()."""
+        tensors of each device and dtype into one flat host buffer (from a GPU, asynchronous
+        copies into pinned memory, waited for once), serialised later by to_bytes()."""
         return _HostCopy({"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
                           "rng": torch.get_rng_state()})
 
@@ -305,8 +305,10 @@ class _HostCopy(StateSnapshot):
             groups.setdefault((t.device, t.dtype), []).append(i)
         self._groups = [(members, _copied_to_host([tensors[i] for i in members], device, dtype))
                         for (device, dtype), members in groups.items()]
-        if any(device.type == "cuda" for device, _ in groups):
-            torch.cuda.synchronize()  # the asynchronous copies have landed before training changes the tensors
+        for device in {device for device, _ in groups if device.type == "cuda"}:
+            # Each GPU's own (a local worker's may not be the current one): the asynchronous
+            # copies have landed before training changes the tensors.
+            torch.cuda.synchronize(device)
 
     def to_bytes(self) -> bytes:
         copies: list[torch.Tensor | None] = [None] * len(self._shapes)
