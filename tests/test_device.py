@@ -290,6 +290,7 @@ def test_the_gpu_checks_script_runs_its_checks_on_the_cpu_so_it_is_ready_when_a_
     assert len(checks) == 8 and all(line.startswith("  ok   ") for line in checks), done.stdout
 
 
+@pytest.mark.e2e
 def test_the_gpu_device_checks_training_run_works_end_to_end_on_the_cpu():
     # benchmarks/bench_gpu.py (gpu_check.sh's second part) with --device cpu: the same jobs, kill,
     # audit, peer and status figures, on gloo; it once broke unnoticed when status's output changed.

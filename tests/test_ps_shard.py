@@ -383,10 +383,10 @@ def test_the_note_for_the_relaunch_is_left_when_the_disk_refuses_every_fsync(tmp
 
 
 @pytest.mark.parametrize("error, code, says", [
-    (OSError(errno.EIO, os.strerror(errno.EIO)), 1, "the volume of --dir {dir} failed: [Errno 5] Input/output error; "
+    (OSError(errno.EIO, os.strerror(errno.EIO)), 1, "the volume of {dir} failed: [Errno 5] Input/output error; "
                                                     "check it (`dmesg` shows its I/O errors, `df` a full disk)"),
-    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 1, "the volume of --dir {dir} failed: [Errno 28] No space left on "
-                                                          "device; check it"),
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/shard/snapshot.bin"), 1,
+     "the volume of /data/shard/snapshot.bin failed: [Errno 28] No space left on device: '/data/shard/snapshot.bin'; check it"),
     (FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "config.json"), 2, "check --dir, --host and --token-file"),
 ])
 def test_a_shard_that_cannot_start_says_whether_its_volume_failed_or_its_flags_are_wrong(tmp_path, token_file, monkeypatch,

@@ -149,3 +149,17 @@ def test_a_checkpoint_that_cannot_be_serialised_on_the_senders_thread_is_logged_
         checkpoints.drain()
     [record] = [r for r in caplog.records if "checkpoint of step 7 not sent" in r.getMessage()]
     assert "no room for the checkpoint" in record.exc_text
+
+
+def test_the_evaluation_gate_names_a_models_missing_run_in_one_line(tmp_path):
+    # A runs:/ URI names its run without asking MLflow: a run deleted, collected or never made
+    # is found missing when its files are listed, and says so as the weights file's absence does.
+    from elastic_step.errors import ElasticStepError
+    from elastic_step.frameworks.weights import TrainedRun, WeightsError
+
+    uri = "runs:/0123456789abcdef0123456789abcdef/model"
+    with pytest.raises(WeightsError) as missing:
+        TrainedRun.of(uri, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    assert isinstance(missing.value, ElasticStepError)  # the CLI's one line and exit 2, no traceback
+    assert str(missing.value).startswith(f"run 0123456789abcdef0123456789abcdef of model {uri!r} has no weights file "
+                                         "elastic_step_model/model.bin (")

@@ -87,7 +87,11 @@ class TrainedRun:
 
         client = MlflowClient(tracking_uri)
         run_id = run_of_model_uri(model_uri, client)
-        return cls(model_uri, client, run_id, frozenset(a.path for a in client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)))
+        try:  # a runs:/ URI names its run without asking MLflow: here is where a missing one shows
+            listed = client.list_artifacts(run_id, FINAL_MODEL_ARTIFACTS)
+        except Exception as exc:
+            raise _no_weights(run_id, model_uri, exc) from None
+        return cls(model_uri, client, run_id, frozenset(a.path for a in listed))
 
 
 def final_model_bytes(model_uri: str, tracking_uri: str | None = None, run: TrainedRun | None = None) -> bytes:
@@ -108,8 +112,12 @@ def final_model_bytes(model_uri: str, tracking_uri: str | None = None, run: Trai
             with open(path, "rb") as f:
                 return f.read()
         except Exception as exc:
-            raise WeightsError(f"run {run_id} of model {model_uri!r} has no weights file {FINAL_MODEL_ARTIFACTS}/{WEIGHTS_FILE} "
-                               f"({type(exc).__name__}); use a model that `elastic-step train` finished") from None
+            raise _no_weights(run_id, model_uri, exc) from None
+
+
+def _no_weights(run_id: str, model_uri: str, exc: Exception) -> WeightsError:
+    return WeightsError(f"run {run_id} of model {model_uri!r} has no weights file {FINAL_MODEL_ARTIFACTS}/{WEIGHTS_FILE} "
+                        f"({type(exc).__name__}); use a model that `elastic-step train` finished")
 
 
 def final_model_tables(model_uri: str, tracking_uri: str | None = None, run: TrainedRun | None = None) -> dict:

@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.FAILED
     except OSError as exc:
         if exc.errno in VOLUME_ERRORS:
-            print(f"elastic_step.ps.shard: the volume of --dir {args.dir} failed: {exc}; check it (`dmesg` shows its I/O "
-                  "errors, `df` a full disk)", file=sys.stderr)
+            print(f"elastic_step.ps.shard: the volume of {exc.filename or args.dir} failed: {exc}; check it (`dmesg` shows "
+                  "its I/O errors, `df` a full disk)", file=sys.stderr)
             return ExitCode.FAILED
         print(f"elastic_step.ps.shard: {exc}; check --dir, --host and --token-file", file=sys.stderr)
         return ExitCode.BAD_INPUT
