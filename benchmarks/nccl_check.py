@@ -6,8 +6,9 @@
 2. the regroup's abort: a group aborted as a survivor aborts it, then a new group on a new prefix of
    the same store in the same process, which sums again (one GPU: the group aborted is idle; an
    abort that ends a hung peer's operation needs two);
-3. a checkpoint's snapshot taken from device tensors (one device-to-host copy per dtype),
-   serialised later and loaded on the CPU;
+3. a checkpoint's snapshot taken from device tensors (copied into pinned host memory), serialised
+   later and loaded on the CPU; and the state loaded by a trainer on the GPU, as a joiner or a
+   resume loads it, which then takes Adam steps there;
 4. fp16 on the GPU: autocast to float16, an overflowed pass computed again at a smaller loss
    scale, parameters kept float32.
 
@@ -105,6 +106,21 @@ def snapshot_from_the_gpu(trainer) -> None:
     check(f"a checkpoint's snapshot from {trainer.device} loads on the CPU as of its step", same)
 
 
+def joiner_on_the_device(trainer) -> None:
+    from elastic_step.frameworks.device import Precision
+
+    joiner = digits_like_trainer(str(trainer.device), Precision.FP32)
+    joiner.load_state_bytes(trainer.state_bytes())
+    same = all(torch.equal(a, b) for a, b in zip(joiner.params, trainer.params))
+    features, labels = batch()
+    for t in (trainer, joiner):
+        grads = torch.zeros(t.num_gradient_values, device=t.device)
+        t.compute_gradients(features, labels, grads)
+        t.apply_gradients(grads, len(labels))
+    after = all(torch.equal(a, b) for a, b in zip(joiner.params, trainer.params))
+    check(f"a state loaded on {trainer.device} (a joiner's, a resume's) trains on in step with its source", same and after)
+
+
 def fp16(device: str) -> None:
     from elastic_step.frameworks.device import Precision
 
@@ -148,6 +164,7 @@ def main() -> None:
     abort_and_regroup(collective)
     collective.leave()
     snapshot_from_the_gpu(trainer)
+    joiner_on_the_device(trainer)
     fp16(device)
 
 

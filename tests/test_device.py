@@ -287,7 +287,7 @@ def test_the_gpu_checks_script_runs_its_checks_on_the_cpu_so_it_is_ready_when_a_
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
     assert done.returncode == 0, done.stdout + done.stderr
     checks = done.stdout.strip().splitlines()[1:]
-    assert len(checks) == 8 and all(line.startswith("  ok   ") for line in checks), done.stdout
+    assert len(checks) == 9 and all(line.startswith("  ok   ") for line in checks), done.stdout
 
 
 @pytest.mark.e2e

@@ -196,23 +196,36 @@ class TorchTrainer(Trainer):
     def state_bytes(self) -> bytes:
         buffer = io.BytesIO()
         torch.save({"model": _on_cpu(self.net.state_dict()), "optimizer": _on_cpu(self.optimizer.state_dict()),
-                    "rng": torch.get_rng_state()}, buffer)
+                    **self._rng_states()}, buffer)
         return buffer.getvalue()
+
+    def _rng_states(self) -> dict:
+        """The random generators a step draws from: the CPU's, and this trainer's GPU's (dropout
+        on a GPU draws there), each a CPU tensor."""
+        states = {"rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return states
 
     def state_snapshot(self) -> StateSnapshot:
         """The state as state_bytes() would save it, copied at this step into host memory: the
         tensors of each device and dtype into one flat host buffer (from a GPU, asynchronous
         copies into pinned memory, waited for once), serialised later by to_bytes()."""
-        return _HostCopy({"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
-                          "rng": torch.get_rng_state()})
+        return _HostCopy({"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), **self._rng_states()})
 
     def load_state_bytes(self, data: bytes) -> None:
-        # Saved from CPU copies: loadable by the CPU-only master and by any device's worker.
-        state = torch.load(io.BytesIO(data), weights_only=True, map_location=self.device)
+        # Saved from CPU copies: loadable by the CPU-only master and by any device's worker. Read
+        # onto the CPU, as torch advises: the model copies its tensors to its own device, the
+        # optimizer moves its state beside each parameter but keeps Adam's step counters on the
+        # CPU (a counter moved to a GPU fails Adam's first step), and the generators' states
+        # must be CPU tensors.
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if "rng" in state:
             torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
     def model_bytes(self) -> bytes:
         buffer = io.BytesIO()
