@@ -36,3 +36,29 @@ def test_a_forked_worker_runs_the_worker_program_with_its_own_environment_and_it
     assert exits["w0.1"].reason.startswith(f"exited with code {exits['w0.1'].returncode}: ") and "127.0.0.1:9" in exits["w0.1"].reason, exits
     backend.shutdown(grace_s=0)
     assert server.poll() is not None  # the parent ends with the backend
+
+
+def test_a_warm_parent_whose_imports_initialised_cuda_forks_nothing_and_workers_start_as_programs(tmp_path):
+    # CUDA does not survive a fork. No GPU here: the parent is told CUDA is initialised (as an
+    # import on a GPU machine could leave it) by a sitecustomize module on its path.
+    from elastic_step.backends.api import LaunchSpec
+    from elastic_step.backends.local import LocalBackend
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    token = tmp_path / "token"
+    token.write_text("t")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    backend = LocalBackend(LaunchSpec("http://127.0.0.1:9", str(token), str(tmp_path), env={"PYTHONPATH": path}), forks=True)
+    try:
+        backend.launch(0, "w0.1")
+        deadline = time.monotonic() + 180
+        while "pid" not in backend.describe("w0.1") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert parent_of(backend.describe("w0.1")["pid"]) == os.getpid()  # started as a program, not forked
+        assert backend._fork_server is None
+        log = open(os.path.join(tmp_path, "logs", "forks.log")).read()
+        assert "initialised CUDA, which a forked worker could not use: workers start as programs" in log, log
+    finally:
+        backend.shutdown(grace_s=0)

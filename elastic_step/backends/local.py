@@ -78,7 +78,9 @@ def job_environment(job_env: dict[str, str], token_file: str) -> dict[str, str]:
 def start_warm_parent(python: str, job_dir: str, job_env: dict[str, str], token_file: str) -> ForkServer | None:
     """The job's warm parent; None where it cannot start (workers are then started as programs)."""
     try:
-        return ForkServer(python, job_environment(job_env, token_file), os.path.join(job_dir, "logs", "forks.log"))
+        # torch's device questions through NVML: CUDA stays uninitialised in the parent (local_forks.py).
+        env = {**job_environment(job_env, token_file), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+        return ForkServer(python, env, os.path.join(job_dir, "logs", "forks.log"))
     except OSError:
         return None
 

@@ -6,7 +6,10 @@ is taken from them, and each kill costs the group about that much progress. A fo
 starts with all of it done.
 
 Like a DataLoader's workers, the children are forked after `import torch` and before any torch
-work (no thread pool, no process group yet). The server reaps its children and reports each
+work (no thread pool, no process group yet). CUDA does not survive a fork: a child of a parent
+that initialised it cannot use the GPU. So the server asks torch's device questions through NVML
+(PYTORCH_NVML_BASED_CUDA_CHECK, which initialises nothing), and if an import initialised CUDA all
+the same it forks nothing and ends: the backend then starts its workers as programs. The server reaps its children and reports each
 exit, as the kernel's wait status says it, to the backend: its children are not the master's.
 The pipe protocol is one JSON object a line; requests: {"env": {...}, "log": path}; replies:
 {"pid": N} for each request in order, {"pid": N, "code": C} when a child ends.
@@ -187,6 +190,12 @@ def serve(log_path: str) -> None:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
     notes = preload()
+    if cuda_initialised():
+        notes.append("fork server: importing the workers' modules initialised CUDA, which a forked worker could not "
+                     "use: workers start as programs")
+        open_log(log_path, notes)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)  # the backend hears the server is gone at its first request
     log_open = False
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -216,6 +225,11 @@ def serve(log_path: str) -> None:
             if pid == 0:
                 become_worker(json.loads(line), [requests, replies, wake_r, wake_w])
             os.write(replies, json.dumps({"pid": pid}).encode() + b"\n")
+
+
+def cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def reap(replies: int) -> None:
