@@ -9,8 +9,9 @@ Like a DataLoader's workers, the children are forked after `import torch` and be
 work (no thread pool, no process group yet). CUDA does not survive a fork: a child of a parent
 that initialised it cannot use the GPU. So the server asks torch's device questions through NVML
 (PYTORCH_NVML_BASED_CUDA_CHECK, which initialises nothing), and if an import initialised CUDA all
-the same it forks nothing and ends: the backend then starts its workers as programs. The server reaps its children and reports each
-exit, as the kernel's wait status says it, to the backend: its children are not the master's.
+the same it forks nothing and ends: the backend then starts its workers as programs. The server
+reaps its children and reports each exit, as the kernel's wait status says it, to the backend:
+its children are not the master's.
 The pipe protocol is one JSON object a line; requests: {"env": {...}, "log": path}; replies:
 {"pid": N} for each request in order, {"pid": N, "code": C} when a child ends.
 """

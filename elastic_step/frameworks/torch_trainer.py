@@ -126,7 +126,7 @@ class TorchTrainer(Trainer):
         return contextlib.nullcontext()
 
     def _to_device(self, array) -> torch.Tensor:
-        tensor = _flat(array) if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+        tensor = _flat(array)
         if tensor.device == self.device:
             return tensor
         if self.device.type == "cuda":  # pinned memory lets the copy overlap the host's work
@@ -195,9 +195,12 @@ class TorchTrainer(Trainer):
 
     def state_bytes(self) -> bytes:
         buffer = io.BytesIO()
-        torch.save({"model": _on_cpu(self.net.state_dict()), "optimizer": _on_cpu(self.optimizer.state_dict()),
-                    **self._rng_states()}, buffer)
+        torch.save(_on_cpu(self._live_state()), buffer)
         return buffer.getvalue()
+
+    def _live_state(self) -> dict:
+        """What state_bytes() saves, as live tensors (the model's, the optimizer's, the generators')."""
+        return {"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), **self._rng_states()}
 
     def _rng_states(self) -> dict:
         """The random generators a step draws from: the CPU's, and this trainer's GPU's (dropout
@@ -211,7 +214,7 @@ class TorchTrainer(Trainer):
         """The state as state_bytes() would save it, copied at this step into host memory: the
         tensors of each device and dtype into one flat host buffer (from a GPU, asynchronous
         copies into pinned memory, waited for once), serialised later by to_bytes()."""
-        return _HostCopy({"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), **self._rng_states()})
+        return _HostCopy(self._live_state())
 
     def load_state_bytes(self, data: bytes) -> None:
         # Saved from CPU copies: loadable by the CPU-only master and by any device's worker. Read

@@ -289,14 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastic_step.ps.shard: cannot finish putting back a checkpoint's cut: {exc}; resume the job from "
               "another checkpoint", file=sys.stderr)
         return ExitCode.FAILED
-    except OSError as exc:
-        if exc.errno in VOLUME_ERRORS:
+    except (OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, OSError) and exc.errno in VOLUME_ERRORS:
             print(f"elastic_step.ps.shard: the volume of {exc.filename or args.dir} failed: {exc}; check it (`dmesg` shows "
                   "its I/O errors, `df` a full disk)", file=sys.stderr)
             return ExitCode.FAILED
-        print(f"elastic_step.ps.shard: {exc}; check --dir, --host and --token-file", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    except (ValueError, KeyError) as exc:
         print(f"elastic_step.ps.shard: {exc}; check --dir, --host and --token-file", file=sys.stderr)
         return ExitCode.BAD_INPUT
     return 0

@@ -1,8 +1,8 @@
 """Rank 0's checkpoints: when one is due, and handing it to the master without stopping training.
 
 The master pairs the state with its ledger of the same step; the state is copied to memory at
-the step (Trainer.state_snapshot: from a GPU, one device-to-host copy) and serialised and sent
-from a background thread, so training waits for neither."""
+the step (Trainer.state_snapshot: from a GPU, asynchronous copies into pinned memory, one wait)
+and serialised and sent from a background thread, so training waits for neither."""
 
 from __future__ import annotations
 
