@@ -246,6 +246,39 @@ def test_fp16_computes_an_overflowed_pass_again_at_a_smaller_loss_scale_and_skip
     assert max(float(np.abs(a - b).max()) for a, b in zip(without_first, ours)) > 10 * 2e-4
 
 
+def test_an_overflowed_fp16_pass_computed_again_leaves_the_model_as_if_it_ran_once():
+    """BatchNorm's running statistics and dropout's draws: a pass computed again at a smaller
+    scale is the same pass, so the trainer ends exactly where one that started at that scale does."""
+    from elastic_step.frameworks.device import Placement
+
+    model_def = small_model_def()
+    model_def.module.model = lambda: torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3))
+    model_def.module.optimizer = lambda net: torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def fp16_trainer(scale: float | None = None) -> TorchTrainer:
+        torch.manual_seed(0)
+        trainer = TorchTrainer(model_def, model_def.model(), Placement("cpu", Precision.FP16, "test"))
+        if scale is not None:
+            trainer.loss_scale.value = scale
+        return trainer
+
+    retried = fp16_trainer()
+    torch.manual_seed(1)  # dropout's draws
+    ours = run_steps(retried, steps=1)
+    generator_after = torch.get_rng_state()
+    assert retried.loss_scale.overflows >= 1  # the first pass overflowed and was computed again
+    at_that_scale = fp16_trainer(retried.loss_scale.value)
+    torch.manual_seed(1)
+    theirs = run_steps(at_that_scale, steps=1)
+    assert at_that_scale.loss_scale.overflows == 0
+    np.testing.assert_array_equal(ours[0], theirs[0])  # the same dropout mask, the same gradients
+    for mine, other in zip(retried.net.buffers(), at_that_scale.net.buffers()):
+        assert torch.equal(mine, other)  # BatchNorm saw the batch once
+    assert int(retried.net[1].num_batches_tracked) == 1
+    assert torch.equal(generator_after, torch.get_rng_state())  # dropout drew once
+
+
 def test_fp16_in_ps_mode_is_refused_before_anything_starts(tmp_path, digits):
     from conftest import cli
 

@@ -9,9 +9,9 @@ its own forward passes and divides its gradients by its own factor before the st
 power of two: the division is exact), so the sum is in plain float32 and no rank needs another's
 factor: a rank that joins, or is relaunched, starts from the first one.
 
-A pass computed again runs the model's forward pass again: a BatchNorm layer's running statistics
-take that batch twice and dropout draws anew. The rows and the gradients applied are those of the
-final pass; only these buffers of the model differ from a run whose pass did not overflow."""
+A pass computed again is the same pass at a smaller factor: the model's buffers (BatchNorm's
+running statistics) and the random generators (dropout's draws) are put back as they were before
+the overflowed pass (torch_trainer._PassStart), so the model is as if the pass ran once."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import contextlib
 import io
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -67,6 +68,7 @@ class TorchTrainer(Trainer):
         """float16: the rows' gradients at this rank's loss scale, computed again at half of it
         while they overflow (never skipped: loss_scale.py), then divided by it in place."""
         scale = self.loss_scale
+        before = _PassStart.of(self.net, self.device)
         while True:
             loss = self._compute(features, labels, flat, scale.value)
             if not math.isfinite(loss):
@@ -79,6 +81,7 @@ class TorchTrainer(Trainer):
                 log.error("float16 gradients overflow even at loss scale %g: the model diverges (or its activations "
                           "exceed float16's range); the job fails as on an infinite loss: try bf16 or fp32", scale.value)
                 return math.inf
+            before.restore()  # the same pass at another scale: BatchNorm sees the batch once, dropout draws alike
             log.info("float16 gradients overflowed at loss scale %g: the same rows again at %g", 2 * scale.value, scale.value)
 
     def _compute(self, features, labels, flat: torch.Tensor, scale: float) -> float:
@@ -371,6 +374,33 @@ def _filled(tree, tensors: list):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_filled(value, tensors) for value in tree)
     return tree
+
+
+@dataclass
+class _PassStart:
+    """What a forward pass changes besides the gradients, as it was before the pass: the model's
+    buffers (BatchNorm's running statistics and batch count) and the random generators' states
+    (dropout's draws). Put back before an overflowed float16 pass is computed again, so that the
+    pass computed again is the same pass at a smaller scale and the model is as if it ran once."""
+
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (the live buffer, its value before the pass)
+    cpu_rng: torch.Tensor
+    device_rng: torch.Tensor | None  # the GPU's generator, when the trainer computes on one
+    device: torch.device
+
+    @classmethod
+    def of(cls, net: torch.nn.Module, device: torch.device) -> "_PassStart":
+        on_gpu = device.type == "cuda"
+        return cls([(b, b.detach().clone()) for b in net.buffers()], torch.get_rng_state(),
+                   torch.cuda.get_rng_state(device) if on_gpu else None, device)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for live, before in self.buffers:
+                live.copy_(before)
+        torch.set_rng_state(self.cpu_rng)
+        if self.device_rng is not None:
+            torch.cuda.set_rng_state(self.device_rng, self.device)
 
 
 def _flat(buffer) -> torch.Tensor:
