@@ -145,10 +145,60 @@ def test_a_checkpoint_that_cannot_be_serialised_on_the_senders_thread_is_logged_
 
     checkpoints = Checkpoints(client=Master(), worker_id="w0.1", every=1, reporter=None)
     with caplog.at_level("ERROR", logger="elastic_step.worker"):
-        checkpoints.send(round_id=1, step=7, state=Broken(b""))
+        checkpoints.send(round_id=1, step=7, snapshot=lambda: Broken(b""))
         checkpoints.drain()
     [record] = [r for r in caplog.records if "checkpoint of step 7 not sent" in r.getMessage()]
     assert "no room for the checkpoint" in record.exc_text
+
+
+def test_checkpoints_slower_to_send_than_to_take_hold_two_copies_at_most_and_the_step_waits(caplog):
+    """A snapshot is a copy of the whole state: a slow master must not pile them up in memory."""
+    import threading
+
+    from elastic_step.frameworks.api import StateSnapshot
+    from elastic_step.worker.checkpoints import MAX_HELD, Checkpoints
+
+    class Snapshot(StateSnapshot):
+        def __init__(self, step):
+            self.step = step
+
+        def to_bytes(self) -> bytes:
+            return str(self.step).encode()
+
+    class SlowMaster:
+        def __init__(self):
+            self.go, self.sent = threading.Event(), []
+
+        def call(self, method, route, content, params):
+            assert self.go.wait(30)
+            self.sent.append((params["step"], content))
+
+    master, taken = SlowMaster(), []
+
+    def snapshot(step):
+        def take():
+            taken.append(step)
+            return Snapshot(step)
+        return take
+
+    checkpoints = Checkpoints(client=master, worker_id="w0.1", every=1, reporter=None)
+    for step in range(1, MAX_HELD + 1):
+        checkpoints.send(round_id=1, step=step, snapshot=snapshot(step))  # room: copied at once
+    assert taken == [1, 2]
+    third = threading.Thread(target=checkpoints.send, kwargs=dict(round_id=1, step=3, snapshot=snapshot(3)))
+    with caplog.at_level("WARNING", logger="elastic_step.worker"):
+        third.start()
+        third.join(0.5)
+        assert third.is_alive() and taken == [1, 2]  # the step waits, and holds no third copy
+        master.go.set()
+        third.join(10)
+        checkpoints.drain()
+    assert taken == [1, 2, 3] and master.sent == [(1, b"1"), (2, b"2"), (3, b"3")]
+    [line] = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert line.startswith("checkpoint of step 3 waited") and "raise --checkpoint-steps" in line
+    checkpoints.send(round_id=1, step=4, snapshot=snapshot(4))  # the room was given back
+    checkpoints.drain()
+    assert master.sent[-1] == (4, b"4") and checkpoints.waited == 1
 
 
 def test_the_evaluation_gate_names_a_models_missing_run_in_one_line(tmp_path):

@@ -209,7 +209,7 @@ class Worker:
         self.progress.unacked[step] = record
         if rv.rank == 0:
             if record.checkpoint:  # copied now, serialised and sent in the background
-                self.checkpoints.send(rv.round_id, step, self.trainer.state_snapshot())
+                self.checkpoints.send(rv.round_id, step, self.trainer.state_snapshot)
             self.handover.add(rv.round_id, record, now=record.checkpoint)
 
     def fail_job(self, reason: str) -> None:
