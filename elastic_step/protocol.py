@@ -342,6 +342,7 @@ class StepRecord(Request):
     ranges: list[RangeRecord | RankRanges | None] = Field(min_length=1, max_length=MAX_WORLD)
     samples: Count
     loss: float = Field(allow_inf_nan=False)
+    passes_again: Count = 0  # float16 passes computed again at a smaller loss scale in this step, over every rank
     time: float = Field(ge=0, allow_inf_nan=False)
     checkpoint: bool = False  # rank 0 snapshotted its state after this step
 

@@ -5,6 +5,8 @@ buffer once) checked against the zero-copy CPU path on this machine's CPU. No GP
 only a GPU can run (pinned copies, NCCL) is checked by benchmarks/gpu_check.sh on one."""
 
 import glob
+import json
+import os
 import types
 
 import numpy as np
@@ -303,6 +305,9 @@ def test_a_local_job_trains_in_fp16_with_an_exact_audit_through_a_workers_death(
     assert job.finish() == 0, job.output()
     report = audit_report(job.audit, digits, 2)
     assert report["exact"], report
+    # float16's first passes overflow at 2**16 (summed loss of 16 rows): computed again, and said.
+    with open(os.path.join(job.job_dir, "metrics.jsonl")) as steps:
+        assert sum(json.loads(line).get("passes_again", 0) for line in steps) >= 1
     logs = "".join(open(path).read() for path in glob.glob(f"{job.job_dir}/logs/*"))
     assert "computing on cpu in fp16" in logs
     assert "float16 gradients overflowed at loss scale 65536: the same rows again at 32768" in logs

@@ -45,6 +45,16 @@ def test_a_resumed_run_does_not_log_again_the_steps_its_earlier_attempt_logged()
     assert min(step for _, step, _ in logged) > 14, logged
 
 
+def test_fp16_passes_computed_again_are_logged_as_the_sum_over_the_steps_each_point_summarises():
+    logged, tensorboard = [], TensorBoard()
+    metrics = StepMetrics(lambda key, value, step, time: logged.append((key, step, value)), tensorboard)
+    for step in range(1, 10):
+        metrics.add({**entry(step), **({"passes_again": step} if step in (2, 3, 7) else {})})
+    metrics.flush()
+    # Points at steps 5 and 9 (one a second): 2 + 3 passes, then 7; none where no step overflowed.
+    assert [(step, value) for key, step, value in logged if key == "fp16_passes_computed_again"] == [(5, 5), (9, 7)]
+
+
 def test_every_step_of_a_run_without_restores_is_summarised_as_before():
     logged, _ = run(range(1, 10))
     assert [step for key, step, _ in logged if key == "loss"] == [5, 9]  # a point a second, and the rest at the end

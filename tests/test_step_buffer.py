@@ -20,10 +20,11 @@ PLACES = [None, torch.device("cpu")]
 
 
 def rank_buffer(rank: int, world: int, pieces: list[tuple[int, int, int]], regroup=False, done=False, more=False,
-                device=None) -> StepBuffer:
+                device=None, passes_again: int = 0) -> StepBuffer:
     buffer = StepBuffer(N_GRAD, world, rank, device)
     buffer.clear_meta()
     buffer.gradients[:] = rank + 1
+    buffer.add_passes_again(passes_again)
     for i, (task, offset, count) in enumerate(pieces):
         buffer.add_loss(0.5 * count)
         buffer.add_piece(i, Piece(task, offset, count, None, None))
@@ -59,12 +60,14 @@ def summed(buffers: list[StepBuffer]) -> None:
 def test_every_rank_reads_the_totals_flags_and_every_ranks_ranges_after_the_sum(device):
     big = 2**40 + 12345  # ids and offsets beyond float32's exact integers travel exactly
     parts = {0: [(7, 0, 16)], 1: [(big, big - 1, 3), (9, 0, 13)], 2: []}
-    buffers = [rank_buffer(0, 3, parts[0], more=True, device=device), rank_buffer(1, 3, parts[1], regroup=True, device=device),
-               rank_buffer(2, 3, parts[2], device=device)]
+    buffers = [rank_buffer(0, 3, parts[0], more=True, device=device),
+               rank_buffer(1, 3, parts[1], regroup=True, device=device, passes_again=2),
+               rank_buffer(2, 3, parts[2], device=device, passes_again=1)]
     buffers[2].zero_gradients()
     summed(buffers)
     for b in buffers:
         assert b.samples == 32 and b.loss_sum == 16.0
+        assert b.passes_again == 3  # float16's overflows, every rank's
         assert b.regroup and not b.done
         assert [b.may_have_more(r) for r in range(3)] == [True, False, False]
         assert b.ranges_of(0) == [RangeRecord(task_id=7, offset=0, count=16)]
@@ -87,14 +90,17 @@ def test_a_rank_reports_up_to_max_pieces_ranges_and_a_cleared_buffer_says_nothin
 
 @pytest.mark.parametrize("device", PLACES, ids=["host", "device"])
 def test_held_sums_carry_gradients_samples_and_loss_across_micro_rounds(device):
-    buffer = rank_buffer(0, 1, [(1, 0, 4)], device=device)
+    buffer = rank_buffer(0, 1, [(1, 0, 4)], device=device, passes_again=1)
     first = buffer.held_sums()
     buffer.clear_meta()
     buffer.gradients[:] = 10.0
     buffer.add_loss(1.0)
+    buffer.add_passes_again(2)
     buffer.add_piece(0, Piece(1, 4, 2, None, None))
+    buffer.set_flags(regroup=True, done=False, may_have_more=False)
     buffer.add_sums(first)
-    assert buffer.samples == 6 and buffer.loss_sum == 3.0
+    assert buffer.samples == 6 and buffer.loss_sum == 3.0 and buffer.passes_again == 3
+    assert buffer.regroup and not buffer.done  # flags are the micro-round's own, not summed
     assert list(buffer.gradients) == [11.0] * N_GRAD  # held, not a view the next micro-round overwrote
     assert buffer.ranges_of(0) == [RangeRecord(task_id=1, offset=4, count=2)]  # ranges are per micro-round
 

@@ -39,6 +39,12 @@ class Trainer(abc.ABC):
         only, which every trainer takes."""
         return None
 
+    @property
+    def passes_computed_again(self) -> int:
+        """Forward and backward passes this trainer computed again since it was made (float16's
+        overflows: frameworks/loss_scale.py); 0 where no pass is ever computed again."""
+        return 0
+
     @abc.abstractmethod
     def compute_gradients(self, features: np.ndarray, labels: np.ndarray, out) -> float:
         """Write the sum of per-sample gradients into `out` (a numpy array, or a float32 tensor on

@@ -52,6 +52,10 @@ class TorchTrainer(Trainer):
         return sum(self._sizes)
 
     @property
+    def passes_computed_again(self) -> int:
+        return self.loss_scale.overflows if self.loss_scale is not None else 0
+
+    @property
     def gradient_device(self) -> torch.device:
         """This trainer's own device, CPU or GPU: a step buffer there is used in place."""
         return self.device

@@ -108,6 +108,8 @@ class StepLog:
             "loss": record.loss / max(record.samples, 1), "samples_per_s": rate,
             "world_size": world_size, "round": round_id,
         }
+        if record.passes_again:  # float16's overflows: absent, as from every fp32 and bf16 step, is none
+            entry["passes_again"] = record.passes_again
         if self._out is not None:
             self._out.write(json.dumps(entry) + "\n")
         self._remember(entry)

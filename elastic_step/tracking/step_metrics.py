@@ -4,6 +4,10 @@ Each MLflow metric row costs the master about a millisecond of CPU on a SQLite s
 hundreds of steps per second would take a core from the workers: steps are summarised once a
 second (and at every change of world size). Every single step is in the run's metrics.jsonl.
 
+float16 passes computed again at a smaller loss scale (an overflow; frameworks/loss_scale.py) are
+logged as `fp16_passes_computed_again`, each point the sum over the steps it summarises, and only
+where that is not 0: a run with no point of it had no overflow.
+
 A step trained again is not logged again. After a restore from the master's checkpoint, a
 regroup that voided steps, or a resumed run, the group trains step numbers it had trained
 before; MLflow keeps every value logged, so a metric's history would hold two values of one step
@@ -54,6 +58,9 @@ class StepMetrics:
             "world_size": last["world_size"],
             "round": last["round"],
         }
+        again = sum(e.get("passes_again", 0) for e in window)
+        if again:
+            values["fp16_passes_computed_again"] = again
         if span > 0:
             values["samples_per_s"] = sum(e["samples"] for e in window) / span
         for key, value in values.items():

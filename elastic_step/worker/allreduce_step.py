@@ -187,6 +187,7 @@ class AllreduceStep(TrainingStep):
         """This rank's summed gradients, loss and row ranges in its part of the buffer. Pieces
         larger than minibatch_size are cut: that is the most rows one forward pass holds."""
         trainer, grads, limit = self.host.trainer, buffer.gradients, self.host.spec.minibatch_size
+        passes_again = trainer.passes_computed_again
         first = True
         for p, piece in enumerate(pieces):
             for start in range(0, piece.count, limit):
@@ -201,6 +202,7 @@ class AllreduceStep(TrainingStep):
                     buffer.add_loss(trainer.compute_gradients(features, labels, self._scratch))
                     grads += self._scratch
             buffer.add_piece(p, piece)
+        buffer.add_passes_again(trainer.passes_computed_again - passes_again)
 
     def _apply(self, r: _Round, gathered: _Gathered) -> bool:
         """Apply the summed step and record it; False when its loss is not finite (the job fails)."""
@@ -218,7 +220,7 @@ class AllreduceStep(TrainingStep):
         summaries = gathered.summaries
         progress.lineage = next_lineage(progress.lineage, progress.step,
                                         summaries[0] if len(summaries) == 1 else np.concatenate(summaries))
-        host.record_step(r.rv, gathered.ranges, total, loss_sum)
+        host.record_step(r.rv, gathered.ranges, total, loss_sum, buffer.passes_again)
         r.times.mark(Phase.REPORT)
         r.times.steps += 1
         return True

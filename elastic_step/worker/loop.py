@@ -197,7 +197,8 @@ class Worker:
     def send_reports(self) -> None:
         self.handover.hand_over()
 
-    def record_step(self, rv: RendezvousReply, ranges: list[list[RangeRecord]], samples: int, loss: float) -> None:
+    def record_step(self, rv: RendezvousReply, ranges: list[list[RangeRecord]], samples: int, loss: float,
+                    passes_again: int = 0) -> None:
         """Every rank keeps the step's record until the master acknowledges it; rank 0 reports it,
         with the model's state when the step is a checkpoint's."""
         step = self.progress.step
@@ -205,7 +206,7 @@ class Worker:
         if step == rv.start_step + 1:
             self.heartbeat.beat_now()
         record = StepRecord(step=step, ranges=[_rank_entry(merged(r)) for r in ranges], samples=samples, loss=loss,
-                            time=time.time(), checkpoint=rv.rank == 0 and self.checkpoints.due(step))
+                            passes_again=passes_again, time=time.time(), checkpoint=rv.rank == 0 and self.checkpoints.due(step))
         self.progress.unacked[step] = record
         if rv.rank == 0:
             if record.checkpoint:  # copied now, serialised and sent in the background

@@ -65,8 +65,10 @@ class StepHost(Protocol):
     def send_reports(self) -> None:
         """Have every applied step sent to the master soon, without waiting (rank 0)."""
 
-    def record_step(self, rv: RendezvousReply, ranges: list[list[RangeRecord]], samples: int, loss: float) -> None:
-        """Report the step just applied (progress.step): by rank, the ranges it consumed."""
+    def record_step(self, rv: RendezvousReply, ranges: list[list[RangeRecord]], samples: int, loss: float,
+                    passes_again: int = 0) -> None:
+        """Report the step just applied (progress.step): by rank, the ranges it consumed;
+        `passes_again`: its float16 passes computed again at a smaller loss scale, over every rank."""
 
     def fail_job(self, reason: str) -> None:
         """Fail the job with `reason` (rank 0 only: one report is enough)."""

@@ -1,10 +1,11 @@
 """The flat float32 buffer one allreduce sums in each micro-round of a step, behind named views.
 
-    [ gradients | samples, loss sum, regroup, done | rank 0's ranges | rank 1's ranges | ... ]
+    [ gradients | samples, loss sum, passes again, regroup, done | rank 0's ranges | rank 1's ranges | ... ]
 
 Every rank writes only its own part and zeros elsewhere, so the sum hands every rank the summed
-gradients, the step's sample count and summed loss, the flags (a flag is set when any rank set
-it) and every rank's row ranges: which rows each rank consumed travels in the same collective
+gradients, the step's sample count and summed loss, how many float16 passes were computed again at
+a smaller loss scale (frameworks/loss_scale.py), the flags (a flag is set when any rank set it)
+and every rank's row ranges: which rows each rank consumed travels in the same collective
 that applies them. A rank's part is a "may have more rows" flag, then up to MAX_PIECES
 (task, offset, count) triples, each integer as two exact float halves.
 
@@ -28,7 +29,8 @@ from elastic_step.protocol import RangeRecord
 from elastic_step.worker.collective import decode_int, encode_int
 from elastic_step.worker.rows import Piece
 
-HEADER = 4  # samples, loss sum, regroup flag, done flag
+HEADER = 5  # samples, loss sum, passes computed again, regroup flag, done flag
+_SUMMED = 3  # the first of them add up over a step's micro-rounds
 MAX_PIECES = 4  # ranges one rank reports per micro-round (a rank with more reports the rest in the next)
 _PIECE = 6  # (task, offset, count), two float halves each
 PER_RANK = 1 + _PIECE * MAX_PIECES  # "may have more rows", then its pieces
@@ -61,7 +63,7 @@ class StepBuffer:
             on_cpu = self.resident.device.type == "cpu"
             # Pinned: the copy in before each collective does not wait for the step's backward pass.
             self.meta = self.resident[n:].numpy() if on_cpu else torch.zeros(size - n, pin_memory=True).numpy()
-        self._samples, self._loss, self._regroup, self._done = 0, 1, 2, 3  # in `meta`
+        self._samples, self._loss, self._again, self._regroup, self._done = 0, 1, 2, 3, 4  # in `meta`
         self._ranks = HEADER  # rank r's part starts at _ranks + PER_RANK * r
 
     def sum_over(self, collective) -> None:
@@ -78,15 +80,16 @@ class StepBuffer:
         self.meta[:] = tail.cpu().numpy()
 
     def held_sums(self) -> tuple:
-        """A copy of what a step's micro-rounds add up (gradients, samples, loss), for add_sums."""
+        """A copy of what a step's micro-rounds add up (gradients, samples, loss, passes computed
+        again), for add_sums."""
         grads = self.gradients.clone() if self.resident is not None else self.gradients.copy()
-        return grads, self.meta[:2].copy()
+        return grads, self.meta[:_SUMMED].copy()
 
     def add_sums(self, held: tuple) -> None:
         """Add an earlier micro-round's held_sums() to this one's."""
         grads, counts = held
         self.gradients += grads
-        self.meta[:2] += counts
+        self.meta[:_SUMMED] += counts
 
     def zeros_like_gradients(self):
         """A second gradient buffer where this one's gradients live (host or device)."""
@@ -105,6 +108,9 @@ class StepBuffer:
 
     def add_loss(self, loss: float) -> None:
         self.meta[self._loss] += loss
+
+    def add_passes_again(self, passes: int) -> None:
+        self.meta[self._again] += passes
 
     def add_piece(self, index: int, piece: Piece) -> None:
         """This rank's `index`-th piece of the micro-round: its rows count, and its range."""
@@ -127,6 +133,11 @@ class StepBuffer:
     @property
     def loss_sum(self) -> float:
         return float(self.meta[self._loss])
+
+    @property
+    def passes_again(self) -> int:
+        """float16 passes computed again at a smaller loss scale, over every rank."""
+        return int(round(self.meta[self._again]))
 
     @property
     def regroup(self) -> bool:
