@@ -193,3 +193,44 @@ def test_a_scale_whose_release_failed_is_finished_before_the_tables_are_read(tmp
     finally:
         client.close()
         shards.stop()
+
+
+def test_a_rollback_cut_short_in_its_routing_bump_is_not_taken_for_a_scale_at_the_jobs_end(tmp_path, monkeypatch, caplog):
+    """A rollback (backends/kubernetes/ps_pod_watch.py, PodSupervisor.roll_back) gives every shard
+    the routing's next epoch with the same owners (only the new pod's address changes). One that
+    fails after some shards took it leaves them ahead of the master's routing, as a scale's move
+    left mid-way would, but with no virtual shard changing owner: the job's end moves nothing,
+    releases nothing, and does not say it finishes a move; the tables are read as they stand."""
+    import logging
+
+    from elastic_step.backends.kubernetes import ps_final
+    from elastic_step.ps.routing import RoutingTable
+
+    monkeypatch.setattr(embedding, "_FROZEN", {})
+    monkeypatch.setattr(embedding, "_TABLE_SOURCES", {})
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    spec, ids = SPECS[0], np.arange(300, dtype=np.int64)
+    shards = LocalShards(str(tmp_path / "ps"), [spec], 2, str(token_file), snapshot_every=100_000)
+    shards.start()
+    client = PsClient(TOKEN, shards.routes, timeout_s=30.0)
+    try:
+        client.push(spec.name, 1, 0, 0, ids, np.random.default_rng(3).normal(size=(len(ids), spec.dim)).astype(np.float32))
+        trained = client.pull(spec.name, ids).copy()
+        addresses = [s.endpoint.split(":") for s in shards.shards]
+        pods = PodShards([PodShard(i, host, int(port)) for i, (host, port) in enumerate(addresses)], shards.routing)
+        bumped = RoutingTable(pods.routing.epoch + 1, pods.routing.owners, [s.endpoint for s in pods.shards])
+        header, _ = client.call(pods.shards[0].endpoint, {"op": "routing", "routing": bumped.to_json()})  # shard 1 never got it
+        assert header["epoch"] == bumped.epoch
+        moved = []
+        monkeypatch.setattr(ps_final, "move", lambda *args, **kwargs: moved.append("move"))
+        monkeypatch.setattr(ps_final, "release", lambda *args, **kwargs: moved.append("release"))
+        with caplog.at_level(logging.INFO, logger="elastic_step.backends.kubernetes"):
+            freeze(client, [spec], pods, str(tmp_path / "job"), limit_mb=1024)
+        assert moved == []
+        assert "finishing the move" not in caplog.text and "did not finish" not in caplog.text
+        assert f"routing epoch {bumped.epoch}" in caplog.text and "no virtual shard changes owner" in caplog.text
+        np.testing.assert_array_equal(looked_up(spec, ids), trained)
+    finally:
+        client.close()
+        shards.stop()

@@ -59,7 +59,11 @@ def finish_a_failed_scale(client: PsClient, shards: PodShards) -> None:
     (training went on under it, perhaps past stale copies the release did not drop): the move is
     done again now (each step is idempotent: ps/moves.py), and the tables are read under its
     routing, as the local backend's end does (master/ps_shards.py). One that cannot be finished
-    is said in one line; the tables are then read under the routing the master knew."""
+    is said in one line; the tables are then read under the routing the master knew.
+
+    A newer epoch whose owners are the master's is no move: a rollback gives every shard the next
+    epoch with a new pod's address alone (ps_pod_watch.py, PodSupervisor.roll_back), and one cut
+    short leaves some shards ahead. The rows are where the master's routing says: nothing to do."""
     taken = []
     for shard in shards.shards:
         try:
@@ -68,6 +72,11 @@ def finish_a_failed_scale(client: PsClient, shards: PodShards) -> None:
             continue  # one that does not answer is said where its rows are read
     newest = max(taken, key=lambda routing: routing.epoch, default=shards.routing)
     if newest.epoch <= shards.routing.epoch:
+        return
+    if np.array_equal(newest.owners, shards.routing.owners):  # a rollback's bump cut short, not a scale's move
+        log.info("parameter servers: routing epoch %d, which some shards took, gives the shards of epoch %d new "
+                 "addresses only (a rollback's): no virtual shard changes owner, nothing to move before the tables "
+                 "are read", newest.epoch, shards.routing.epoch)
         return
     try:
         if len(shards.shards) < newest.shards:
