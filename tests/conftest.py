@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -183,3 +184,54 @@ def trained_run(tmp_path_factory, digits, mlflow_server):
                "--checkpoint-steps", "20"])
     assert job.finish() == 0, job.output()
     return job
+
+
+@pytest.fixture
+def closing():
+    """closing(thing) is `thing`, closed at the test's end (the last first), whether the test
+    passed or not: a ShardState (its ledger's file and fsync thread), a ledger, a client."""
+    things = []
+
+    def close_later(thing):
+        things.append(thing)
+        return thing
+
+    yield close_later
+    for thing in reversed(things):
+        thing.close()
+
+
+@pytest.fixture
+def ledgers_closed():
+    """Fails a test that leaves a shard's ledger (ps/ledger.py: every recovered ShardState has
+    one) open: its file descriptor, and once a push was synced its fsync thread ("ledger-fsync"),
+    would stay for the rest of the session. A test closes what it opens (ShardState.close) in a
+    `finally` or a fixture's teardown, so a failing one leaves none either. What is left is
+    closed here before the test is failed. The modules that make ledgers use it (pytestmark)."""
+    from elastic_step.ps.ledger import Ledger
+
+    made, closed, init, close = [], set(), Ledger.__init__, Ledger.close
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    def closing(self):
+        closed.add(id(self))
+        close(self)
+
+    before = {t for t in threading.enumerate() if t.name == "ledger-fsync"}
+    with pytest.MonkeyPatch.context() as patched:  # its own: a test's monkeypatch.undo() leaves it
+        patched.setattr(Ledger, "__init__", tracked)
+        patched.setattr(Ledger, "close", closing)
+        yield
+    # Never closed, its file closed or not (a failed rotation closes only the file: the thread stays).
+    left = [ledger.path for ledger in made if id(ledger) not in closed]
+    for ledger in made:
+        if id(ledger) not in closed:
+            ledger.close()
+    threads = [t for t in threading.enumerate() if t.name == "ledger-fsync" and t not in before]
+    for thread in threads:
+        thread.join(5)
+    alive = [t for t in threads if t.is_alive()]
+    assert not left and not alive, f"the test left {len(left)} ledger(s) open ({left}), {len(alive)} ledger-fsync thread(s) alive"

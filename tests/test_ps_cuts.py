@@ -24,6 +24,8 @@ from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import READY_FILE
 from elastic_step.ps.state import LEDGER_FILE, ROUTING_FILE, SNAPSHOT_FILE, ShardState
 
+pytestmark = pytest.mark.usefixtures("ledgers_closed")  # conftest.py: no ledger left open
+
 SPEC = TableSpec("emb", 2, optimizer="adagrad", lr=0.5)
 IDS = np.array([1, 5, 9], np.int64)
 
@@ -54,13 +56,26 @@ def failing_after_the_first_copy(monkeypatch, error: BaseException) -> None:
     monkeypatch.setattr(cuts, "_copy_durably", copy)
 
 
-def restored(source, step: int, digest: str, into):
-    shutil.copytree(source, into)
-    cuts.restore(str(into), step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
-    return shard(into)
+@pytest.fixture(name="shard")
+def closed_shard(closing):
+    """The tests' `shard` (the helper above, which other modules import): each state it makes is
+    closed at the test's end, whether the test passed or not (conftest.py's ledgers_closed)."""
+    return lambda directory, every=2: closing(shard(directory, every))
 
 
-def test_a_cut_holds_exactly_the_pushes_through_its_step_and_a_resume_from_it_re_applies_the_rest(tmp_path):
+@pytest.fixture
+def restored(shard):
+    """restored(source, step, digest, into): `source` copied to `into`, put back to its cut of
+    `step` and started there (closed at the test's end)."""
+    def restore(source, step: int, digest: str, into) -> ShardState:
+        shutil.copytree(source, into)
+        cuts.restore(str(into), step, digest, SNAPSHOT_FILE, LEDGER_FILE, ROUTING_FILE)
+        return shard(into)
+
+    return restore
+
+
+def test_a_cut_holds_exactly_the_pushes_through_its_step_and_a_resume_from_it_re_applies_the_rest(shard, restored, tmp_path):
     held = shard(tmp_path / "s")
     push(held, 1), push(held, 2)
     at_checkpoint = held.tables["emb"].digest()
@@ -75,7 +90,7 @@ def test_a_cut_holds_exactly_the_pushes_through_its_step_and_a_resume_from_it_re
     assert back.tables["emb"].digest() == held.tables["emb"].digest()
 
 
-def test_a_relaunched_shard_keeps_its_cut_and_multiples_crossed_at_once_share_one(tmp_path):
+def test_a_relaunched_shard_keeps_its_cut_and_multiples_crossed_at_once_share_one(shard, restored, tmp_path):
     held = shard(tmp_path / "s")
     push(held, 1)
     before = held.tables["emb"].digest()
@@ -90,7 +105,7 @@ def test_a_relaunched_shard_keeps_its_cut_and_multiples_crossed_at_once_share_on
     assert restored(tmp_path / "s", 8, again.cut(8)["digest"], tmp_path / "r8").tables["emb"].digest() == after_seven
 
 
-def test_another_step_is_cut_from_the_snapshot_and_ledger_unless_a_snapshot_or_a_relaunch_came_since(tmp_path):
+def test_another_step_is_cut_from_the_snapshot_and_ledger_unless_a_snapshot_or_a_relaunch_came_since(shard, restored, tmp_path):
     held = shard(tmp_path / "s", every=10)
     held.snapshot_every = 4
     push(held, 1), push(held, 2), push(held, 3)
@@ -114,7 +129,7 @@ def test_another_step_is_cut_from_the_snapshot_and_ledger_unless_a_snapshot_or_a
     assert restored(tmp_path / "s", 6, again.cut(6)["digest"], tmp_path / "r6").tables["emb"].digest() == at_six
 
 
-def test_a_cut_that_is_not_the_recorded_one_is_refused_and_only_cuts_a_resume_may_load_are_kept(tmp_path):
+def test_a_cut_that_is_not_the_recorded_one_is_refused_and_only_cuts_a_resume_may_load_are_kept(shard, restored, tmp_path):
     held = shard(tmp_path / "s")
     for step in range(1, 8):
         push(held, step)
@@ -130,7 +145,7 @@ def test_a_cut_that_is_not_the_recorded_one_is_refused_and_only_cuts_a_resume_ma
     assert cuts.steps(str(tmp_path / "r3")) == [4] and back.routing.epoch == 1
 
 
-def test_a_resume_waits_for_a_killed_masters_last_shard_before_putting_its_cut_back(tmp_path):
+def test_a_resume_waits_for_a_killed_masters_last_shard_before_putting_its_cut_back(shard, tmp_path):
     """A SIGKILLed master's shards stop on their own with a last snapshot: it must not land over the cut."""
     held = shard(tmp_path / "ps" / "shard-0")
     push(held, 1), push(held, 2)
@@ -151,7 +166,7 @@ def test_a_resume_waits_for_a_killed_masters_last_shard_before_putting_its_cut_b
     assert sorted(p.name for p in (tmp_path / "ps").iterdir()) == ["shard-0"]
 
 
-def test_a_restore_a_crash_cut_short_is_finished_when_the_shard_starts(tmp_path, monkeypatch):
+def test_a_restore_a_crash_cut_short_is_finished_when_the_shard_starts(shard, tmp_path, monkeypatch):
     """A crash after the cut's snapshot is copied in, before its ledger is: the folder then holds
     the cut's snapshot under the later ledger, which a start would replay over it. The restore's
     intent file makes the next start finish the restore first."""
@@ -174,7 +189,7 @@ def test_a_restore_a_crash_cut_short_is_finished_when_the_shard_starts(tmp_path,
     assert not os.path.exists(tmp_path / "s" / cuts.RESTORING_FILE)
 
 
-def test_files_a_crash_left_of_an_unsealed_cut_are_neither_kept_by_a_restore_nor_taken_into_a_new_cut(tmp_path):
+def test_files_a_crash_left_of_an_unsealed_cut_are_neither_kept_by_a_restore_nor_taken_into_a_new_cut(shard, restored, tmp_path):
     """A crash while a later cut was removed (its .json first) or written leaves its .bin or
     .ledger without a .json: a restore removes them with the sealed ones, and a cut written at
     that step later holds only its own files."""

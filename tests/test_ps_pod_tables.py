@@ -24,6 +24,8 @@ from elastic_step.ps.local import LocalShards
 from elastic_step.ps.shard_tables import MANIFEST_FILE, SHARDS_FOLDER, ShardTables
 from lost_release import move_losing_a_release
 
+pytestmark = pytest.mark.usefixtures("ledgers_closed")  # conftest.py: no ledger left open
+
 TOKEN = "pod-tables-token"
 SPECS = [TableSpec("pod_clicks", 4), TableSpec("pod_users", 3, lr=0.1)]
 

@@ -21,7 +21,16 @@ from elastic_step.ps.shard import ShardServer
 from elastic_step.ps.state import Refused
 from test_ps_cuts import IDS, SPEC, failing_after_the_first_copy, shard
 
+pytestmark = pytest.mark.usefixtures("ledgers_closed")  # conftest.py: no ledger left open
+
 TOKEN = "rollback-token"
+
+
+@pytest.fixture(name="shard")
+def closed_shard(closing):
+    """The tests' `shard` (test_ps_cuts' helper): each state it makes is closed at the test's end,
+    whether the test passed or not (conftest.py's ledgers_closed)."""
+    return lambda directory, every=2: closing(shard(directory, every))
 
 
 def push(held, step: int, round_id: int) -> bool:
@@ -30,7 +39,7 @@ def push(held, step: int, round_id: int) -> bool:
     return held.push(LedgerRecord(SPEC.name, 1, step, round_id, IDS, grads), step=step)
 
 
-def test_a_rollback_holds_the_cut_again_and_fences_the_rounds_before_it(tmp_path):
+def test_a_rollback_holds_the_cut_again_and_fences_the_rounds_before_it(shard, tmp_path):
     held = shard(tmp_path / "s")
     push(held, 1, round_id=1), push(held, 2, round_id=1)
     at_checkpoint = held.tables[SPEC.name].digest()
@@ -64,7 +73,7 @@ def test_a_rollback_holds_the_cut_again_and_fences_the_rounds_before_it(tmp_path
     again.close()
 
 
-def test_a_fenced_push_ends_the_workers_round_and_does_not_fail_the_job(tmp_path):
+def test_a_fenced_push_ends_the_workers_round_and_does_not_fail_the_job(shard, tmp_path):
     held = shard(tmp_path / "s")
     push(held, 1, round_id=1), push(held, 2, round_id=1)
     cut = held.cut(2)
@@ -91,7 +100,7 @@ def test_a_fenced_push_ends_the_workers_round_and_does_not_fail_the_job(tmp_path
         held.close()
 
 
-def test_a_stopping_shard_drops_requests_instead_of_answering_them_as_bad(tmp_path):
+def test_a_stopping_shard_drops_requests_instead_of_answering_them_as_bad(shard, tmp_path):
     # SIGTERM (its pod deleted or evicted): the shard takes its last snapshot and closes its state
     # while connections are still open. A push then must get no answer (the worker asks again and
     # is fenced or re-routed by the rollback), never a "bad request" reply, which fails the job.
@@ -120,7 +129,7 @@ def test_a_stopping_shard_drops_requests_instead_of_answering_them_as_bad(tmp_pa
         server.server_close()
 
 
-def test_a_rollback_the_disk_cuts_short_stops_the_shard_and_its_relaunch_finishes_it(tmp_path, monkeypatch):
+def test_a_rollback_the_disk_cuts_short_stops_the_shard_and_its_relaunch_finishes_it(shard, tmp_path, monkeypatch):
     """The ledger is closed and the folder half restored when a copy fails (a full disk): no push
     may be taken (LedgerFailed stops the shard process), and the relaunch finishes the restore."""
     import errno

@@ -25,6 +25,8 @@ from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import ShardServer
 from elastic_step.ps.state import ShardState
 
+pytestmark = pytest.mark.usefixtures("ledgers_closed")  # conftest.py: no ledger left open
+
 SPEC = TableSpec("emb", 4)
 TOKEN = "ps-scale-token"
 
@@ -34,6 +36,13 @@ def state(tmp_path, shard: int, routing: RoutingTable) -> ShardState:
     (tmp_path / f"shard-{shard}").mkdir(parents=True, exist_ok=True)
     held.recover()
     return held
+
+
+@pytest.fixture(name="state")
+def closed_state(closing):
+    """The tests' `state` (the helper above): each one it makes is closed at the test's end,
+    whether the test passed or not (conftest.py's ledgers_closed)."""
+    return lambda folder, shard, routing: closing(state(folder, shard, routing))
 
 
 def caller(states: list[ShardState]):
@@ -70,7 +79,7 @@ def held(states: list[ShardState]) -> dict[int, tuple]:
     return rows
 
 
-def test_only_the_virtual_shards_that_change_owner_move_and_every_row_arrives_whole(tmp_path):
+def test_only_the_virtual_shards_that_change_owner_move_and_every_row_arrives_whole(state, tmp_path):
     old = RoutingTable.initial(2)
     states = [state(tmp_path, i, old) for i in range(3)]  # the third starts empty, owning nothing
     ids = np.arange(20_000)
@@ -88,7 +97,7 @@ def test_only_the_virtual_shards_that_change_owner_move_and_every_row_arrives_wh
         assert s.routing.epoch == new.epoch and not s.pending
 
 
-def test_tables_larger_than_a_message_move_and_export_a_messages_worth_at_a_time(tmp_path, monkeypatch):
+def test_tables_larger_than_a_message_move_and_export_a_messages_worth_at_a_time(state, tmp_path, monkeypatch):
     # A frame carries at most wire.MAX_BODY (1 GiB): a table of several GiB must cross in parts.
     # The same logic at a budget of 16 KiB against ~1 MiB of tables.
     from elastic_step.ps import moves
@@ -129,7 +138,7 @@ def test_tables_larger_than_a_message_move_and_export_a_messages_worth_at_a_time
     assert sorted(got.tolist()) == sorted(table.ids[: table.size].tolist())
 
 
-def test_a_push_straddling_the_epoch_change_is_applied_once_to_every_row(tmp_path):
+def test_a_push_straddling_the_epoch_change_is_applied_once_to_every_row(state, tmp_path):
     old = RoutingTable.initial(2)
     states = [state(tmp_path, i, old) for i in range(3)]
     ids = np.arange(3000)
@@ -150,7 +159,7 @@ def test_a_push_straddling_the_epoch_change_is_applied_once_to_every_row(tmp_pat
     assert held(states) == held(reference)  # the same values as one shard applying each push once
 
 
-def test_a_virtual_shard_on_its_way_is_refused_until_installed_and_that_survives_a_crash(tmp_path):
+def test_a_virtual_shard_on_its_way_is_refused_until_installed_and_that_survives_a_crash(state, tmp_path):
     old = RoutingTable.initial(2)
     states = [state(tmp_path, i, old) for i in range(3)]
     ids = np.arange(4000)

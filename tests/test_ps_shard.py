@@ -30,6 +30,8 @@ from elastic_step.ps.shard import READY_FILE
 from elastic_step.ps.state import LEDGER_FAILED_FILE, LEDGER_FILE, SNAPSHOT_FILE, ShardState
 from elastic_step.ps.table import EmbeddingTable
 
+pytestmark = pytest.mark.usefixtures("ledgers_closed")  # conftest.py: no ledger left open
+
 TOKEN = "ps-shard-token"
 SPEC = TableSpec("emb", 4)
 
@@ -47,6 +49,20 @@ def shards(tmp_path, token_file):
     started.start()
     yield started
     started.stop()
+
+
+@pytest.fixture
+def recovered(tmp_path, closing):
+    """recovered(**settings): a shard state in tmp_path (ShardState's settings after its routing),
+    recovered, and closed at the test's end whether the test passed or not (conftest.py's
+    ledgers_closed). A test that patches os.fsync names this fixture before monkeypatch, so that
+    the patch is undone before the close."""
+    def make(**settings) -> ShardState:
+        state = closing(ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1), **settings))
+        state.recover()
+        return state
+
+    return make
 
 
 def raw(endpoint: str, header: dict, *arrays) -> dict:
@@ -210,12 +226,11 @@ def _record(batch_seq: int, ids) -> LedgerRecord:
     return LedgerRecord(SPEC.name, 1, batch_seq, 0, ids, np.ones((len(ids), SPEC.dim), np.float32))
 
 
-def test_a_push_is_acknowledged_after_its_fsync_which_runs_while_the_push_is_applied(tmp_path, monkeypatch):
+def test_a_push_is_acknowledged_after_its_fsync_which_runs_while_the_push_is_applied(recovered, tmp_path, monkeypatch):
     """The fsync is a wait on the disk: it starts once the record is written and the shard applies
     the push meanwhile (the step's time is the longer of the two, not their sum); the push is
     answered only when both are done."""
-    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1))
-    state.recover()
+    state = recovered()
     fsync_began, disk_done, real_fsync = threading.Event(), threading.Event(), os.fsync
 
     def slow_fsync(fd):
@@ -241,14 +256,12 @@ def test_a_push_is_acknowledged_after_its_fsync_which_runs_while_the_push_is_app
     disk_done.set()
     pushing.join(10)
     assert answered.is_set() and seen == {"fsync running during the apply": True}
-    state.close()
 
 
-def test_after_a_failed_ledger_fsync_the_shard_state_acknowledges_nothing_more(tmp_path, monkeypatch):
+def test_after_a_failed_ledger_fsync_the_shard_state_acknowledges_nothing_more(recovered, tmp_path, monkeypatch):
     """Linux reports a write-back error once and may drop the pages: a later fsync that succeeds
     says nothing of them, so neither a new push nor a re-sent one is acknowledged again."""
-    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1))
-    state.recover()
+    state = recovered()
     assert state.push(_record(0, range(10)))
     real_fsync, failing = os.fsync, {"on": True}
 
@@ -264,17 +277,15 @@ def test_after_a_failed_ledger_fsync_the_shard_state_acknowledges_nothing_more(t
     for record in (_record(1, range(10, 20)), _record(2, range(20, 30))):  # the re-sent one, a new one
         with pytest.raises(LedgerFailed, match="records before it may not be on disk"):
             state.push(record)
-    state.close()
 
 
-def test_a_push_accepted_before_the_shard_closes_is_on_disk_before_it_is_answered(tmp_path, monkeypatch):
+def test_a_push_accepted_before_the_shard_closes_is_on_disk_before_it_is_answered(recovered, tmp_path, monkeypatch):
     """SIGTERM: the shard snapshots, then closes; a push accepted in between waits on a closed
     file's fsync and returns at once, so close() makes the ledger durable first."""
     from elastic_step.ps.ledger import Ledger
 
     monkeypatch.setattr(Ledger, "start_sync", lambda self, mark: None)  # no fsync but close()'s
-    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1))
-    state.recover()
+    state = recovered()
     applied, mark = state.accept(_record(0, range(10)))
     assert applied and state.ledger.durable < mark
     state.close()
@@ -282,11 +293,10 @@ def test_a_push_accepted_before_the_shard_closes_is_on_disk_before_it_is_answere
     state.ledger.sync_through(mark)  # what the push's thread then does: returns, as it is durable
 
 
-def test_a_failed_fsync_starting_an_empty_ledger_after_a_snapshot_refuses_every_later_push_as_a_failed_ledger(tmp_path, monkeypatch):
+def test_a_failed_fsync_starting_an_empty_ledger_after_a_snapshot_refuses_every_later_push_as_a_failed_ledger(recovered, tmp_path, monkeypatch):
     """The rotation closes the ledger before it makes the new one: if that fails, no file is
     open, and a push must stop the shard (LedgerFailed), not fail the job as a bad request."""
-    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1), snapshot_every=2)
-    state.recover()
+    state = recovered(snapshot_every=2)
     assert state.push(_record(0, range(10)))
     real_fsync = os.fsync
 
@@ -366,11 +376,10 @@ def test_a_shard_whose_ledger_fsync_fails_stops_unanswered_and_its_relaunch_appl
         relaunched.kill(signal.SIGKILL)
 
 
-def test_the_note_for_the_relaunch_is_left_when_the_disk_refuses_every_fsync(tmp_path, monkeypatch):
+def test_the_note_for_the_relaunch_is_left_when_the_disk_refuses_every_fsync(recovered, tmp_path, monkeypatch):
     """The relaunch this note is for runs on the same node, and sees the file in the kernel's
     cache whether or not it reached the disk: a failing fsync must not take the note away."""
-    state = ShardState(str(tmp_path), [SPEC], 0, RoutingTable.initial(1))
-    state.recover()
+    state = recovered()
 
     def failing(fd):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -378,8 +387,6 @@ def test_the_note_for_the_relaunch_is_left_when_the_disk_refuses_every_fsync(tmp
     monkeypatch.setattr(os, "fsync", failing)
     state.note_failed_ledger()
     assert os.path.exists(tmp_path / LEDGER_FAILED_FILE)
-    monkeypatch.undo()
-    state.close()
 
 
 @pytest.mark.parametrize("error, code, says", [

@@ -18,6 +18,8 @@ from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard_tables import MANIFEST_FILE, ShardTables, weight_bytes, write_folder
 from elastic_step.ps.state import SNAPSHOT_FILE, ShardState
 
+pytestmark = pytest.mark.usefixtures("ledgers_closed")  # conftest.py: no ledger left open
+
 SPECS = [TableSpec("clicks", 4), TableSpec("users", 3, lr=0.1, rows=350)]  # users: declared, indexed directly
 SHARDS = 3
 

@@ -21,6 +21,8 @@ from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import ShardServer
 from elastic_step.ps.state import ShardState
 
+pytestmark = pytest.mark.usefixtures("ledgers_closed")  # conftest.py: no ledger left open
+
 TOKEN = "ps-status-token"
 SPEC = TableSpec("emb", 4)
 

@@ -12,6 +12,8 @@ from elastic_step.ps.api import OptimizerKind, TableSpec
 from elastic_step.ps.ledger import Ledger, LedgerRecord, encode, replay
 from elastic_step.ps.table import EmbeddingTable
 
+pytestmark = pytest.mark.usefixtures("ledgers_closed")  # conftest.py: no ledger left open
+
 DIM = 8
 
 
@@ -188,25 +190,25 @@ def test_a_relaunched_shard_reads_its_snapshot_into_its_reserved_block_without_a
     """Recovery maps the snapshot and copies it into the table's own (reserved) arrays: the
     memory it allocates at its peak is about the table's, not the table's plus the snapshot's."""
     import tracemalloc
+    from contextlib import closing
 
     from elastic_step.ps.routing import RoutingTable
     from elastic_step.ps.state import ShardState
 
     spec = TableSpec("t", 16, OptimizerKind.ADAGRAD, rows=200_000)
-    state = ShardState(str(tmp_path), [spec], 0, RoutingTable.initial(1), snapshot_every=10**9)
-    state.recover()
-    state.pull("t", np.arange(200_000))
-    state.snapshot()
-    digest = state.tables["t"].digest()
-    state.close()
-    relaunched = ShardState(str(tmp_path), [spec], 0, RoutingTable.initial(1), snapshot_every=10**9)
-    tracemalloc.start()
-    relaunched.recover()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    table = relaunched.tables["t"]
-    assert table.digest() == digest and len(table.ids) >= 200_000  # its reservation, with room
-    assert peak < 1.3 * table.nbytes, (peak, table.nbytes)
+    with closing(ShardState(str(tmp_path), [spec], 0, RoutingTable.initial(1), snapshot_every=10**9)) as state:
+        state.recover()
+        state.pull("t", np.arange(200_000))
+        state.snapshot()
+        digest = state.tables["t"].digest()
+    with closing(ShardState(str(tmp_path), [spec], 0, RoutingTable.initial(1), snapshot_every=10**9)) as relaunched:
+        tracemalloc.start()
+        relaunched.recover()
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        table = relaunched.tables["t"]
+        assert table.digest() == digest and len(table.ids) >= 200_000  # its reservation, with room
+        assert peak < 1.3 * table.nbytes, (peak, table.nbytes)
 
 
 def test_snapshot_arrays_restore_an_equal_table():
