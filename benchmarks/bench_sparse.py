@@ -15,6 +15,12 @@ batches (Zipf ids over --ids rows, as click logs have them), the same optimizers
 What is measured is one training process's steps (forward, backward, pull, push, optimizer), not
 a whole job (no master, no allreduce: the step a PS-mode worker runs, alone).
 
+The variants run interleaved (`interleaved`: the machine's drift hits them alike), so all five
+tables are held at once: about five times one table's memory (rows and optimizer slots, in this
+process and the shard processes). `--one-at-a-time` builds, measures and releases one variant
+after the other instead (their order rotating by repeat), holding one table at a time, for an
+--ids too large for five; its figures are then taken minutes apart, exposed to that drift.
+
 `--scale` (or `--scale-only`): the same steps on --shards shard processes, resized to
 --shards + 1 midway (what `scale --ps` does: ps/moves.py) while the steps go on: the rows moved
 of the rows held (target <= 1/N + 5%), how long a moved virtual shard was refused, the longest
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -55,6 +62,7 @@ from elastic_step.ps.state import ShardState  # noqa: E402
 from elastic_step.ps.torch_embedding import ps_tables  # noqa: E402
 
 FIELDS, DENSE = 26, 13
+VARIANTS = ("ours", "unsynced", "in_process", "in_process_unsynced", "peer")  # as print_rates names them
 BLOCK = 20  # steps a variant runs in one turn (interleaved)
 TOKEN = "bench-token"
 
@@ -255,6 +263,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of every variant, each run interleaving them (medians printed)")
     parser.add_argument("--scale", action="store_true", help="also resize the shards to --shards + 1 midway (scale --ps)")
     parser.add_argument("--scale-only", action="store_true", help="only the resize figure")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="build, measure and release the variants one after the other, holding one table at a time "
+                             "instead of five (for a large --ids), rather than interleaved")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     # This process trains as a PS-mode worker does, with its malloc settings (allocator.py); the
@@ -263,7 +274,7 @@ def main() -> None:
     torch.sparse.check_sparse_tensor_invariants.disable()  # the peer's default, said out loud (no warning)
     print(f"bench_sparse on {machine()}")
     print(f"DeepFM, {FIELDS} fields over a table of {args.ids:,} ids x 9, batches of {args.batch}, {args.batches} steps, "
-          f"{args.threads} torch thread(s)")
+          f"{args.threads} torch thread(s)" + (", the variants one at a time (not interleaved)" if args.one_at_a_time else ""))
     data = batches(args.batches, args.batch, args.ids)
     with tempfile.TemporaryDirectory() as root:
         token_file = os.path.join(root, "token")
@@ -273,19 +284,38 @@ def main() -> None:
             print_scale(scale_figure(data, root, token_file, args.shards, args.ids), args.shards)
         if args.scale_only:
             return
-        runs: dict[str, list[float]] = {"ours": [], "unsynced": [], "in_process": [], "in_process_unsynced": [], "peer": []}
+        runs: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for repeat in range(args.repeats):
             folder = os.path.join(root, f"repeat-{repeat}")
             os.makedirs(folder)
+            if args.one_at_a_time:
+                for name in VARIANTS[repeat % len(VARIANTS):] + VARIANTS[: repeat % len(VARIANTS)]:
+                    runs[name].append(alone(name, data, folder, token_file, args))
+                continue
             with contextlib.ExitStack() as variants:
-                steps = {"ours": variants.enter_context(ps_step(folder, token_file, args.shards, True, args.ids)),
-                         "unsynced": variants.enter_context(ps_step(folder, token_file, args.shards, False, args.ids)),
-                         "in_process": variants.enter_context(in_process_step(folder, args.shards, args.ids)),
-                         "in_process_unsynced": variants.enter_context(in_process_step(folder, args.shards, args.ids, False)),
-                         "peer": variants.enter_context(peer_step(args.ids))}
+                steps = {name: variants.enter_context(variant(name, folder, token_file, args)) for name in VARIANTS}
                 for name, rate in interleaved(steps, data).items():
                     runs[name].append(rate)
     print_rates(runs, args.shards)
+
+
+def variant(name: str, folder: str, token_file: str, args) -> contextlib.AbstractContextManager[Callable]:
+    """Variant `name`'s step, its table built on entry and released on exit."""
+    if name == "ours" or name == "unsynced":
+        return ps_step(folder, token_file, args.shards, name == "ours", args.ids)
+    if name == "in_process" or name == "in_process_unsynced":
+        return in_process_step(folder, args.shards, args.ids, name == "in_process")
+    return peer_step(args.ids)
+
+
+def alone(name: str, data, folder: str, token_file: str, args) -> float:
+    """Variant `name`'s rows/s, measured as `interleaved` measures each (the same warm-up and
+    turns), with no other variant built: its table is released before this returns."""
+    with variant(name, folder, token_file, args) as step:
+        rate = interleaved({name: step}, data)[name]
+    del step  # its model and table: the next variant is built without them
+    gc.collect()
+    return rate
 
 
 def print_rates(runs: dict[str, list[float]], shards: int) -> None:
