@@ -39,10 +39,19 @@ def worker_env(device: str) -> dict[str, str]:
 
 
 def train(data: str, job_dir: str, device: str, epochs: int, batch: int) -> subprocess.Popen:
+    os.makedirs(job_dir, exist_ok=True)
+    errors = open(os.path.join(job_dir, "train.err"), "w")  # what the job says on its way out: shown if it fails
     return elastic_step("train", "--model-def", MODEL, "--data", data, "--job-dir", job_dir, "--workers", "1:2",
                         "--epochs", str(epochs), "--minibatch-size", str(batch), "--device", device,
                         "--audit", os.path.join(job_dir, "audit.jsonl"), "--checkpoint-steps", "0", "--no-progress",
-                        env=worker_env(device), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        env=worker_env(device), stdout=subprocess.DEVNULL, stderr=errors)
+
+
+def last_words(job_dir: str) -> str:
+    """The last line the job wrote on its standard error (the one that says why it ended)."""
+    with open(os.path.join(job_dir, "train.err")) as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else "(nothing on its standard error)"
 
 
 def recovered_after(job_dir: str, moment: float) -> float | None:
@@ -54,8 +63,8 @@ def recovered_after(job_dir: str, moment: float) -> float | None:
 def steady_at_two(job: subprocess.Popen, job_dir: str) -> dict | None:
     """The job's status once 2 workers train at a steady rate with most of the job to come."""
     if job.poll() is not None:
-        raise RuntimeError(f"the job ended (exit {job.returncode}) before 2 workers had trained 20 % of its rows: raise "
-                           f"--epochs or --copies (its logs: {job_dir}/logs)")
+        raise RuntimeError(f"the job ended (exit {job.returncode}) before 2 workers had trained 20 % of its rows: "
+                           f"{last_words(job_dir)}" + ("" if job.returncode == 2 else " (raise --epochs or --copies)"))
     s = job_status(job_dir)
     return s if s and s["world_size"] == 2 and s["samples_per_s"] > 0 and 0.2 <= s["rows_done"] / s["rows_total"] <= 0.6 else None
 
@@ -84,7 +93,7 @@ def disturbed_run(data: str, root: str, device: str, epochs: int, batch: int) ->
 
 def steady_rates(data: str, root: str, device: str, epochs: int, batch: int) -> tuple[float, float]:
     job_dir = os.path.join(root, "clean")
-    assert train(data, job_dir, device, epochs, batch).wait() == 0, f"elastic-step failed; see {job_dir}/logs"
+    assert train(data, job_dir, device, epochs, batch).wait() == 0, f"elastic-step failed: {last_words(job_dir)}"
     ours = steady_rate(read_steps(os.path.join(job_dir, "metrics.jsonl")))
     log = os.path.join(root, "ddp.jsonl")
     peer = torchrun("--standalone", "--nproc-per-node", "2", os.path.join(os.path.dirname(__file__), "ddp_peer.py"),

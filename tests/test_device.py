@@ -329,18 +329,29 @@ def test_the_gpu_checks_script_runs_its_checks_on_the_cpu_so_it_is_ready_when_a_
 
 
 @pytest.mark.e2e
-def test_the_gpu_device_checks_training_run_works_end_to_end_on_the_cpu():
-    # benchmarks/bench_gpu.py (gpu_check.sh's second part) with --device cpu: the same jobs, kill,
-    # audit, peer and status figures, on gloo; it once broke unnoticed when status's output changed.
-    import os
+def test_the_gpu_check_runs_whole_on_the_cpu_with_a_python_that_has_the_dependencies_but_not_the_project(tmp_path):
+    """benchmarks/gpu_check.sh as a GPU machine runs it: its Python has torch and (from .whl/)
+    every other dependency, but not the project, which the script installs beside it. Then
+    nccl_check.py and bench_gpu.py (the same jobs, kill, audit, peer and status figures) on gloo.
+    Once, the check's jobs imported the checkout's elastic_step, which has no model zoo, and
+    failed with exit 2; bench_gpu.py once broke unnoticed when status's output changed."""
+    import site
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_gpu.py"), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=600, cwd=os.path.join(root, "benchmarks"),
-                          env=dict(os.environ, PYTHONPATH=root))
+    machine = tmp_path / "python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(machine)], check=True)
+    [own_site] = (machine / "lib").glob("python3*/site-packages")
+    # This Python's packages, but not its .pth files: the project's editable install stays out.
+    (own_site / "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    python = str(machine / "bin" / "python")
+    assert subprocess.run([python, "-c", "import elastic_step"], cwd=tmp_path, capture_output=True).returncode != 0
+    done = subprocess.run(["bash", os.path.join(root, "benchmarks", "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=900, cwd=root, env=dict(os.environ, PYTHON=python, GPU_CHECK_DEVICE="cpu",
+                                                          PYTHONPATH=""))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert len([line for line in done.stdout.splitlines() if line.startswith("  ok   ")]) == 9, done.stdout
     assert "gloo between them" in done.stdout
     assert "one worker SIGKILLed: exit 0" in done.stdout and "audit exact" in done.stdout, done.stdout
     assert "torchrun+DDP" in done.stdout and "ratio" in done.stdout, done.stdout
