@@ -471,7 +471,7 @@ def cut_digest(folder, step: int, shard: int, routing) -> str:
     loaded and its ledger replayed, as a shard of `routing` does, in a folder of this test's."""
     import shutil
 
-    from elastic_step.master.ps_shards import table_specs
+    from elastic_step.master.ps_tables import table_specs
     from elastic_step.ps.state import LEDGER_FILE, SNAPSHOT_FILE, ShardState
 
     (kept,) = folder.glob(f"mlartifacts/**/artifacts/ps-cuts/step-{step:06d}")

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from elastic_step.master.ps_shards import LiveRows
+from elastic_step.master.ps_rows import LiveRows
 from elastic_step.ps.api import ShardsStopped, ShardUnavailable
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.routing import RoutingTable

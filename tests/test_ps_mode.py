@@ -62,7 +62,7 @@ def test_pulled_rows_and_merged_gradients_are_nn_embeddings():
 def test_a_dense_weight_a_model_puts_on_the_shards_pushes_its_whole_gradient_and_is_no_parameter():
     """PsWeight: a model keeps a dense weight on the shards (not in the allreduce): every forward
     pulls all its rows, and the push carries the gradient torch gives the same weight in place."""
-    from elastic_step.master.ps_shards import table_specs
+    from elastic_step.master.ps_tables import table_specs
     from elastic_step.ps.torch_embedding import PsWeight
 
     torch.manual_seed(0)
@@ -212,7 +212,7 @@ def test_train_takes_ps_n_as_its_number_of_shards_as_scale_does(tmp_path):
 
 def test_a_model_without_ps_tables_is_refused_and_the_tables_are_found():
     from elastic_step.errors import ConfigError
-    from elastic_step.master.ps_shards import table_specs
+    from elastic_step.master.ps_tables import table_specs
 
     with pytest.raises(ConfigError, match="has no PsEmbedding table"):
         table_specs("plain.py", net=torch.nn.Sequential(torch.nn.Embedding(10, 2)))
@@ -225,7 +225,7 @@ def test_a_model_with_ps_tables_is_refused_in_allreduce_mode():
     from types import SimpleNamespace
 
     from elastic_step.errors import ConfigError
-    from elastic_step.master.ps_shards import check_ps_tables
+    from elastic_step.master.ps_tables import check_ps_tables
 
     config = SimpleNamespace(mode="allreduce", model_def="two_tables.py")
     with pytest.raises(ConfigError, match=r"^--mode allreduce: .* two_tables.py .*train it with --mode ps$"):

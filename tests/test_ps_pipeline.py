@@ -40,7 +40,8 @@ def test_training_pipeline_in_ps_mode_trains_on_shards_and_its_models_hold_the_t
     from mlflow.tracking import MlflowClient
 
     from elastic_step.frameworks.model_def import load_model_definition
-    from elastic_step.master.ps_shards import snapshot_table, table_specs
+    from elastic_step.master.ps_rows import snapshot_table
+    from elastic_step.master.ps_tables import table_specs
     from elastic_step.pipelines.training_pipeline import training_pipeline
     from elastic_step.ps import snapshot
     from elastic_step.ps.expected_updates import expected_updates

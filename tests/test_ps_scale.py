@@ -236,7 +236,8 @@ def test_shard_processes_resized_while_a_client_pushes_apply_every_push_once(tmp
 
 def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path, capsys):
     from elastic_step.cli import main as cli_main
-    from elastic_step.master.ps_shards import ShardMonitor, ShardSupervisor
+    from elastic_step.master.ps_monitor import ShardMonitor
+    from elastic_step.master.ps_supervisor import ShardSupervisor
     from elastic_step.protocol import PsShardState
 
     assert cli_main(["scale", str(tmp_path), "--ps", "0"]) == 2  # the CLI's code, in process: fast
@@ -281,7 +282,7 @@ def test_scale_ps_refusals_are_one_line_before_anything_moves(tmp_path, capsys):
     # Fewer shards hold more each: a declared table that fits two 1Gi shard pods does not fit one.
     from types import SimpleNamespace
 
-    from elastic_step.master.ps_shards import check_table_sizes
+    from elastic_step.master.ps_tables import check_table_sizes
 
     supervisor.states = [PsShardState.SERVING, PsShardState.SERVING]
     config = SimpleNamespace(ps_shards=2, backend="kubernetes", ps_memory="1Gi", worker_memory=None)

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from elastic_step.master.ps_shards import snapshot_table
+from elastic_step.master.ps_rows import snapshot_table
 from elastic_step.ps.api import TableSpec
 from elastic_step.ps.embedding import TableRows
 from elastic_step.ps.ledger import LedgerRecord

@@ -57,7 +57,8 @@ def sharded_run(request, clicks, tmp_path_factory):
 def whole_table_trainer(job_dir: str, model_def, source=None):
     """The run's dense weights with the whole table the shards' snapshots hold (or `source`'s rows)."""
     from elastic_step.frameworks.registry import build_trainer
-    from elastic_step.master.ps_shards import snapshot_table, table_specs
+    from elastic_step.master.ps_rows import snapshot_table
+    from elastic_step.master.ps_tables import table_specs
     from elastic_step.ps.embedding import embeddings, hold_tables, trainer_network
 
     trainer = build_trainer(model_def)
@@ -88,7 +89,7 @@ def test_tables_over_the_limit_are_served_from_the_shards_snapshots_by_a_pyfunc_
     from elastic_step.data.manifest import load_manifest
     from elastic_step.evaluation import evaluate
     from elastic_step.frameworks.model_def import load_model_definition
-    from elastic_step.master.ps_shards import table_specs
+    from elastic_step.master.ps_tables import table_specs
     from elastic_step.ps.table import initial_weights
     from elastic_step.release.candidate import load_weights, split_head
 

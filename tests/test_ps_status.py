@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from elastic_step.master.ps_shards import ShardMonitor
+from elastic_step.master.ps_monitor import ShardMonitor
 from elastic_step.protocol import JobStatus, PsShardState
 from elastic_step.ps.api import TableSpec
 from elastic_step.ps.ledger import LedgerRecord

@@ -75,7 +75,8 @@ def test_a_dense_weight_on_the_shards_is_pushed_once_per_minibatch_and_is_what_t
     from elastic_step.data.manifest import load_manifest
     from elastic_step.frameworks.model_def import load_model_definition
     from elastic_step.frameworks.registry import build_trainer
-    from elastic_step.master.ps_shards import snapshot_table, table_specs
+    from elastic_step.master.ps_rows import snapshot_table
+    from elastic_step.master.ps_tables import table_specs
     from elastic_step.ps.embedding import TABLES_FILE, hold_tables, read_tables
     from elastic_step.ps.expected_updates import expected_updates, updates_on_the_shards
     from elastic_step.ps.table import initial_weights

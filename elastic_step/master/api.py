@@ -232,7 +232,7 @@ def create_app(state: MasterState, token: str, view_token: str | None = None) ->
     async def scale_ps(body: PsScaleRequest):
         if state.ps_shards is None:
             raise HTTPException(409, "this job has no parameter-server shards: scale --ps is for a --mode ps job")
-        try:  # moves rows between shards for a while: off the event loop (master/ps_shards.py)
+        try:  # moves rows between shards for a while: off the event loop (master/ps_monitor.py)
             moved = await asyncio.to_thread(state.ps_shards.scale, body.shards)
         except ValueError as exc:  # the same count, a shard down, another scale under way, the job ended
             raise HTTPException(409, str(exc)) from exc

@@ -36,7 +36,8 @@ from elastic_step.master.preemption import GraceBudget, Sigterm, end_early, sigt
 from elastic_step.master.progress import ProgressDisplay
 from elastic_step.master.ps_checkpoints import checkpointing, resumed_cut
 from elastic_step.master.ps_rollback import roll_back_on_loss
-from elastic_step.master.ps_shards import check_ps_tables, keeping_cuts, start_ps_shards
+from elastic_step.master.ps_shards import keeping_cuts, start_ps_shards
+from elastic_step.master.ps_tables import check_ps_tables
 from elastic_step.master.publisher import StatusPublisher
 from elastic_step.master.restore import InitialState, RestorePoint, restart_from
 from elastic_step.master.state import MasterState, Timeouts

@@ -34,7 +34,7 @@ class PsRollback:
     """The shards' supervisor's `lost(shard)`: the job back to its newest checkpoint (see above)."""
 
     def __init__(self, state, monitor):
-        self.state, self.monitor = state, monitor  # MasterState, ps_shards.ShardMonitor
+        self.state, self.monitor = state, monitor  # MasterState, ps_monitor.ShardMonitor
 
     def __call__(self, lost: int) -> bool:
         """Shard `lost` lost its rows: True once the job goes back to its newest checkpoint; False

@@ -119,7 +119,7 @@ class StatusPublisher:
         self.ps_scales[request] = {"request": request, "shards": count}
         while len(self.ps_scales) > PS_ANSWERS_KEPT:
             del self.ps_scales[next(iter(self.ps_scales))]
-        monitor = self.state.ps_shards  # master/ps_shards.py's ShardMonitor; None unless --mode ps
+        monitor = self.state.ps_shards  # master/ps_monitor.py's ShardMonitor; None unless --mode ps
         if monitor is None:
             self._ps_answer(request, refused="this job has no parameter-server shards: scale --ps is for a --mode ps job")
         elif not count.isdigit():

@@ -101,7 +101,7 @@ class MasterState:
         # The cause time of the newest loss a recovered event was given for: a round that inherited
         # a loss (rounds.pending_recovery) whose older round's first step turns up later gives none.
         self.recovered_from = 0.0
-        self.ps_shards = ps_shards  # a --mode ps job's ShardMonitor (master/ps_shards.py): its rows in /status
+        self.ps_shards = ps_shards  # a --mode ps job's ShardMonitor (master/ps_monitor.py): its rows in /status
         self.checkpoints = CheckpointPairing(on_checkpoint)
         self.timeouts = timeouts or Timeouts()
         self.membership = Membership(backend, min_workers, max_workers, max_relaunches, self.timeouts,

@@ -21,7 +21,7 @@ import shutil
 import numpy as np
 
 from elastic_step.backends.kubernetes.ps_pod_shards import PodShards, asked, exported, fetch_snapshot
-from elastic_step.master.ps_shards import MIB, serve_from_snapshots
+from elastic_step.master.ps_rows import MIB, serve_from_snapshots
 from elastic_step.ps.api import PsError, TableSpec
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import freeze_tables
