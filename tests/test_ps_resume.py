@@ -36,7 +36,7 @@ from elastic_step.ps import local, moves
 from elastic_step.ps.client import PsClient
 from elastic_step.ps.embedding import frozen_table
 from elastic_step.ps.routing import RoutingTable
-from lost_release import move_losing_a_release
+from lost_release import move_losing_a_release, move_losing_a_request
 
 TOKEN = "ps-resume-token"
 MODEL = '''
@@ -122,7 +122,7 @@ def test_a_resume_puts_every_shard_back_to_the_checkpoints_cut_and_re_applies_wh
         assert [(r["rows"], r["pushes"]) for r in monitor.rows()] == [(0, 0)]
 
 
-def test_a_resume_after_scale_ps_runs_the_last_routing_and_finishes_a_move_left_half_done(job):
+def test_a_resume_after_scale_ps_runs_the_last_routing_and_finishes_a_move_left_half_done(job, caplog):
     ids = np.arange(200, dtype=np.int64)
     with job(resuming=False) as (client, monitor):
         client.push("resume_t", 1, 0, 0, ids, np.ones((len(ids), 2), np.float32))
@@ -139,8 +139,10 @@ def test_a_resume_after_scale_ps_runs_the_last_routing_and_finishes_a_move_left_
         grown = client.routing.resized(3, client.routing.endpoints + ["127.0.0.1:1"])
         assert client.call(client.routing.endpoints[0], {"op": "adopt", "routing": grown.to_json()})[0]["epoch"] == 3
 
-    with job(resuming=True) as (client, monitor):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="elastic_step.master"), job(resuming=True) as (client, monitor):
         assert client.routing.epoch == 3 and len(monitor.rows()) == 3  # the move was finished
+        assert caplog.text.count("the move to routing epoch 3 was left mid-way") == 1  # said once, at the resume
         np.testing.assert_allclose(client.pull("resume_t", ids), trained)  # every row arrived, none twice
         reply = client.push("resume_t", 1, 1, 0, ids, np.ones((len(ids), 2), np.float32))
         assert (reply.applied, reply.duplicate) == (0, 3)  # the keys moved with the rows
@@ -198,6 +200,26 @@ def test_a_scale_whose_release_failed_is_finished_at_the_jobs_end_so_the_model_h
     frozen_ids, frozen_rows = frozen_table("resume_t")
     assert np.array_equal(frozen_ids, ids)  # every row once
     np.testing.assert_allclose(frozen_rows, trained)  # as trained last, not the old owner's copies of before the move
+
+
+def test_a_move_left_mid_way_is_redone_at_the_jobs_end_and_said_once(job, monkeypatch, caplog):
+    """A scale whose import the new shard never answered leaves rows on their way: the job's end
+    does the whole move again before the tables are read, and says so in one line (its epoch,
+    and that the move was left mid-way); the model holds every row as trained."""
+    ids = np.arange(200, dtype=np.int64)
+    with caplog.at_level(logging.WARNING, logger="elastic_step.master"):
+        with job(resuming=False) as (client, monitor):
+            client.push("resume_t", 1, 0, 0, ids, np.ones((len(ids), 2), np.float32))
+            trained = client.pull("resume_t", ids).copy()
+            monkeypatch.setattr(local, "move", move_losing_a_request("import", shard=1))  # shard 1 gains rows in 1 -> 2
+            with pytest.raises(ValueError, match="the move to 2 shards did not finish"):
+                monitor.scale(2)
+            monkeypatch.undo()
+    said = [r.getMessage() for r in caplog.records if "routing epoch 2" in r.getMessage()]
+    assert len(said) == 1 and "left mid-way" in said[0] and "before the tables are read" in said[0], said
+    frozen_ids, frozen_rows = frozen_table("resume_t")
+    assert np.array_equal(frozen_ids, ids)  # every row once
+    np.testing.assert_allclose(frozen_rows, trained)
 
 
 def test_scales_that_finished_leave_nothing_to_finish_at_the_jobs_end(job, caplog):

@@ -56,6 +56,9 @@ def start_local(config: TrainConfig, specs: list[TableSpec], token_file: str, ru
     running.callback(_stop_and_freeze, shards, specs, config)
     shards.start()
     if newest is not None and newest.epoch > 1:
+        if previous is not None:
+            log.warning("parameter servers: the move to routing epoch %d was left mid-way when the job stopped: "
+                        "finishing it before the shards serve", newest.epoch)
         _finish_move(shards, newest, previous, wire.read_token(token_file))
     return ShardSupervisor(shards).start()
 
@@ -76,12 +79,12 @@ def _finish_move(shards: LocalShards, newest: RoutingTable, previous: RoutingTab
                  deadline_s: float = 120.0) -> None:
     """After a scale --ps, at a resume: a move the last master did not see through is done
     again (each of its steps is idempotent), and the shards beyond it stopped; else every shard
-    forgets any row it gave away (a release the master stopped mid-way may not have reached it)."""
+    forgets any row it gave away (a release the master stopped mid-way may not have reached it).
+    The caller says why it finishes the move (one line)."""
     client = PsClient(token, lambda: None, timeout_s=deadline_s)
     try:
         call = lambda i, *request: client.call(shards.shards[i].endpoint, *request)  # noqa: E731
         if previous is not None:
-            log.warning("parameter servers: finishing the move to routing epoch %d that was left mid-way", newest.epoch)
             move(call, previous, newest, deadline_s=deadline_s)
         else:
             release(call, range(len(shards.shards)), deadline_s)
@@ -109,7 +112,8 @@ def _finish_a_failed_scale(shards: LocalShards) -> None:
         needed = max(newest.shards, previous.shards if previous else 0)
         if len(shards.shards) < needed or any(s.process is None or s.process.poll() is not None for s in shards.shards):
             raise PsError(f"it needs {needed} running shards")
-        log.warning("parameter servers: finishing the move to routing epoch %d before the tables are read", newest.epoch)
+        log.warning("parameter servers: the move to routing epoch %d was left mid-way by a scale --ps that did not "
+                    "finish: finishing it before the tables are read", newest.epoch)
         _finish_move(shards, newest, previous, wire.read_token(shards.token_file), deadline_s=FINISH_AT_STOP_S)
     except Exception as exc:  # said in one line, and the job's end goes on
         log.error("parameter servers: the move to routing epoch %s did not finish (%s): the final model holds the rows "
