@@ -7,7 +7,7 @@ import sys
 EMIT = """
 import contextlib, logging, sys
 from elastic_step.master.events import EventLog, show_notable_events
-from elastic_step.master.job import master_log
+from elastic_step.master.startup import master_log
 with contextlib.ExitStack() as job:
     if sys.argv[1] == "cli":  # as `elastic-step train` without -v: the console at WARNING, the job's own master.log
         logging.basicConfig(level=logging.WARNING)
