@@ -131,7 +131,26 @@ def plan_start(config: TrainConfig, recorder: TrainingRecorder, dispatcher: Disp
 def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, running: contextlib.ExitStack,
                  warm_parent=None) -> Master:
     """The ledger and its starting point, the store, the API and the backend; every one of them
-    registered with `running` for release."""
+    registered with `running` for release. The phases run in this order, and each registers what
+    it started as it starts it: the release order (last in, first out) follows from it."""
+    dispatcher, ledger, start = _open_ledger(config, manifest, recorder, running)
+    resuming = start.initial is not None and start.initial.kind == "checkpoint"
+    listening = _listen(config, running)
+    tokens = _write_tokens(config.job_dir)
+    _remove_stale_files(config.job_dir, resuming)
+    events, step_log = _open_logs(config, recorder, running)
+    backend, ps_routing, ps_shards = _start_backend(config, recorder, running, warm_parent, listening, tokens.token_file,
+                                                    events, start, resuming)
+    spec = _job_spec(config, manifest, listening.store.port, ps_routing)
+    state = _master_state(config, recorder, spec, dispatcher, ledger, backend, events, step_log, start, ps_shards)
+    _serve(config, recorder, running, state, backend, events, listening, tokens)
+    return Master(state, ledger, events, listening.url, tokens.token_file)
+
+
+def _open_ledger(config: TrainConfig, manifest, recorder: TrainingRecorder,
+                 running: contextlib.ExitStack) -> tuple[Dispatcher, Ledger, RestorePoint]:
+    """The training split's tasks, the audit and the ledger of applied steps, and where the job
+    starts (plan_start). A resumed run has its parameters logged already."""
     shards = manifest.splits["train"]
     dispatcher = Dispatcher(
         [s.rows for s in shards], [s.path for s in shards], config.rows_per_task, config.epochs,
@@ -141,54 +160,108 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     ledger = Ledger(dispatcher, config.audit)
     running.callback(ledger.close)
     start = plan_start(config, recorder, dispatcher, ledger)
-    initial = start.initial
     if not recorder.resumed:
         recorder.log_params()
+    return dispatcher, ledger, start
 
+
+@dataclass
+class _Listening:
+    """Where the master is reached: the API's socket and its URL, and the rendezvous store."""
+
+    api_socket: socket.socket
+    store: RendezvousStore
+    url: str
+
+    @property
+    def ports(self) -> list[int]:
+        return [self.api_socket.getsockname()[1], self.store.port]
+
+
+def _listen(config: TrainConfig, running: contextlib.ExitStack) -> _Listening:
+    """The API's socket (bound here, so a port in use fails the job before any worker starts) and
+    the rendezvous store, which `_serve` keeps alive until the workers are gone."""
     api_socket = bind_socket(config.host, config.port, "master API")
     running.callback(api_socket.close)
     store = RendezvousStore(config.host)  # hosts every round's rendezvous; listens on the API's host only
     url = f"http://{url_host(config.host)}:{api_socket.getsockname()[1]}"
+    return _Listening(api_socket, store, url)
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    token: str
+    token_file: str
+    view_token: str
+    view_token_file: str
+
+
+def _write_tokens(job_dir: str) -> _Tokens:
+    """The job's token, in the file its workers and shards read, and the view token."""
     token = secrets.token_urlsafe(32)
-    token_file = os.path.join(config.job_dir, TOKEN_FILE)
+    token_file = os.path.join(job_dir, TOKEN_FILE)
     write_private(token_file, token)
     # A second token that opens only the read-only routes (status, events, history): for the live
     # page and for people who may watch the job but not steer it.
     view_token = secrets.token_urlsafe(32)
-    view_token_file = os.path.join(config.job_dir, "view-token")
+    view_token_file = os.path.join(job_dir, "view-token")
     write_private(view_token_file, view_token)
+    return _Tokens(token, token_file, view_token, view_token_file)
+
+
+def _remove_stale_files(job_dir: str, resuming: bool) -> None:
+    """What an earlier attempt in the job folder left that would mislead this one."""
     # A resume from a checkpoint continues its step metrics; anything else starts them over.
-    stale = ("events.jsonl", "result.json", FINAL_STATUS) + (() if initial is not None and initial.kind == "checkpoint" else ("metrics.jsonl",))
+    stale = ("events.jsonl", "result.json", FINAL_STATUS) + (() if resuming else ("metrics.jsonl",))
     for name in stale:
-        if os.path.exists(os.path.join(config.job_dir, name)):
-            os.remove(os.path.join(config.job_dir, name))
+        if os.path.exists(os.path.join(job_dir, name)):
+            os.remove(os.path.join(job_dir, name))
+
+
+def _open_logs(config: TrainConfig, recorder: TrainingRecorder, running: contextlib.ExitStack) -> tuple[EventLog, StepLog]:
+    """The master's own log, and the job's events and step metrics (each passed on to MLflow)."""
     running.enter_context(master_log(os.path.join(config.job_dir, "logs", "master.log")))
     events = EventLog(os.path.join(config.job_dir, "events.jsonl"), listener=recorder.on_event)
     step_log = StepLog(os.path.join(config.job_dir, "metrics.jsonl"), listener=recorder.on_step)
     running.callback(step_log.close)
+    return events, step_log
 
-    resuming = initial is not None and initial.kind == "checkpoint"
-    launch = LaunchSpec(url, token_file, config.job_dir, dict(config.worker_env),
-                        master_ports=[api_socket.getsockname()[1], store.port])  # what workers call: the job's NetworkPolicy
+
+def _start_backend(config: TrainConfig, recorder: TrainingRecorder, running: contextlib.ExitStack, warm_parent,
+                   listening: _Listening, token_file: str, events: EventLog, start: RestorePoint, resuming: bool):
+    """The backend that launches the workers, and (mode ps) the shards: the backend, the job
+    spec's `ps_routing` and the shards' monitor (None for another mode)."""
+    launch = LaunchSpec(listening.url, token_file, config.job_dir, dict(config.worker_env),
+                        master_ports=listening.ports)  # what workers call: the job's NetworkPolicy
     backend = create_backend(config.backend, launch, config=config, **({"warm_parent": warm_parent} if warm_parent else {}))
     # mode ps: the shards (stopped after the workers; pods when the backend runs them), and their
     # numbers for /status and the run
     ps_routing, ps_shards = start_ps_shards(config, token_file, running, resuming, metric=recorder.tracker.log_metric,
                                             launcher=backend.shard_launcher(), cut=resumed_cut(start.ledger) if resuming else None,
                                             events=events, checkpoints=recorder.checkpoints)
-    spec = JobSpec(
+    return backend, ps_routing, ps_shards
+
+
+def _job_spec(config: TrainConfig, manifest, store_port: int, ps_routing: dict) -> JobSpec:
+    """The job as every worker is told it at registration."""
+    return JobSpec(
         job_name=config.job_name, model_def=config.model_def, manifest=manifest.root, minibatch_size=config.minibatch_size,
-        seed=config.seed, store_host=config.host, store_port=store.port, collective_timeout_s=config.collective_timeout,
+        seed=config.seed, store_host=config.host, store_port=store_port, collective_timeout_s=config.collective_timeout,
         heartbeat_interval_s=config.heartbeat_interval, master_timeout_s=config.master_timeout,
         features=manifest.features, label=manifest.label, checkpoint_steps=config.checkpoint_steps,
         global_batch_size=config.global_batch_size, lr_scaling=config.lr_scaling,
         device=config.device, precision=config.precision, full_batch=config.minibatch_size * config.max_workers,
         mode=config.mode, ps_routing=ps_routing,
     )
+
+
+def _master_state(config: TrainConfig, recorder: TrainingRecorder, spec: JobSpec, dispatcher: Dispatcher, ledger: Ledger,
+                  backend, events: EventLog, step_log: StepLog, start: RestorePoint, ps_shards) -> MasterState:
+    """The master's state, which every API call and tick goes through."""
     state = MasterState(
         spec, dispatcher, ledger, backend, events, config.min_workers, config.max_workers, config.max_relaunches,
         Timeouts(config.heartbeat_timeout, config.rendezvous_timeout, config.startup_grace),
-        step_log=step_log, initial_state=initial,
+        step_log=step_log, initial_state=start.initial,
         # mode ps: a checkpoint is recorded with the shards' cut of its step (ps_checkpoints.py);
         # the shards keep the cuts of every checkpoint a resume may load (the run's committed ones)
         on_checkpoint=checkpointing(ps_shards, keeping_cuts(ps_shards, recorder.on_checkpoint if config.checkpoint_steps else None),
@@ -198,31 +271,38 @@ def start_master(config: TrainConfig, manifest, recorder: TrainingRecorder, runn
     )
     if ps_shards is not None:  # its shards hold their part of the model: they go back only with a rollback
         roll_back_on_loss(ps_shards, state)
+    return state
+
+
+def _serve(config: TrainConfig, recorder: TrainingRecorder, running: contextlib.ExitStack, state: MasterState, backend,
+           events: EventLog, listening: _Listening, tokens: _Tokens) -> None:
+    """The last registrations for release (their order is the point: see each), then the API's
+    server, master.json (where the job is reached) and, where the backend publishes it, the
+    job's status."""
     # The job's last audit lines, events and steps, whichever thread queued them: registered
     # before the API's and the backend's stop, so it runs after them (their last heartbeats and
-    # step reports queue writes too) and before the files above are closed.
+    # step reports queue writes too) and before the files the earlier phases opened are closed.
     running.callback(state.lock.writes.flush)
     # Registered before the API's stop, so it runs after it: the folder then names no address
     # where a later process could listen and be handed the token.
     running.callback(retire_master_info, config.job_dir, state)
-    server = ApiServer(create_app(state, token, view_token), api_socket)
+    server = ApiServer(create_app(state, tokens.token, tokens.view_token), listening.api_socket)
     running.callback(server.stop)  # after the workers are gone (callbacks run last-in, first-out)
     # The last round's workers leave on their own; give them a moment, then end the rest. Any
     # other worker (a joiner still starting) is ended at once: waiting for it kept a finished
     # job alive for up to the whole grace.
     running.callback(lambda: backend.shutdown(grace_s=WORKERS_LEAVE_S.get(state.state, 2.0), members=state.last_members()))
-    stores = [store]
+    stores = [listening.store]
     running.callback(stores.clear)  # the store lives until the workers are gone
     server.start()
     write_json_atomic(os.path.join(config.job_dir, "master.json"),
-                      {"url": url, "pid": os.getpid(), "job": config.job_name, "token_file": token_file,
-                       "view_token_file": view_token_file, "backend": config.backend, "started_at": state.started_at,
+                      {"url": listening.url, "pid": os.getpid(), "job": config.job_name, "token_file": tokens.token_file,
+                       "view_token_file": tokens.view_token_file, "backend": config.backend, "started_at": state.started_at,
                        "mlflow": recorder.run_info()},
                       indent=None)
     if backend.publishes_status:  # stopped before the backend shuts down (callbacks run last-in, first-out)
         info = {"job": config.job_name, "backend": config.backend, "started_at": state.started_at, "mlflow": recorder.run_info()}
         running.callback(StatusPublisher(state, backend, events, info).start().close)
-    return Master(state, ledger, events, url, token_file)
 
 
 # How long finished workers get to leave on their own before the rest are ended (a preempted
