@@ -43,7 +43,6 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
     loaded into (no MLflow model is unpickled). `checkpoint`: `final` (the finished job's model)
     or `best` (the best validated checkpoint the run kept with `train --keep-best`)."""
     import mlflow
-    from mlflow.models import infer_signature
 
     if checkpoint not in CHECKPOINTS:
         raise ConfigError(f"--checkpoint {checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
@@ -51,11 +50,7 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
     candidate = load_candidate(client, run_id, model_uri, model_def)
     # The run's records alone decide these refusals: before the model definition is imported
     # (a framework's import costs seconds and may write its own lines to stderr).
-    if checkpoint == "best" and candidate.params.get("mode") == "ps":
-        raise ConfigError(f"--checkpoint best: run {run_id} trained its embedding tables on parameter-server shards, and "
-                          "only its final tables are logged with the model; export its final model (--checkpoint final)")
-    if candidate.params.get("mode") == "ps":
-        _check_tables_held(client, candidate)
+    _refuse_unexportable(client, candidate, run_id, checkpoint)
     model_def = load_model_definition(candidate.model_def_source)
     split_manifest(data, "test")  # first: the model may be sized by its specs (SparseFeatures.num_ids)
     trainer = build_trainer(model_def)
@@ -70,33 +65,72 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
         return Export(registered_model, str(existing.version), f"models:/{registered_model}/{existing.version}", existing.source, True)
 
     if best is not None:
-        try:
-            trainer.load_model_bytes(trainer.model_bytes_of_state(best.state))  # weights_only: nothing unpickled
-        except Exception as exc:
-            raise TrackingError(f"the best checkpoint ({source}) of run {run_id} does not fit the network of "
-                                f"{candidate.model_def_source!r}: {type(exc).__name__}: {str(exc)[:300]}; give the model "
-                                "definition the run was trained with") from None
+        _load_best(trainer, best, source, run_id, candidate.model_def_source)
     else:
-        with tempfile.TemporaryDirectory() as tmp:
+        _load_final(trainer, client, run_id)
+    info = _log_serving_model(trainer, model_def, data, client, run_id)
+    tags = _version_tags(client, candidate, trainer, run_id, pipeline_run, source, best)
+    version = mlflow.register_model(info.model_uri, registered_model, tags=tags, await_registration_for=60)
+    log.info("registered %s version %s from run %s", registered_model, version.version, run_id)
+    return Export(registered_model, str(version.version), f"models:/{registered_model}/{version.version}", info.model_uri, False)
+
+
+def _refuse_unexportable(client, candidate, run_id: str, checkpoint: str) -> None:
+    """What a --mode ps run cannot export: its best checkpoint (only its final tables are logged
+    with the model), or tables too large for an exported model to hold (_check_tables_held)."""
+    if checkpoint == "best" and candidate.params.get("mode") == "ps":
+        raise ConfigError(f"--checkpoint best: run {run_id} trained its embedding tables on parameter-server shards, and "
+                          "only its final tables are logged with the model; export its final model (--checkpoint final)")
+    if candidate.params.get("mode") == "ps":
+        _check_tables_held(client, candidate)
+
+
+def _load_best(trainer, best, source: str, run_id: str, model_def_source: str) -> None:
+    """The best checkpoint's weights into the trainer's network."""
+    try:
+        trainer.load_model_bytes(trainer.model_bytes_of_state(best.state))  # weights_only: nothing unpickled
+    except Exception as exc:
+        raise TrackingError(f"the best checkpoint ({source}) of run {run_id} does not fit the network of "
+                            f"{model_def_source!r}: {type(exc).__name__}: {str(exc)[:300]}; give the model "
+                            "definition the run was trained with") from None
+
+
+def _load_final(trainer, client, run_id: str) -> None:
+    """The finished job's model file into the trainer's network, with a --mode ps model's tables."""
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=FINAL_MODEL_ARTIFACTS, dst_path=tmp,
+                                                         tracking_uri=client.tracking_uri)
+        except Exception as exc:
+            raise TrackingError(f"run {run_id} has no final model under {FINAL_MODEL_ARTIFACTS}/ "
+                                f"({type(exc).__name__}); export a run that `elastic-step train` finished") from None
+        with open(os.path.join(folder, "model.bin"), "rb") as f:
+            trainer.load_model_bytes(f.read())
+        tables = os.path.join(folder, TABLES_FILE)  # a --mode ps model's trained tables: exported with it
+        if os.path.exists(tables):
             try:
-                folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=FINAL_MODEL_ARTIFACTS, dst_path=tmp,
-                                                             tracking_uri=client.tracking_uri)
-            except Exception as exc:
-                raise TrackingError(f"run {run_id} has no final model under {FINAL_MODEL_ARTIFACTS}/ "
-                                    f"({type(exc).__name__}); export a run that `elastic-step train` finished") from None
-            with open(os.path.join(folder, "model.bin"), "rb") as f:
-                trainer.load_model_bytes(f.read())
-            tables = os.path.join(folder, TABLES_FILE)  # a --mode ps model's trained tables: exported with it
-            if os.path.exists(tables):
-                try:
-                    hold_tables(trainer_network(trainer), read_tables(tables))
-                except ValueError as exc:
-                    raise TrackingError(f"run {run_id}: {exc}") from None
+                hold_tables(trainer_network(trainer), read_tables(tables))
+            except ValueError as exc:
+                raise TrackingError(f"run {run_id}: {exc}") from None
+
+
+def _log_serving_model(trainer, model_def, data: str, client, run_id: str):
+    """The model in its serving format, with its signature and an input example of the test
+    split, logged to the training run: its model info."""
+    import mlflow
+    from mlflow.models import infer_signature
+
     example = split_head(data, model_def, rows=5)
     signature = infer_signature(example, trainer.predict(example))
     use_tracking_uri(client.tracking_uri)
     with mlflow.start_run(run_id=run_id):
-        info = trainer.log_serving_model(example, signature)
+        return trainer.log_serving_model(example, signature)
+
+
+def _version_tags(client, candidate, trainer, run_id: str, pipeline_run: str, source: str, best) -> dict:
+    """The registered version's tags: which run and weights it came from, on which data, and how good."""
     tags = {SOURCE_RUN_TAG: run_id, "framework": trainer.framework,
             "data_content_hash": candidate.params.get("data_content_hash", ""),
             "pipeline_run_id": pipeline_run or pipeline_run_id(), "model_def": candidate.model_def_source,
@@ -105,9 +139,7 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
         tags.update({name: f"{value:.6g}" for name, value in candidate.metrics.items() if name.startswith("test_")})
     else:  # "STEP METRIC VALUE": the validation metric it was chosen by
         tags[BEST_TAG] = client.get_run(run_id).data.tags.get(BEST_TAG, "")
-    version = mlflow.register_model(info.model_uri, registered_model, tags=tags, await_registration_for=60)
-    log.info("registered %s version %s from run %s", registered_model, version.version, run_id)
-    return Export(registered_model, str(version.version), f"models:/{registered_model}/{version.version}", info.model_uri, False)
+    return tags
 
 
 def _check_tables_held(client, candidate) -> None:
