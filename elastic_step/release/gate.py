@@ -103,13 +103,47 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
     """`model_def`: the pipeline's model definition (both the candidate's and the champion's
     weights are loaded into its network; nothing is unpickled)."""
     import mlflow
-    from mlflow.exceptions import MlflowException
 
     client = registry_client(mlflow_uri)
     candidate = load_candidate(client, run_id, model_uri, model_def)
     require_succeeded(client, run_id)
     floors, min_gains = parse_pairs(floors, "floor"), parse_pairs(min_gains, "minimum gain")
     champion = version_by_alias(client, registered_model, CHAMPION)
+    judged, thresholds = _predictions_and_thresholds(client, candidate, registered_model, champion, data, floors, min_gains)
+
+    use_tracking_uri(client.tracking_uri)
+    # Under KFP's MLflow integration the evaluation is a child of this task's run (MLflow's
+    # start_run would otherwise reopen that run and re-parent it); elsewhere, of the candidate's.
+    task = take_task_run(client.tracking_uri)
+    with mlflow.start_run(experiment_id=candidate.experiment_id, run_name=f"evaluate {registered_model}",
+                          tags={"mlflow.parentRunId": task.run_id if task else run_id, GATE_TAG: "evaluation",
+                                f"{GATE_TAG}.candidate_run_id": run_id}) as run:
+        result = _judge(judged, thresholds, champion, candidate.experiment_id, run.info.run_id)
+        result.report = report_markdown(result, candidate, registered_model, thresholds)
+        mlflow.log_text(result.report, "gate/report.md")
+        mlflow.set_tags({f"{GATE_TAG}.blessed": str(result.blessed).lower(), f"{GATE_TAG}.reason": result.reason[:4000]})
+    # The candidate's own training run says how it was judged, too.
+    client.set_tag(run_id, f"{GATE_TAG}.blessed", str(result.blessed).lower())
+    client.set_tag(run_id, f"{GATE_TAG}.reason", result.reason[:4000])
+    log.info(result.reason)
+    return result
+
+
+@dataclass
+class _Judged:
+    """The test split's labels and both models' predictions on it, as the evaluator takes them."""
+
+    labels: np.ndarray
+    model_type: str
+    label_list: list | None  # a classifier's or binary model's classes (None: a regressor)
+    predictions: np.ndarray
+    champion_predictions: np.ndarray | None
+
+
+def _predictions_and_thresholds(client, candidate: Candidate, registered_model: str, champion, data: str, floors,
+                                min_gains) -> tuple[_Judged, list[Threshold]]:
+    """Both models' outputs on the test split, the model type they show, and the thresholds for
+    that type."""
     uris = [candidate.model_uri] + ([f"models:/{registered_model}@{CHAMPION}"] if champion is not None else [])
     outputs, labels = predict_split(uris, data, load_model_definition(candidate.model_def_source), tracking_uri=client.tracking_uri)
     outputs, champion_outputs = outputs[0], (outputs[1] if champion is not None else None)
@@ -122,49 +156,49 @@ def evaluate_candidate(*, run_id: str, model_uri: str, data: str, registered_mod
                   "binary": [0, 1]}.get(model_type)
     predictions = as_predictions(outputs, model_type)
     champion_predictions = None if champion is None else as_predictions(champion_outputs, model_type)
+    return _Judged(labels, model_type, label_list, predictions, champion_predictions), thresholds
 
-    use_tracking_uri(client.tracking_uri)
-    # Under KFP's MLflow integration the evaluation is a child of this task's run (MLflow's
-    # start_run would otherwise reopen that run and re-parent it); elsewhere, of the candidate's.
-    task = take_task_run(client.tracking_uri)
-    with mlflow.start_run(experiment_id=candidate.experiment_id, run_name=f"evaluate {registered_model}",
-                          tags={"mlflow.parentRunId": task.run_id if task else run_id, GATE_TAG: "evaluation",
-                                f"{GATE_TAG}.candidate_run_id": run_id}) as run:
-        candidate_result = _evaluate(predictions, labels, model_type, label_list)
-        champion_result = None
-        if champion is not None:
-            # A nested run goes to MLflow's active experiment (Default, "0"), not its parent's, unless told.
-            with mlflow.start_run(experiment_id=candidate.experiment_id, run_name=f"champion v{champion.version}", nested=True):
-                champion_result = _evaluate(champion_predictions, labels, model_type, label_list)
-        failure = ""
-        try:
-            mlflow.validate_evaluation_results(to_mlflow(thresholds, champion is not None), candidate_result, champion_result)
-        except MlflowException as exc:  # ModelValidationFailedException: the candidate did not pass
-            failure = str(exc)
-        blessed = not failure
-        reason = explain(thresholds, candidate_result.metrics, champion_result.metrics if champion_result else None,
-                         str(champion.version) if champion else None, blessed)
-        result = GateResult(
-            blessed=blessed, reason=reason, candidate_metrics=_plain(candidate_result.metrics),
-            champion_metrics=_plain(champion_result.metrics) if champion_result else None,
-            champion_version=str(champion.version) if champion else None, model_type=model_type,
-            evaluation_run_id=run.info.run_id, report="",
-        )
-        if label_list is not None:
-            from sklearn.metrics import confusion_matrix
 
-            decided = (predictions >= 0).astype(np.int64) if model_type == "binary" else predictions  # logit 0: p = 0.5
-            result.categories = [str(c) for c in label_list]
-            result.confusion_matrix = confusion_matrix(labels.astype(np.int64) if model_type == "binary" else labels,
-                                                       decided, labels=label_list).tolist()
-        result.report = report_markdown(result, candidate, registered_model, thresholds)
-        mlflow.log_text(result.report, "gate/report.md")
-        mlflow.set_tags({f"{GATE_TAG}.blessed": str(blessed).lower(), f"{GATE_TAG}.reason": reason[:4000]})
-    # The candidate's own training run says how it was judged, too.
-    client.set_tag(run_id, f"{GATE_TAG}.blessed", str(blessed).lower())
-    client.set_tag(run_id, f"{GATE_TAG}.reason", reason[:4000])
-    log.info(reason)
+def _judge(judged: _Judged, thresholds: list[Threshold], champion, experiment_id: str, evaluation_run_id: str) -> GateResult:
+    """Both models evaluated in the active (evaluation) run, the champion in a nested one, and the
+    candidate blessed when MLflow's validation passes: the result, its report still to write."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    candidate_result = _evaluate(judged.predictions, judged.labels, judged.model_type, judged.label_list)
+    champion_result = None
+    if champion is not None:
+        # A nested run goes to MLflow's active experiment (Default, "0"), not its parent's, unless told.
+        with mlflow.start_run(experiment_id=experiment_id, run_name=f"champion v{champion.version}", nested=True):
+            champion_result = _evaluate(judged.champion_predictions, judged.labels, judged.model_type, judged.label_list)
+    failure = ""
+    try:
+        mlflow.validate_evaluation_results(to_mlflow(thresholds, champion is not None), candidate_result, champion_result)
+    except MlflowException as exc:  # ModelValidationFailedException: the candidate did not pass
+        failure = str(exc)
+    blessed = not failure
+    reason = explain(thresholds, candidate_result.metrics, champion_result.metrics if champion_result else None,
+                     str(champion.version) if champion else None, blessed)
+    result = GateResult(
+        blessed=blessed, reason=reason, candidate_metrics=_plain(candidate_result.metrics),
+        champion_metrics=_plain(champion_result.metrics) if champion_result else None,
+        champion_version=str(champion.version) if champion else None, model_type=judged.model_type,
+        evaluation_run_id=evaluation_run_id, report="",
+    )
+    if judged.label_list is not None:
+        _add_confusion_matrix(result, judged)
     return result
+
+
+def _add_confusion_matrix(result: GateResult, judged: _Judged) -> None:
+    """The candidate's confusion matrix, for a model with classes (a binary model's at p = 0.5)."""
+    from sklearn.metrics import confusion_matrix
+
+    binary = judged.model_type == "binary"
+    decided = (judged.predictions >= 0).astype(np.int64) if binary else judged.predictions  # logit 0: p = 0.5
+    result.categories = [str(c) for c in judged.label_list]
+    result.confusion_matrix = confusion_matrix(judged.labels.astype(np.int64) if binary else judged.labels,
+                                               decided, labels=judged.label_list).tolist()
 
 
 def require_succeeded(client, run_id: str) -> None:
