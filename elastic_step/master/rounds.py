@@ -223,28 +223,12 @@ class Rounds:
 
     def _settle(self, current: Round) -> None:
         """Every member has called in: pick the state source, settle the ledger, go."""
-        workers = self.membership.workers
         picked = self._pick_source(current)
         if picked is None:
             return
         initial, source_rank, start_step = picked
         source = current.members[source_rank]
-        # The source's unacknowledged steps were applied in the round it last trained in, the
-        # newest ready one (a worker that missed a ready round holds no newer step than it).
-        previous = self.ready_round
-        for record in sorted(workers[source].unacked, key=lambda r: r.step):
-            if self.ledger.applied_step < record.step <= start_step:
-                try:
-                    self._ingest(record, previous)
-                except (StepGap, StepRejected) as exc:
-                    self._fail(inexact(source, current.id, exc))
-                    return
-        if self.ledger.applied_step < start_step:
-            # The source applied steps the master never received and it no longer holds: their
-            # rows would go back to todo and be applied to the model a second time.
-            self._fail(inexact(source, current.id, StepGap(
-                f"the state source is at step {start_step} but holds no record of steps "
-                f"{self.ledger.applied_step + 1}..{start_step}")))
+        if not self._take_source_steps(current, source, start_step):
             return
         voided_rows = self.ledger.void_after(start_step)
         self.checkpoints.void_after(start_step)
@@ -258,11 +242,7 @@ class Rounds:
             self._fail(str(exc))
             return
         self.membership.died_since_settle = set()
-        current.state, current.ready_at = RoundState.READY, time.time()
-        current.source_rank, current.start_step, current.initial_state = source_rank, start_step, initial
-        self.ready_round = current
-        for member in current.members:
-            workers[member].unacked = []
+        self._make_ready(current, initial, source_rank, start_step)
         self._event(
             EventKind.REGROUPED,
             round=current.id,
@@ -273,3 +253,34 @@ class Rounds:
             tasks_returned=returned,
             rows_voided=voided_rows,
         )
+
+    def _take_source_steps(self, current: Round, source: str, start_step: int) -> bool:
+        """The ledger takes the state source's unacknowledged steps up to `start_step`. False: the
+        job failed, since the ledger cannot reach `start_step` exactly."""
+        # The source's unacknowledged steps were applied in the round it last trained in, the
+        # newest ready one (a worker that missed a ready round holds no newer step than it).
+        previous = self.ready_round
+        for record in sorted(self.membership.workers[source].unacked, key=lambda r: r.step):
+            if self.ledger.applied_step < record.step <= start_step:
+                try:
+                    self._ingest(record, previous)
+                except (StepGap, StepRejected) as exc:
+                    self._fail(inexact(source, current.id, exc))
+                    return False
+        if self.ledger.applied_step < start_step:
+            # The source applied steps the master never received and it no longer holds: their
+            # rows would go back to todo and be applied to the model a second time.
+            self._fail(inexact(source, current.id, StepGap(
+                f"the state source is at step {start_step} but holds no record of steps "
+                f"{self.ledger.applied_step + 1}..{start_step}")))
+            return False
+        return True
+
+    def _make_ready(self, current: Round, initial: str, source_rank: int, start_step: int) -> None:
+        """The round goes from `start_step`, with its source; its members' unacknowledged steps
+        are settled now."""
+        current.state, current.ready_at = RoundState.READY, time.time()
+        current.source_rank, current.start_step, current.initial_state = source_rank, start_step, initial
+        self.ready_round = current
+        for member in current.members:
+            self.membership.workers[member].unacked = []
