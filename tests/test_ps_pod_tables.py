@@ -230,7 +230,7 @@ def test_a_rollback_cut_short_in_its_routing_bump_is_not_taken_for_a_scale_at_th
         with caplog.at_level(logging.INFO, logger="elastic_step.backends.kubernetes"):
             freeze(client, [spec], pods, str(tmp_path / "job"), limit_mb=1024)
         assert moved == []
-        assert "finishing the move" not in caplog.text and "did not finish" not in caplog.text
+        assert "left mid-way" not in caplog.text and "did not finish" not in caplog.text
         assert f"routing epoch {bumped.epoch}" in caplog.text and "no virtual shard changes owner" in caplog.text
         np.testing.assert_array_equal(looked_up(spec, ids), trained)
     finally:

@@ -347,3 +347,69 @@ def test_applied_groups_answer_as_a_set_per_virtual_shard_would_through_moves_an
         np.testing.assert_array_equal(groups.take(key, vshards, owned), expected)
         for v in np.flatnonzero(owned):
             reference[int(v)].add(key)
+
+
+def test_a_growth_cut_short_keeps_its_added_shard_watched_relaunched_and_shown(tmp_path, token_file, monkeypatch):
+    """A scale --ps that fails mid-move keeps the shards it added (a resume finishes the move
+    with them): they must be watched like the others, or one that dies before the job's end is
+    never relaunched, the move cannot be finished, and /status does not show it."""
+    import signal
+
+    from lost_release import move_losing_a_request
+
+    from elastic_step.master.ps_monitor import ShardMonitor
+    from elastic_step.master.ps_supervisor import ShardSupervisor
+    from elastic_step.protocol import PsShardState
+    from elastic_step.ps import local
+
+    shards = LocalShards(str(tmp_path / "ps"), [SPEC], 1, token_file)
+    shards.start()
+    supervisor = ShardSupervisor(shards).start()
+    monitor = ShardMonitor(supervisor, TOKEN)
+    try:
+        client = PsClient(TOKEN, shards.routes, deadline_s=60)
+        ids = np.arange(200)
+        client.push(SPEC.name, 1, 0, 0, ids, np.ones((len(ids), SPEC.dim), np.float32))  # rows to move
+        client.close()
+        monkeypatch.setattr(local, "move", move_losing_a_request("import", shard=1))  # shard 1 gains rows in 1 -> 2
+        with pytest.raises(ValueError, match="the move to 2 shards did not finish"):
+            monitor.scale(2)
+        assert len(shards.shards) == 2 and len(supervisor.ports) == 2
+        assert [row["shard"] for row in monitor.rows()] == [0, 1]  # /status shows the added shard
+        assert monitor.rows()[1]["address"] == f"127.0.0.1:{supervisor.ports[1]}"
+        shards.shards[1].kill(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while supervisor.relaunches[1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert supervisor.relaunches[1] == 1 and supervisor.states[1] is PsShardState.SERVING
+        assert shards.shards[1].process.poll() is None
+    finally:
+        supervisor.stop()
+        monitor.client.close()
+        shards.stop()
+
+
+def test_an_added_shard_that_cannot_start_fails_the_resize_and_leaves_no_process(tmp_path, token_file, monkeypatch):
+    from elastic_step.ps import local
+    from elastic_step.ps.api import PsError
+
+    shards = LocalShards(str(tmp_path / "ps"), [SPEC], 1, token_file)
+    shards.start()
+    started = []
+    real_start = local.ShardProcess.start
+
+    def never_ready(self, port: int = 0) -> None:
+        real_start(self, port)
+        started.append(self)
+        if self.shard == 1:
+            raise OSError("no room for the shard's folder")
+
+    monkeypatch.setattr(local.ShardProcess, "start", never_ready)
+    try:
+        with pytest.raises(PsError, match="an added shard did not start: no room"):
+            shards.resize(2, lambda *args: None)
+        assert len(shards.shards) == 1 and shards.routing.epoch == 1
+        added = [s for s in started if s.shard == 1]
+        assert added and added[0].process.poll() is not None  # ended, not left running unwatched
+    finally:
+        shards.stop()

@@ -104,6 +104,9 @@ class ShardMonitor:
         try:
             report = supervisor.shards.resize(shards, client.call)
         except PsError as exc:
+            # A growth cut short keeps its added shards (ps/local.py): watched, relaunched and shown like the others.
+            supervisor.resized()
+            self._restart_numbers(len(supervisor.shards.shards))
             log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
             self.unfinished = f"the move to {shards} shards did not finish ({exc})"
             self._event(EventKind.PS_SCALE_FINISHED, f"did not finish: {exc}", ok=False, **sizes)

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Callable
 
-from elastic_step.ps.api import TableSpec
+from elastic_step.ps.api import PsError, TableSpec
 from elastic_step.ps.moves import MoveReport, move
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import CONFIG_FILE, READY_FILE
@@ -102,10 +102,16 @@ class LocalShards:
         stopped once they gave everything away, and leave the list first, so that a supervisor
         does not relaunch them."""
         added = [self._new_shard(index, fresh=True) for index in range(len(self.shards), shards)]
-        for shard in added:
-            shard.start()
-        for shard in added:
-            shard.wait_ready()
+        try:
+            for shard in added:
+                shard.start()
+            for shard in added:
+                shard.wait_ready()
+        except (OSError, RuntimeError, TimeoutError) as exc:  # nothing has moved: the added ones go, none left behind
+            for shard in added:
+                if shard.process is not None and shard.process.poll() is None:
+                    shard.kill(signal.SIGKILL)
+            raise PsError(f"an added shard did not start: {exc}") from exc
         everyone = self.shards + added
         resized = self.routing.resized(shards, [s.endpoint for s in everyone[:shards]])
         try:

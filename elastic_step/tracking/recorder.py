@@ -288,7 +288,7 @@ class TrainingRecorder:
                 write_tables(os.path.join(job_dir, "model", TABLES_FILE), tables)
             sharded = os.path.isdir(os.path.join(job_dir, "model", SHARDS_FOLDER))  # tables too big to hold whole
             with mlflow.start_run(run_id=self.run_id):
-                if sharded:  # served from the shards' snapshots (master/ps_shards.py)
+                if sharded:  # served from the shards' snapshots (master/ps_rows.py)
                     from elastic_step.release.sharded_model import log_sharded_model
 
                     info = log_sharded_model(os.path.join(job_dir, "model"), self.model_def.source, features,

@@ -1,6 +1,6 @@
 """A `--mode ps` job's trained tables from its shard pods at the job's end, for this process's
 models (the test-set evaluation, the logged model), by the rule the local backend follows
-(master/ps_shards.py's _stop_and_freeze).
+(master/ps_local.py's _stop_and_freeze).
 
 The pods still serve (they are deleted after this), and their folders are emptyDirs the master
 cannot read. The size of the tables held whole is each shard's rows (`stats`, the count its
@@ -58,7 +58,7 @@ def finish_a_failed_scale(client: PsClient, shards: PodShards) -> None:
     """A scale --ps that did not finish (the master said so) but whose routing the shards took
     (training went on under it, perhaps past stale copies the release did not drop): the move is
     done again now (each step is idempotent: ps/moves.py), and the tables are read under its
-    routing, as the local backend's end does (master/ps_shards.py). One that cannot be finished
+    routing, as the local backend's end does (master/ps_local.py). One that cannot be finished
     is said in one line; the tables are then read under the routing the master knew.
 
     A newer epoch whose owners are the master's is no move: a rollback gives every shard the next
@@ -81,7 +81,8 @@ def finish_a_failed_scale(client: PsClient, shards: PodShards) -> None:
     try:
         if len(shards.shards) < newest.shards:
             raise PsError(f"it needs {newest.shards} shards and {len(shards.shards)} are known")
-        log.warning("parameter servers: finishing the move to routing epoch %d before the tables are read", newest.epoch)
+        log.warning("parameter servers: the move to routing epoch %d was left mid-way by a scale --ps that did not "
+                    "finish: finishing it before the tables are read", newest.epoch)
         newest = RoutingTable(newest.epoch, newest.owners, [s.endpoint for s in shards.shards[: newest.shards]])
         call = lambda i, *request: client.call(shards.shards[i].endpoint, *request)  # noqa: E731
         held = [asked(client, shard, {"op": "stats"}) for shard in shards.shards]
