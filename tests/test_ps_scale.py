@@ -390,8 +390,9 @@ def test_a_growth_cut_short_keeps_its_added_shard_watched_relaunched_and_shown(t
 
 
 def test_an_added_shard_that_cannot_start_fails_the_resize_and_leaves_no_process(tmp_path, token_file, monkeypatch):
+    from elastic_step.master.ps_monitor import ShardMonitor
+    from elastic_step.master.ps_supervisor import ShardSupervisor
     from elastic_step.ps import local
-    from elastic_step.ps.api import PsError
 
     shards = LocalShards(str(tmp_path / "ps"), [SPEC], 1, token_file)
     shards.start()
@@ -404,12 +405,17 @@ def test_an_added_shard_that_cannot_start_fails_the_resize_and_leaves_no_process
         if self.shard == 1:
             raise OSError("no room for the shard's folder")
 
+    supervisor = ShardSupervisor(shards)
+    monitor = ShardMonitor(supervisor, TOKEN)
     monkeypatch.setattr(local.ShardProcess, "start", never_ready)
     try:
-        with pytest.raises(PsError, match="an added shard did not start: no room"):
-            shards.resize(2, lambda *args: None)
+        with pytest.raises(ValueError, match=r"^the move to 2 shards did not start \(an added shard did not start: no room "
+                                             r"for the shard's folder\); nothing moved: the job goes on with 1 shard\(s\)$"):
+            monitor.scale(2)
         assert len(shards.shards) == 1 and shards.routing.epoch == 1
         added = [s for s in started if s.shard == 1]
         assert added and added[0].process.poll() is not None  # ended, not left running unwatched
+        assert monitor.unfinished is None  # nothing is mid-move: a later scale may try again
     finally:
+        monitor.client.close()
         shards.stop()

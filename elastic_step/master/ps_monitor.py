@@ -16,7 +16,7 @@ from elastic_step.errors import ConfigError
 from elastic_step.master.events import EventLog
 from elastic_step.master.ps_supervisor import ShardSupervisor
 from elastic_step.protocol import EventKind, PsShardState
-from elastic_step.ps.api import PsError, Status
+from elastic_step.ps.api import PsError, ShardsNotStarted, Status
 from elastic_step.ps.client import PsClient
 
 log = logging.getLogger("elastic_step.master")
@@ -103,6 +103,10 @@ class ShardMonitor:
         client = PsClient(self.client.token, lambda: None, timeout_s=120.0)
         try:
             report = supervisor.shards.resize(shards, client.call)
+        except ShardsNotStarted as exc:
+            self._event(EventKind.PS_SCALE_FINISHED, f"did not start: {exc}", ok=False, **sizes)
+            raise ValueError(f"the move to {shards} shards did not start ({exc}); nothing moved: the job goes on with "
+                             f"{before} shard(s)") from exc
         except PsError as exc:
             # A growth cut short keeps its added shards (ps/local.py): watched, relaunched and shown like the others.
             supervisor.resized()

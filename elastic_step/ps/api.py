@@ -85,6 +85,10 @@ class PsError(RuntimeError):
     """A parameter-server request that cannot succeed by retrying."""
 
 
+class ShardsNotStarted(PsError):
+    """A resize's added shards did not start: they were ended, and nothing moved."""
+
+
 class ShardUnavailable(PsError):
     """A shard did not answer within the client's retry deadline."""
 

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Callable
 
-from elastic_step.ps.api import PsError, TableSpec
+from elastic_step.ps.api import ShardsNotStarted, TableSpec
 from elastic_step.ps.moves import MoveReport, move
 from elastic_step.ps.routing import RoutingTable
 from elastic_step.ps.shard import CONFIG_FILE, READY_FILE
@@ -111,7 +111,7 @@ class LocalShards:
             for shard in added:
                 if shard.process is not None and shard.process.poll() is None:
                     shard.kill(signal.SIGKILL)
-            raise PsError(f"an added shard did not start: {exc}") from exc
+            raise ShardsNotStarted(f"an added shard did not start: {exc}") from exc
         everyone = self.shards + added
         resized = self.routing.resized(shards, [s.endpoint for s in everyone[:shards]])
         try:
