@@ -450,3 +450,22 @@ def test_a_connection_that_asks_nothing_is_closed_and_one_address_cannot_take_th
                 s.close()
     # every one closed by the server: those beyond the address's share at once, the rest in time
     assert max(closed_after) < REQUEST_DEADLINE_S + 3, max(closed_after)
+
+
+def test_a_master_whose_api_cannot_serve_fails_at_once_naming_why():
+    """Not a job that writes master.json naming an address nobody answers, and whose workers
+    then fail one by one: the API's own error, on the master's thread, exit 1 (run it again)."""
+    import socket
+
+    from fastapi import FastAPI
+
+    from elastic_step.errors import JobFailed
+    from elastic_step.master.startup import ApiServer
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.close()  # as a socket lost between its bind and the server's start
+    started = time.monotonic()
+    with pytest.raises(JobFailed, match=r"^the master's API ended before it served \(OSError: .*Bad file descriptor\)"):
+        ApiServer(FastAPI(), listener).start()
+    assert time.monotonic() - started < 5

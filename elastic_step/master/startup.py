@@ -23,7 +23,7 @@ from elastic_step.backends.registry import create_backend
 from elastic_step.config import TrainConfig
 from elastic_step.defaults import LOG_FORMAT
 from elastic_step.durable import write_json_atomic, write_private
-from elastic_step.errors import ConfigError
+from elastic_step.errors import ConfigError, JobFailed
 from elastic_step.master.api import PAGE_REFRESH_S, create_app, server_config
 from elastic_step.master.dispatcher import Dispatcher
 from elastic_step.master.events import EventLog, StepLog, notable_log
@@ -67,12 +67,31 @@ class ApiServer:
     def __init__(self, app, sock: socket.socket):
         self.app = app
         self.server = uvicorn.Server(server_config(app))  # with its connection limits
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="api")
+        self.failure: BaseException | None = None  # why the server's thread ended before it served
+        self.thread = threading.Thread(target=self._serve, args=(sock,), daemon=True, name="api")
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            self.server.run(sockets=[sock])
+        except BaseException as exc:  # said by start(), on the master's own thread
+            self.failure = exc
+
+    STARTUP_S = 60.0  # uvicorn serves within a second; a loaded machine may take longer
 
     def start(self) -> None:
+        """Serve, or fail the job: a master whose API never served would write master.json
+        naming an address nobody answers, and its workers would fail one by one instead."""
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.STARTUP_S
+        while not self.server.started:
+            if not self.thread.is_alive():
+                cause = f"{type(self.failure).__name__}: {self.failure}" if self.failure else "see JOB_DIR/logs/master.log"
+                raise JobFailed(f"the master's API ended before it served ({cause}): no worker could have reached it; "
+                                "run the job again")
+            if time.monotonic() > deadline:
+                self.server.should_exit = True
+                raise JobFailed(f"the master's API did not serve within {self.STARTUP_S:.0f} s: the machine may be "
+                                "overloaded (JOB_DIR/logs/master.log); run the job again")
             time.sleep(0.01)
 
     def stop(self) -> None:
