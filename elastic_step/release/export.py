@@ -15,7 +15,7 @@ from elastic_step.frameworks.weights import serves_from_snapshots
 from elastic_step.ps.embedding import TABLES_FILE, hold_tables, read_tables, trainer_network
 from elastic_step.release.candidate import load_candidate, split_head, split_manifest
 from elastic_step.errors import ConfigError
-from elastic_step.release.registry import registry_client
+from elastic_step.release.registry import model_exists, name_filter, registry_client
 from elastic_step.tracking.checkpoints import BEST_TAG, CheckpointStore, checkpoint_name
 from elastic_step.tracking.recorder import FINAL_MODEL_ARTIFACTS
 from elastic_step.tracking.run import TrackingError, pipeline_run_id
@@ -165,8 +165,10 @@ def _version_of_run(client, name: str, run_id: str, source: str = "final"):
     from mlflow.exceptions import MlflowException
 
     try:
-        versions = client.search_model_versions(f"name = '{name}' and tags.`{SOURCE_RUN_TAG}` = '{run_id}'")
+        versions = client.search_model_versions(f"{name_filter(name)} and tags.`{SOURCE_RUN_TAG}` = '{run_id}'")
     except MlflowException:
-        return None
+        if not model_exists(client, name):  # nothing registered under the name yet (basic auth refuses, not 404s)
+            return None
+        raise  # any other failure: registering again would make a second version of the same weights
     versions = [v for v in versions if v.tags.get(CHECKPOINT_TAG, "final") == source]
     return versions[0] if versions else None

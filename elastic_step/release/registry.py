@@ -28,7 +28,7 @@ def version_by_alias(client, name: str, alias: str):
     except MlflowException as exc:
         if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
             return None
-        if exc.error_code == "PERMISSION_DENIED" and not _model_exists(client, name):
+        if exc.error_code == "PERMISSION_DENIED" and not model_exists(client, name):
             return None  # MLflow's basic auth answers 403, not 404, for the alias of a model not made yet
         raise
 
@@ -39,7 +39,7 @@ def get_version(client, name: str, version: str):
     try:
         return client.get_model_version(name, str(version))
     except MlflowException:
-        known = [str(v.version) for v in client.search_model_versions(f"name = '{name}'")] if _model_exists(client, name) else []
+        known = [str(v.version) for v in client.search_model_versions(name_filter(name))] if model_exists(client, name) else []
         raise TrackingError(
             f"registered model {name!r} has no version {version!r}"
             + (f" (it has {', '.join(sorted(known, key=int))})" if known else " (the model is not registered)")
@@ -47,7 +47,20 @@ def get_version(client, name: str, version: str):
         ) from None
 
 
-def _model_exists(client, name: str) -> bool:
+def name_filter(name: str) -> str:
+    """MLflow's search filter for the registered model `name`. MLflow's parser has no escapes: a
+    name with a single quote is quoted with double quotes, else `name = 'it's'` is no filter at all
+    (and a search that fails must not read as "not registered yet"). A name with both quotes
+    cannot be searched for: refused in one line."""
+    if "'" not in name:
+        return f"name = '{name}'"
+    if '"' not in name:
+        return f'name = "{name}"'
+    raise ConfigError(f"registered model name {name!r} holds both kinds of quote, which MLflow's search cannot "
+                      "express: choose a name without one of them")
+
+
+def model_exists(client, name: str) -> bool:
     """Whether `name` is a registered model this client may read: MLflow's basic auth answers 403,
     not 404, for a model not made yet, so any refusal counts as not there."""
     from mlflow.exceptions import MlflowException
