@@ -72,6 +72,11 @@ def wheel_name(filename: str) -> str:
     return canonical(filename.split("-", 1)[0])
 
 
+def to_carry(wheels: list[str], present: set[str]) -> list[str]:
+    """The wheels whose distributions that machine lacks, never its torch or CUDA's."""
+    return sorted(f for f in wheels if wheel_name(f) not in present and not NEVER_CARRIED.match(wheel_name(f)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("present", help="the GPU machine's `pip list --format=freeze`, or a name a line")
@@ -88,8 +93,7 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory() as fetched:
         download(local_job_requirements(), args.python_version, fetched)
-        carried = sorted(f for f in os.listdir(fetched)
-                         if wheel_name(f) not in present and not NEVER_CARRIED.match(wheel_name(f)))
+        carried = to_carry(os.listdir(fetched), present)
         size = sum(os.path.getsize(os.path.join(fetched, f)) for f in carried) / 2**20
         if size > args.max_mib:
             print(f"gpu_wheels: the {len(carried)} wheels that machine lacks weigh {size:.1f} MiB, over --max-mib "
