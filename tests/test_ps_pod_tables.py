@@ -164,40 +164,49 @@ def test_a_snapshot_comes_from_a_pod_in_parts_whole_and_one_replaced_mid_copy_is
         state.close()
 
 
-@pytest.mark.parametrize("limit_mb", [1024, 0], ids=["whole", "snapshots"])
-def test_a_scale_whose_release_failed_is_finished_before_the_tables_are_read(tmp_path, monkeypatch, limit_mb):
-    """2 -> 3 shards: the rows arrived and the shards train under the new routing, but one
-    release was lost and the master gave up, its routing the old one: the old owners still hold
-    stale copies of what they gave away. The job's end finishes the move first, so the model
-    holds every row as trained last."""
+@pytest.fixture
+def two_shards(tmp_path, monkeypatch):
+    """Two local shard processes of SPECS[0] (the pods' stand-ins: PodShards at their addresses)
+    and a client; the embedding module's frozen tables start empty."""
     monkeypatch.setattr(embedding, "_FROZEN", {})
     monkeypatch.setattr(embedding, "_TABLE_SOURCES", {})
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    spec, ids = SPECS[0], np.arange(300, dtype=np.int64)
-    shards = LocalShards(str(tmp_path / "ps"), [spec], 2, str(token_file), snapshot_every=100_000)
+    shards = LocalShards(str(tmp_path / "ps"), [SPECS[0]], 2, str(token_file), snapshot_every=100_000)
     shards.start()
     client = PsClient(TOKEN, shards.routes, timeout_s=30.0)
     try:
-        client.push(spec.name, 1, 0, 0, ids, np.ones((len(ids), spec.dim), np.float32))
-        with monkeypatch.context() as patched:
-            patched.setattr(local, "move", move_losing_a_release())
-            with pytest.raises(PsError):
-                shards.resize(3, client.call)
-        client.push(spec.name, 1, 1, 0, ids, np.ones((len(ids), spec.dim), np.float32))  # under the new routing
-        trained = client.pull(spec.name, ids).copy()
-        addresses = [s.endpoint.split(":") for s in shards.shards]
-        pods = PodShards([PodShard(i, host, int(port)) for i, (host, port) in enumerate(addresses)], shards.routing)
-        assert pods.routing.epoch == 1 and len(pods.shards) == 3  # what the master knows after the failed move
-        freeze(client, [spec], pods, str(tmp_path / "job"), limit_mb=limit_mb)
-        assert pods.routing.epoch == 2
-        np.testing.assert_array_equal(looked_up(spec, ids), trained)
+        yield shards, client
     finally:
         client.close()
         shards.stop()
 
 
-def test_a_rollback_cut_short_in_its_routing_bump_is_not_taken_for_a_scale_at_the_jobs_end(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("limit_mb", [1024, 0], ids=["whole", "snapshots"])
+def test_a_scale_whose_release_failed_is_finished_before_the_tables_are_read(tmp_path, monkeypatch, limit_mb, two_shards):
+    """2 -> 3 shards: the rows arrived and the shards train under the new routing, but one
+    release was lost and the master gave up, its routing the old one: the old owners still hold
+    stale copies of what they gave away. The job's end finishes the move first, so the model
+    holds every row as trained last."""
+    shards, client = two_shards
+    spec, ids = SPECS[0], np.arange(300, dtype=np.int64)
+    client.push(spec.name, 1, 0, 0, ids, np.ones((len(ids), spec.dim), np.float32))
+    with monkeypatch.context() as patched:
+        patched.setattr(local, "move", move_losing_a_release())
+        with pytest.raises(PsError):
+            shards.resize(3, client.call)
+    client.push(spec.name, 1, 1, 0, ids, np.ones((len(ids), spec.dim), np.float32))  # under the new routing
+    trained = client.pull(spec.name, ids).copy()
+    addresses = [s.endpoint.split(":") for s in shards.shards]
+    pods = PodShards([PodShard(i, host, int(port)) for i, (host, port) in enumerate(addresses)], shards.routing)
+    assert pods.routing.epoch == 1 and len(pods.shards) == 3  # what the master knows after the failed move
+    freeze(client, [spec], pods, str(tmp_path / "job"), limit_mb=limit_mb)
+    assert pods.routing.epoch == 2
+    np.testing.assert_array_equal(looked_up(spec, ids), trained)
+
+
+def test_a_rollback_cut_short_in_its_routing_bump_is_not_taken_for_a_scale_at_the_jobs_end(tmp_path, monkeypatch, caplog,
+                                                                                           two_shards):
     """A rollback (backends/kubernetes/ps_pod_watch.py, PodSupervisor.roll_back) gives every shard
     the routing's next epoch with the same owners (only the new pod's address changes). One that
     fails after some shards took it leaves them ahead of the master's routing, as a scale's move
@@ -208,31 +217,21 @@ def test_a_rollback_cut_short_in_its_routing_bump_is_not_taken_for_a_scale_at_th
     from elastic_step.backends.kubernetes import ps_final
     from elastic_step.ps.routing import RoutingTable
 
-    monkeypatch.setattr(embedding, "_FROZEN", {})
-    monkeypatch.setattr(embedding, "_TABLE_SOURCES", {})
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
+    shards, client = two_shards
     spec, ids = SPECS[0], np.arange(300, dtype=np.int64)
-    shards = LocalShards(str(tmp_path / "ps"), [spec], 2, str(token_file), snapshot_every=100_000)
-    shards.start()
-    client = PsClient(TOKEN, shards.routes, timeout_s=30.0)
-    try:
-        client.push(spec.name, 1, 0, 0, ids, np.random.default_rng(3).normal(size=(len(ids), spec.dim)).astype(np.float32))
-        trained = client.pull(spec.name, ids).copy()
-        addresses = [s.endpoint.split(":") for s in shards.shards]
-        pods = PodShards([PodShard(i, host, int(port)) for i, (host, port) in enumerate(addresses)], shards.routing)
-        bumped = RoutingTable(pods.routing.epoch + 1, pods.routing.owners, [s.endpoint for s in pods.shards])
-        header, _ = client.call(pods.shards[0].endpoint, {"op": "routing", "routing": bumped.to_json()})  # shard 1 never got it
-        assert header["epoch"] == bumped.epoch
-        moved = []
-        monkeypatch.setattr(ps_final, "move", lambda *args, **kwargs: moved.append("move"))
-        monkeypatch.setattr(ps_final, "release", lambda *args, **kwargs: moved.append("release"))
-        with caplog.at_level(logging.INFO, logger="elastic_step.backends.kubernetes"):
-            freeze(client, [spec], pods, str(tmp_path / "job"), limit_mb=1024)
-        assert moved == []
-        assert "left mid-way" not in caplog.text and "did not finish" not in caplog.text
-        assert f"routing epoch {bumped.epoch}" in caplog.text and "no virtual shard changes owner" in caplog.text
-        np.testing.assert_array_equal(looked_up(spec, ids), trained)
-    finally:
-        client.close()
-        shards.stop()
+    client.push(spec.name, 1, 0, 0, ids, np.random.default_rng(3).normal(size=(len(ids), spec.dim)).astype(np.float32))
+    trained = client.pull(spec.name, ids).copy()
+    addresses = [s.endpoint.split(":") for s in shards.shards]
+    pods = PodShards([PodShard(i, host, int(port)) for i, (host, port) in enumerate(addresses)], shards.routing)
+    bumped = RoutingTable(pods.routing.epoch + 1, pods.routing.owners, [s.endpoint for s in pods.shards])
+    header, _ = client.call(pods.shards[0].endpoint, {"op": "routing", "routing": bumped.to_json()})  # shard 1 never got it
+    assert header["epoch"] == bumped.epoch
+    moved = []
+    monkeypatch.setattr(ps_final, "move", lambda *args, **kwargs: moved.append("move"))
+    monkeypatch.setattr(ps_final, "release", lambda *args, **kwargs: moved.append("release"))
+    with caplog.at_level(logging.INFO, logger="elastic_step.backends.kubernetes"):
+        freeze(client, [spec], pods, str(tmp_path / "job"), limit_mb=1024)
+    assert moved == []
+    assert "left mid-way" not in caplog.text and "did not finish" not in caplog.text
+    assert f"routing epoch {bumped.epoch}" in caplog.text and "no virtual shard changes owner" in caplog.text
+    np.testing.assert_array_equal(looked_up(spec, ids), trained)
