@@ -253,9 +253,21 @@ def test_an_overflowed_fp16_pass_computed_again_leaves_the_model_as_if_it_ran_on
     scale is the same pass, so the trainer ends exactly where one that started at that scale does."""
     from elastic_step.frameworks.device import Placement
 
+    class Passes(torch.nn.Module):
+        """Counts its forward passes in a buffer it replaces each time (as EMA or counter modules do)."""
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen = self.seen + 1
+            return x
+
     model_def = small_model_def()
     model_def.module.model = lambda: torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3))
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.5), Passes(),
+        torch.nn.Linear(16, 3))
     model_def.module.optimizer = lambda net: torch.optim.SGD(net.parameters(), lr=0.1)
 
     def fp16_trainer(scale: float | None = None) -> TorchTrainer:
@@ -277,7 +289,7 @@ def test_an_overflowed_fp16_pass_computed_again_leaves_the_model_as_if_it_ran_on
     np.testing.assert_array_equal(ours[0], theirs[0])  # the same dropout mask, the same gradients
     for mine, other in zip(retried.net.buffers(), at_that_scale.net.buffers()):
         assert torch.equal(mine, other)  # BatchNorm saw the batch once
-    assert int(retried.net[1].num_batches_tracked) == 1
+    assert int(retried.net[1].num_batches_tracked) == 1 and float(retried.net[4].seen) == 1.0
     assert torch.equal(generator_after, torch.get_rng_state())  # dropout drew once
 
 

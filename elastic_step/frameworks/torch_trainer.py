@@ -385,9 +385,14 @@ class _PassStart:
     """What a forward pass changes besides the gradients, as it was before the pass: the model's
     buffers (BatchNorm's running statistics and batch count) and the random generators' states
     (dropout's draws). Put back before an overflowed float16 pass is computed again, so that the
-    pass computed again is the same pass at a smaller scale and the model is as if it ran once."""
+    pass computed again is the same pass at a smaller scale and the model is as if it ran once.
 
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (the live buffer, its value before the pass)
+    A buffer is kept by its module and name: a module may update one in place (BatchNorm) or
+    assign a new tensor to it (`self.seen = self.seen + 1`), and either is undone. The buffers are
+    copied before every float16 pass: little for BatchNorm's, a copy per pass of a model whose
+    buffers are large."""
+
+    buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]  # (module, name, the tensor then, a copy)
     cpu_rng: torch.Tensor
     device_rng: torch.Tensor | None  # the GPU's generator, when the trainer computes on one
     device: torch.device
@@ -395,13 +400,17 @@ class _PassStart:
     @classmethod
     def of(cls, net: torch.nn.Module, device: torch.device) -> "_PassStart":
         on_gpu = device.type == "cuda"
-        return cls([(b, b.detach().clone()) for b in net.buffers()], torch.get_rng_state(),
-                   torch.cuda.get_rng_state(device) if on_gpu else None, device)
+        buffers = [(module, name, buffer, buffer.detach().clone())
+                   for module in net.modules() for name, buffer in module.named_buffers(recurse=False)]
+        return cls(buffers, torch.get_rng_state(), torch.cuda.get_rng_state(device) if on_gpu else None, device)
 
     def restore(self) -> None:
         with torch.no_grad():
-            for live, before in self.buffers:
-                live.copy_(before)
+            for module, name, then, copy in self.buffers:
+                if getattr(module, name) is then:
+                    then.copy_(copy)  # updated in place: the same tensor, its old values
+                else:
+                    setattr(module, name, copy)  # replaced by the pass: the old value back as the buffer
         torch.set_rng_state(self.cpu_rng)
         if self.device_rng is not None:
             torch.cuda.set_rng_state(self.device_rng, self.device)
