@@ -143,17 +143,24 @@ def test_a_checkpoint_that_cannot_be_serialised_on_the_senders_thread_is_logged_
         def call(self, *args, **kwargs):
             raise AssertionError("nothing to send")
 
-    checkpoints = Checkpoints(client=Master(), worker_id="w0.1", every=1, reporter=None)
+    import types
+
+    checkpoints = Checkpoints(client=Master(), worker_id="w0.1", every=1,
+                              reporter=types.SimpleNamespace(epoch=0, checkpoint_requested=False))
     with caplog.at_level("ERROR", logger="elastic_step.worker"):
+        assert checkpoints.due(7)
         checkpoints.send(round_id=1, step=7, snapshot=lambda: Broken(b""))
         checkpoints.drain()
     [record] = [r for r in caplog.records if "checkpoint of step 7 not sent" in r.getMessage()]
     assert "no room for the checkpoint" in record.exc_text
+    assert checkpoints.due(8) and checkpoints.due(9)  # its place was given back with the other's
 
 
-def test_checkpoints_slower_to_send_than_to_take_hold_two_copies_at_most_and_the_step_waits(caplog):
-    """A snapshot is a copy of the whole state: a slow master must not pile them up in memory."""
+def test_checkpoints_slower_to_send_than_to_take_hold_two_copies_at_most_and_one_due_meanwhile_comes_later(caplog):
+    """A snapshot is a copy of the whole state: a slow master must not pile them up in memory, nor
+    make rank 0 wait (its peers would wait for it in the next collective)."""
     import threading
+    import types
 
     from elastic_step.frameworks.api import StateSnapshot
     from elastic_step.worker.checkpoints import MAX_HELD, Checkpoints
@@ -174,31 +181,29 @@ def test_checkpoints_slower_to_send_than_to_take_hold_two_copies_at_most_and_the
             self.sent.append((params["step"], content))
 
     master, taken = SlowMaster(), []
+    reporter = types.SimpleNamespace(epoch=0, checkpoint_requested=False)
+    checkpoints = Checkpoints(client=master, worker_id="w0.1", every=2, reporter=reporter)
 
-    def snapshot(step):
-        def take():
-            taken.append(step)
-            return Snapshot(step)
-        return take
+    def step(number: int) -> bool:
+        if not checkpoints.due(number):
+            return False
+        checkpoints.send(round_id=1, step=number, snapshot=lambda: taken.append(number) or Snapshot(number))
+        return True
 
-    checkpoints = Checkpoints(client=master, worker_id="w0.1", every=1, reporter=None)
-    for step in range(1, MAX_HELD + 1):
-        checkpoints.send(round_id=1, step=step, snapshot=snapshot(step))  # room: copied at once
-    assert taken == [1, 2]
-    third = threading.Thread(target=checkpoints.send, kwargs=dict(round_id=1, step=3, snapshot=snapshot(3)))
     with caplog.at_level("WARNING", logger="elastic_step.worker"):
-        third.start()
-        third.join(0.5)
-        assert third.is_alive() and taken == [1, 2]  # the step waits, and holds no third copy
+        assert [step(n) for n in range(1, 6)] == [False, True, False, True, False] and MAX_HELD == 2
+        assert not step(6)  # due, but both places are held: put off, no third copy taken
+        assert taken == [2, 4]
         master.go.set()
-        third.join(10)
         checkpoints.drain()
-    assert taken == [1, 2, 3] and master.sent == [(1, b"1"), (2, b"2"), (3, b"3")]
-    [line] = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
-    assert line.startswith("checkpoint of step 3 waited") and "raise --checkpoint-steps" in line
-    checkpoints.send(round_id=1, step=4, snapshot=snapshot(4))  # the room was given back
+        assert step(7)  # the first step with room takes the checkpoint put off at step 6
     checkpoints.drain()
-    assert master.sent[-1] == (4, b"4") and checkpoints.waited == 1
+    assert taken == [2, 4, 7] and master.sent == [(2, b"2"), (4, b"4"), (7, b"7")]
+    [line] = [r.getMessage() for r in caplog.records if "put off" in r.getMessage()]
+    assert line.startswith("checkpoint of step 6 put off") and "raise --checkpoint-steps" in line
+    assert step(8) and not step(9)  # and on as before
+    checkpoints.drain()
+    assert checkpoints.put_off == 1
 
 
 def test_the_evaluation_gate_names_a_models_missing_run_in_one_line(tmp_path):
