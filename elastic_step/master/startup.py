@@ -38,6 +38,8 @@ from elastic_step.master.store import RendezvousStore
 from elastic_step.protocol import JobSpec, JobState
 from elastic_step.tracking.recorder import TrainingRecorder
 
+log = logging.getLogger("elastic_step.master")
+
 
 def url_host(host: str) -> str:
     """The host as a URL names it: an IPv6 address in brackets (RFC 3986)."""
@@ -73,8 +75,9 @@ class ApiServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             self.server.run(sockets=[sock])
-        except BaseException as exc:  # said by start(), on the master's own thread
+        except BaseException as exc:  # start() says it on the master's thread; later, the log does
             self.failure = exc
+            log.error("the master's API stopped: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, SystemExit))
 
     STARTUP_S = 60.0  # uvicorn serves within a second; a loaded machine may take longer
 
@@ -85,13 +88,15 @@ class ApiServer:
         deadline = time.monotonic() + self.STARTUP_S
         while not self.server.started:
             if not self.thread.is_alive():
-                cause = f"{type(self.failure).__name__}: {self.failure}" if self.failure else "see JOB_DIR/logs/master.log"
+                # uvicorn says why it exits (SystemExit) on the master's standard error, not in its log
+                cause = (f"{type(self.failure).__name__}: {self.failure}" if self.failure and not isinstance(self.failure, SystemExit)
+                         else "uvicorn's reason is on the master's standard error")
                 raise JobFailed(f"the master's API ended before it served ({cause}): no worker could have reached it; "
                                 "run the job again")
             if time.monotonic() > deadline:
                 self.server.should_exit = True
                 raise JobFailed(f"the master's API did not serve within {self.STARTUP_S:.0f} s: the machine may be "
-                                "overloaded (JOB_DIR/logs/master.log); run the job again")
+                                "overloaded; run the job again")
             time.sleep(0.01)
 
     def stop(self) -> None:
