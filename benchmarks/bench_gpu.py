@@ -40,11 +40,11 @@ def worker_env(device: str) -> dict[str, str]:
 
 def train(data: str, job_dir: str, device: str, epochs: int, batch: int) -> subprocess.Popen:
     os.makedirs(job_dir, exist_ok=True)
-    errors = open(os.path.join(job_dir, "train.err"), "w")  # what the job says on its way out: shown if it fails
-    return elastic_step("train", "--model-def", MODEL, "--data", data, "--job-dir", job_dir, "--workers", "1:2",
-                        "--epochs", str(epochs), "--minibatch-size", str(batch), "--device", device,
-                        "--audit", os.path.join(job_dir, "audit.jsonl"), "--checkpoint-steps", "0", "--no-progress",
-                        env=worker_env(device), stdout=subprocess.DEVNULL, stderr=errors)
+    with open(os.path.join(job_dir, "train.err"), "w") as errors:  # what the job says on its way out: shown if it fails
+        return elastic_step("train", "--model-def", MODEL, "--data", data, "--job-dir", job_dir, "--workers", "1:2",
+                            "--epochs", str(epochs), "--minibatch-size", str(batch), "--device", device,
+                            "--audit", os.path.join(job_dir, "audit.jsonl"), "--checkpoint-steps", "0", "--no-progress",
+                            env=worker_env(device), stdout=subprocess.DEVNULL, stderr=errors)
 
 
 def last_words(job_dir: str) -> str:

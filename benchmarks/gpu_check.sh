@@ -6,11 +6,13 @@
 # `pip list --format=freeze`, and installed beside it first, with the project itself.
 # Exit 0 only when every NCCL check passes and the disturbed run's audit is exact.
 #   benchmarks/gpu_check.sh [--copies N] [--epochs N]
-# GPU_CHECK_DEVICE=cpu runs the same script on the CPU with gloo (how it is tested without a GPU).
+# GPU_CHECK_DEVICE=cpu runs the same script on the CPU with gloo (how it is tested without a GPU);
+# GPU_CHECK_WHEELS names another folder of wheels than .whl/.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
+WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.whl}
 export PYTHONUNBUFFERED=1
 # Everything runs from a scratch folder: from the checkout, `python -m elastic_step.cli` (the
 # benchmarks' jobs) would import the checkout's elastic_step, which lacks the model zoo that only
@@ -18,15 +20,13 @@ export PYTHONUNBUFFERED=1
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
 cd "$SCRATCH"
-if [ -d "$ROOT/.whl" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SCRATCH/site" "$ROOT"/.whl/*.whl
-  export PYTHONPATH=$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}
+if [ -d "$WHEELS" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SCRATCH/site" "$WHEELS"/*.whl
 fi
-if ! "$PY" -c "import elastic_step.model_zoo" 2>/dev/null; then
-  # The project itself, without resolving dependencies (the GPU's torch stays the one installed).
-  "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SCRATCH/site" "$ROOT"
-  export PYTHONPATH=$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+# The checkout itself, always (an elastic_step installed before may be another's), without resolving
+# dependencies (the GPU's torch stays the one installed).
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SCRATCH/site" "$ROOT"
+export PYTHONPATH=$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}
 if [ "$DEVICE" = cuda ]; then
   "$PY" - <<'PY'
 import torch

@@ -5,8 +5,10 @@ but not MLflow, FastAPI or pydantic, which a local training job needs (its maste
 MLflow and serves the workers over HTTP). This downloads, here, for that machine's Python version
 and platform, the project's run-time requirements that a local job imports (pyproject.toml's, less
 the cluster's: KFP, Hera, the Kubernetes client, the object stores) with everything they need,
-then drops every distribution that machine already has, torch and CUDA's first: what is left goes
-in .whl/, which gpu_check.sh installs beside that Python before it runs.
+then drops every distribution that machine already has at a version the project accepts (one of
+the project's own requirements at a version it does not accept is carried, and shadows it), and
+torch and CUDA's libraries whatever: what is left goes in .whl/, which gpu_check.sh installs
+beside that Python before it runs.
 
     python benchmarks/gpu_wheels.py PRESENT [--python-version 3.12] [--out .whl]
 
@@ -25,11 +27,14 @@ import sys
 import tempfile
 import tomllib
 
+from packaging.requirements import Requirement
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Only a cluster's job imports these (the Kubernetes backend, KFP's and Argo's documents, s3:// and gs:// data).
 CLUSTER_ONLY = {"kfp", "kfp-kubernetes", "hera", "kubernetes", "s3fs", "gcsfs"}
-# The GPU machine's own, whatever PRESENT says: another torch or CUDA library would replace its CUDA build.
-NEVER_CARRIED = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+# The GPU machine's own, whatever PRESENT says: another torch or CUDA library would replace its CUDA
+# build. (nvidia-ml-py, NVML's bindings, is a requirement like any other.)
+NEVER_CARRIED = re.compile(r"^(torch|triton|nvidia-(?!ml-py$).*|cuda-.*)$")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "any"]
 
@@ -38,11 +43,29 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def present_names(path: str) -> set[str]:
-    """Distribution names of a `pip list --format=freeze` (name==version) or a list of names."""
+def present_versions(path: str) -> dict[str, str | None]:
+    """Distribution name -> version of a `pip list --format=freeze` (name==version); None where
+    the line gives no version (a plain name, a `name @ URL`)."""
+    present = {}
     with open(path, encoding="utf-8") as f:
-        return {canonical(re.split(r"[=<>@ ;\[]", line.strip(), maxsplit=1)[0]) for line in f
-                if line.strip() and not line.startswith("#")}
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, _, version = line.partition("==")
+            present[canonical(re.split(r"[<>@ ;\[]", name, maxsplit=1)[0])] = version.strip() or None
+    return present
+
+
+def unfit(present: dict[str, str | None], requirements: list[str]) -> set[str]:
+    """The project's own requirements that machine has at a version they do not accept: carried."""
+    wrong = set()
+    for text in requirements:
+        requirement = Requirement(text)
+        name, version = canonical(requirement.name), present.get(canonical(requirement.name))
+        if version is not None and not requirement.specifier.contains(version, prereleases=True):
+            wrong.add(name)
+    return wrong
 
 
 def local_job_requirements() -> list[str]:
@@ -72,9 +95,12 @@ def wheel_name(filename: str) -> str:
     return canonical(filename.split("-", 1)[0])
 
 
-def to_carry(wheels: list[str], present: set[str]) -> list[str]:
-    """The wheels whose distributions that machine lacks, never its torch or CUDA's."""
-    return sorted(f for f in wheels if wheel_name(f) not in present and not NEVER_CARRIED.match(wheel_name(f)))
+def to_carry(wheels: list[str], present: dict[str, str | None], requirements: list[str]) -> list[str]:
+    """The wheels whose distributions that machine lacks, or has at a version the project's
+    requirements refuse; never its torch or CUDA's."""
+    replaced = unfit(present, requirements)
+    return sorted(f for f in wheels if (wheel_name(f) not in present or wheel_name(f) in replaced)
+                  and not NEVER_CARRIED.match(wheel_name(f)))
 
 
 def main() -> int:
@@ -86,14 +112,15 @@ def main() -> int:
                         help="refuse a set larger than this (default 56: a device call carries 64 MiB with the tree)")
     args = parser.parse_args()
     try:
-        present = present_names(args.present)
+        present = present_versions(args.present)
     except OSError as exc:
         print(f"gpu_wheels: cannot read PRESENT {args.present!r} ({exc.strerror}): give the GPU machine's "
               f"`python3 -m pip list --format=freeze` saved in a file", file=sys.stderr)
         return 2
+    requirements = local_job_requirements()
     with tempfile.TemporaryDirectory() as fetched:
-        download(local_job_requirements(), args.python_version, fetched)
-        carried = to_carry(os.listdir(fetched), present)
+        download(requirements, args.python_version, fetched)
+        carried = to_carry(os.listdir(fetched), present, requirements)
         size = sum(os.path.getsize(os.path.join(fetched, f)) for f in carried) / 2**20
         if size > args.max_mib:
             print(f"gpu_wheels: the {len(carried)} wheels that machine lacks weigh {size:.1f} MiB, over --max-mib "

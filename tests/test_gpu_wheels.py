@@ -17,15 +17,21 @@ def test_what_the_gpu_machine_has_is_read_from_its_pip_list_in_any_spelling(tmp_
     listing = tmp_path / "present.txt"
     listing.write_text("# pip list --format=freeze\nNumPy==2.5.2\ntyping_extensions==4.15.0\n"
                        "my.pkg @ file:///tmp/my.pkg\npyarrow\n\n")
-    assert gpu_wheels.present_names(str(listing)) == {"numpy", "typing-extensions", "my-pkg", "pyarrow"}
+    assert gpu_wheels.present_versions(str(listing)) == {"numpy": "2.5.2", "typing-extensions": "4.15.0", "my-pkg": None,
+                                                         "pyarrow": None}
 
 
-def test_its_torch_and_cuda_are_never_carried_and_what_it_has_is_not_either():
+def test_its_torch_and_cuda_are_never_carried_what_it_has_at_a_fit_version_neither_nvml_always_if_missing():
     wheels = ["torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl", "nvidia_nccl_cu13-2.28-py3-none-any.whl",
               "triton-3.6.0-cp312-cp312-manylinux_2_28_x86_64.whl", "mlflow-3.17.2-py3-none-any.whl",
-              "pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.whl", "numpy-2.4.6-cp312-cp312-manylinux_2_28_x86_64.whl"]
-    assert gpu_wheels.to_carry(wheels, {"numpy"}) == ["mlflow-3.17.2-py3-none-any.whl",
-                                                      "pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.whl"]
+              "pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.whl", "numpy-2.4.6-cp312-cp312-manylinux_2_28_x86_64.whl",
+              "nvidia_ml_py-13.580.82-py3-none-any.whl", "fastapi-0.165.0-py3-none-any.whl"]
+    requirements = ["numpy>=2", "fastapi>=0.165", "nvidia-ml-py>=12", "mlflow>=3.17,<3.18"]
+    present = {"numpy": "2.5.2", "fastapi": "0.110.0", "torch": "2.11.0"}
+    assert gpu_wheels.to_carry(wheels, present, requirements) == [
+        "fastapi-0.165.0-py3-none-any.whl",  # too old there for the master's body cap: carried, and shadows it
+        "mlflow-3.17.2-py3-none-any.whl", "nvidia_ml_py-13.580.82-py3-none-any.whl",
+        "pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.whl"]
 
 
 def test_the_requirements_are_pyprojects_less_the_clusters_and_mlflows_extras():
