@@ -108,11 +108,11 @@ class ShardMonitor:
             raise ValueError(f"the move to {shards} shards did not start ({exc}); nothing moved: the job goes on with "
                              f"{before} shard(s)") from exc
         except PsError as exc:
+            self.unfinished = f"the move to {shards} shards did not finish ({exc})"  # first: no later scale starts from it
+            log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
             # A growth cut short keeps its added shards (ps/local.py): watched, relaunched and shown like the others.
             supervisor.resized()
             self._restart_numbers(len(supervisor.shards.shards))
-            log.error("parameter servers: the move to %d shards did not finish: %s", shards, exc)
-            self.unfinished = f"the move to {shards} shards did not finish ({exc})"
             self._event(EventKind.PS_SCALE_FINISHED, f"did not finish: {exc}", ok=False, **sizes)
             raise ValueError(f"the move to {shards} shards did not finish ({exc}); the shards are left mid-move: stop "
                              "the job and resume it (train --resume), which finishes the move") from exc

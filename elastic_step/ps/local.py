@@ -107,7 +107,7 @@ class LocalShards:
                 shard.start()
             for shard in added:
                 shard.wait_ready()
-        except (OSError, RuntimeError, TimeoutError) as exc:  # nothing has moved: the added ones go, none left behind
+        except (OSError, RuntimeError) as exc:  # TimeoutError is an OSError  # nothing has moved: the added ones go, none left behind
             for shard in added:
                 if shard.process is not None and shard.process.poll() is None:
                     shard.kill(signal.SIGKILL)

@@ -46,6 +46,7 @@ def export_model(*, run_id: str, model_uri: str, data: str, registered_model: st
 
     if checkpoint not in CHECKPOINTS:
         raise ConfigError(f"--checkpoint {checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
+    name_filter(registered_model)  # a name MLflow's search cannot express is refused before anything else
     client = registry_client(mlflow_uri)
     candidate = load_candidate(client, run_id, model_uri, model_def)
     # The run's records alone decide these refusals: before the model definition is imported
@@ -165,10 +166,12 @@ def _version_of_run(client, name: str, run_id: str, source: str = "final"):
     from mlflow.exceptions import MlflowException
 
     try:
-        versions = client.search_model_versions(f"{name_filter(name)} and tags.`{SOURCE_RUN_TAG}` = '{run_id}'")
+        # By name alone, the run's tag matched here: some registries (Unity Catalog) refuse a tag in the filter.
+        versions = client.search_model_versions(name_filter(name))
     except MlflowException:
         if not model_exists(client, name):  # nothing registered under the name yet (basic auth refuses, not 404s)
             return None
         raise  # any other failure: registering again would make a second version of the same weights
-    versions = [v for v in versions if v.tags.get(CHECKPOINT_TAG, "final") == source]
+    versions = [v for v in versions
+                if v.tags.get(SOURCE_RUN_TAG) == run_id and v.tags.get(CHECKPOINT_TAG, "final") == source]
     return versions[0] if versions else None
