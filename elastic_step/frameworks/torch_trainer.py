@@ -409,8 +409,8 @@ class _PassStart:
             for module, name, then, copy in self.buffers:
                 if getattr(module, name) is then:
                     then.copy_(copy)  # updated in place: the same tensor, its old values
-                else:
-                    setattr(module, name, copy)  # replaced by the pass: the old value back as the buffer
+                else:  # replaced by the pass: the old value back, as a copy (the pass again may change it)
+                    setattr(module, name, copy.clone())
         torch.set_rng_state(self.cpu_rng)
         if self.device_rng is not None:
             torch.cuda.set_rng_state(self.device_rng, self.device)
