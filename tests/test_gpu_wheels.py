@@ -3,14 +3,24 @@ are the run-time requirements a local job imports, less the cluster's (KFP, Hera
 client, the object stores) and less what that machine has; a local job must therefore import
 nothing of the cluster's, or the check would fail there on an import."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import gpu_wheels  # noqa: E402
+
+def _load_gpu_wheels():
+    """benchmarks/gpu_wheels.py by its path: benchmarks/ is not put on the session's sys.path,
+    where its modules (common, ...) could stand for others of the same name."""
+    spec = importlib.util.spec_from_file_location("gpu_wheels", os.path.join(ROOT, "benchmarks", "gpu_wheels.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_wheels = _load_gpu_wheels()
 
 
 def test_what_the_gpu_machine_has_is_read_from_its_pip_list_in_any_spelling(tmp_path):
